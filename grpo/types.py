@@ -1,0 +1,308 @@
+"""Data types of the Tinker/MinT client API, kept field for field.
+
+Scripts written against ``tinker.types`` or ``mint.types`` run against these unchanged; the
+remote backends convert them to the SDK's own classes at the boundary.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Generic, Literal, TypeVar
+
+import numpy as np
+import torch
+
+T = TypeVar("T")
+
+LossFnType = Literal["cross_entropy", "importance_sampling", "ppo", "cispo", "dro"]
+LOSS_FNS: tuple[str, ...] = ("cross_entropy", "importance_sampling", "ppo", "cispo", "dro")
+StopReason = Literal["stop", "length"]
+
+
+# --------------------------------------------------------------------------- model input
+
+
+@dataclass
+class EncodedTextChunk:
+    tokens: list[int]
+    type: Literal["encoded_text"] = "encoded_text"
+
+    @property
+    def length(self) -> int:
+        return len(self.tokens)
+
+
+@dataclass
+class ModelInput:
+    """A token sequence, stored as chunks (only text chunks are supported locally)."""
+
+    chunks: list[EncodedTextChunk] = field(default_factory=list)
+
+    @classmethod
+    def from_ints(cls, tokens: Sequence[int]) -> ModelInput:
+        return cls(chunks=[EncodedTextChunk(tokens=[int(t) for t in tokens])])
+
+    @classmethod
+    def empty(cls) -> ModelInput:
+        return cls(chunks=[])
+
+    def to_ints(self) -> list[int]:
+        out: list[int] = []
+        for chunk in self.chunks:
+            if not isinstance(chunk, EncodedTextChunk):
+                raise TypeError(f"only encoded_text chunks can be turned into ints, got {type(chunk).__name__}")
+            out.extend(chunk.tokens)
+        return out
+
+    def append(self, chunk: EncodedTextChunk) -> ModelInput:
+        return ModelInput(chunks=[*self.chunks, chunk])
+
+    def append_int(self, token: int) -> ModelInput:
+        return self.append(EncodedTextChunk(tokens=[int(token)]))
+
+    @property
+    def length(self) -> int:
+        return sum(c.length for c in self.chunks)
+
+
+# --------------------------------------------------------------------------- tensors and datums
+
+_DTYPES = {"int64": np.int64, "float32": np.float32}
+
+
+@dataclass
+class TensorData:
+    """A flat list plus dtype and shape: the wire format of loss inputs and outputs."""
+
+    data: list
+    dtype: Literal["int64", "float32"]
+    shape: list[int] | None = None
+
+    @classmethod
+    def from_numpy(cls, array: np.ndarray) -> TensorData:
+        dtype = "int64" if np.issubdtype(array.dtype, np.integer) else "float32"
+        array = array.astype(_DTYPES[dtype])
+        return cls(data=array.reshape(-1).tolist(), dtype=dtype, shape=list(array.shape))
+
+    @classmethod
+    def from_torch(cls, tensor: torch.Tensor) -> TensorData:
+        return cls.from_numpy(tensor.detach().cpu().float().numpy() if tensor.is_floating_point() else tensor.detach().cpu().numpy())
+
+    @classmethod
+    def coerce(cls, value: Any, key: str = "value") -> TensorData:
+        """Accept TensorData, a torch tensor, a numpy array or a (nested) list of numbers."""
+        if isinstance(value, TensorData):
+            return value
+        if isinstance(value, torch.Tensor):
+            return cls.from_torch(value)
+        if isinstance(value, np.ndarray):
+            return cls.from_numpy(value)
+        if isinstance(value, (list, tuple)):
+            array = np.asarray(value)
+            if array.dtype == object or not (np.issubdtype(array.dtype, np.number) or array.dtype == bool):
+                raise TypeError(f"loss input {key!r} must be a list of numbers, got {value[:5]!r}...")
+            if array.size == 0:
+                array = array.astype(np.float32)
+            return cls.from_numpy(array)
+        raise TypeError(
+            f"loss input {key!r} must be a list, numpy array, torch tensor or TensorData, got {type(value).__name__}"
+        )
+
+    def to_numpy(self) -> np.ndarray:
+        array = np.asarray(self.data, dtype=_DTYPES[self.dtype])
+        return array.reshape(self.shape) if self.shape is not None else array
+
+    def to_torch(self) -> torch.Tensor:
+        return torch.from_numpy(self.to_numpy())
+
+    def tolist(self) -> list:
+        return self.to_numpy().tolist()
+
+    def __len__(self) -> int:
+        return len(self.data)
+
+
+@dataclass
+class Datum:
+    """One training sequence: the model input plus per-token loss inputs of the same length."""
+
+    model_input: ModelInput
+    loss_fn_inputs: dict[str, TensorData] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.model_input, ModelInput):
+            raise TypeError(f"Datum.model_input must be a ModelInput, got {type(self.model_input).__name__}")
+        self.loss_fn_inputs = {k: TensorData.coerce(v, k) for k, v in dict(self.loss_fn_inputs).items()}
+        n = self.model_input.length
+        for key, value in self.loss_fn_inputs.items():
+            if len(value) != n:
+                raise ValueError(
+                    f"Datum loss input {key!r} has {len(value)} entries but model_input has {n} tokens; "
+                    "every loss input needs one entry per input position"
+                )
+
+
+# --------------------------------------------------------------------------- sampling
+
+
+@dataclass
+class SamplingParams:
+    """Sampling limits. ``stop`` takes strings or token ids; ``stop_token_ids`` is an alias."""
+
+    max_tokens: int | None = None
+    temperature: float = 1.0
+    top_k: int = -1
+    top_p: float = 1.0
+    stop: str | int | Sequence[str] | Sequence[int] | None = None
+    seed: int | None = None
+    stop_token_ids: Sequence[int] | None = None
+
+    def __post_init__(self) -> None:
+        if self.max_tokens is not None and int(self.max_tokens) <= 0:
+            raise ValueError(f"SamplingParams.max_tokens must be a positive integer, got {self.max_tokens}")
+        if self.temperature < 0:
+            raise ValueError(f"SamplingParams.temperature must be >= 0 (0 means greedy), got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"SamplingParams.top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k is None:
+            self.top_k = -1
+        if self.top_k == 0 or self.top_k < -1:
+            raise ValueError(f"SamplingParams.top_k must be -1 (off) or a positive integer, got {self.top_k}")
+
+    def stop_strings_and_ids(self) -> tuple[list[str], list[int]]:
+        """Split ``stop`` (and ``stop_token_ids``) into stop strings and stop token ids."""
+        strings: list[str] = []
+        ids: list[int] = [int(t) for t in (self.stop_token_ids or [])]
+        stop = self.stop
+        if stop is None:
+            return strings, ids
+        for item in [stop] if isinstance(stop, (str, int)) else list(stop):
+            if isinstance(item, str):
+                if item:
+                    strings.append(item)
+            elif isinstance(item, (int, np.integer)) and not isinstance(item, bool):
+                ids.append(int(item))
+            else:
+                raise TypeError(f"SamplingParams.stop entries must be strings or token ids, got {item!r}")
+        return strings, ids
+
+
+@dataclass
+class SampledSequence:
+    tokens: list[int]
+    logprobs: list[float] | None = None
+    stop_reason: StopReason = "length"
+
+
+@dataclass
+class SampleResponse:
+    sequences: list[SampledSequence]
+    prompt_logprobs: list[float | None] | None = None
+    type: Literal["sample"] = "sample"
+
+
+# --------------------------------------------------------------------------- training
+
+
+@dataclass
+class AdamParams:
+    learning_rate: float = 1e-4
+    beta1: float = 0.9
+    beta2: float = 0.999
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+    grad_clip_norm: float = 0.0
+    betas: tuple[float, float] | None = None
+
+    def __post_init__(self) -> None:
+        if self.betas is not None:
+            self.beta1, self.beta2 = (float(b) for b in self.betas)
+        self.betas = (self.beta1, self.beta2)
+        if not self.learning_rate >= 0:
+            raise ValueError(f"AdamParams.learning_rate must be >= 0, got {self.learning_rate}")
+        for name in ("beta1", "beta2"):
+            if not 0 <= getattr(self, name) < 1:
+                raise ValueError(f"AdamParams.{name} must be in [0, 1), got {getattr(self, name)}")
+        if self.eps <= 0:
+            raise ValueError(f"AdamParams.eps must be > 0, got {self.eps}")
+        if self.weight_decay < 0 or self.grad_clip_norm < 0:
+            raise ValueError("AdamParams.weight_decay and grad_clip_norm must be >= 0")
+
+
+@dataclass
+class ForwardBackwardOutput:
+    loss_fn_output_type: str
+    loss_fn_outputs: list[dict[str, TensorData]]
+    metrics: dict[str, float]
+
+
+ForwardOutput = ForwardBackwardOutput
+
+
+@dataclass
+class OptimStepResponse:
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class SaveWeightsResponse:
+    path: str
+
+
+@dataclass
+class SaveWeightsForSamplerResponse:
+    path: str
+
+
+@dataclass
+class LoadWeightsResponse:
+    path: str
+
+
+@dataclass
+class ModelData:
+    arch: str
+    model_name: str
+    tokenizer_id: str | None = None
+
+
+@dataclass
+class GetInfoResponse:
+    model_id: str
+    model_data: ModelData
+    is_lora: bool = True
+    lora_rank: int | None = None
+    model_name: str | None = None
+    type: Literal["get_info"] = "get_info"
+
+
+# --------------------------------------------------------------------------- futures
+
+
+class APIFuture(Generic[T]):
+    """The handle every client call returns: ``.result()`` blocks, ``await fut`` does not."""
+
+    def __init__(self, future: concurrent.futures.Future):
+        self._future = future
+
+    @classmethod
+    def completed(cls, value: T) -> APIFuture[T]:
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        fut.set_result(value)
+        return cls(fut)
+
+    def result(self, timeout: float | None = None) -> T:
+        return self._future.result(timeout)
+
+    async def result_async(self, timeout: float | None = None) -> T:
+        wrapped = asyncio.wrap_future(self._future)
+        return await (asyncio.wait_for(wrapped, timeout) if timeout else wrapped)
+
+    def done(self) -> bool:
+        return self._future.done()
+
+    def __await__(self):
+        return self.result_async().__await__()

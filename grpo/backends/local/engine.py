@@ -1,0 +1,187 @@
+"""One loaded base model, the LoRA adapters trained on it, and the lock that serialises them.
+
+Every training and sampling client of a base model shares one ``Engine``: the base weights are
+in memory once, each training client owns a named peft adapter on top, and sampling clients hold
+snapshots of adapter weights that are swapped in only when training has moved past them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import warnings
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from grpo import models
+
+ATTN_PARENTS = ("attn", "attention")
+MLP_PARENTS = ("mlp", "feed_forward", "ffn")
+
+
+@dataclass(frozen=True)
+class LoraSpec:
+    rank: int = 16
+    train_attn: bool = True
+    train_mlp: bool = True
+    train_unembed: bool = True
+    alpha: float | None = None  # default 2 * rank, see lora_config
+    dropout: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.rank, int) or self.rank <= 0:
+            raise ValueError(f"rank must be a positive integer, got {self.rank!r}")
+        if not (self.train_attn or self.train_mlp or self.train_unembed):
+            raise ValueError("at least one of train_attn, train_mlp, train_unembed must be true")
+
+
+def lora_target_modules(model: nn.Module, spec: LoraSpec) -> list[str]:
+    """Full names of the Linear layers the train_* flags select.
+
+    Classified by the name of the parent block (``self_attn``/``mlp``) rather than by a per-arch
+    list of projection names, so any decoder with the usual layout works.
+    """
+    output = model.get_output_embeddings()
+    targets: list[str] = []
+    for name, module in model.named_modules():
+        if not isinstance(module, nn.Linear):
+            continue
+        if module is output:
+            if spec.train_unembed:
+                targets.append(name)
+            continue
+        parents = name.split(".")[:-1]
+        in_attn = any(p.endswith(ATTN_PARENTS) for p in parents)
+        in_mlp = any(p.endswith(MLP_PARENTS) for p in parents)
+        if (in_attn and spec.train_attn) or (in_mlp and spec.train_mlp):
+            targets.append(name)
+    if not targets:
+        raise ValueError(f"no Linear layers match train_attn/train_mlp/train_unembed in {type(model).__name__}")
+    return targets
+
+
+class Engine:
+    """A base model on one device plus its named LoRA adapters."""
+
+    def __init__(self, base_model: str, device: str | torch.device | None = None, dtype: str | torch.dtype | None = None):
+        self.base_model = base_model
+        self.device = torch.device(device) if device not in (None, "auto") else models.default_device()
+        dtype = None if dtype in (None, "auto") else dtype
+        self.tokenizer = models.load_tokenizer(base_model)
+        self.model = models.load_model(base_model, device=self.device, dtype=dtype)
+        self.dtype = next(self.model.parameters()).dtype
+        for p in self.model.parameters():
+            p.requires_grad_(False)
+        self.vocab_size = int(self.model.get_input_embeddings().weight.shape[0])
+        self.lock = threading.RLock()
+        self.peft_model = None
+        self.specs: dict[str, LoraSpec] = {}
+        self.versions: dict[str, int] = {}
+        self._active: str | None = None
+
+    # ------------------------------------------------------------------ adapters
+
+    def add_adapter(self, name: str, spec: LoraSpec, seed: int | None = None) -> None:
+        from peft import LoraConfig, get_peft_model
+
+        config = LoraConfig(
+            r=spec.rank,
+            lora_alpha=spec.alpha if spec.alpha is not None else 2 * spec.rank,
+            lora_dropout=spec.dropout,
+            target_modules=lora_target_modules(self.model if self.peft_model is None else self.peft_model.get_base_model(), spec),
+            bias="none",
+        )
+        with self.lock, torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
+            if seed is not None:
+                torch.manual_seed(seed)
+            if self.peft_model is None:
+                with warnings.catch_warnings():
+                    # LoRA on a tied lm_head adapts the output projection only, which is what
+                    # train_unembed means; peft warns that the tie is not mirrored into the input.
+                    warnings.filterwarnings("ignore", message=".*tie_word_embeddings.*")
+                    self.peft_model = get_peft_model(self.model, config, adapter_name=name)
+            else:
+                self.peft_model.add_adapter(name, config)
+            self.specs[name] = spec
+            self.versions[name] = 0
+            self._activate(name)
+
+    def load_adapter_dir(self, name: str, path) -> None:
+        """Load a saved PEFT adapter directory as adapter ``name`` (for sampling from it)."""
+        from peft import PeftModel
+
+        with self.lock:
+            if self.peft_model is None:
+                self.peft_model = PeftModel.from_pretrained(self.model, str(path), adapter_name=name)
+            else:
+                self.peft_model.load_adapter(str(path), adapter_name=name)
+            self.versions[name] = 0
+            self._activate(name)
+            for p in self.adapter_parameters(name).values():
+                p.requires_grad_(False)
+
+    def adapter_parameters(self, name: str) -> dict[str, nn.Parameter]:
+        """The trainable tensors of adapter ``name``, keyed by module path."""
+        marker = f".{name}."
+        return {n: p for n, p in self.peft_model.named_parameters() if "lora_" in n and marker in n}
+
+    def adapter_state(self, name: str) -> dict[str, torch.Tensor]:
+        return {n: p.detach().clone() for n, p in self.adapter_parameters(name).items()}
+
+    def load_adapter_state(self, name: str, state: dict[str, torch.Tensor]) -> None:
+        params = self.adapter_parameters(name)
+        missing = set(params) - set(state)
+        if missing:
+            raise ValueError(f"adapter state is missing {len(missing)} tensors, e.g. {sorted(missing)[:2]}")
+        with torch.no_grad():
+            for n, p in params.items():
+                p.copy_(state[n].to(p.device, p.dtype))
+
+    def _activate(self, name: str) -> None:
+        if self._active != name:
+            self.peft_model.set_adapter(name)
+            # set_adapter marks the active adapter trainable; that is what the trainer wants.
+            self._active = name
+
+    # ------------------------------------------------------------------ running
+
+    @contextlib.contextmanager
+    def use(self, adapter: str | None, snapshot: tuple[int, dict[str, torch.Tensor]] | None = None) -> Iterator[nn.Module]:
+        """Hold the lock with ``adapter`` active (None: the bare base model).
+
+        ``snapshot`` is (version, weights) of a sampling client; when the adapter has been
+        trained since, its live weights are swapped out for the snapshot and back afterwards.
+        """
+        with self.lock:
+            if adapter is None:
+                if self.peft_model is None:
+                    yield self.model
+                else:
+                    with self.peft_model.disable_adapter():
+                        yield self.peft_model
+                return
+            self._activate(adapter)
+            stale = snapshot is not None and snapshot[0] != self.versions[adapter]
+            live = self.adapter_state(adapter) if stale else None
+            if stale:
+                self.load_adapter_state(adapter, snapshot[1])
+            try:
+                yield self.peft_model
+            finally:
+                if live is not None:
+                    self.load_adapter_state(adapter, live)
+
+    def causal_lm(self) -> nn.Module:
+        """The transformers model with LoRA layers injected (peft's wrapper stripped)."""
+        return self.peft_model.get_base_model() if self.peft_model is not None else self.model
+
+    def check_tokens(self, tokens: list[int], what: str) -> None:
+        bad = [t for t in tokens if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(
+                f"{what} has token ids outside the vocabulary of {self.base_model} "
+                f"(valid: 0..{self.vocab_size - 1}), e.g. {bad[:5]}"
+            )

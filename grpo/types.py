@@ -10,10 +10,12 @@ import asyncio
 import concurrent.futures
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Generic, Literal, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, Literal, TypeVar
 
 import numpy as np
-import torch
+
+if TYPE_CHECKING:  # torch is imported lazily so that config validation starts in a blink
+    import torch
 
 T = TypeVar("T")
 
@@ -96,7 +98,7 @@ class TensorData:
         """Accept TensorData, a torch tensor, a numpy array or a (nested) list of numbers."""
         if isinstance(value, TensorData):
             return value
-        if isinstance(value, torch.Tensor):
+        if type(value).__module__.startswith("torch"):
             return cls.from_torch(value)
         if isinstance(value, np.ndarray):
             return cls.from_numpy(value)
@@ -116,6 +118,8 @@ class TensorData:
         return array.reshape(self.shape) if self.shape is not None else array
 
     def to_torch(self) -> torch.Tensor:
+        import torch
+
         return torch.from_numpy(self.to_numpy())
 
     def tolist(self) -> list:

@@ -1,0 +1,70 @@
+"""Save and resume: backend state (adapter + optimizer) plus the loop's own state and RNGs.
+
+A checkpoint is complete only once its loop_state.json exists and its line is in
+checkpoints.jsonl; resuming takes the newest complete one, so a kill at any moment (even in the
+middle of writing a checkpoint) resumes from a consistent point.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from grpo.runlog import RunLog, read_jsonl
+
+LOOP_STATE = "loop_state.json"
+RNG_STATE = "rng.pt"
+
+
+@dataclass
+class LoopState:
+    step: int = 0  # the next step to run
+    cursor: int = 0  # position in the training item stream
+    wandb_id: str | None = None
+
+
+def _loop_dir(run_dir: Path, name: str) -> Path:
+    return run_dir / "checkpoints" / name
+
+
+def save(training_client: Any, run_dir: Path, log: RunLog, state: LoopState, kind: str = "state") -> str:
+    import torch
+
+    name = f"step_{state.step:06d}"
+    path = training_client.save_state(name).result().path
+    loop_dir = _loop_dir(run_dir, name)
+    loop_dir.mkdir(parents=True, exist_ok=True)
+    torch.save({"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()},
+               loop_dir / RNG_STATE)
+    tmp = loop_dir / (LOOP_STATE + ".tmp")
+    tmp.write_text(json.dumps(asdict(state)))
+    tmp.replace(loop_dir / LOOP_STATE)
+    log.log_checkpoint({"step": state.step, "name": name, "path": str(path), "kind": kind,
+                        "loop_state": str(loop_dir / LOOP_STATE)})
+    return str(path)
+
+
+def resume(run_dir: Path, training_client: Any, log: RunLog) -> LoopState | None:
+    """Restore the newest complete checkpoint of ``run_dir``; None when there is none."""
+    import torch
+
+    for row in reversed(read_jsonl(run_dir / "checkpoints.jsonl")):
+        loop_file = Path(row.get("loop_state", ""))
+        if row.get("kind") != "state" or not loop_file.exists():
+            continue
+        state = LoopState(**json.loads(loop_file.read_text()))
+        training_client.load_state_with_optimizer(row["path"]).result()
+        rng_file = loop_file.parent / RNG_STATE
+        if rng_file.exists():
+            rng = torch.load(rng_file, weights_only=False)
+            random.setstate(rng["python"])
+            np.random.set_state(rng["numpy"])
+            torch.set_rng_state(rng["torch"])
+        log.truncate_after(state.step)
+        return state
+    return None

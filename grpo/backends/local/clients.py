@@ -199,7 +199,8 @@ class TrainingClient:
         config = peft_model.peft_config[self.adapter]
         config.base_model_name_or_path = self.engine.base_model
         config.save_pretrained(str(tmp))
-        state = get_peft_model_state_dict(peft_model, adapter_name=self.adapter)
+        # The base weights never change (tied lm_head included), so only LoRA tensors are saved.
+        state = get_peft_model_state_dict(peft_model, adapter_name=self.adapter, save_embedding_layers=False)
         save_file({k: v.detach().cpu().contiguous() for k, v in state.items()}, str(tmp / "adapter_model.safetensors"))
         meta = {"base_model": self.engine.base_model, "version": self.engine.versions[self.adapter],
                 "lora": {"rank": self.spec.rank, "train_attn": self.spec.train_attn,

@@ -1,0 +1,31 @@
+"""Shared fixtures. Tests run offline: the hub is never asked, wandb stays offline."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+# Set before transformers/wandb import anywhere: no network calls, quick failures.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("WANDB_MODE", "offline")
+os.environ.setdefault("WANDB_SILENT", "true")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+@pytest.fixture(scope="session")
+def tokenizer():
+    """The real SmolLM2 tokenizer (the tiny test model shares it)."""
+    from grpo import models
+
+    return models.load_tokenizer("tiny")
+
+
+@pytest.fixture
+def service(tmp_path):
+    """A fresh local ServiceClient writing checkpoints under the test's tmp dir."""
+    from grpo.backends.local import ServiceClient
+
+    return ServiceClient(checkpoint_dir=tmp_path / "checkpoints")

@@ -202,7 +202,10 @@ class TrainingClient:
         # The base weights never change (tied lm_head included), so only LoRA tensors are saved.
         state = get_peft_model_state_dict(peft_model, adapter_name=self.adapter, save_embedding_layers=False)
         save_file({k: v.detach().cpu().contiguous() for k, v in state.items()}, str(tmp / "adapter_model.safetensors"))
+        # "optimizer": "fresh" marks a state saved before the first optim_step, which resumes
+        # with a new optimizer rather than failing for want of a file.
         meta = {"base_model": self.engine.base_model, "version": self.engine.versions[self.adapter],
+                "optimizer": ("saved" if self.optimizer is not None else "fresh") if with_optimizer else "none",
                 "lora": {"rank": self.spec.rank, "train_attn": self.spec.train_attn,
                          "train_mlp": self.spec.train_mlp, "train_unembed": self.spec.train_unembed}}
         (tmp / STATE_FILE).write_text(json.dumps(meta, indent=1))
@@ -241,6 +244,8 @@ class TrainingClient:
     def _load(self, path: str, with_optimizer: bool):
         from safetensors.torch import load_file
 
+        from grpo.types import LoadWeightsResponse
+
         state = _read_state(path)
         if state["lora"]["rank"] != self.spec.rank:
             raise ValueError(f"state at {path} has LoRA rank {state['lora']['rank']}, this client has rank {self.spec.rank}")
@@ -256,13 +261,13 @@ class TrainingClient:
             self.optimizer = None
             if with_optimizer:
                 opt_file = Path(path) / OPTIMIZER_FILE
+                if state.get("optimizer") == "fresh":
+                    return LoadWeightsResponse(path=str(path))
                 if not opt_file.exists():
                     raise FileNotFoundError(f"{path} holds no optimizer state (saved with save_weights_for_sampler?)")
                 params = list(self.engine.adapter_parameters(self.adapter).values())
                 self.optimizer = torch.optim.AdamW(params)
                 self.optimizer.load_state_dict(torch.load(opt_file, map_location=self.engine.device, weights_only=True))
-        from grpo.types import LoadWeightsResponse
-
         return LoadWeightsResponse(path=str(path))
 
     # ------------------------------------------------------------------ sampling

@@ -167,6 +167,8 @@ class GRPOConfig:
                 raise ConfigError(f"unknown config key {key!r}" + (f"; did you mean {hint[0]!r}?" if hint else "")
                                   + f" Valid keys: {', '.join(sorted(valid))}")
             values[key] = _plain(value)
+        if isinstance(values.get("loss_fn_config"), Mapping):  # null entries mean "the default"
+            values["loss_fn_config"] = {k: v for k, v in values["loss_fn_config"].items() if v is not None}
         return cls(**values)
 
     def lr_at(self, step: int) -> float:

@@ -138,7 +138,8 @@ class _Progress:
             TimeRemainingColumn,
         )
 
-        self.console = Console(stderr=False)
+        # soft_wrap: a path or a metrics line stays one line in log files, whatever their width
+        self.console = Console(stderr=False, soft_wrap=True)
         self.live = sys.stdout.isatty()
         self.progress = Progress(TextColumn("[bold]grpo"), BarColumn(), MofNCompleteColumn(),
                                  TextColumn("{task.fields[status]}"), TimeRemainingColumn(),

@@ -1,0 +1,156 @@
+"""The command line as users type it: python -m grpo ... in a subprocess, on the tiny model."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from grpo.loop import TIMING_PREFIXES
+from grpo.runlog import read_jsonl
+
+TESTS = Path(__file__).parent
+ROOT = TESTS.parent
+TOY = ["adapter=custom", "adapter._target_=toy_adapter.ToyAdapter", "base_model=tiny", "batch_size=2",
+       "group_size=4", "max_tokens=8", "report=false", "learning_rate=1e-3", "eval_samples=2"]
+
+
+def grpo(*args: str, cwd: Path | None = None, extra_env: dict | None = None, pythonpath=(TESTS,),
+         timeout: float = 300) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(str(p) for p in pythonpath), **(extra_env or {})}
+    env.pop("GRPO_TEST_KILL_AT_CALL", None) if not extra_env else None
+    return subprocess.run([sys.executable, "-m", "grpo", *args], cwd=cwd or ROOT, env=env, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def comparable(rows: list[dict]) -> list[dict]:
+    """Metrics minus wall-clock timings, which legitimately differ between runs."""
+    return [{k: v for k, v in r.items() if not k.startswith(TIMING_PREFIXES)} for r in rows]
+
+
+def test_sigkill_mid_step_then_resume_matches_an_uninterrupted_run(tmp_path):
+    args = [*TOY, "steps=6", "save_every=2", "seed=3"]
+    straight = grpo(*args, f"hydra.run.dir={tmp_path / 'straight'}")
+    assert straight.returncode == 0, straight.stderr[-3000:]
+
+    # Eval at step 0 scores 3 greedy + 3x2 sampled responses (9 calls), each step 8 more: call 52 is
+    # in the middle of scoring step 5, after the checkpoint taken when step 3 finished.
+    run_dir = tmp_path / "killed"
+    killed = grpo(*args, f"hydra.run.dir={run_dir}", extra_env={"GRPO_TEST_KILL_AT_CALL": "52"})
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
+    done = [r["step"] for r in read_jsonl(run_dir / "metrics.jsonl") if "reward/mean" in r]
+    assert done == [0, 1, 2, 3, 4]  # step 4 ran after the last checkpoint and is replayed
+
+    resumed = grpo(*args, f"hydra.run.dir={run_dir}")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resumed" in resumed.stdout and "at step 4" in resumed.stdout
+
+    for name in ("metrics.jsonl", "rollouts.jsonl"):
+        expected = comparable(read_jsonl(tmp_path / "straight" / name))
+        assert comparable(read_jsonl(run_dir / name)) == expected, name
+    a = (tmp_path / "straight" / "checkpoints" / "final" / "adapter_model.safetensors").read_bytes()
+    b = (run_dir / "checkpoints" / "final" / "adapter_model.safetensors").read_bytes()
+    assert a == b
+
+
+def test_rerunning_a_finished_run_changes_nothing(tmp_path):
+    args = [*TOY, "steps=2", f"hydra.run.dir={tmp_path}"]
+    assert grpo(*args).returncode == 0
+    before = (tmp_path / "metrics.jsonl").read_text()
+    again = grpo(*args)
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert "resumed" in again.stdout
+    assert (tmp_path / "metrics.jsonl").read_text() == before
+
+
+def test_sweep_runs_into_separate_directories(tmp_path):
+    result = grpo("-m", *TOY, "steps=1", "eval_size=0", "learning_rate=1e-5,2e-5", f"hydra.sweep.dir={tmp_path}")
+    assert result.returncode == 0, result.stderr[-3000:]
+    runs = sorted(p for p in tmp_path.iterdir() if p.is_dir())
+    assert len(runs) == 2
+    import yaml
+
+    lrs = sorted(yaml.safe_load((r / "config.yaml").read_text())["learning_rate"] for r in runs)
+    assert lrs == [1e-5, 2e-5]
+    for r in runs:
+        assert [m["lr"] for m in read_jsonl(r / "metrics.jsonl") if "lr" in m] in ([1e-5], [2e-5])
+
+
+def test_a_users_adapter_from_outside_the_repository(tmp_path):
+    pkg = tmp_path / "my_pkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "rewards.py").write_text(textwrap.dedent("""
+        from grpo import RLAdapter
+        from grpo.adapter import chat_prompt_tokens
+
+        class LengthAdapter(RLAdapter):
+            def __init__(self, target: int = 10, bonus: float = 0.0):
+                self.target, self.bonus = target, bonus
+
+            def build_dataset(self):
+                return [f"Write {i} words." for i in range(8)]
+
+            def make_prompt(self, sample, tokenizer):
+                return chat_prompt_tokens(tokenizer, [{"role": "user", "content": sample}])
+
+            def compute_reward(self, response, sample):
+                return self.bonus - abs(len(response) - self.target)
+    """))
+    run_dir = tmp_path / "run"
+    result = grpo("adapter=custom", "adapter._target_=my_pkg.rewards.LengthAdapter", "+adapter.bonus=100",
+                  "base_model=tiny", "steps=1", "batch_size=2", "max_tokens=4", "report=false",
+                  f"hydra.run.dir={run_dir}", cwd=tmp_path, pythonpath=(tmp_path,))
+    assert result.returncode == 0, result.stderr[-3000:]
+    rewards = [r["reward"] for r in read_jsonl(run_dir / "rollouts.jsonl")]
+    assert len(rewards) == 8 and all(r > 50 for r in rewards)  # the +adapter.bonus override arrived
+
+    typo = grpo("adapter=custom", "adapter._target_=my_pkg.rewards.LengthAdapter", "+adapter.bonsu=1",
+                f"hydra.run.dir={run_dir}2", cwd=tmp_path, pythonpath=(tmp_path,))
+    assert typo.returncode == 2 and "does not take argument(s) ['bonsu']" in typo.stderr
+
+
+@pytest.mark.parametrize("override, message", [
+    ("batch_size=0", "batch_size=0 is invalid: must be a positive integer"),
+    ("group_size=1", "group_size=1 is invalid: must be an integer >= 2"),
+    ("loss_fn=grpo", "loss_fn='grpo' is invalid: valid: cross_entropy, importance_sampling, ppo, cispo, dro"),
+    ("learning_rate=-1", "learning_rate=-1"),
+    ("max_tokens=0", "max_tokens=0 is invalid"),
+    ("temperature=-0.5", "temperature=-0.5 is invalid"),
+    ("+grpu_size=3", "unknown config key 'grpu_size'"),
+    ("adapter._target_=no_such_pkg.Adapter", "adapter._target_='no_such_pkg.Adapter' does not import"),
+    ("loss_fn_config.beta=0.3", "loss_fn_config key 'beta' is not used by loss_fn='importance_sampling'"),
+    ("loss_fn=ppo loss_fn_config.clip_low_threshold=1.5", "needs 0 <= clip_low_threshold <= 1"),
+    ("backend.name=cloud", "backend.name='cloud' is invalid; valid: local, mint, tinker"),
+])
+def test_bad_config_fails_before_torch_loads(tmp_path, override, message):
+    # A 'torch' that cannot be imported, first on the path: the error must come from validation,
+    # before any model (or torch itself) is loaded.
+    blocker = tmp_path / "torch"
+    blocker.mkdir()
+    (blocker / "__init__.py").write_text("raise ImportError('torch was imported during config validation')")
+    result = grpo(*TOY, *override.split(), f"hydra.run.dir={tmp_path / 'run'}", pythonpath=(tmp_path, TESTS))
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert message in result.stderr
+    assert "torch was imported" not in result.stderr
+
+
+def test_unknown_adapter_group_lists_the_valid_ones():
+    result = grpo("adapter=nope")
+    assert result.returncode != 0
+    assert "Could not find 'adapter/nope'" in result.stderr and "custom" in result.stderr
+
+
+def test_cfg_job_prints_the_resolved_config():
+    result = grpo(*TOY, "group_size=8", "loss_fn=ppo", "kl_penalty_coef=0.01", "--cfg", "job")
+    assert result.returncode == 0, result.stderr
+    import yaml
+
+    cfg = yaml.safe_load(result.stdout)
+    assert (cfg["group_size"], cfg["loss_fn"], cfg["kl_penalty_coef"]) == (8, "ppo", 0.01)
+    assert cfg["adapter"]["_target_"] == "toy_adapter.ToyAdapter" and cfg["backend"]["name"] == "local"

@@ -76,6 +76,9 @@ def main(cfg: DictConfig) -> str | None:
     except (ConfigError, ValueError, TypeError) as err:
         print(f"grpo: configuration error: {err}", file=sys.stderr)
         sys.exit(2)
+    except (ConnectionError, TimeoutError) as err:  # a remote backend that cannot be reached
+        print(f"grpo: cannot reach the backend: {err}", file=sys.stderr)
+        sys.exit(3)
     from grpo.loop import run_grpo
 
     return run_grpo(adapter, loop_cfg, service_client=service_client, run_dir=run_dir,

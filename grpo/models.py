@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import re
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,6 +42,9 @@ TINY_CONFIG = dict(
     tie_word_embeddings=True,
     rms_norm_eps=1e-5,
 )
+
+HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
+FILE_SUFFIXES = {".gguf", ".safetensors", ".bin", ".pt", ".pth", ".json", ".yaml", ".ckpt"}
 
 _lock = threading.Lock()
 
@@ -87,9 +91,11 @@ def resolve(name: str) -> ModelSpec:
         if not (path / "config.json").exists() and not (path / "adapter_config.json").exists():
             raise ModelNotFoundError(f"base_model directory {path} has no config.json; it is not a transformers model")
         return ModelSpec(name, "local", str(path))
-    if path.suffix or name.startswith((".", "/", "~")):
+    # Hub ids often carry dots ("Qwen/Qwen3-0.6B", "meta-llama/Llama-3.1-8B"), so a suffix alone
+    # does not make a path; a leading ./~ or a file extension does.
+    if name.startswith((".", "/", "~")) or path.suffix.lower() in FILE_SUFFIXES:
         raise ModelNotFoundError(f"base_model {name!r} looks like a path but {path} does not exist")
-    if name.count("/") == 1:
+    if HUB_ID.fullmatch(name):
         return ModelSpec(name, "hub", name)
     raise ModelNotFoundError(_not_found_message(name))
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Generic, Literal, TypeVar
 
@@ -44,8 +44,13 @@ class ModelInput:
     chunks: list[EncodedTextChunk] = field(default_factory=list)
 
     @classmethod
-    def from_ints(cls, tokens: Sequence[int]) -> ModelInput:
-        return cls(chunks=[EncodedTextChunk(tokens=[int(t) for t in tokens])])
+    def from_ints(cls, tokens: Sequence[int] | Any) -> ModelInput:
+        """Token ids as a list, 1-D array/tensor, or a tokenizer output holding ``input_ids``.
+
+        transformers v5's ``apply_chat_template(..., tokenize=True)`` returns a BatchEncoding
+        mapping rather than a list; MinT docs pass that straight in, so its ``input_ids`` are used.
+        """
+        return cls(chunks=[EncodedTextChunk(tokens=_token_list(tokens))])
 
     @classmethod
     def empty(cls) -> ModelInput:
@@ -68,6 +73,33 @@ class ModelInput:
     @property
     def length(self) -> int:
         return sum(c.length for c in self.chunks)
+
+
+def _token_list(tokens: Any) -> list[int]:
+    if isinstance(tokens, Mapping) or (hasattr(tokens, "keys") and hasattr(tokens, "__getitem__")):
+        if "input_ids" not in tokens:
+            raise TypeError(
+                f"ModelInput.from_ints got a mapping with keys {sorted(tokens.keys())}; "
+                "expected token ids or a tokenizer output with 'input_ids'"
+            )
+        tokens = tokens["input_ids"]
+    if isinstance(tokens, str):
+        raise TypeError("ModelInput.from_ints takes token ids, got a string; tokenize it first")
+    if hasattr(tokens, "tolist"):  # numpy array or torch tensor
+        tokens = tokens.tolist()
+    if isinstance(tokens, int | np.integer):
+        raise TypeError(f"ModelInput.from_ints takes a sequence of token ids, got the single int {tokens}")
+    tokens = list(tokens)
+    if len(tokens) == 1 and isinstance(tokens[0], list | tuple):  # a batch of one sequence
+        tokens = list(tokens[0])
+    out: list[int] = []
+    for t in tokens:
+        if isinstance(t, float | np.floating) and float(t).is_integer():
+            t = int(t)
+        if isinstance(t, bool) or not isinstance(t, int | np.integer):
+            raise TypeError(f"ModelInput.from_ints takes integer token ids, got {t!r} ({type(t).__name__})")
+        out.append(int(t))
+    return out
 
 
 # --------------------------------------------------------------------------- tensors and datums
@@ -95,9 +127,12 @@ class TensorData:
 
     @classmethod
     def coerce(cls, value: Any, key: str = "value") -> TensorData:
-        """Accept TensorData, a torch tensor, a numpy array or a (nested) list of numbers."""
+        """Accept TensorData, a torch tensor, a numpy array, a (nested) list of numbers or a
+        ModelInput (its token ids)."""
         if isinstance(value, TensorData):
             return value
+        if isinstance(value, ModelInput):  # Tinker's docs pass target_tokens as a ModelInput
+            return cls.from_numpy(np.asarray(value.to_ints(), dtype=np.int64))
         if type(value).__module__.startswith("torch"):
             return cls.from_torch(value)
         if isinstance(value, np.ndarray):
@@ -147,6 +182,13 @@ class Datum:
                     f"Datum loss input {key!r} has {len(value)} entries but model_input has {n} tokens; "
                     "every loss input needs one entry per input position"
                 )
+            if value.dtype == "float32":
+                bad = np.flatnonzero(~np.isfinite(value.to_numpy().reshape(-1)))
+                if bad.size:
+                    raise ValueError(
+                        f"Datum loss input {key!r} holds a non-finite value ({value.data[int(bad[0])]}) at "
+                        f"position {int(bad[0])}; loss inputs must be finite (use weight 0 to mask a position)"
+                    )
 
 
 # --------------------------------------------------------------------------- sampling

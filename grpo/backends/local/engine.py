@@ -45,15 +45,24 @@ def lora_target_modules(model: nn.Module, spec: LoraSpec) -> list[str]:
     list of projection names, so any decoder with the usual layout works.
     """
     output = model.get_output_embeddings()
+    # Once a first adapter is injected, every adapted Linear sits at ``<name>.base_layer`` next to
+    # its ``lora_A``/``lora_B`` Linears; a later adapter must target ``<name>`` again, never those.
+    output = getattr(output, "base_layer", output)
     targets: list[str] = []
     for name, module in model.named_modules():
         if not isinstance(module, nn.Linear):
             continue
+        parts = name.split(".")
+        if any(p.startswith("lora_") for p in parts):
+            continue
+        if parts[-1] == "base_layer":
+            parts = parts[:-1]
+            name = ".".join(parts)
         if module is output:
             if spec.train_unembed:
                 targets.append(name)
             continue
-        parents = name.split(".")[:-1]
+        parents = parts[:-1]
         in_attn = any(p.endswith(ATTN_PARENTS) for p in parents)
         in_mlp = any(p.endswith(MLP_PARENTS) for p in parents)
         if (in_attn and spec.train_attn) or (in_mlp and spec.train_mlp):
@@ -97,14 +106,16 @@ class Engine:
         with self.lock, torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
             if seed is not None:
                 torch.manual_seed(seed)
-            if self.peft_model is None:
-                with warnings.catch_warnings():
-                    # LoRA on a tied lm_head adapts the output projection only, which is what
-                    # train_unembed means; peft warns that the tie is not mirrored into the input.
-                    warnings.filterwarnings("ignore", message=".*tie_word_embeddings.*")
+            with warnings.catch_warnings():
+                # LoRA on a tied lm_head adapts the output projection only, which is what
+                # train_unembed means; peft warns that the tie is not mirrored into the input.
+                warnings.filterwarnings("ignore", message=".*tie_word_embeddings.*")
+                # peft reads transformers' deprecated is_gradient_checkpointing; not ours to fix
+                warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*")
+                if self.peft_model is None:
                     self.peft_model = get_peft_model(self.model, config, adapter_name=name)
-            else:
-                self.peft_model.add_adapter(name, config)
+                else:
+                    self.peft_model.add_adapter(name, config)
             self.specs[name] = spec
             self.versions[name] = 0
             self._activate(name)
@@ -113,7 +124,8 @@ class Engine:
         """Load a saved PEFT adapter directory as adapter ``name`` (for sampling from it)."""
         from peft import PeftModel
 
-        with self.lock:
+        with self.lock, warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*tie_word_embeddings.*")  # see add_adapter
             if self.peft_model is None:
                 self.peft_model = PeftModel.from_pretrained(self.model, str(path), adapter_name=name)
             else:

@@ -1,0 +1,66 @@
+"""Helpers shared by the local-backend tests: references computed outside the code under test.
+
+Not a test module (no ``test_`` prefix); imported by test_local_backend, test_sampling and
+test_checkpoints.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from grpo import types
+
+
+def perturb_adapter(client, seed: int, scale: float = 0.05) -> None:
+    """Give the LoRA B matrices random values (peft starts them at zero, where LoRA is a no-op
+    and every logprob comparison would pass for a model that ignores the adapter)."""
+    gen = torch.Generator().manual_seed(seed)
+    state = client.engine.adapter_state(client.adapter)
+    for name, tensor in state.items():
+        if "lora_B" in name:
+            state[name] = torch.randn(tensor.shape, generator=gen, dtype=torch.float32) * scale
+    with client.engine.lock:
+        client.engine.load_adapter_state(client.adapter, state)
+        client.engine.versions[client.adapter] += 1
+
+
+def plain_logprobs(client, tokens: list[int], targets: list[int]) -> torch.Tensor:
+    """log_softmax of one plain forward pass of the adapted model, gathered at ``targets``."""
+    with client.engine.use(client.adapter), torch.no_grad():
+        model = client.engine.causal_lm()
+        logits = model(input_ids=torch.tensor([tokens])).logits[0].float()
+        return torch.log_softmax(logits, -1).gather(-1, torch.tensor(targets)[:, None])[:, 0]
+
+
+def plain_entropy(client, tokens: list[int]) -> torch.Tensor:
+    with client.engine.use(client.adapter), torch.no_grad():
+        logits = client.engine.causal_lm()(input_ids=torch.tensor([tokens])).logits[0].float()
+        logp = torch.log_softmax(logits, -1)
+        return -(logp.exp() * logp).sum(-1)
+
+
+def adapter_tensors(client, attr: str = "data") -> dict[str, torch.Tensor]:
+    """The adapter's weights (or grads) keyed without the adapter name, so clients compare."""
+    out = {}
+    for name, p in client.engine.adapter_parameters(client.adapter).items():
+        value = p.detach() if attr == "data" else p.grad
+        out[name.replace(f".{client.adapter}.", ".")] = None if value is None else value.clone()
+    return out
+
+
+def next_token_datum(tokens: list[int], **inputs) -> types.Datum:
+    """A datum over tokens[:-1] predicting tokens[1:], with extra per-target inputs."""
+    return types.Datum(model_input=types.ModelInput.from_ints(tokens[:-1]),
+                       loss_fn_inputs={"target_tokens": tokens[1:], **inputs})
+
+
+def rl_datum(prompt: list[int], response: list[int], advantage: float, sampler_logprobs: list[float],
+             weight: float = 1.0) -> types.Datum:
+    """The datum the GRPO loop builds: prompt targets weighted 0, response targets weighted 1."""
+    n_prompt = len(prompt) - 1
+    return next_token_datum(
+        prompt + response,
+        weights=[0.0] * n_prompt + [weight] * len(response),
+        logprobs=[0.0] * n_prompt + list(sampler_logprobs),
+        advantages=[0.0] * n_prompt + [advantage] * len(response),
+    )

@@ -1,0 +1,146 @@
+"""Each loss against its formula written out by hand, value and gradient, on small tensors.
+
+The reference implementations below loop over positions in plain Python floats so they share
+no code (and no masking trick) with grpo.losses; gradients are checked against the analytic
+derivative of each formula.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from grpo import losses
+
+LP = [-1.2, -0.3, -2.5, -0.7, -4.0, -0.05]
+Q = [-1.0, -0.9, -2.0, -0.7, -1.0, -0.5]
+ADV = [0.5, -1.5, 2.0, 0.0, 3.0, -0.25]
+W = [1.0, 0.5, 0.0, 2.0, 1.0, 0.0]
+LO, HI, BETA = 0.8, 1.2, 0.3
+
+
+def counted(i: int, with_weights: bool) -> bool:
+    return W[i] > 0 if with_weights else ADV[i] != 0
+
+
+def clip(x: float) -> float:
+    return min(max(x, LO), HI)
+
+
+def reference(loss_fn: str, with_weights: bool) -> tuple[float, list[float]]:
+    """Loss value and d loss / d lp_i from the formulas of the issue, position by position."""
+    value, grad = 0.0, []
+    for i, (lp, q, a, w) in enumerate(zip(LP, Q, ADV, W, strict=True)):
+        if not counted(i, with_weights):
+            grad.append(0.0)
+            continue
+        r = math.exp(lp - q)
+        w_scale = w if with_weights else 1.0
+        if loss_fn == "cross_entropy":
+            value += -w_scale * lp
+            grad.append(-w_scale)
+        elif loss_fn == "importance_sampling":
+            value += -r * a
+            grad.append(-r * a)
+        elif loss_fn == "ppo":
+            unclipped, clipped = r * a, clip(r) * a
+            value += -min(unclipped, clipped)
+            # d/dlp: the unclipped branch moves with r; the clipped one only inside [lo, hi].
+            if unclipped <= clipped or LO < r < HI:
+                grad.append(-r * a)
+            else:
+                grad.append(0.0)
+        elif loss_fn == "cispo":
+            value += -clip(r) * lp * a
+            grad.append(-clip(r) * a)
+        elif loss_fn == "dro":
+            value += -w_scale * (lp * a - 0.5 * BETA * (lp - q) ** 2)
+            grad.append(-w_scale * (a - BETA * (lp - q)))
+    return value, grad
+
+
+CONFIGS = {
+    "cross_entropy": {},
+    "importance_sampling": {},
+    "ppo": {"clip_low_threshold": LO, "clip_high_threshold": HI},
+    "cispo": {"clip_low_threshold": LO, "clip_high_threshold": HI},
+    "dro": {"beta": BETA},
+}
+
+
+@pytest.mark.parametrize("with_weights", [True, False], ids=["weights", "no-weights"])
+@pytest.mark.parametrize("loss_fn", list(CONFIGS))
+def test_loss_matches_formula_value_and_gradient(loss_fn: str, with_weights: bool) -> None:
+    lp = torch.tensor(LP, dtype=torch.float64, requires_grad=True)
+    inputs = {"logprobs": torch.tensor(Q, dtype=torch.float64), "advantages": torch.tensor(ADV, dtype=torch.float64)}
+    if with_weights:
+        inputs["weights"] = torch.tensor(W, dtype=torch.float64)
+    loss = losses.compute_loss(loss_fn, lp, inputs, CONFIGS[loss_fn])
+    loss.backward()
+    want_value, want_grad = reference(loss_fn, with_weights)
+    assert loss.item() == pytest.approx(want_value, rel=1e-6, abs=1e-6)
+    assert lp.grad.tolist() == pytest.approx(want_grad, rel=1e-6, abs=1e-6)
+
+
+def test_ppo_clips_both_directions() -> None:
+    # One token far above the clip range with A>0 (clipped: no gradient), one far below with
+    # A<0 (clipped: no gradient), one inside (gradient r*A).
+    lp = torch.tensor([0.0, -3.0, -1.0], requires_grad=True)
+    q = torch.tensor([-1.0, -1.0, -1.0])
+    adv = torch.tensor([1.0, -1.0, 2.0])
+    loss = losses.compute_loss("ppo", lp, {"logprobs": q, "advantages": adv})
+    loss.backward()
+    want = -(1.2 * 1.0) - (0.8 * -1.0) - (1.0 * 2.0)
+    assert loss.item() == pytest.approx(want, rel=1e-6)
+    assert lp.grad.tolist() == pytest.approx([0.0, 0.0, -2.0], abs=1e-6)
+
+
+def test_cispo_gradient_does_not_flow_through_ratio() -> None:
+    lp = torch.tensor([-0.5], requires_grad=True)
+    q = torch.tensor([-1.0])  # r = e^0.5 = 1.65, clipped to 1.2
+    losses.compute_loss("cispo", lp, {"logprobs": q, "advantages": torch.tensor([2.0])}).backward()
+    assert lp.grad.item() == pytest.approx(-1.2 * 2.0)
+
+
+def test_masked_positions_cannot_poison_the_loss_with_overflow() -> None:
+    # A prompt position with weight 0 whose "sampler logprob" is absurd would overflow exp();
+    # it must neither change the loss nor put NaN into the gradient.
+    lp = torch.tensor([-1.0, -0.5], requires_grad=True)
+    inputs = {
+        "logprobs": torch.tensor([-500.0, -0.5]),
+        "advantages": torch.tensor([1e30, 1.0]),
+        "weights": torch.tensor([0.0, 1.0]),
+    }
+    for loss_fn in ("importance_sampling", "ppo", "cispo", "dro"):
+        lp.grad = None
+        loss = losses.compute_loss(loss_fn, lp, inputs)
+        loss.backward()
+        assert torch.isfinite(loss), loss_fn
+        assert lp.grad[0].item() == 0.0, loss_fn
+        assert torch.isfinite(lp.grad).all(), loss_fn
+
+
+def test_negative_weights_do_not_count() -> None:
+    lp = torch.tensor([-1.0, -2.0])
+    inputs = {"weights": torch.tensor([-1.0, 1.0])}
+    assert float(losses.compute_loss("cross_entropy", lp, inputs)) == pytest.approx(2.0)
+
+
+def test_cross_entropy_without_weights_counts_every_position() -> None:
+    lp = torch.tensor([-1.0, -2.0, -0.5])
+    assert float(losses.compute_loss("cross_entropy", lp, {})) == pytest.approx(3.5)
+
+
+def test_unknown_loss_fn_names_the_valid_ones() -> None:
+    with pytest.raises(ValueError, match=r"unknown loss_fn 'grpo'.*cross_entropy.*importance_sampling.*ppo"):
+        losses.compute_loss("grpo", torch.zeros(1), {})
+
+
+def test_loss_config_rejects_unknown_keys_and_bad_clip_range() -> None:
+    with pytest.raises(ValueError, match=r"'beta' is not used by loss_fn='ppo'.*clip_low_threshold"):
+        losses.resolve_config("ppo", {"beta": 0.1})
+    with pytest.raises(ValueError, match="clip_low_threshold <= 1 <= clip_high_threshold"):
+        losses.resolve_config("cispo", {"clip_low_threshold": 1.5})
+    assert losses.resolve_config("dro", {"beta": 0.2}) == {"beta": 0.2}

@@ -1,0 +1,231 @@
+"""The local SamplingClient on the tiny model: logprobs agree with the trainer, stops, seeds,
+batching of concurrent requests, snapshots that stay put while training moves on."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+from backend_helpers import (
+    adapter_tensors,
+    next_token_datum,
+    perturb_adapter,
+    plain_logprobs,
+    rl_datum,
+)
+
+from grpo import types
+from grpo.backends.local import ServiceClient, sampler
+
+PROMPTS = [[1, 504, 3458, 314, 253, 1345, 28], [1, 9906, 30], [1, 42, 43, 44, 45, 46, 47, 48, 49, 50, 51, 52]]
+
+
+@pytest.fixture(scope="module")
+def svc(tmp_path_factory) -> ServiceClient:
+    return ServiceClient(checkpoint_dir=tmp_path_factory.mktemp("ckpt"), device="cpu", dtype="float32")
+
+
+@pytest.fixture(scope="module")
+def trained(svc):
+    """A training client whose adapter is not the identity, and a sampler of its weights."""
+    client = svc.create_lora_training_client("tiny", seed=0, rank=8)
+    perturb_adapter(client, seed=7, scale=0.2)
+    return client, client.save_weights_and_get_sampling_client()
+
+
+@pytest.fixture
+def wide_window(trained, monkeypatch):
+    """Make the batcher wait long enough that requests submitted back to back share a batch,
+    and count the generations it runs (the real sampler.generate does the work)."""
+    client, _ = trained
+    monkeypatch.setattr(client.handle.batcher, "GATHER_WINDOW_S", 0.25)
+    calls: list[int] = []
+    real = sampler.generate
+
+    def counting(model, requests, *args, **kwargs):
+        calls.append(len(requests))
+        return real(model, requests, *args, **kwargs)
+
+    monkeypatch.setattr(sampler, "generate", counting)
+    return calls
+
+
+def sample(sampling_client, prompt, n=1, **params):
+    return sampling_client.sample(types.ModelInput.from_ints(prompt), n, types.SamplingParams(**params))
+
+
+# --------------------------------------------------------------------------- logprobs (3)
+
+
+@pytest.mark.parametrize("temperature", [0.7, 1.0])
+def test_sampler_logprobs_equal_trainer_logprobs(trained, wide_window, temperature) -> None:
+    client, sampling_client = trained
+    # Prompts of different lengths in one batch: left padding must not move any logprob.
+    futures = [sample(sampling_client, p, 3, max_tokens=10, temperature=temperature, seed=i)
+               for i, p in enumerate(PROMPTS)]
+    results = [f.result() for f in futures]
+    assert wide_window == [len(PROMPTS)]
+    data, sampled = [], []
+    for prompt, res in zip(PROMPTS, results, strict=True):
+        assert len(res.sequences) == 3
+        for seq in res.sequences:
+            assert len(seq.tokens) == len(seq.logprobs) > 0
+            data.append(rl_datum(prompt, seq.tokens, advantage=1.0, sampler_logprobs=seq.logprobs))
+            sampled.append((len(prompt) - 1, seq.logprobs))
+    out = client.forward(data, "importance_sampling").result()
+    worst = 0.0
+    for (start, q), o in zip(sampled, out.loss_fn_outputs, strict=True):
+        lp = o["logprobs"].to_torch()[start:]
+        worst = max(worst, float((lp - torch.tensor(q)).abs().max()))
+    assert worst <= 1e-4, worst
+
+
+def test_compute_logprobs_and_prompt_logprobs_equal_plain_forward(trained) -> None:
+    client, sampling_client = trained
+    prompt = PROMPTS[0]
+    got = sampling_client.compute_logprobs(types.ModelInput.from_ints(prompt)).result()
+    want = plain_logprobs(client, prompt[:-1], prompt[1:])
+    assert got[0] is None and len(got) == len(prompt)
+    assert torch.allclose(torch.tensor(got[1:]), want, atol=1e-5)
+    res = sampling_client.sample(types.ModelInput.from_ints(prompt), 1, types.SamplingParams(max_tokens=2),
+                                 include_prompt_logprobs=True).result()
+    assert res.prompt_logprobs[0] is None
+    assert torch.allclose(torch.tensor(res.prompt_logprobs[1:]), want, atol=1e-5)
+
+
+# --------------------------------------------------------------------------- stops and seeds (9)
+
+
+def test_length_limit_and_stop_ids_and_stop_strings(trained, tokenizer) -> None:
+    _, sampling_client = trained
+    prompt = PROMPTS[0]
+    greedy = sample(sampling_client, prompt, 2, max_tokens=8, temperature=0.0).result()
+    assert [s.stop_reason for s in greedy.sequences] == ["length", "length"]
+    tokens = greedy.sequences[0].tokens
+    assert len(tokens) == 8 and greedy.sequences[1].tokens == tokens
+    # Stop at the last position k whose token did not appear before it.
+    k = max(i for i in range(len(tokens)) if tokens[i] not in tokens[:i])
+    by_id = sample(sampling_client, prompt, 1, max_tokens=8, temperature=0.0, stop_token_ids=[tokens[k]]).result()
+    assert by_id.sequences[0].tokens == tokens[:k + 1] and by_id.sequences[0].stop_reason == "stop"
+    by_stop = sample(sampling_client, prompt, 1, max_tokens=8, temperature=0.0, stop=[tokens[k]]).result()
+    assert by_stop.sequences[0].tokens == tokens[:k + 1] and by_stop.sequences[0].stop_reason == "stop"
+    # A stop string: the text of the first token whose decoded piece is new in the text so far.
+    for j in range(1, len(tokens)):
+        piece = tokenizer.decode([tokens[j]])
+        if piece.strip() and piece not in tokenizer.decode(tokens[:j]):
+            break
+    else:
+        pytest.skip("greedy continuation has no distinct decodable token")
+    by_str = sample(sampling_client, prompt, 1, max_tokens=8, temperature=0.0, stop=[piece]).result()
+    assert by_str.sequences[0].tokens == tokens[:j + 1] and by_str.sequences[0].stop_reason == "stop"
+    # top_k=1 at any temperature is greedy.
+    top1 = sample(sampling_client, prompt, 1, max_tokens=8, temperature=1.0, top_k=1).result()
+    assert top1.sequences[0].tokens == tokens
+
+
+def test_fixed_seed_reproduces_samples_alone_and_in_a_shared_batch(trained, wide_window) -> None:
+    _, sampling_client = trained
+    params = dict(max_tokens=12, temperature=1.0, seed=1234)
+    alone = sample(sampling_client, PROMPTS[0], 4, **params).result()
+    again = sample(sampling_client, PROMPTS[0], 4, **params).result()
+    # The same request while other requests (other lengths, other seeds, none) share the batch.
+    others = [sample(sampling_client, PROMPTS[1], 3, max_tokens=12, temperature=0.9),
+              sample(sampling_client, PROMPTS[2], 2, max_tokens=5, temperature=1.0, seed=5)]
+    shared = sample(sampling_client, PROMPTS[0], 4, **params)
+    others.append(sample(sampling_client, PROMPTS[1], 1, max_tokens=3, temperature=0.0))
+    shared = shared.result()
+    [o.result() for o in others]
+    assert wide_window[-1] == 4, wide_window  # the shared batch really held all four requests
+    toks = [[s.tokens for s in r.sequences] for r in (alone, again, shared)]
+    assert toks[0] == toks[1] == toks[2]
+    assert len({tuple(t) for t in toks[0]}) > 1, "the four samples of one prompt should differ"
+    other_seed = sample(sampling_client, PROMPTS[0], 4, **{**params, "seed": 99}).result()
+    assert [s.tokens for s in other_seed.sequences] != toks[0]
+
+
+def test_concurrent_sample_calls_are_batched_into_one_generation(trained, wide_window) -> None:
+    _, sampling_client = trained
+    futures = [sample(sampling_client, p, n, max_tokens=4, temperature=1.0) for p, n in zip(PROMPTS, [2, 3, 1],
+                                                                                            strict=True)]
+    results = [f.result() for f in futures]
+    assert wide_window == [3]
+    assert [len(r.sequences) for r in results] == [2, 3, 1]
+    assert all(len(s.tokens) == 4 and s.stop_reason == "length" for r in results for s in r.sequences)
+
+
+def test_sample_async(trained) -> None:
+    _, sampling_client = trained
+
+    async def main():
+        prompt = types.ModelInput.from_ints(PROMPTS[1])
+        return await asyncio.gather(
+            sampling_client.sample_async(prompt, 2, types.SamplingParams(max_tokens=3)),
+            sampling_client.compute_logprobs_async(prompt),
+        )
+
+    response, logprobs = asyncio.run(main())
+    assert isinstance(response, types.SampleResponse) and len(response.sequences) == 2
+    assert logprobs[0] is None and len(logprobs) == len(PROMPTS[1])
+
+
+# --------------------------------------------------------------------------- snapshots vs training
+
+
+def test_snapshot_sampler_is_unaffected_by_concurrent_training(svc) -> None:
+    # Two identical clients; one trains while a sampler of its step-0 weights samples in parallel.
+    busy = svc.create_lora_training_client("tiny", seed=11)
+    quiet = svc.create_lora_training_client("tiny", seed=11)
+    perturb_adapter(busy, 3)
+    perturb_adapter(quiet, 3)
+    prompt = PROMPTS[0]
+    reference = busy.save_weights_and_get_sampling_client()
+    want = reference.compute_logprobs(types.ModelInput.from_ints(prompt)).result()
+    data = [next_token_datum(p, weights=[1.0] * (len(p) - 1)) for p in PROMPTS]
+    adam = types.AdamParams(learning_rate=5e-2)
+    samples = []
+    for _ in range(4):
+        busy.forward_backward(data, "cross_entropy")
+        samples.append(sample(reference, prompt, 2, max_tokens=6, temperature=1.0))
+        busy.optim_step(adam)
+        samples.append(reference.compute_logprobs(types.ModelInput.from_ints(prompt)))
+        quiet.forward_backward(data, "cross_entropy")
+        last = quiet.optim_step(adam)
+    results = [f.result() for f in samples]
+    last.result()
+    for r in results[1::2]:
+        assert r == want  # the snapshot's logprobs, bit for bit, at every point of training
+    # Training saw only its own weights: identical to the run with no sampler around.
+    busy_w, quiet_w = adapter_tensors(busy), adapter_tensors(quiet)
+    assert all(torch.equal(busy_w[k], quiet_w[k]) for k in busy_w)
+    # The snapshot's sampled logprobs are the step-0 policy's, and a fresh sampler moved on.
+    fresh = busy.save_weights_and_get_sampling_client()
+    moved = fresh.compute_logprobs(types.ModelInput.from_ints(prompt)).result()
+    assert max(abs(a - b) for a, b in zip(moved[1:], want[1:], strict=True)) > 1e-3
+    for res in results[0::2]:
+        for seq in res.sequences:
+            full = prompt + seq.tokens
+            step0 = reference.compute_logprobs(types.ModelInput.from_ints(full)).result()
+            assert max(abs(a - b) for a, b in zip(step0[len(prompt):], seq.logprobs, strict=True)) <= 1e-4
+
+
+# --------------------------------------------------------------------------- bad input (12)
+
+
+def test_sampling_input_errors_name_the_problem(trained, svc, tmp_path) -> None:
+    _, sampling_client = trained
+    vocab = sampling_client.engine.vocab_size
+    with pytest.raises(ValueError, match="prompt is empty"):
+        sampling_client.sample(types.ModelInput.empty(), 1, types.SamplingParams(max_tokens=2))
+    with pytest.raises(ValueError, match=rf"prompt has token ids outside the vocabulary .*0..{vocab - 1}.*\[{vocab}\]"):
+        sample(sampling_client, [1, vocab], max_tokens=2)
+    with pytest.raises(ValueError, match="SamplingParams.stop token ids has token ids outside the vocabulary"):
+        sample(sampling_client, [1, 2], max_tokens=2, stop_token_ids=[vocab + 1])
+    with pytest.raises(ValueError, match="max_tokens must be a positive integer, got 0"):
+        sample(sampling_client, [1, 2], max_tokens=0)
+    with pytest.raises(ValueError, match="num_samples must be a positive integer"):
+        sample(sampling_client, [1, 2], 0, max_tokens=2)
+    with pytest.raises(TypeError, match="prompt must be a grpo.types.ModelInput, got list"):
+        sampling_client.sample([1, 2], 1, types.SamplingParams(max_tokens=2))
+    with pytest.raises(FileNotFoundError, match="holds no adapter_config.json"):
+        svc.create_sampling_client(model_path=str(tmp_path))

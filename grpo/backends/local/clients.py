@@ -405,7 +405,12 @@ class _SampleBatcher:
             for item in pending:
                 by_weights.setdefault((item[1], id(item[2])), []).append(item)
             for items in by_weights.values():
-                self._run(items)
+                try:
+                    self._run(items)
+                except Exception as err:  # never let the thread die: later sample() calls would hang
+                    for *_, future in items:
+                        if not future.done():
+                            future.set_exception(err)
 
     def _run(self, items: list) -> None:
         live = [it for it in items if it[3].set_running_or_notify_cancel()]

@@ -187,7 +187,10 @@ def load_model(name: str, device: torch.device | str | None = None, dtype: torch
     device = torch.device(device) if device is not None else default_device()
     dtype = _as_dtype(dtype) if dtype is not None else default_dtype(device)
     from transformers import AutoModelForCausalLM, LlamaConfig
+    from transformers.utils import logging as hf_logging
 
+    # A per-tensor "Loading weights" bar on every load buries the run's own progress display.
+    hf_logging.disable_progress_bar()
     if spec.kind == "tiny":
         tokenizer = load_tokenizer(name)
         config = LlamaConfig(vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id,

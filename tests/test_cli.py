@@ -154,3 +154,29 @@ def test_cfg_job_prints_the_resolved_config():
     cfg = yaml.safe_load(result.stdout)
     assert (cfg["group_size"], cfg["loss_fn"], cfg["kl_penalty_coef"]) == (8, "ppo", 0.01)
     assert cfg["adapter"]["_target_"] == "toy_adapter.ToyAdapter" and cfg["backend"]["name"] == "local"
+
+
+def test_help_lists_the_config_groups():
+    result = grpo("--help")
+    assert result.returncode == 0, result.stderr
+    groups = dict(line.split(": ", 1) for line in result.stdout.splitlines()
+                  if line.startswith(("adapter: ", "backend: ")))
+    assert set(groups["adapter"].split(", ")) >= {"math", "chat", "code", "custom"}
+    assert set(groups["backend"].split(", ")) >= {"local", "mint", "tinker"}
+    assert "python -m grpo -m learning_rate=1e-5,2e-5" in result.stdout
+
+
+def test_conf_is_found_from_a_non_editable_install(tmp_path):
+    """A wheel-style install (no source tree on the path) still ships and finds conf/."""
+    target = tmp_path / "site"
+    install = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation",
+                              "--target", str(target), str(ROOT)], capture_output=True, text=True, timeout=300)
+    assert install.returncode == 0, install.stderr[-2000:]
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    result = grpo("adapter=math", "--cfg", "job", cwd=elsewhere, pythonpath=(target,))
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "_target_: adapters.math_rl.MathAdapter" in result.stdout
+    where = subprocess.run([sys.executable, "-c", "import grpo; print(grpo.__file__)"], cwd=elsewhere,
+                           env={**os.environ, "PYTHONPATH": str(target)}, capture_output=True, text=True)
+    assert where.stdout.startswith(str(target))

@@ -1,0 +1,131 @@
+"""Open-ended chat with rewards from a judge model: ``python -m grpo adapter=chat``.
+
+Each group's responses are compared pairwise by a frozen judge LM (``adapters.judge``) and each
+response is rewarded with its win rate in [0, 1]. ``scorer`` chooses the reward:
+
+- ``judge``: the judge's win rate (default)
+- ``rules``: the rule-based score (empty / repetition / relevance / length / ending checks)
+- ``judge+rules``: ``(1 - rules_weight) * win rate + rules_weight * rule score``; the rules catch
+  what a 135M judge misses (off-topic answers) and what a policy learns to exploit
+
+Prompts are the built-in set (``adapters.chat_prompts``) or any ``datasets`` source whose
+``prompt_column`` holds an instruction string or a list of chat messages.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from adapters.chat_prompts import builtin_prompts
+from adapters.data import DataSourceError, load_rows, require_columns
+from adapters.judge import PairwiseJudge, rule_checks, rule_score
+from grpo.adapter import RLAdapter, chat_prompt_tokens
+
+SCORERS = ("judge", "rules", "judge+rules")
+
+
+class ChatAdapter(RLAdapter):
+    def __init__(self, prompts: str | Sequence[Any] = "builtin", prompt_column: str = "prompt",
+                 split: str = "train", subset: str | None = None, limit: int | None = None,
+                 eval_size: int = 0, system_prompt: str | None = None, scorer: str = "judge",
+                 judge_model: str = "smollm2", judge_device: str | None = None, judge_dtype: str | None = "float32",
+                 judge_max_response_tokens: int = 96, judge_batch_size: int = 32,
+                 rules_weight: float = 0.5, seed: int = 0):
+        if scorer not in SCORERS:
+            raise ValueError(f"adapter.scorer={scorer!r} is not valid; choose one of {', '.join(SCORERS)}")
+        if not 0.0 <= float(rules_weight) <= 1.0:
+            raise ValueError(f"adapter.rules_weight={rules_weight!r} must be between 0 and 1")
+        if eval_size < 0:
+            raise ValueError(f"adapter.eval_size={eval_size!r} must be >= 0")
+        if eval_size and scorer != "rules":
+            # Evaluation scores one greedy response per prompt: nothing for a pairwise judge to compare.
+            raise ValueError(f"adapter.eval_size={eval_size} needs adapter.scorer=rules: held-out evaluation "
+                             "scores a single greedy response per prompt, which a pairwise judge cannot rank")
+        self.prompts_source = prompts
+        self.prompt_column = prompt_column
+        self.split = split
+        self.subset = subset
+        self.limit = limit
+        self.eval_size = int(eval_size)
+        self.system_prompt = system_prompt
+        self.scorer = scorer
+        self.rules_weight = float(rules_weight)
+        self.seed = seed
+        # Built now (cheap: nothing loads until the first comparison), so a bad judge option fails at once.
+        self.judge = (PairwiseJudge(judge_model, device=judge_device, dtype=judge_dtype, max_response_tokens=judge_max_response_tokens,
+                                    batch_size=judge_batch_size) if scorer != "rules" else None)
+        self._items: list[dict[str, Any]] | None = None
+
+    # ------------------------------------------------------------------ data
+
+    def _all_items(self) -> list[dict[str, Any]]:
+        if self._items is None:
+            if isinstance(self.prompts_source, str) and self.prompts_source == "builtin":
+                rows: list[dict[str, Any]] = [{self.prompt_column: p} for p in builtin_prompts()]
+                rows = rows[: self.limit] if self.limit is not None else rows
+            else:
+                rows = load_rows(self.prompts_source, split=self.split, name=self.subset, limit=self.limit)
+                require_columns(rows, [self.prompt_column], self.prompts_source)
+            items = [self._item(row[self.prompt_column], k) for k, row in enumerate(rows)]
+            random.Random(self.seed).shuffle(items)
+            if len(items) <= self.eval_size:
+                raise DataSourceError(f"chat prompts: {len(items)} prompt(s) cannot hold out eval_size="
+                                      f"{self.eval_size} and still train; lower adapter.eval_size")
+            self._items = items
+        return self._items
+
+    def _item(self, value: Any, index: int) -> dict[str, Any]:
+        """One prompt row as ``{"messages": [...], "instruction": str}``."""
+        if isinstance(value, str) and value.strip():
+            messages = [{"role": "user", "content": value.strip()}]
+        elif isinstance(value, Sequence) and value and all(isinstance(m, Mapping) and "role" in m
+                                                            and "content" in m for m in value):
+            messages = [{"role": str(m["role"]), "content": str(m["content"])} for m in value]
+            if messages[-1]["role"] != "user":
+                raise DataSourceError(f"prompt row {index}: the last chat message must be the user's, got "
+                                      f"role {messages[-1]['role']!r}")
+        else:
+            raise DataSourceError(f"prompt row {index}: column {self.prompt_column!r} must hold a non-empty "
+                                  f"instruction string or a list of {{'role', 'content'}} messages, got {value!r}")
+        if self.system_prompt and messages[0]["role"] != "system":
+            messages = [{"role": "system", "content": self.system_prompt}] + messages
+        return {"messages": messages, "instruction": messages[-1]["content"]}
+
+    def build_dataset(self) -> list[dict[str, Any]]:
+        return self._all_items()[self.eval_size:]
+
+    def build_eval_dataset(self) -> list[dict[str, Any]]:
+        return self._all_items()[: self.eval_size]
+
+    def make_prompt(self, sample: dict[str, Any], tokenizer: Any) -> list[int]:
+        return chat_prompt_tokens(tokenizer, sample["messages"])
+
+    # ------------------------------------------------------------------ rewards
+
+    def compute_reward(self, response: str, sample: dict[str, Any]) -> float:
+        if self.scorer != "rules":
+            raise ValueError(f"scorer={self.scorer!r} compares responses within a group; "
+                             "use compute_group_rewards (the loop does)")
+        return rule_score(response, sample["instruction"])
+
+    def compute_group_rewards(self, responses: Sequence[str], sample: dict[str, Any]) -> list[float]:
+        instruction = sample["instruction"]
+        if self.scorer == "rules":
+            return [rule_score(r, instruction) for r in responses]
+        assert self.judge is not None
+        wins = self.judge.win_rates(instruction, responses)
+        if self.scorer == "judge":
+            return wins
+        w = self.rules_weight
+        return [(1 - w) * win + w * rule_score(r, instruction) for win, r in zip(wins, responses, strict=True)]
+
+    def is_correct(self, reward: float, sample: Any) -> bool:
+        # Win rates centre on 0.5 and rule scores run 0..1: above the midpoint counts as "good".
+        return reward > 0.5
+
+    def sample_metrics(self, response: str, sample: dict[str, Any]) -> dict[str, float]:
+        checks = rule_checks(response, sample["instruction"])
+        return {"words": float(len(response.split())), "empty": checks["empty"],
+                "distinct": checks["distinct"], "rule_score": rule_score(response, sample["instruction"])}

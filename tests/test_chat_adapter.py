@@ -1,0 +1,145 @@
+"""The chat adapter: prompts, rewards through the judge and the rules, and short GRPO runs."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from adapters.chat_prompts import PROMPTS, REFERENCE_ANSWERS
+from adapters.chat_rl import ChatAdapter
+from adapters.data import DataSourceError
+from adapters.judge import rule_score
+from grpo.adapter import chat_prompt_tokens
+
+CHAT_YAML = Path(__file__).resolve().parents[1] / "grpo" / "conf" / "adapter" / "chat.yaml"
+
+
+def _rows(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def test_builtin_prompts_and_eval_hold_out():
+    assert 40 <= len(PROMPTS) <= 80 and len(set(PROMPTS)) == len(PROMPTS)
+    adapter = ChatAdapter(scorer="rules", eval_size=5)
+    train, held_out = adapter.build_dataset(), adapter.build_eval_dataset()
+    assert len(train) + len(held_out) == len(PROMPTS) and len(held_out) == 5
+    assert {i["instruction"] for i in train}.isdisjoint(i["instruction"] for i in held_out)
+    assert {i["instruction"] for i in train + held_out} == set(PROMPTS)
+    assert ChatAdapter(scorer="rules", limit=7).build_dataset().__len__() == 7
+
+
+def test_prompt_tokens_use_the_chat_template(tokenizer):
+    adapter = ChatAdapter(scorer="rules", system_prompt="Be brief.")
+    item = adapter.build_dataset()[0]
+    assert item["messages"] == [{"role": "system", "content": "Be brief."},
+                                {"role": "user", "content": item["instruction"]}]
+    tokens = adapter.make_prompt(item, tokenizer)
+    assert tokens == chat_prompt_tokens(tokenizer, item["messages"])
+    assert tokenizer.decode(tokens).endswith("<|im_start|>assistant\n")
+
+
+def test_prompts_from_a_jsonl_source_with_a_configured_column(tmp_path):
+    path = tmp_path / "prompts.jsonl"
+    rows = [{"instruction": "Say hi.", "id": 1},
+            {"instruction": [{"role": "system", "content": "Be kind."}, {"role": "user", "content": "Name a color."}]}]
+    path.write_text("\n".join(json.dumps(r) for r in rows))
+    items = ChatAdapter(prompts=str(path), prompt_column="instruction", scorer="rules").build_dataset()
+    assert sorted(i["instruction"] for i in items) == ["Name a color.", "Say hi."]
+    chat = next(i for i in items if i["instruction"] == "Name a color.")
+    assert chat["messages"][0] == {"role": "system", "content": "Be kind."}
+    with pytest.raises(DataSourceError, match=r"no column\(s\) \['prompt'\].*'instruction'"):
+        ChatAdapter(prompts=str(path), scorer="rules").build_dataset()
+    with pytest.raises(DataSourceError, match="row 0.*non-empty instruction"):
+        ChatAdapter(prompts=[{"prompt": ""}], scorer="rules").build_dataset()
+
+
+def test_bad_options_fail_before_any_model_loads():
+    with pytest.raises(ValueError, match="scorer='llm'.*judge, rules, judge\\+rules"):
+        ChatAdapter(scorer="llm")
+    with pytest.raises(ValueError, match="rules_weight"):
+        ChatAdapter(scorer="judge+rules", rules_weight=1.5)
+    with pytest.raises(ValueError, match="eval_size=4 needs adapter.scorer=rules"):
+        ChatAdapter(eval_size=4)
+    with pytest.raises(DataSourceError, match="eval_size=3"):
+        ChatAdapter(prompts=[{"prompt": "a"}, {"prompt": "b"}], scorer="rules", eval_size=3).build_dataset()
+    adapter = ChatAdapter(judge_model="no-such-model")  # loads lazily: the name is checked on first use
+    assert adapter.judge is not None and adapter.judge._model is None
+
+
+def test_rewards_rules_and_the_judge_rules_mix():
+    item = {"messages": [{"role": "user", "content": "What do bees make?"}], "instruction": "What do bees make?"}
+    responses = [REFERENCE_ANSWERS["What do bees make?"], "", "bees bees bees bees bees bees", "Bees make"]
+    rules = ChatAdapter(scorer="rules")
+    expected_rules = [rule_score(r, "What do bees make?") for r in responses]
+    assert rules.compute_group_rewards(responses, item) == expected_rules
+    assert rules.compute_reward(responses[0], item) == expected_rules[0]
+    assert expected_rules[0] > max(expected_rules[1:]) and expected_rules[1] == 0.0
+
+    mixed = ChatAdapter(scorer="judge+rules", judge_model="tiny", rules_weight=0.25)
+    wins = mixed.judge.win_rates("What do bees make?", responses)
+    got = mixed.compute_group_rewards(responses, item)
+    assert got == pytest.approx([0.75 * w + 0.25 * r for w, r in zip(wins, expected_rules, strict=True)], abs=1e-9)
+    judge_only = ChatAdapter(scorer="judge", judge_model="tiny")
+    assert judge_only.compute_group_rewards(responses, item) == pytest.approx(wins, abs=1e-6)
+    with pytest.raises(ValueError, match="compute_group_rewards"):
+        judge_only.compute_reward("x", item)
+
+
+def test_hydra_group_file_instantiates_with_overrides():
+    from grpo.__main__ import build_adapter
+
+    cfg = OmegaConf.merge(OmegaConf.load(CHAT_YAML),
+                          OmegaConf.from_dotlist(["judge_model=tiny", "scorer=judge+rules", "limit=5"]))
+    adapter = build_adapter(cfg, cli_keys={"judge_model", "scorer", "limit"})
+    assert isinstance(adapter, ChatAdapter)
+    assert adapter.scorer == "judge+rules" and adapter.judge.model_name == "tiny"
+    assert len(adapter.build_dataset()) == 5
+
+
+def _check_run(run_dir: Path, adapter: ChatAdapter, steps: int, group_size: int) -> None:
+    metrics = [m for m in _rows(run_dir / "metrics.jsonl") if "reward/mean" in m]
+    assert [m["step"] for m in metrics] == list(range(steps))
+    rollouts = _rows(run_dir / "rollouts.jsonl")
+    assert not (run_dir / "failures.jsonl").exists() or not _rows(run_dir / "failures.jsonl")
+    for step in range(steps):
+        for group in {r["group"] for r in rollouts if r["step"] == step}:
+            rewards = [r["reward"] for r in rollouts if r["step"] == step and r["group"] == group]
+            assert len(rewards) == group_size and all(0.0 <= x <= 1.0 for x in rewards)
+            # Win rates of a group add up to group_size / 2: every pair hands out exactly one win.
+            assert sum(rewards) == pytest.approx(group_size / 2, abs=1e-6)
+            advantages = [r["advantage"] for r in rollouts if r["step"] == step and r["group"] == group]
+            mean = sum(rewards) / len(rewards)
+            assert advantages == pytest.approx([x - mean for x in rewards], abs=1e-6)
+
+
+def test_end_to_end_tiny_policy_tiny_judge(tmp_path):
+    from grpo.loop import run_grpo
+
+    adapter = ChatAdapter(judge_model="tiny", limit=6)
+    judge_weights = {k: v.clone() for k, v in adapter.judge.model.state_dict().items()}
+    final = run_grpo(adapter, {"base_model": "tiny", "steps": 2, "batch_size": 2, "group_size": 4,
+                               "max_tokens": 8, "learning_rate": 1e-3, "save_every": 0, "progress": False,
+                               "report": False}, run_dir=tmp_path)
+    assert Path(final).exists()
+    _check_run(tmp_path, adapter, steps=2, group_size=4)
+    # The judge stayed frozen and outside the policy: not a weight moved.
+    after = adapter.judge.model.state_dict()
+    assert all(torch.equal(judge_weights[k], after[k]) for k in judge_weights)
+    assert not any(p.requires_grad for p in adapter.judge.model.parameters())
+
+
+@pytest.mark.slow
+def test_end_to_end_smollm2_policy_and_judge(tmp_path):
+    from grpo.loop import run_grpo
+
+    adapter = ChatAdapter(judge_model="smollm2", scorer="judge", limit=8)
+    run_grpo(adapter, {"base_model": "smollm2", "steps": 2, "batch_size": 2, "group_size": 4, "max_tokens": 32,
+                       "learning_rate": 1e-4, "save_every": 0, "progress": False, "report": False}, run_dir=tmp_path)
+    _check_run(tmp_path, adapter, steps=2, group_size=4)
+    rollouts = _rows(tmp_path / "rollouts.jsonl")
+    # The real judge separates responses: rewards are not all tied at 0.5.
+    assert max(abs(r["reward"] - 0.5) for r in rollouts) > 1e-3

@@ -1,0 +1,85 @@
+"""Check the local backend on whatever device it picks (CUDA bf16 when a GPU is present).
+
+    python scripts/cuda_check.py [base_model]      # default: smollm2
+
+Prints the device and dtype, sampling throughput, how far the trainer's logprobs are from the
+sampler's on the sampled tokens (the on-policy importance ratio's error), and whether 20
+cross-entropy steps on a fixed batch cut the loss — the engine's behaviour, not a benchmark.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+
+import torch
+
+import grpo as mint
+from grpo import types
+from grpo.adapter import chat_prompt_tokens
+
+QUESTIONS = [f"What is {a} + {b}? Give only the answer." for a, b in
+             [(3, 4), (12, 9), (7, 8), (25, 17), (6, 6), (40, 2), (9, 1), (33, 33)]]
+
+
+def main(base_model: str) -> None:
+    service = mint.ServiceClient()
+    training = service.create_lora_training_client(base_model=base_model, rank=16, seed=0)
+    engine = training.engine
+    print(f"base_model={base_model} device={engine.device} dtype={engine.dtype} "
+          f"gpu={torch.cuda.get_device_name() if engine.device.type == 'cuda' else '-'}")
+    tokenizer = training.get_tokenizer()
+    prompts = [chat_prompt_tokens(tokenizer, [{"role": "user", "content": q}]) for q in QUESTIONS]
+    sampler = training.save_weights_and_get_sampling_client("check")
+    params = types.SamplingParams(max_tokens=32, temperature=1.0, seed=0)
+
+    def sample_all():
+        futures = [sampler.sample(types.ModelInput.from_ints(p), num_samples=4, sampling_params=params) for p in prompts]
+        return [f.result() for f in futures]
+
+    sample_all()  # warm-up
+    _sync(engine)
+    t0 = time.perf_counter()
+    results = sample_all()
+    _sync(engine)
+    seconds = time.perf_counter() - t0
+    generated = sum(len(s.tokens) for r in results for s in r.sequences)
+    print(f"sampling: {generated} tokens in {seconds:.2f} s = {generated / seconds:.0f} tokens/s (8 prompts x 4)")
+
+    datums, sampled_lp = [], []
+    for prompt, result in zip(prompts, results, strict=True):
+        for seq in result.sequences:
+            tokens = prompt + seq.tokens
+            n = len(prompt) - 1
+            datums.append(types.Datum(model_input=types.ModelInput.from_ints(tokens[:-1]), loss_fn_inputs={
+                "target_tokens": tokens[1:], "weights": [0.0] * n + [1.0] * len(seq.tokens)}))
+            sampled_lp.append((n, seq.logprobs))
+    out = training.forward(datums, loss_fn="cross_entropy").result()
+    diffs = [abs(a - b) for (n, lp), o in zip(sampled_lp, out.loss_fn_outputs, strict=True)
+             for a, b in zip(lp, o["logprobs"].tolist()[n:], strict=True)]
+    print(f"sampler vs trainer logprobs on {len(diffs)} tokens: max |diff| {max(diffs):.2e}, "
+          f"mean {sum(diffs) / len(diffs):.2e}")
+
+    first = last = None
+    _sync(engine)
+    t0 = time.perf_counter()
+    for _ in range(20):
+        fb = training.forward_backward(datums, loss_fn="cross_entropy").result()
+        training.optim_step(types.AdamParams(learning_rate=1e-3)).result()
+        first = fb.metrics["loss:sum"] if first is None else first
+        last = fb.metrics["loss:sum"]
+    _sync(engine)
+    per_step = (time.perf_counter() - t0) / 20
+    print(f"cross_entropy on {len(datums)} sequences: loss {first:.1f} -> {last:.1f} after 20 steps "
+          f"({last / first:.2f}x), {per_step * 1000:.0f} ms per forward_backward + optim_step")
+    if engine.device.type == "cuda":
+        print(f"peak GPU memory: {torch.cuda.max_memory_allocated() / 2**20:.0f} MiB")
+
+
+def _sync(engine) -> None:
+    if engine.device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1] if len(sys.argv) > 1 else "smollm2")

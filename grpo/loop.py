@@ -70,15 +70,17 @@ def run_grpo(adapter: RLAdapter, cfg: Any = None, *, service_client: Any = None,
         log.print(f"resumed {run_dir} at step {state.step}")
     state.wandb_id = log.start_wandb(state.wandb_id)
     stream = ItemStream(train_items, cfg.seed, state.cursor)
+    evals: dict[int, dict[str, float]] = {}  # step -> held-out metrics, for the closing summary
 
     try:
         for step in range(state.step, cfg.steps + 1):
             if eval_items and cfg.eval_due(step):
                 sampler = training_client.save_weights_and_get_sampling_client(f"eval_{step}")
-                log.log_metrics(step, evaluate(
+                evals[step] = evaluate(
                     sampler, adapter, eval_items, tokenizer, seed=cfg.seed, step=step,
                     max_tokens=cfg.eval_max_tokens or cfg.max_tokens, num_samples=cfg.eval_samples,
-                    temperature=cfg.eval_temperature, stop=stop))
+                    temperature=cfg.eval_temperature, stop=stop)
+                log.log_metrics(step, evals[step])
             if step == cfg.steps:
                 break
 
@@ -130,6 +132,10 @@ def run_grpo(adapter: RLAdapter, cfg: Any = None, *, service_client: Any = None,
         write_report(run_dir, cfg)
     finally:
         log.close()
+    if len(evals) > 1:
+        first, last = min(evals), max(evals)
+        log.print(f"held-out accuracy {evals[first]['eval/accuracy']:.3f} (step {first}) -> "
+                  f"{evals[last]['eval/accuracy']:.3f} (step {last}), {len(eval_items)} items, greedy")
     log.print(f"final adapter: {final}")
     return str(final)
 

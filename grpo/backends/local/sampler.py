@@ -11,7 +11,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
 from transformers import DynamicCache
 
 from grpo.types import SampledSequence, SamplingParams
@@ -77,8 +76,10 @@ def generate(model, requests: list[GenerationRequest], tokenizer, device: torch.
         input_ids[i, width - len(p):] = torch.tensor(p, device=device)
         attention[i, width - len(p):] = 1
     cache = DynamicCache(config=model.config)
+    # Only the last position's logits are needed: the unembedding over every prompt position
+    # would cost a quarter of the prefill on a small model with a large vocabulary.
     out = model(input_ids=input_ids, attention_mask=attention, position_ids=_position_ids(attention),
-                past_key_values=cache, use_cache=True)
+                past_key_values=cache, use_cache=True, logits_to_keep=1)
     last_logits = out.logits[:, -1].float()
 
     # ---- fan each prompt out to its rows
@@ -104,11 +105,13 @@ def generate(model, requests: list[GenerationRequest], tokenizer, device: torch.
     while alive:
         tokens, logprobs = _choose_tokens(logits, [rows[r] for r in alive], device)
         keep: list[int] = []
+        # One device-to-host copy per step, not two per row (each a sync on a GPU).
+        token_list, logprob_list = tokens.tolist(), logprobs.tolist()
         for b, r in enumerate(alive):
             row = rows[r]
-            token = int(tokens[b])
+            token = token_list[b]
             row.tokens.append(token)
-            row.logprobs.append(float(logprobs[b]))
+            row.logprobs.append(logprob_list[b])
             if token in row.stop_ids or _hits_stop_string(row, tokenizer):
                 row.stop_reason = "stop"
             elif len(row.tokens) >= row.max_tokens:

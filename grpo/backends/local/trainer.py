@@ -88,9 +88,19 @@ def _chunk_logprobs(lm_head, hidden: torch.Tensor, targets: torch.Tensor) -> tup
     return target_logits - logz, entropy
 
 
-def target_logprobs(model, batch: list[PreparedDatum], device: torch.device, grad: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+@torch.no_grad()
+def _chunk_logprobs_only(lm_head, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    logits = lm_head(hidden).float()
+    return logits.gather(-1, targets[:, None])[:, 0] - torch.logsumexp(logits, dim=-1)
+
+
+def target_logprobs(model, batch: list[PreparedDatum], device: torch.device, grad: bool,
+                    active: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Logprobs and entropies at every valid position of a micro-batch, flattened in datum order.
 
+    ``active`` (flat, bool) marks the positions the loss counts. The others (prompt tokens, as a
+    rule most of a GRPO datum) get their logprob without autograd and no entropy (0): every loss
+    masks them out, so their gradient is exactly zero anyway and the entropy metric weighs them 0.
     Returns (logprobs, entropy, lengths).
     """
     width = max(len(d.input_ids) for d in batch)
@@ -107,19 +117,37 @@ def target_logprobs(model, batch: list[PreparedDatum], device: torch.device, gra
     flat_hidden = hidden[valid]
     flat_targets = targets[valid]
     lm_head = model.get_output_embeddings()
-    lps, ents = [], []
-    for start in range(0, flat_hidden.shape[0], LOGIT_CHUNK_POSITIONS):
-        h = flat_hidden[start:start + LOGIT_CHUNK_POSITIONS]
-        t = flat_targets[start:start + LOGIT_CHUNK_POSITIONS]
+    n = flat_hidden.shape[0]
+    if active is None:
+        active = torch.ones(n, dtype=torch.bool, device=device)
+    active = active.to(device)
+    if grad and not bool(active.any()):
+        # Nothing counts, yet the loss must still reach the parameters (as zeros) so that
+        # optim_step sees the same gradients as always.
+        active = torch.ones_like(active)
+    lp_all = torch.empty(n, dtype=torch.float32, device=device)
+    ent_all = torch.zeros(n, dtype=torch.float32, device=device)
+    passive_idx = (~active).nonzero()[:, 0]
+    for start in range(0, passive_idx.numel(), LOGIT_CHUNK_POSITIONS):
+        idx = passive_idx[start:start + LOGIT_CHUNK_POSITIONS]
+        lp_all[idx] = _chunk_logprobs_only(lm_head, flat_hidden[idx].detach(), flat_targets[idx])
+    active_idx = active.nonzero()[:, 0]
+    lps = []
+    for start in range(0, active_idx.numel(), LOGIT_CHUNK_POSITIONS):
+        idx = active_idx[start:start + LOGIT_CHUNK_POSITIONS]
+        h, t = flat_hidden[idx], flat_targets[idx]
         if grad:
             # Recompute this chunk's logits in backward instead of keeping them alive.
             lp, ent = checkpoint(_chunk_logprobs, lm_head, h, t, use_reentrant=False)
         else:
             lp, ent = _chunk_logprobs(lm_head, h, t)
         lps.append(lp)
-        ents.append(ent.detach())
+        ent_all[idx] = ent.detach()
+    if lps:
+        # Out of place, so the active logprobs keep their graph inside the full-length tensor.
+        lp_all = lp_all.index_put((active_idx,), torch.cat(lps))
     lengths = mask.sum(-1)
-    return torch.cat(lps), torch.cat(ents), lengths
+    return lp_all, ent_all, lengths
 
 
 def run(model, data: list[PreparedDatum], loss_fn: str, loss_fn_config: Mapping[str, float] | None,
@@ -132,8 +160,10 @@ def run(model, data: list[PreparedDatum], loss_fn: str, loss_fn_config: Mapping[
     entropy_weight = 0.0
     for batch in micro_batches(data, max_tokens):
         with torch.set_grad_enabled(backward):
-            lp, ent, lengths = target_logprobs(model, batch, device, grad=backward)
             inputs = {key: torch.cat([d.inputs[key] for d in batch]).to(device) for key in batch[0].inputs}
+            # Positions every loss masks out need no gradient (see target_logprobs).
+            active = losses.token_mask(inputs) if ("weights" in inputs or "advantages" in inputs) else None
+            lp, ent, lengths = target_logprobs(model, batch, device, grad=backward, active=active)
             loss = losses.LOSSES[loss_fn](lp, inputs, cfg)
             if backward:
                 loss.backward()

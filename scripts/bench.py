@@ -1,0 +1,565 @@
+"""grpo against TRL's GRPOTrainer on the same GRPO step, plus sampler and trainer micro-benchmarks.
+
+Usage (from the repository root; ``make bench`` builds .venv-bench and runs this):
+
+    .venv-bench/bin/python scripts/bench.py [--steps 3] [--warmup 1] [--reps 3] [--json out.json]
+
+Configuration (docs/benchmark.md): the packaged SmolLM2-135M-Instruct (fp32 on CPU, bf16 on
+CUDA), 8 two-digit addition prompts x 4 samples per step, max_tokens 32, temperature 1.0, LoRA
+rank 16 on every linear layer of the decoder, AdamW at 2e-5, no KL term, exact-match reward.
+
+Each framework runs in its own child process (so peak memory is its own), and the parent steps
+them alternately after a warm-up: shared-CPU noise then hits both sides alike, and the medians
+and their ratio are what to read. A third child times grpo's sampler against plain
+``model.generate`` and grpo's forward_backward + optim_step against a plain peft forward +
+backward + AdamW on the same batch, alternating the two each repetition.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+MARK = "@@bench "  # child -> parent lines start with this; anything else a library prints is ignored
+ROOT = Path(__file__).resolve().parent.parent
+
+
+# --------------------------------------------------------------------------- shared setup
+
+
+@dataclass(frozen=True)
+class Problem:
+    messages: list[dict[str, str]]
+    answer: str
+
+
+def make_problems(n: int, seed: int = 0) -> list[Problem]:
+    """``n`` two-digit additions, the same for every framework (fixed seed)."""
+    import random
+
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        a, b = rng.randint(10, 99), rng.randint(10, 99)
+        messages = [{"role": "user", "content": f"What is {a} + {b}? Reply with the number only."}]
+        out.append(Problem(messages, str(a + b)))
+    return out
+
+
+def exact_match(text: str, answer: str) -> float:
+    """1.0 when the completion, stripped, is exactly the answer."""
+    return 1.0 if text.strip() == answer else 0.0
+
+
+def device_and_dtype(requested: str) -> tuple[str, str]:
+    import torch
+
+    device = requested if requested != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    return device, ("bfloat16" if device.startswith("cuda") else "float32")
+
+
+def lora_targets(model: Any) -> list[str]:
+    """Every Linear of the decoder layers (not lm_head): what peft's "all-linear" selects."""
+    from torch import nn
+
+    out = model.get_output_embeddings()
+    return sorted({name.split(".")[-1] for name, m in model.named_modules()
+                   if isinstance(m, nn.Linear) and m is not out})
+
+
+def emit(**payload: Any) -> None:
+    print(MARK + json.dumps(payload), flush=True)
+
+
+def wait_go() -> bool:
+    """Block until the parent says go (True) or quit (False)."""
+    line = sys.stdin.readline().strip()
+    return line == "go"
+
+
+def memory_report(device: str) -> dict[str, float]:
+    report = {"peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+    if device.startswith("cuda"):
+        import torch
+
+        report["peak_cuda_mb"] = torch.cuda.max_memory_allocated() / 2**20
+    return report
+
+
+def sync(device: str) -> None:
+    if device.startswith("cuda"):
+        import torch
+
+        torch.cuda.synchronize()
+
+
+# --------------------------------------------------------------------------- grpo worker
+
+
+def worker_grpo(args: argparse.Namespace) -> None:
+    from grpo import advantages, rollouts
+    from grpo.backends.local import ServiceClient
+    from grpo.types import AdamParams, SamplingParams
+
+    device, dtype = device_and_dtype(args.device)
+    service = ServiceClient(device=device, dtype=dtype)
+    tc = service.create_lora_training_client(args.model, rank=args.rank, seed=0, train_unembed=False)
+    tokenizer = tc.get_tokenizer()
+    problems = make_problems(args.prompts * (args.warmup + args.steps))
+    prompt_ids = [tokenizer.apply_chat_template(p.messages, add_generation_prompt=True, tokenize=True,
+                                                return_dict=False) for p in problems]
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=1.0, stop=[tokenizer.eos_token_id])
+    adam = AdamParams(learning_rate=args.lr, grad_clip_norm=1.0)  # TRL clips at 1.0 by default
+    for step in range(args.warmup + args.steps):
+        emit(event="ready")
+        if not wait_go():
+            break
+        batch = range(step * args.prompts, (step + 1) * args.prompts)
+        sync(device)
+        t0 = time.perf_counter()
+        sampler = tc.save_weights_and_get_sampling_client()
+        responses = rollouts.sample_groups(sampler, [prompt_ids[i] for i in batch], args.group,
+                                           lambda _: params, tokenizer)
+        groups = [rollouts.Group(i, problems[i], prompt_ids[i], rs) for i, rs in zip(batch, responses, strict=True)]
+        for group in groups:
+            for r in group.responses:
+                r.reward = exact_match(r.text, group.item.answer)
+        t1 = time.perf_counter()
+        # TRL's defaults: rewards scaled by the group std, loss averaged over the batch's tokens.
+        advantages.assign_advantages(groups, "std", "keep")
+        pairs = advantages.trainable_responses(groups, skip_flat_groups=False, overlong="keep")
+        datums, _ = advantages.build_datums(pairs, "ppo", "token_mean")
+        fb = tc.forward_backward(datums, "ppo")
+        opt = tc.optim_step(adam)
+        fb.result()
+        opt.result()
+        sync(device)
+        t2 = time.perf_counter()
+        tokens = sum(len(r.tokens) for g in groups for r in g.responses)
+        reward = statistics.mean(r.reward for g in groups for r in g.responses)
+        emit(event="step", seconds=t2 - t0, sample_s=t1 - t0, train_s=t2 - t1, tokens=tokens, reward=reward)
+    emit(event="done", **memory_report(device))
+
+
+# --------------------------------------------------------------------------- TRL worker
+
+
+def worker_trl(args: argparse.Namespace) -> None:
+    import torch
+    from datasets import Dataset
+    from peft import LoraConfig
+    from transformers import TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    from grpo import models
+
+    device, dtype = device_and_dtype(args.device)
+    model = models.load_model(args.model, device=device, dtype=dtype)
+    tokenizer = models.load_tokenizer(args.model)
+    n_steps = args.warmup + args.steps
+    problems = make_problems(args.prompts * n_steps)
+    dataset = Dataset.from_list([{"prompt": p.messages, "answer": p.answer} for p in problems])
+
+    def reward(completions: list, answer: list[str], **_: Any) -> list[float]:
+        return [exact_match(c[0]["content"] if isinstance(c, list) else c, a)
+                for c, a in zip(completions, answer, strict=True)]
+
+    cuda = device.startswith("cuda")
+    config = GRPOConfig(
+        output_dir=tempfile.mkdtemp(prefix="bench-trl-"),
+        per_device_train_batch_size=args.prompts * args.group,  # TRL counts completions
+        num_generations=args.group,
+        gradient_accumulation_steps=1,
+        max_completion_length=args.max_tokens,
+        temperature=1.0, top_k=0, top_p=1.0,
+        learning_rate=args.lr, lr_scheduler_type="constant", warmup_steps=0,
+        beta=0.0, use_vllm=False, num_iterations=1,
+        # TRL defaults to activation checkpointing; grpo does not checkpoint the decoder, so
+        # compare like for like (--trl-gradient-checkpointing turns TRL's default back on).
+        gradient_checkpointing=args.trl_gradient_checkpointing,
+        bf16=cuda, use_cpu=not cuda,
+        max_steps=n_steps, logging_steps=10**6, save_strategy="no", report_to=[],
+        disable_tqdm=True, shuffle_dataset=False, dataloader_num_workers=0, seed=0,
+    )
+    lora = LoraConfig(r=args.rank, lora_alpha=2 * args.rank, lora_dropout=0.0,
+                      target_modules=lora_targets(model), bias="none", task_type="CAUSAL_LM")
+
+    class Pace(TrainerCallback):
+        """Hand control to the parent between optimizer steps and time each step."""
+
+        def __init__(self) -> None:
+            self.t0 = 0.0
+
+        def on_step_begin(self, *_: Any, **__: Any) -> None:
+            emit(event="ready")
+            if not wait_go():
+                raise SystemExit(0)
+            sync(device)
+            self.t0 = time.perf_counter()
+            timings.clear()
+
+        def on_step_end(self, *_: Any, **__: Any) -> None:
+            sync(device)
+            seconds = time.perf_counter() - self.t0
+            sample_s = timings.get("generate", 0.0)
+            emit(event="step", seconds=seconds, sample_s=sample_s, train_s=seconds - sample_s,
+                 tokens=timings.get("tokens", 0), reward=timings.get("reward", 0.0))
+
+    timings: dict[str, float] = {}
+    trainer = GRPOTrainer(model=model, reward_funcs=[reward], args=config, train_dataset=dataset,
+                          processing_class=tokenizer, peft_config=lora, callbacks=[Pace()])
+    # Split TRL's step into generation+scoring and the rest, as grpo's is split.
+    generate_and_score = trainer._generate_and_score_completions
+
+    def timed(*a: Any, **k: Any) -> Any:
+        t = time.perf_counter()
+        out = generate_and_score(*a, **k)
+        sync(device)
+        timings["generate"] = time.perf_counter() - t
+        timings["tokens"] = int(out["completion_mask"].sum())
+        return out
+
+    trainer._generate_and_score_completions = timed
+    torch.manual_seed(0)
+    trainer.train()
+    emit(event="done", **memory_report(device))
+
+
+# --------------------------------------------------------------------------- micro worker
+
+
+def worker_micro(args: argparse.Namespace) -> None:
+    import torch
+    from transformers import GenerationConfig
+
+    from grpo.advantages import build_datum
+    from grpo.backends.local import ServiceClient
+    from grpo.rollouts import Response
+    from grpo.types import AdamParams, ModelInput, SamplingParams
+
+    device, dtype = device_and_dtype(args.device)
+    service = ServiceClient(device=device, dtype=dtype)
+    tc = service.create_lora_training_client(args.model, rank=args.rank, seed=0, train_unembed=False)
+    tokenizer = tc.get_tokenizer()
+    engine = tc.engine
+    model = engine.peft_model
+    problems = make_problems(args.prompts)
+    prompts = [tokenizer.apply_chat_template(p.messages, add_generation_prompt=True, tokenize=True,
+                                             return_dict=False) for p in problems]
+    sampler = tc.save_weights_and_get_sampling_client()
+    # No stop: every row generates exactly max_tokens on both sides, so tokens/s compare directly.
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=1.0)
+
+    def grpo_sample() -> tuple[int, list]:
+        futures = [sampler.sample(ModelInput.from_ints(p), args.group, params) for p in prompts]
+        results = [f.result() for f in futures]
+        return sum(len(s.tokens) for r in results for s in r.sequences), results
+
+    pad = tokenizer.pad_token_id
+    rows = [p for p in prompts for _ in range(args.group)]
+    width = max(len(p) for p in rows)
+    input_ids = torch.tensor([[pad] * (width - len(p)) + p for p in rows], device=device)
+    attention = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in rows], device=device)
+    gen_config = GenerationConfig(do_sample=True, temperature=1.0, top_k=None, top_p=1.0,
+                                  max_new_tokens=args.max_tokens, min_new_tokens=args.max_tokens,
+                                  pad_token_id=pad, eos_token_id=tokenizer.eos_token_id)
+
+    def plain_generate() -> tuple[int, None]:
+        with engine.lock:
+            out = model.generate(input_ids=input_ids, attention_mask=attention, generation_config=gen_config)
+        return int(out[:, width:].numel()), None
+
+    # Training batch: the sequences of one sample, advantages that are not all zero.
+    _, results = grpo_sample()
+    gen = torch.Generator().manual_seed(0)
+    datums = []
+    for prompt, result in zip(prompts, results, strict=True):
+        for seq in result.sequences:
+            adv = float(torch.randn((), generator=gen)) / 100
+            resp = Response(tokens=list(seq.tokens), logprobs=list(seq.logprobs), stop_reason=seq.stop_reason, text="")
+            datums.append(build_datum(prompt, resp, [adv] * len(seq.tokens)))
+    adam = AdamParams(learning_rate=args.lr)
+
+    def grpo_train() -> tuple[int, None]:
+        fb = tc.forward_backward(datums, "ppo")
+        opt = tc.optim_step(adam)
+        fb.result()
+        opt.result()
+        return 0, None
+
+    seq_width = max(d.model_input.length for d in datums)
+
+    def padded(key: str, dtype_: Any) -> torch.Tensor:
+        rows_ = [list(d.loss_fn_inputs[key].data) for d in datums]
+        return torch.tensor([r + [0] * (seq_width - len(r)) for r in rows_], dtype=dtype_, device=device)
+
+    ids = torch.tensor([d.model_input.to_ints() + [0] * (seq_width - d.model_input.length) for d in datums], device=device)
+    mask = torch.tensor([[1] * d.model_input.length + [0] * (seq_width - d.model_input.length) for d in datums], device=device)
+    targets, weights = padded("target_tokens", torch.long), padded("weights", torch.float32)
+    old, adv = padded("logprobs", torch.float32), padded("advantages", torch.float32)
+    params_plain = list(engine.adapter_parameters(tc.adapter).values())
+    optimizer = torch.optim.AdamW(params_plain, lr=args.lr)
+
+    def plain_train() -> tuple[int, None]:
+        # What a peft user writes: full logits, log_softmax, gather, PPO-clip, backward, AdamW.
+        with engine.lock:
+            logits = model(input_ids=ids, attention_mask=mask).logits
+            lp = torch.log_softmax(logits.float(), -1).gather(-1, targets[..., None])[..., 0]
+            ratio = torch.exp(lp - old)
+            loss = -(torch.minimum(ratio * adv, ratio.clamp(0.8, 1.2) * adv) * weights).sum()
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        return 0, None
+
+    def timed(fn: Callable[[], tuple[int, Any]]) -> tuple[float, int]:
+        sync(device)
+        t = time.perf_counter()
+        n, _ = fn()
+        sync(device)
+        return time.perf_counter() - t, n
+
+    cases = {"grpo_sample": grpo_sample, "generate": plain_generate,
+             "grpo_train": grpo_train, "peft_train": plain_train}
+    for fn in cases.values():  # warm-up
+        fn()
+    for rep in range(args.reps):
+        pairs = [("grpo_sample", "generate"), ("grpo_train", "peft_train")]
+        for a, b in pairs:
+            for name in ((a, b) if rep % 2 == 0 else (b, a)):
+                seconds, tokens = timed(cases[name])
+                emit(event="micro", case=name, seconds=seconds, tokens=tokens)
+    emit(event="done", **memory_report(device))
+
+
+# --------------------------------------------------------------------------- parent
+
+
+class Child:
+    """A worker process driven line by line over stdin/stdout."""
+
+    def __init__(self, role: str, args: argparse.Namespace, python: str, log_dir: Path):
+        cmd = [python, str(Path(__file__).resolve()), "--worker", role, *forwarded(args)]
+        self.role = role
+        self.log = log_dir / f"{role}.log"
+        env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "WANDB_MODE": "disabled",
+               "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"}
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     stderr=self.log.open("w"), text=True, env=env, cwd=ROOT)
+        self.ready = False
+        self.done: dict[str, Any] | None = None
+
+    def next_event(self) -> dict[str, Any]:
+        for line in self.proc.stdout:
+            if line.startswith(MARK):
+                return json.loads(line[len(MARK):])
+        self.proc.wait()
+        tail = self.log.read_text()[-3000:]
+        raise RuntimeError(f"{self.role} worker exited ({self.proc.returncode}) before reporting; log tail:\n{tail}")
+
+    def expect(self, *events: str) -> dict[str, Any]:
+        event = self.next_event()
+        if event["event"] not in events:
+            raise RuntimeError(f"{self.role} worker sent {event}, expected {events}")
+        return event
+
+    def send(self, word: str) -> None:
+        self.proc.stdin.write(word + "\n")
+        self.proc.stdin.flush()
+
+    def step(self) -> dict[str, Any]:
+        """One step; returns once the worker is idle again, so the next one runs alone."""
+        if self.done is None and not self.ready:
+            self.expect("ready")
+        self.send("go")
+        event = self.expect("step")
+        after = self.expect("ready", "done")  # TRL ends its loop by itself after max_steps
+        self.ready = after["event"] == "ready"
+        self.done = after if after["event"] == "done" else None
+        return event
+
+    def finish(self) -> dict[str, Any]:
+        if self.done is None:
+            if not self.ready:
+                self.expect("ready")
+            self.send("quit")
+            self.done = self.expect("done")
+        self.proc.wait()
+        return self.done
+
+
+def forwarded(args: argparse.Namespace) -> list[str]:
+    out = ["--model", args.model, "--device", args.device, "--steps", str(args.steps), "--warmup", str(args.warmup),
+           "--reps", str(args.reps), "--prompts", str(args.prompts), "--group", str(args.group),
+           "--max-tokens", str(args.max_tokens), "--rank", str(args.rank), "--lr", str(args.lr)]
+    return out + (["--trl-gradient-checkpointing"] if args.trl_gradient_checkpointing else [])
+
+
+def median(xs: list[float]) -> float:
+    return statistics.median(xs) if xs else float("nan")
+
+
+def run_steps(args: argparse.Namespace, log_dir: Path) -> dict[str, Any]:
+    roles = ["grpo"] + ([] if args.no_trl else ["trl"])
+    children = {}
+    for role in roles:  # start one at a time so loading does not compete for the CPU
+        children[role] = Child(role, args, sys.executable, log_dir)
+        children[role].expect("ready")
+        children[role].ready = True
+    steps: dict[str, list[dict[str, Any]]] = {r: [] for r in roles}
+    for i in range(args.warmup + args.steps):
+        order = roles if i % 2 == 0 else roles[::-1]  # A/B then B/A
+        for role in order:
+            event = children[role].step()
+            if i >= args.warmup:
+                steps[role].append(event)
+            print(f"  step {i:2d} {role:4s} {event['seconds']:6.2f}s  (sample {event['sample_s']:5.2f}s, "
+                  f"train {event['train_s']:5.2f}s, {event['tokens']} tokens, reward {event['reward']:.2f})"
+                  + ("  [warm-up]" if i < args.warmup else ""), flush=True)
+    memory = {role: child.finish() for role, child in children.items()}
+    return {"steps": steps, "memory": memory}
+
+
+def run_micro(args: argparse.Namespace, log_dir: Path) -> dict[str, Any]:
+    child = Child("micro", args, sys.executable, log_dir)
+    cases: dict[str, list[dict[str, Any]]] = {}
+    while True:
+        event = child.next_event()
+        if event["event"] == "done":
+            break
+        cases.setdefault(event["case"], []).append(event)
+        print(f"  {event['case']:12s} {event['seconds']:6.2f}s", flush=True)
+    child.proc.wait()
+    return {"cases": cases, "memory": event}
+
+
+def machine() -> str:
+    import torch
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    gpu = f", GPU {torch.cuda.get_device_name()}" if torch.cuda.is_available() else ""
+    return (f"{cpu}, {os.cpu_count()} CPUs (torch threads {torch.get_num_threads()}){gpu}; "
+            f"python {platform.python_version()}, torch {torch.__version__}")
+
+
+def versions() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    out = []
+    for pkg in ("transformers", "peft", "trl", "accelerate"):
+        try:
+            out.append(f"{pkg} {version(pkg)}")
+        except PackageNotFoundError:
+            out.append(f"{pkg} -")
+    return ", ".join(out)
+
+
+def summarize(args: argparse.Namespace, step_result: dict[str, Any], micro: dict[str, Any] | None) -> dict[str, Any]:
+    summary: dict[str, Any] = {"config": vars(args), "machine": machine(), "versions": versions()}
+    steps = step_result["steps"]
+    print(f"\n== full GRPO step (median of {args.steps} alternating steps)")
+    for role, events in steps.items():
+        med = {k: median([e[k] for e in events]) for k in ("seconds", "sample_s", "train_s")}
+        mem = step_result["memory"][role]
+        summary[role] = {**med, **{k: v for k, v in mem.items() if k != "event"}}
+        cuda = f", peak CUDA {mem['peak_cuda_mb']:.0f} MB" if "peak_cuda_mb" in mem else ""
+        print(f"  {role:4s} {med['seconds']:6.2f} s/step  (sampling {med['sample_s']:.2f} s, "
+              f"training {med['train_s']:.2f} s)  peak RSS {mem['peak_rss_mb']:.0f} MB{cuda}")
+    if "trl" in steps:
+        ratios = [g["seconds"] / t["seconds"] for g, t in zip(steps["grpo"], steps["trl"], strict=True)]
+        summary["step_ratio"] = median(ratios)
+        mem_key = "peak_cuda_mb" if "peak_cuda_mb" in summary["grpo"] else "peak_rss_mb"
+        summary["memory_ratio"] = summary["grpo"][mem_key] / summary["trl"][mem_key]
+        print(f"  grpo / TRL step time: {summary['step_ratio']:.2f}  (target <= 0.50)")
+        print(f"  grpo / TRL peak memory ({mem_key}): {summary['memory_ratio']:.2f}  (target <= 1.00)")
+    if micro:
+        cases = micro["cases"]
+        tps = {c: median([e["tokens"] / e["seconds"] for e in cases[c]]) for c in ("grpo_sample", "generate")}
+        train = {c: median([e["seconds"] for e in cases[c]]) for c in ("grpo_train", "peft_train")}
+        summary["sampling_tokens_per_s"] = tps
+        summary["sampling_speedup"] = tps["grpo_sample"] / tps["generate"]
+        summary["train_seconds"] = train
+        summary["train_ratio"] = train["grpo_train"] / train["peft_train"]
+        print(f"\n== sampling, {args.prompts}x{args.group} rows x {args.max_tokens} tokens (median of {args.reps})")
+        print(f"  grpo sampler {tps['grpo_sample']:7.1f} tok/s   model.generate {tps['generate']:7.1f} tok/s   "
+              f"speed-up {summary['sampling_speedup']:.2f}x  (target >= 1.5)")
+        print(f"\n== training, forward+backward+AdamW on the same {args.prompts * args.group} sequences")
+        print(f"  grpo {train['grpo_train']:.2f} s   plain peft {train['peft_train']:.2f} s   "
+              f"ratio {summary['train_ratio']:.2f}  (target <= 1.10)")
+    print(f"\nmachine: {summary['machine']}\nversions: {summary['versions']}")
+    return summary
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="smollm2", help="base_model name (default: the packaged SmolLM2-135M-Instruct)")
+    p.add_argument("--device", default="auto", help="auto | cpu | cuda")
+    p.add_argument("--steps", type=int, default=3, help="timed GRPO steps per framework")
+    p.add_argument("--warmup", type=int, default=1, help="untimed GRPO steps per framework first")
+    p.add_argument("--reps", type=int, default=3, help="repetitions of each micro-benchmark")
+    p.add_argument("--prompts", type=int, default=8)
+    p.add_argument("--group", type=int, default=4, help="samples per prompt")
+    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--rank", type=int, default=16)
+    p.add_argument("--lr", type=float, default=2e-5)
+    p.add_argument("--trl-gradient-checkpointing", action="store_true",
+                   help="leave TRL's default activation checkpointing on (off: like grpo)")
+    p.add_argument("--no-trl", action="store_true", help="skip TRL (grpo steps and micro-benchmarks only)")
+    p.add_argument("--no-micro", action="store_true", help="skip the sampler/trainer micro-benchmarks")
+    p.add_argument("--json", type=Path, help="write the summary here")
+    p.add_argument("--worker", choices=["grpo", "trl", "micro"], help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    for name in ("steps", "reps", "prompts", "group", "max_tokens", "rank"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
+    if args.warmup < 0:
+        p.error(f"--warmup must be >= 0, got {args.warmup}")
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    if args.worker:
+        {"grpo": worker_grpo, "trl": worker_trl, "micro": worker_micro}[args.worker](args)
+        return
+    if not args.no_trl:
+        try:
+            import trl  # noqa: F401
+        except ImportError:
+            sys.exit("TRL is not installed in this environment: run `make bench` (it builds .venv-bench), "
+                     "or pass --no-trl")
+    started = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="grpo-bench-") as tmp:
+        log_dir = Path(tmp)
+        print(f"GRPO step: {args.model}, {args.prompts} prompts x {args.group} samples, max_tokens {args.max_tokens}, "
+              f"LoRA r{args.rank}, lr {args.lr}, {args.warmup} warm-up + {args.steps} timed steps each")
+        step_result = run_steps(args, log_dir)
+        micro = None if args.no_micro else (print("\nmicro-benchmarks:"), run_micro(args, log_dir))[1]
+    summary = summarize(args, step_result, micro)
+    summary["wall_s"] = time.perf_counter() - started
+    print(f"total {summary['wall_s']:.0f} s")
+    if args.json:
+        args.json.write_text(json.dumps(summary, indent=1, default=str))
+
+
+if __name__ == "__main__":
+    main()

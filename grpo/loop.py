@@ -71,6 +71,9 @@ def run_grpo(adapter: RLAdapter, cfg: Any = None, *, service_client: Any = None,
     state.wandb_id = log.start_wandb(state.wandb_id)
     stream = ItemStream(train_items, cfg.seed, state.cursor)
     evals: dict[int, dict[str, float]] = {}  # step -> held-out metrics, for the closing summary
+    # True from submitting a step's update until the step is recorded in `state`: the weights
+    # and the loop state may disagree then, so an interrupt must not checkpoint.
+    updating = False
 
     try:
         for step in range(state.step, cfg.steps + 1):
@@ -107,6 +110,7 @@ def run_grpo(adapter: RLAdapter, cfg: Any = None, *, service_client: Any = None,
             datums, kl_metrics = build_datums(pairs, cfg.loss_fn, cfg.loss_agg, cfg.kl_penalty_coef)
 
             t_train = time.perf_counter()
+            updating = True
             train_metrics = train(training_client, datums, pairs, cfg, step)
             timing["time/train"] = time.perf_counter() - t_train
             timing["time/step"] = time.perf_counter() - t_step
@@ -122,6 +126,7 @@ def run_grpo(adapter: RLAdapter, cfg: Any = None, *, service_client: Any = None,
             adapter.evaluate(step, [r.reward for g in first_wave for r in g.responses if r.scored], len(datums))
 
             state.step, state.cursor = step + 1, stream.cursor
+            updating = False
             if cfg.save_due(step) and step + 1 < cfg.steps:
                 checkpoint.save(training_client, run_dir, log, state)
                 write_report(run_dir, cfg)
@@ -130,6 +135,16 @@ def run_grpo(adapter: RLAdapter, cfg: Any = None, *, service_client: Any = None,
         final = training_client.save_weights_for_sampler("final").result().path
         log.log_checkpoint({"step": state.step, "name": "final", "path": str(final), "kind": "final"})
         write_report(run_dir, cfg)
+    except KeyboardInterrupt:
+        # Ctrl-C mid-step: keep everything before this step, so a rerun repeats only the step.
+        if not updating:
+            path = checkpoint.save(training_client, run_dir, log, state)
+            log.print(f"interrupted in step {state.step}; checkpoint saved at {path}. "
+                      "Rerun the same command to resume.")
+        else:
+            log.print("interrupted during an optimizer update; rerun the same command to resume "
+                      "from the last checkpoint.")
+        raise
     finally:
         log.close()
     if len(evals) > 1:

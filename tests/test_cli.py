@@ -23,7 +23,6 @@ TOY = ["adapter=custom", "adapter._target_=toy_adapter.ToyAdapter", "base_model=
 def grpo(*args: str, cwd: Path | None = None, extra_env: dict | None = None, pythonpath=(TESTS,),
          timeout: float = 300) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(str(p) for p in pythonpath), **(extra_env or {})}
-    env.pop("GRPO_TEST_KILL_AT_CALL", None) if not extra_env else None
     return subprocess.run([sys.executable, "-m", "grpo", *args], cwd=cwd or ROOT, env=env, capture_output=True,
                           text=True, timeout=timeout)
 
@@ -56,6 +55,24 @@ def test_sigkill_mid_step_then_resume_matches_an_uninterrupted_run(tmp_path):
     a = (tmp_path / "straight" / "checkpoints" / "final" / "adapter_model.safetensors").read_bytes()
     b = (run_dir / "checkpoints" / "final" / "adapter_model.safetensors").read_bytes()
     assert a == b
+
+
+def test_ctrl_c_checkpoints_the_last_whole_step_and_resume_matches(tmp_path):
+    args = [*TOY, "steps=4", "save_every=0", "seed=5", "eval_size=0"]
+    straight = grpo(*args, f"hydra.run.dir={tmp_path / 'straight'}")
+    assert straight.returncode == 0, straight.stderr[-3000:]
+
+    run_dir = tmp_path / "interrupted"  # call 19 is in the middle of scoring step 2
+    interrupted = grpo(*args, f"hydra.run.dir={run_dir}", extra_env={"GRPO_TEST_INTERRUPT_AT_CALL": "19"})
+    assert interrupted.returncode != 0
+    assert "interrupted in step 2; checkpoint saved" in interrupted.stdout
+    assert [c["step"] for c in read_jsonl(run_dir / "checkpoints.jsonl")] == [2]  # no save_every: Ctrl-C's own
+
+    resumed = grpo(*args, f"hydra.run.dir={run_dir}")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "at step 2" in resumed.stdout
+    for name in ("metrics.jsonl", "rollouts.jsonl"):
+        assert comparable(read_jsonl(run_dir / name)) == comparable(read_jsonl(tmp_path / "straight" / name)), name
 
 
 def test_rerunning_a_finished_run_changes_nothing(tmp_path):

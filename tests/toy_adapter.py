@@ -4,7 +4,7 @@ Its reward is continuous (the share of vowels in the response), so the random mo
 almost always mixed and every step trains. Optional faults let tests exercise failure handling:
 ``fail_every`` raises on every Nth reward call, ``nan_every`` returns NaN, and
 ``GRPO_TEST_KILL_AT_CALL=N`` makes the process SIGKILL itself on the Nth reward call (a crash in the
-middle of a step).
+middle of a step), ``GRPO_TEST_INTERRUPT_AT_CALL=N`` sends it SIGINT (Ctrl-C) instead.
 """
 
 from __future__ import annotations
@@ -39,6 +39,8 @@ class ToyAdapter(RLAdapter):
         self.calls += 1
         if os.environ.get("GRPO_TEST_KILL_AT_CALL") == str(self.calls):
             os.kill(os.getpid(), signal.SIGKILL)
+        if os.environ.get("GRPO_TEST_INTERRUPT_AT_CALL") == str(self.calls):
+            os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C
         if self.fail_every and self.calls % self.fail_every == 0:
             raise RuntimeError(f"reward blew up on call {self.calls}")
         if self.nan_every and self.calls % self.nan_every == 0:

@@ -229,3 +229,26 @@ def test_sampling_input_errors_name_the_problem(trained, svc, tmp_path) -> None:
         sampling_client.sample([1, 2], 1, types.SamplingParams(max_tokens=2))
     with pytest.raises(FileNotFoundError, match="holds no adapter_config.json"):
         svc.create_sampling_client(model_path=str(tmp_path))
+
+
+def test_dropping_finished_rows_early_or_late_gives_the_same_samples(trained, tokenizer) -> None:
+    """CPU drops a finished row at once, CUDA only when half the batch is done; the rows that stay
+    behind draw no random numbers, so seeded samples and their logprobs are the same either way."""
+    client, _ = trained
+    stop = list(range(0, 4000))  # ~8% of the vocabulary: rows stop at scattered steps
+
+    def run(compact: str) -> list[list[tuple[list[int], list[float], str]]]:
+        requests = [sampler.GenerationRequest(p, 4, types.SamplingParams(max_tokens=6 + 3 * i, temperature=1.0,
+                                                                          seed=11 + i, stop=stop))
+                    for i, p in enumerate(PROMPTS)]
+        with client.engine.use(client.adapter) as model:
+            sampler.generate(model, requests, tokenizer, client.engine.device, compact=compact)
+        return [[(s.tokens, s.logprobs, s.stop_reason) for s in r.sequences] for r in requests]
+
+    eager, half = run("eager"), run("half")
+    lengths = sorted(len(t) for r in eager for t, _, _ in r)
+    assert lengths[0] < lengths[-1] and {s for r in eager for *_, s in r} == {"stop", "length"}
+    for rows_e, rows_h in zip(eager, half, strict=True):
+        for (te, le, se), (th, lh, sh) in zip(rows_e, rows_h, strict=True):
+            assert te == th and se == sh
+            assert le == pytest.approx(lh, abs=1e-5)

@@ -60,8 +60,18 @@ def prompt_logprobs(model, prompts: list[list[int]], pad_id: int, device: torch.
 
 
 @torch.no_grad()
-def generate(model, requests: list[GenerationRequest], tokenizer, device: torch.device, max_context: int | None = None) -> None:
-    """Sample every request's ``num_samples`` continuations; results go into the requests."""
+def generate(model, requests: list[GenerationRequest], tokenizer, device: torch.device, max_context: int | None = None,
+             compact: str | None = None) -> None:
+    """Sample every request's ``num_samples`` continuations; results go into the requests.
+
+    ``compact`` says when finished rows leave the batch: "eager" (as soon as one finishes) or
+    "half" (once half the batch has). Default: eager on CPU, where a dropped row is compute saved,
+    half on CUDA, where the decode step is launch-bound and each new batch shape costs more than a
+    row saves. Finished rows that stay draw no random numbers, so samples do not depend on it.
+    """
+    compact = compact or ("half" if device.type == "cuda" else "eager")
+    if compact not in ("eager", "half"):
+        raise ValueError(f"compact must be 'eager' or 'half', got {compact!r}")
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     for req in requests:
         if req.include_prompt_logprobs:
@@ -100,32 +110,34 @@ def generate(model, requests: list[GenerationRequest], tokenizer, device: torch.
     attention = attention[index]
     logits = last_logits[index]
     positions = attention.sum(-1, keepdim=True) - 1
-    alive = list(range(len(rows)))  # row ids still decoding, in batch order
+    batch = list(range(len(rows)))  # row ids in the batch, in batch order
+    done = [False] * len(rows)
 
-    while alive:
-        tokens, logprobs = _choose_tokens(logits, [rows[r] for r in alive], device)
-        keep: list[int] = []
+    while True:
+        live = [b for b, r in enumerate(batch) if not done[r]]
+        live_logits = logits if len(live) == len(batch) else logits[torch.tensor(live, device=device)]
+        chosen, logprobs = _choose_tokens(live_logits, [rows[batch[b]] for b in live], device)
         # One device-to-host copy per step, not two per row (each a sync on a GPU).
-        token_list, logprob_list = tokens.tolist(), logprobs.tolist()
-        for b, r in enumerate(alive):
-            row = rows[r]
-            token = token_list[b]
+        for token, logprob, b in zip(chosen.tolist(), logprobs.tolist(), live, strict=True):
+            row = rows[batch[b]]
             row.tokens.append(token)
-            row.logprobs.append(logprob_list[b])
+            row.logprobs.append(logprob)
             if token in row.stop_ids or _hits_stop_string(row, tokenizer):
-                row.stop_reason = "stop"
+                row.stop_reason, done[batch[b]] = "stop", True
             elif len(row.tokens) >= row.max_tokens:
-                row.stop_reason = "length"
-            else:
-                keep.append(b)
-        if not keep:
+                row.stop_reason, done[batch[b]] = "length", True
+        still = [b for b in live if not done[batch[b]]]
+        if not still:
             break
-        if len(keep) < len(alive):
-            sel = torch.tensor(keep, device=device)
+        tokens = torch.full((len(batch),), pad_id, dtype=torch.long, device=device)
+        tokens[torch.tensor(live, device=device)] = chosen  # finished rows ride along on padding
+        finished = len(batch) - len(still)
+        if finished and (compact == "eager" or 2 * finished >= len(batch)):
+            sel = torch.tensor(still, device=device)
             cache.batch_select_indices(sel)
             attention, positions, tokens = attention[sel], positions[sel], tokens[sel]
-            alive = [alive[b] for b in keep]
-        attention = torch.cat([attention, attention.new_ones((len(alive), 1))], dim=1)
+            batch = [batch[b] for b in still]
+        attention = torch.cat([attention, attention.new_ones((len(batch), 1))], dim=1)
         positions = positions + 1
         out = model(input_ids=tokens[:, None], attention_mask=attention, position_ids=positions,
                     past_key_values=cache, use_cache=True)

@@ -72,20 +72,26 @@ def prepare(data: Sequence[Datum], loss_fn: str, vocab_size: int, check_tokens) 
     return prepared
 
 
-def micro_batches(data: list[PreparedDatum], max_tokens: int) -> list[list[PreparedDatum]]:
-    """Group datums of similar length so padding stays small and each batch fits the budget."""
-    ordered = sorted(data, key=lambda d: len(d.input_ids))
-    batches: list[list[PreparedDatum]] = []
-    current: list[PreparedDatum] = []
-    for d in ordered:
-        width = len(d.input_ids)  # the longest so far, since sorted
-        if current and width * (len(current) + 1) > max_tokens:
+def pack(items: list, cost, max_tokens: int) -> list[list]:
+    """Greedy packing in order: a batch grows until ``cost(batch)`` would pass the budget (an item
+    too big for any batch still gets one of its own)."""
+    batches: list[list] = []
+    current: list = []
+    for item in items:
+        if current and cost([*current, item]) > max_tokens:
             batches.append(current)
             current = []
-        current.append(d)
+        current.append(item)
     if current:
         batches.append(current)
     return batches
+
+
+def micro_batches(data: list[PreparedDatum], max_tokens: int) -> list[list[PreparedDatum]]:
+    """Group datums of similar length so padding stays small and each batch fits the budget."""
+    ordered = sorted(data, key=lambda d: len(d.input_ids))
+    # padded tokens: the last datum is the longest, since sorted
+    return pack(ordered, lambda batch: len(batch[-1].input_ids) * len(batch), max_tokens)
 
 
 def _chunk_logprobs(lm_head, hidden: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -230,25 +236,12 @@ def shared_micro_batches(groups: list[SharedGroup], max_tokens: int) -> list[lis
     pays for its own prefix pass, which is still exact)."""
     units: list[SharedGroup] = []
     for g in groups:
-        part: list[PreparedDatum] = []
-        for d in sorted(g.members, key=lambda d: len(d.input_ids)):
-            if part and _shared_cost([SharedGroup(g.prefix, [*part, d])]) > max_tokens:
-                units.append(SharedGroup(g.prefix, part))
-                part = []
-            part.append(d)
-        units.append(SharedGroup(g.prefix, part))
+        members = sorted(g.members, key=lambda d: len(d.input_ids))
+        parts = pack(members, lambda part, prefix=g.prefix: _shared_cost([SharedGroup(prefix, part)]), max_tokens)
+        units.extend(SharedGroup(g.prefix, part) for part in parts)
     # Similar prefix and suffix lengths together, so padding stays small.
     units.sort(key=lambda u: (len(u.prefix), u.suffix_width()))
-    batches: list[list[SharedGroup]] = []
-    current: list[SharedGroup] = []
-    for u in units:
-        if current and _shared_cost([*current, u]) > max_tokens:
-            batches.append(current)
-            current = []
-        current.append(u)
-    if current:
-        batches.append(current)
-    return batches
+    return pack(units, _shared_cost, max_tokens)
 
 
 @torch.no_grad()

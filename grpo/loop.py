@@ -51,14 +51,16 @@ def run_grpo(adapter: RLAdapter, cfg: Any = None, *, service_client: Any = None,
 
         service_client = ServiceClient(checkpoint_dir=run_dir / "checkpoints")
 
-    training_client = service_client.create_lora_training_client(
-        base_model=cfg.base_model, rank=cfg.rank, seed=cfg.seed,
-        train_mlp=cfg.train_mlp, train_attn=cfg.train_attn, train_unembed=cfg.train_unembed)
-    tokenizer = training_client.get_tokenizer()
+    # Data before the model: an adapter with no data should fail in a blink, not after a load.
     train_items = list(adapter.build_dataset())
     if not train_items:
         raise ValueError(f"{type(adapter).__name__}.build_dataset() returned no items")
     eval_items = list(adapter.build_eval_dataset())[: cfg.eval_size]
+
+    training_client = service_client.create_lora_training_client(
+        base_model=cfg.base_model, rank=cfg.rank, seed=cfg.seed,
+        train_mlp=cfg.train_mlp, train_attn=cfg.train_attn, train_unembed=cfg.train_unembed)
+    tokenizer = training_client.get_tokenizer()
     stop = adapter.stop_sequences(tokenizer)
     reference = service_client.create_sampling_client(base_model=cfg.base_model) if cfg.kl_penalty_coef > 0 else None
 

@@ -7,7 +7,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from omegaconf import OmegaConf
 
 from adapters.chat_prompts import PROMPTS, REFERENCE_ANSWERS
 from adapters.chat_rl import ChatAdapter
@@ -90,11 +89,15 @@ def test_rewards_rules_and_the_judge_rules_mix():
 
 
 def test_hydra_group_file_instantiates_with_overrides():
+    from hydra import compose, initialize_config_dir
+
     from grpo.__main__ import build_adapter
 
-    cfg = OmegaConf.merge(OmegaConf.load(CHAT_YAML),
-                          OmegaConf.from_dotlist(["judge_model=tiny", "scorer=judge+rules", "limit=5"]))
-    adapter = build_adapter(cfg, cli_keys={"judge_model", "scorer", "limit"})
+    overrides = ["adapter=chat", "adapter.judge_model=tiny", "adapter.scorer=judge+rules", "adapter.limit=5"]
+    with initialize_config_dir(config_dir=str(CHAT_YAML.parent.parent), version_base="1.3"):
+        cfg = compose(config_name="config", overrides=overrides)
+    assert cfg.max_tokens == 64  # the group's own default for the loop
+    adapter = build_adapter(cfg.adapter, cli_keys={"judge_model", "scorer", "limit"})
     assert isinstance(adapter, ChatAdapter)
     assert adapter.scorer == "judge+rules" and adapter.judge.model_name == "tiny"
     assert len(adapter.build_dataset()) == 5

@@ -94,11 +94,11 @@ def test_table_is_large_and_balanced():
 @pytest.mark.parametrize("response,gold,mode,expected", TABLE,
                          ids=[f"{i}-{r[:24]!r}" for i, (r, *_) in enumerate(TABLE)])
 def test_grade_table(grader, response, gold, mode, expected):
-    t0 = time.perf_counter()
+    timeouts = grader.timeouts
     answer = extract_answer(response, mode)
     assert grader.grade(answer, gold) is expected, (answer, gold)
-    # Extraction and grading stay fast even on megabyte inputs (nothing here hits the limit).
-    assert time.perf_counter() - t0 < grader.timeout_s
+    # Decided on its merits, not by the time limit (megabyte inputs included).
+    assert grader.timeouts == timeouts
 
 
 def test_extraction_modes_pick_the_right_span():

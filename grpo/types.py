@@ -352,3 +352,19 @@ class APIFuture(Generic[T]):
 
     def __await__(self):
         return self.result_async().__await__()
+
+
+def async_twin(name: str, *, awaited: bool = False) -> Any:
+    """The ``<name>_async`` method of a client call ``name``, as the SDKs spell them.
+
+    Training calls' twins return the call's future (await it for the result), as Tinker's do;
+    with ``awaited=True`` the twin awaits the future and returns its result (``sample_async``).
+    """
+
+    async def twin(self, *args: Any, **kwargs: Any) -> Any:
+        result = getattr(self, name)(*args, **kwargs)
+        return await result if awaited else result
+
+    twin.__name__ = twin.__qualname__ = f"{name}_async"
+    twin.__doc__ = f"Async twin of ``{name}``" + (": awaits and returns its result." if awaited else ".")
+    return twin

@@ -36,6 +36,7 @@ from grpo.types import (
     SamplingParams,
     SaveWeightsForSamplerResponse,
     SaveWeightsResponse,
+    async_twin,
 )
 
 STATE_FILE = "grpo_state.json"
@@ -82,8 +83,7 @@ class ServiceClient:
         handle.engine.add_adapter(name, spec, seed=seed)
         return TrainingClient(self, handle, name, spec)
 
-    async def create_lora_training_client_async(self, *args: Any, **kwargs: Any) -> TrainingClient:
-        return self.create_lora_training_client(*args, **kwargs)
+    create_lora_training_client_async = async_twin("create_lora_training_client")
 
     def create_training_client_from_state(self, path: str, **kwargs: Any) -> TrainingClient:
         state = _read_state(path)
@@ -279,8 +279,7 @@ class TrainingClient:
             lambda _: (self.engine.versions[self.adapter], self.engine.adapter_state(self.adapter))))
         return SamplingClient(self.handle, adapter=self.adapter, snapshot=fut.result())
 
-    async def save_weights_and_get_sampling_client_async(self, name: str | None = None) -> SamplingClient:
-        return self.save_weights_and_get_sampling_client(name)
+    save_weights_and_get_sampling_client_async = async_twin("save_weights_and_get_sampling_client")
 
     def create_sampling_client(self, model_path: str) -> SamplingClient:
         return self.service.create_sampling_client(model_path=model_path)
@@ -302,26 +301,13 @@ class TrainingClient:
 
     # ------------------------------------------------------------------ async twins
 
-    async def forward_async(self, *args: Any, **kwargs: Any) -> APIFuture:
-        return self.forward(*args, **kwargs)
-
-    async def forward_backward_async(self, *args: Any, **kwargs: Any) -> APIFuture:
-        return self.forward_backward(*args, **kwargs)
-
-    async def optim_step_async(self, *args: Any, **kwargs: Any) -> APIFuture:
-        return self.optim_step(*args, **kwargs)
-
-    async def save_state_async(self, *args: Any, **kwargs: Any) -> APIFuture:
-        return self.save_state(*args, **kwargs)
-
-    async def load_state_async(self, *args: Any, **kwargs: Any) -> APIFuture:
-        return self.load_state(*args, **kwargs)
-
-    async def load_state_with_optimizer_async(self, *args: Any, **kwargs: Any) -> APIFuture:
-        return self.load_state_with_optimizer(*args, **kwargs)
-
-    async def save_weights_for_sampler_async(self, *args: Any, **kwargs: Any) -> APIFuture:
-        return self.save_weights_for_sampler(*args, **kwargs)
+    forward_async = async_twin("forward")
+    forward_backward_async = async_twin("forward_backward")
+    optim_step_async = async_twin("optim_step")
+    save_state_async = async_twin("save_state")
+    load_state_async = async_twin("load_state")
+    load_state_with_optimizer_async = async_twin("load_state_with_optimizer")
+    save_weights_for_sampler_async = async_twin("save_weights_for_sampler")
 
 
 class SamplingClient:
@@ -345,8 +331,7 @@ class SamplingClient:
         request = sampler.GenerationRequest(tokens, num_samples, params, include_prompt_logprobs)
         return APIFuture(self.handle.batcher.submit(request, self.adapter, self.snapshot))
 
-    async def sample_async(self, *args: Any, **kwargs: Any) -> SampleResponse:
-        return await self.sample(*args, **kwargs)
+    sample_async = async_twin("sample", awaited=True)
 
     def compute_logprobs(self, prompt: ModelInput) -> APIFuture[list[float | None]]:
         tokens = _prompt_tokens(prompt, self.engine)
@@ -357,8 +342,7 @@ class SamplingClient:
 
         return APIFuture(self.handle.train_executor.submit(work))
 
-    async def compute_logprobs_async(self, prompt: ModelInput) -> list[float | None]:
-        return await self.compute_logprobs(prompt)
+    compute_logprobs_async = async_twin("compute_logprobs", awaited=True)
 
     def get_tokenizer(self):
         return self.engine.tokenizer

@@ -31,6 +31,7 @@ from grpo.backends.remote.resilience import (
     wait,
 )
 from grpo.backends.remote.sdk import RemoteConfigError, SdkSpec, get_spec
+from grpo.types import async_twin
 
 logger = logging.getLogger("grpo.remote")
 
@@ -148,11 +149,8 @@ class RemoteServiceClient:
             self.sdk_client.create_sampling_client(model_path=sdk_path, base_model=base_model, **sdk_kwargs)))
         return RemoteSamplingClient(self, client, tokenizer_source=lambda: self._tokenizer(None, base_model))
 
-    async def create_lora_training_client_async(self, *args: Any, **kwargs: Any) -> RemoteTrainingClient:
-        return self.create_lora_training_client(*args, **kwargs)
-
-    async def create_sampling_client_async(self, *args: Any, **kwargs: Any) -> RemoteSamplingClient:
-        return self.create_sampling_client(*args, **kwargs)
+    create_lora_training_client_async = async_twin("create_lora_training_client")
+    create_sampling_client_async = async_twin("create_sampling_client")
 
     def _tokenizer(self, sdk_client: Any, base_model: str | None) -> Any:
         """The tokenizer: backend.tokenizer if set; else the SDK's (it downloads from the
@@ -350,29 +348,14 @@ class RemoteTrainingClient:
 
     # ------------------------------------------------------------------ async twins
 
-    async def forward_backward_async(self, *args: Any, **kwargs: Any) -> LazyFuture:
-        return self.forward_backward(*args, **kwargs)
-
-    async def forward_async(self, *args: Any, **kwargs: Any) -> LazyFuture:
-        return self.forward(*args, **kwargs)
-
-    async def optim_step_async(self, *args: Any, **kwargs: Any) -> LazyFuture:
-        return self.optim_step(*args, **kwargs)
-
-    async def save_state_async(self, *args: Any, **kwargs: Any) -> LazyFuture:
-        return self.save_state(*args, **kwargs)
-
-    async def load_state_async(self, *args: Any, **kwargs: Any) -> LazyFuture:
-        return self.load_state(*args, **kwargs)
-
-    async def load_state_with_optimizer_async(self, *args: Any, **kwargs: Any) -> LazyFuture:
-        return self.load_state_with_optimizer(*args, **kwargs)
-
-    async def save_weights_for_sampler_async(self, *args: Any, **kwargs: Any) -> LazyFuture:
-        return self.save_weights_for_sampler(*args, **kwargs)
-
-    async def save_weights_and_get_sampling_client_async(self, name: str | None = None) -> RemoteSamplingClient:
-        return self.save_weights_and_get_sampling_client(name)
+    forward_backward_async = async_twin("forward_backward")
+    forward_async = async_twin("forward")
+    optim_step_async = async_twin("optim_step")
+    save_state_async = async_twin("save_state")
+    load_state_async = async_twin("load_state")
+    load_state_with_optimizer_async = async_twin("load_state_with_optimizer")
+    save_weights_for_sampler_async = async_twin("save_weights_for_sampler")
+    save_weights_and_get_sampling_client_async = async_twin("save_weights_and_get_sampling_client")
 
 
 def _outcome(call: _TrainingCall, timeout: float | None, endpoint: str) -> tuple[bool, Any]:
@@ -417,11 +400,8 @@ class RemoteSamplingClient:
         return retrying(lambda: self.sdk_client.compute_logprobs(sdk_prompt), convert.from_logprobs,
                         self.service.policy, "compute_logprobs", self.service.endpoint, logger.warning)
 
-    async def sample_async(self, *args: Any, **kwargs: Any) -> g.SampleResponse:
-        return await self.sample(*args, **kwargs)
-
-    async def compute_logprobs_async(self, prompt: g.ModelInput) -> list[float | None]:
-        return await self.compute_logprobs(prompt)
+    sample_async = async_twin("sample", awaited=True)
+    compute_logprobs_async = async_twin("compute_logprobs", awaited=True)
 
     def get_tokenizer(self) -> Any:
         if self._tokenizer is None:

@@ -338,6 +338,14 @@ def batch(tokenizer, seed: int) -> list[g.Datum]:
                      [float(x) for x in -rng.random(5)]) for adv in (1.0, -0.5)]
 
 
+def assert_same_weights(client, reference, datum: g.Datum) -> None:
+    """The two adapters give the same logprobs on ``datum``'s tokens (the first has none)."""
+    tokens = g.ModelInput.from_ints(datum.model_input.to_ints())
+    ours = client.save_weights_and_get_sampling_client().compute_logprobs(tokens).result()
+    theirs = reference.save_weights_and_get_sampling_client().compute_logprobs(tokens).result()
+    np.testing.assert_allclose(np.array(ours[1:]), np.array(theirs[1:]), atol=1e-6)
+
+
 def test_training_matches_the_local_backend_and_forward_backward_and_optim_step_are_pipelined(
         local_service, tokenizer):
     data = batch(tokenizer, 0)
@@ -360,10 +368,7 @@ def test_training_matches_the_local_backend_and_forward_backward_and_optim_step_
     assert opt_out.metrics["grad_norm"] == pytest.approx(ref_opt.metrics["grad_norm"], rel=1e-6)
 
     # After the step, both adapters give the same logprobs.
-    tokens = g.ModelInput.from_ints(data[0].model_input.to_ints())
-    ours = client.save_weights_and_get_sampling_client().compute_logprobs(tokens).result()
-    theirs = reference.save_weights_and_get_sampling_client().compute_logprobs(tokens).result()
-    np.testing.assert_allclose(np.array(ours[1:]), np.array(theirs[1:]), atol=1e-6)
+    assert_same_weights(client, reference, data[0])
 
 
 def test_sampling_requests_are_in_flight_together_and_convert_back(local_service, tokenizer):
@@ -411,10 +416,7 @@ def test_an_outage_during_a_step_replays_it_without_losing_it(local_service, tok
     reference.optim_step(adam).result()
     assert fb_out.metrics["loss:sum"] == pytest.approx(ref_fb.metrics["loss:sum"], rel=1e-6)
     # Exactly one step was applied: the weights equal the reference's after its one step.
-    tokens = g.ModelInput.from_ints(data[1].model_input.to_ints())
-    ours = client.save_weights_and_get_sampling_client().compute_logprobs(tokens).result()
-    theirs = reference.save_weights_and_get_sampling_client().compute_logprobs(tokens).result()
-    np.testing.assert_allclose(np.array(ours[1:]), np.array(theirs[1:]), atol=1e-6)
+    assert_same_weights(client, reference, data[1])
 
 
 def test_a_step_that_half_ran_is_not_replayed(local_service, tokenizer):

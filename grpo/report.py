@@ -28,6 +28,8 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
+from grpo.runlog import read_jsonl
+
 REPORT_NAME = "report.html"
 MAX_ROLLOUTS_PER_STEP = 64
 MAX_ROLLOUT_STEPS = 200
@@ -83,26 +85,6 @@ class Run:
     failures: list[dict[str, Any]]
     checkpoints: list[dict[str, Any]]
     label: str = ""
-
-
-def read_rows(path: Path) -> list[dict[str, Any]]:
-    """JSON objects of a jsonl file; a line that does not parse (cut by a kill, or edited by hand)
-    is skipped rather than hiding everything after it."""
-    if not path.is_file():
-        return []
-    rows = []
-    with open(path, encoding="utf-8", errors="replace") as f:
-        for line in f:
-            line = line.strip()
-            if not line:
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError:
-                continue
-            if isinstance(row, dict):
-                rows.append(row)
-    return rows
 
 
 def _number(value: Any) -> float | None:
@@ -170,10 +152,10 @@ def load_run(run_dir: Path) -> Run:
         name=run_dir.resolve().name or str(run_dir),
         config=_read_config(run_dir),
         overrides=_read_overrides(run_dir),
-        metrics=metric_series(read_rows(run_dir / "metrics.jsonl")),
-        rollouts=read_rows(run_dir / "rollouts.jsonl"),
-        failures=read_rows(run_dir / "failures.jsonl"),
-        checkpoints=read_rows(run_dir / "checkpoints.jsonl"),
+        metrics=metric_series(read_jsonl(run_dir / "metrics.jsonl")),
+        rollouts=read_jsonl(run_dir / "rollouts.jsonl"),
+        failures=read_jsonl(run_dir / "failures.jsonl"),
+        checkpoints=read_jsonl(run_dir / "checkpoints.jsonl"),
     )
 
 

@@ -22,17 +22,22 @@ LOG_FILES = ("metrics.jsonl", "rollouts.jsonl", "failures.jsonl")
 
 
 def read_jsonl(path: Path) -> list[dict[str, Any]]:
-    if not path.exists():
+    """The JSON objects of a jsonl file (none if it does not exist). A line that does not parse, a
+    last line cut by a kill or one edited by hand, is skipped rather than hiding what follows."""
+    if not path.is_file():
         return []
     rows = []
-    for line in path.read_text().splitlines():
-        line = line.strip()
-        if not line:
-            continue
-        try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError:
-            break  # a line cut by a kill: everything before it is intact
+    with open(path, encoding="utf-8", errors="replace") as f:
+        for line in f:
+            line = line.strip()
+            if not line:
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if isinstance(row, dict):
+                rows.append(row)
     return rows
 
 

@@ -16,6 +16,7 @@ import pytest
 
 from grpo import report
 from grpo.adapter import RLAdapter
+from grpo.runlog import read_jsonl
 
 CHROMIUM = "/usr/bin/chromium"
 CHROMEDRIVER = "/usr/bin/chromedriver"
@@ -105,7 +106,7 @@ def test_report_of_real_run_matches_its_logs(real_run):
 
     data = payload_of(path)
     (run,) = data["runs"]
-    metrics = report.read_rows(real_run / "metrics.jsonl")
+    metrics = read_jsonl(real_run / "metrics.jsonl")
     train = [r for r in metrics if "reward/mean" in r]
     evals = [r for r in metrics if "eval/accuracy" in r]
     assert [r["step"] for r in train] == [0, 1, 2]
@@ -121,7 +122,7 @@ def test_report_of_real_run_matches_its_logs(real_run):
     assert "eval/items" not in panels["eval"]
     assert panels["time"][:3] == ["time/sample", "time/score", "time/train"]
 
-    rollouts = report.read_rows(real_run / "rollouts.jsonl")
+    rollouts = read_jsonl(real_run / "rollouts.jsonl")
     assert sorted(run["rollouts"], key=int) == ["0", "1", "2"]
     for step, groups in run["rollouts"].items():
         rows = [r for r in rollouts if r["step"] == int(step)]
@@ -336,7 +337,7 @@ def test_browser_shows_plots_and_rollouts_of_a_real_run(browser, real_run, tmp_p
     open_page(browser, path)
     assert console_errors(browser) == []
 
-    metrics = report.read_rows(real_run / "metrics.jsonl")
+    metrics = read_jsonl(real_run / "metrics.jsonl")
     points = chart_points(browser)
     count = lambda *keys: sum(isinstance(r.get(k), (int, float)) for r in metrics for k in keys)  # noqa: E731
     assert points["reward"] == count("reward/mean") == 3
@@ -346,7 +347,7 @@ def test_browser_shows_plots_and_rollouts_of_a_real_run(browser, real_run, tmp_p
     assert browser.find_elements(By.CSS_SELECTOR, ".chart[data-panel=reward] path.series")
 
     # choosing a step shows that step's groups and responses
-    rollouts = report.read_rows(real_run / "rollouts.jsonl")
+    rollouts = read_jsonl(real_run / "rollouts.jsonl")
     Select(browser.find_element(By.ID, "step-select")).select_by_value("1")
     rows = [r for r in rollouts if r["step"] == 1]
     shown = browser.find_elements(By.CSS_SELECTOR, "#groups tr.sample pre.response")

@@ -13,12 +13,11 @@ from adapters.chat_rl import ChatAdapter
 from adapters.data import DataSourceError
 from adapters.judge import rule_score
 from grpo.adapter import chat_prompt_tokens
+from grpo.runlog import read_jsonl
 
 CHAT_YAML = Path(__file__).resolve().parents[1] / "grpo" / "conf" / "adapter" / "chat.yaml"
 
 
-def _rows(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
 def test_builtin_prompts_and_eval_hold_out():
@@ -104,10 +103,10 @@ def test_hydra_group_file_instantiates_with_overrides():
 
 
 def _check_run(run_dir: Path, adapter: ChatAdapter, steps: int, group_size: int) -> None:
-    metrics = [m for m in _rows(run_dir / "metrics.jsonl") if "reward/mean" in m]
+    metrics = [m for m in read_jsonl(run_dir / "metrics.jsonl") if "reward/mean" in m]
     assert [m["step"] for m in metrics] == list(range(steps))
-    rollouts = _rows(run_dir / "rollouts.jsonl")
-    assert not (run_dir / "failures.jsonl").exists() or not _rows(run_dir / "failures.jsonl")
+    rollouts = read_jsonl(run_dir / "rollouts.jsonl")
+    assert not read_jsonl(run_dir / "failures.jsonl")
     for step in range(steps):
         for group in {r["group"] for r in rollouts if r["step"] == step}:
             rewards = [r["reward"] for r in rollouts if r["step"] == step and r["group"] == group]
@@ -143,6 +142,6 @@ def test_end_to_end_smollm2_policy_and_judge(tmp_path):
     run_grpo(adapter, {"base_model": "smollm2", "steps": 2, "batch_size": 2, "group_size": 4, "max_tokens": 32,
                        "learning_rate": 1e-4, "save_every": 0, "progress": False, "report": False}, run_dir=tmp_path)
     _check_run(tmp_path, adapter, steps=2, group_size=4)
-    rollouts = _rows(tmp_path / "rollouts.jsonl")
+    rollouts = read_jsonl(tmp_path / "rollouts.jsonl")
     # The real judge separates responses: rewards are not all tied at 0.5.
     assert max(abs(r["reward"] - 0.5) for r in rollouts) > 1e-3

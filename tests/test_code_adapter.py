@@ -10,6 +10,7 @@ import pytest
 
 from adapters.code_problems import BUILTIN, load_humaneval, split_check
 from adapters.code_rl import CodeAdapter, build_program, extract_code
+from grpo.runlog import read_jsonl
 
 FENCE = "```"
 
@@ -188,10 +189,10 @@ def test_hydra_group_builds_the_adapter():
 
 
 def _check_run(run_dir: Path, adapter: CodeAdapter, steps: int) -> list[dict]:
-    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    metrics = read_jsonl(run_dir / "metrics.jsonl")
     train_rows = [m for m in metrics if "reward/mean" in m]
     assert [m["step"] for m in train_rows] == list(range(steps))
-    rollouts = [json.loads(line) for line in (run_dir / "rollouts.jsonl").read_text().splitlines()]
+    rollouts = read_jsonl(run_dir / "rollouts.jsonl")
     assert rollouts
     by_name = {p.entry_point: p for p in BUILTIN}
     for row in rollouts:  # every logged reward is what the sandbox gives that response again

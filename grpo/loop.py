@@ -121,7 +121,7 @@ def run_grpo(adapter: RLAdapter, cfg: Any = None, *, service_client: Any = None,
             metrics.update(kl_metrics)
             metrics.update(train_metrics)
             metrics.update(timing)
-            trained_tokens = sum(len(d.model_input.to_ints()) for d in datums)
+            trained_tokens = sum(d.model_input.length for d in datums)
             metrics["throughput/tokens_per_s"] = (metrics["tokens/sampled"] + trained_tokens) / timing["time/step"]
             log.log_metrics(step, metrics)
             log.log_rollouts(rollout_rows(groups, tokenizer, step, cfg.rollouts_per_step))

@@ -48,7 +48,7 @@ def real_run(tmp_path_factory) -> Path:
     from grpo.loop import run_grpo
 
     run_dir = tmp_path_factory.mktemp("real_run")
-    run_grpo(LetterAdapter(), {"base_model": "tiny", "steps": 3, "batch_size": 2, "group_size": 2,
+    run_grpo(LetterAdapter(), {"base_model": "tiny", "steps": 3, "batch_size": 2, "group_size": 4,
                                "max_tokens": 8, "report": False, "progress": False, "eval_samples": 2},
              run_dir=run_dir)
     assert not (run_dir / "report.html").exists()  # report=False is honoured
@@ -127,7 +127,7 @@ def test_report_of_real_run_matches_its_logs(real_run):
     for step, groups in run["rollouts"].items():
         rows = [r for r in rollouts if r["step"] == int(step)]
         samples = [s for g in groups for s in g["samples"]]
-        assert len(groups) == 2 and len(samples) == len(rows) == 4
+        assert len(groups) == 2 and len(samples) == len(rows) == 2 * 4  # batch_size x group_size
         assert [s["response"] for s in samples] == [r["response"] for r in rows]
         assert [s["advantage"] for s in samples] == [r["advantage"] for r in rows]
         # advantages are centred within each group

@@ -252,3 +252,36 @@ def test_dropping_finished_rows_early_or_late_gives_the_same_samples(trained, to
         for (te, le, se), (th, lh, sh) in zip(rows_e, rows_h, strict=True):
             assert te == th and se == sh
             assert le == pytest.approx(lh, abs=1e-5)
+
+
+# --------------------------------------------------------------------------- the draw itself
+
+
+def test_draw_follows_the_distribution_and_never_picks_a_cut_token() -> None:
+    """Inverse-CDF sampling (one uniform per row) against the probabilities it draws from."""
+    probs = torch.tensor([0.5, 0.0, 0.2, 0.25, 0.0, 0.05])
+    n = 200_000
+    draws = sampler._draw(probs.expand(n, -1), torch.Generator().manual_seed(0))
+    counts = torch.bincount(draws, minlength=len(probs)).double()
+    assert counts[1] == counts[4] == 0, "a token of zero probability was drawn"
+    # Each count is binomial: within 5 standard deviations of n * p.
+    sd = (n * probs * (1 - probs)).double().sqrt()
+    assert ((counts - n * probs.double()).abs() <= 5 * sd + 1e-9).all(), counts / n
+    # Unnormalised rows and a degenerate row; the same seed draws the same tokens.
+    rows = torch.tensor([[0.0, 3.0, 1.0], [0.0, 0.0, 2.0]])
+    a = sampler._draw(rows.repeat(1000, 1), torch.Generator().manual_seed(5))
+    b = sampler._draw(rows.repeat(1000, 1), torch.Generator().manual_seed(5))
+    assert torch.equal(a, b) and (a != 0).all() and (a[1::2] == 2).all()
+    assert 0.70 < float((a[0::2] == 1).double().mean()) < 0.80
+
+
+def test_top_k_and_top_p_cut_the_tail_before_the_draw() -> None:
+    logits = torch.log(torch.tensor([[0.4, 0.3, 0.2, 0.1]]))
+    kept_k = sampler._filter_top_k_top_p(logits, 2, 1.0)
+    assert torch.isinf(kept_k[0, 2:]).all() and torch.isfinite(kept_k[0, :2]).all()
+    kept_p = sampler._filter_top_k_top_p(logits, 0, 0.65)  # 0.4 + 0.3 reach 0.65: the rest goes
+    assert torch.isfinite(kept_p[0, :2]).all() and torch.isinf(kept_p[0, 2:]).all()
+    draws = sampler._draw(torch.softmax(kept_p, -1).expand(20_000, -1), torch.Generator().manual_seed(1))
+    assert set(draws.tolist()) == {0, 1}
+    assert abs(float((draws == 0).double().mean()) - 0.4 / 0.7) < 0.02
+

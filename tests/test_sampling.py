@@ -285,3 +285,47 @@ def test_top_k_and_top_p_cut_the_tail_before_the_draw() -> None:
     assert set(draws.tolist()) == {0, 1}
     assert abs(float((draws == 0).double().mean()) - 0.4 / 0.7) < 0.02
 
+
+# --------------------------------------------------------------------------- LoRA folded for sampling
+
+
+def test_folded_sampling_matches_peft_layers_and_leaves_the_model_as_it_was(trained) -> None:
+    """float32 sampling folds LoRA into the base weights; samples and logprobs must be those of
+    peft's own LoRA layers, and the module tree and base weights must be untouched afterwards."""
+    client, sampling_client = trained
+    engine = client.engine
+    modules_before = dict(engine.peft_model.named_modules())
+    base_before = {n: p.detach().clone() for n, p in engine.peft_model.named_parameters() if "lora_" not in n}
+    params = dict(max_tokens=10, temperature=1.0, seed=3)
+
+    def draw(fold: bool):
+        engine.fold_lora_for_sampling = fold
+        try:
+            return [sample(sampling_client, p, 3, **params).result() for p in PROMPTS]
+        finally:
+            engine.fold_lora_for_sampling = True
+
+    folded, unfolded = draw(True), draw(False)
+    assert engine._folded is not None and engine._folded.key[0] == client.adapter
+    for rf, ru in zip(folded, unfolded, strict=True):
+        for sf, su in zip(rf.sequences, ru.sequences, strict=True):
+            assert sf.tokens == su.tokens
+            assert sf.logprobs == pytest.approx(su.logprobs, abs=1e-5)
+    assert dict(engine.peft_model.named_modules()) == modules_before
+    for n, p in engine.peft_model.named_parameters():
+        if "lora_" not in n:
+            assert torch.equal(p, base_before[n]), n
+    got = sampling_client.compute_logprobs(types.ModelInput.from_ints(PROMPTS[0])).result()
+    assert torch.allclose(torch.tensor(got[1:]), plain_logprobs(client, PROMPTS[0][:-1], PROMPTS[0][1:]), atol=1e-5)
+
+
+def test_lora_is_folded_only_into_float32_weights() -> None:
+    from grpo.backends.local.folded_lora import can_fold
+
+    svc = ServiceClient(device="cpu", dtype="bfloat16")
+    client = svc.create_lora_training_client("tiny", seed=0, rank=4)
+    assert not can_fold(client.engine.peft_model, client.adapter)
+    # ... and sampling through peft's layers still works there
+    res = client.save_weights_and_get_sampling_client().sample(
+        types.ModelInput.from_ints(PROMPTS[1]), 2, types.SamplingParams(max_tokens=3, seed=0)).result()
+    assert client.engine._folded is None and all(len(s.tokens) == 3 for s in res.sequences)

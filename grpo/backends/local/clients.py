@@ -337,7 +337,7 @@ class SamplingClient:
         tokens = _prompt_tokens(prompt, self.engine)
 
         def work():
-            with self.engine.use(self.adapter, self.snapshot) as model, torch.no_grad():
+            with self.engine.sampling_model(self.adapter, self.snapshot) as model, torch.no_grad():
                 return sampler.prompt_logprobs(model, [tokens], 0, self.engine.device)[0]
 
         return APIFuture(self.handle.train_executor.submit(work))
@@ -402,7 +402,7 @@ class _SampleBatcher:
             return
         _, adapter, snapshot, _ = live[0]
         try:
-            with self.engine.use(adapter, snapshot) as model:
+            with self.engine.sampling_model(adapter, snapshot) as model:
                 sampler.generate(model, [it[0] for it in live], self.engine.tokenizer, self.engine.device)
         except Exception as err:  # delivered to every caller of this batch
             for it in live:

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from grpo import models
+from grpo.backends.local.folded_lora import FoldedAdapter, can_fold
 
 ATTN_PARENTS = ("attn", "attention")
 MLP_PARENTS = ("mlp", "feed_forward", "ffn")
@@ -90,6 +91,9 @@ class Engine:
         self.specs: dict[str, LoraSpec] = {}
         self.versions: dict[str, int] = {}
         self._active: str | None = None
+        # Sampling folds LoRA into the base weights where that is exact (float32, folded_lora.py).
+        self.fold_lora_for_sampling = True
+        self._folded: FoldedAdapter | None = None  # the last folded weights, reused while current
 
     # ------------------------------------------------------------------ adapters
 
@@ -185,6 +189,29 @@ class Engine:
             finally:
                 if live is not None:
                     self.load_adapter_state(adapter, live)
+
+    @contextlib.contextmanager
+    def sampling_model(self, adapter: str | None, snapshot: tuple[int, dict[str, torch.Tensor]] | None = None
+                       ) -> Iterator[nn.Module]:
+        """``use()`` for sampling: gradient-free, so LoRA may be folded into the base weights.
+
+        Folded wherever ``folded_lora.can_fold`` allows (float32 weights) unless
+        ``fold_lora_for_sampling`` is turned off. One folded copy is kept (keyed by the snapshot it came from, or the adapter's version)
+        so that every sampling call of a training step after the first reuses it.
+        """
+        with self.lock:
+            if adapter is not None and self.fold_lora_for_sampling and can_fold(self.peft_model, adapter):
+                weights = snapshot[1] if snapshot is not None else None
+                key = (adapter, id(weights)) if weights is not None else (adapter, self.versions[adapter], None)
+                if self._folded is None or self._folded.key != key:
+                    self._folded = None  # free the old copy before building the new one
+                    self._folded = FoldedAdapter(self.peft_model, adapter, weights, key)
+                self._activate(adapter)
+                with self._folded.installed(self.peft_model) as model:
+                    yield model
+                return
+            with self.use(adapter, snapshot) as model:
+                yield model
 
     def causal_lm(self) -> nn.Module:
         """The transformers model with LoRA layers injected (peft's wrapper stripped)."""

@@ -127,6 +127,52 @@ def test_weight_zero_tokens_contribute_no_gradient(svc, loss_fn) -> None:
         assert torch.equal(grads_a[name], grads_b[name]), name
 
 
+@pytest.mark.parametrize("loss_fn", ["cross_entropy", "importance_sampling", "ppo", "cispo", "dro"])
+def test_gradients_equal_plain_autograd_through_full_logits(svc, loss_fn, monkeypatch) -> None:
+    """The trainer never holds a batch's logits and backpropagates the unembedding chunk by chunk;
+    its gradients must be those of the textbook computation: full-vocabulary logits of one plain
+    forward, log_softmax, the loss formula, backward. LoRA sits on lm_head too (train_unembed)."""
+    from grpo import losses
+
+    client = new_client(svc, seed=4)
+    gen = torch.Generator().manual_seed(2)
+    # A GRPO group (its prompt is run once, shared) plus two datums of their own; chunks of 5
+    # positions, so the unembedding runs in several pieces that cross datum boundaries.
+    monkeypatch.setattr(trainer, "LOGIT_CHUNK_POSITIONS", 5)
+    prompt = PROMPT + [40, 41, 42, 43]
+    assert len(prompt) - 1 >= trainer.MIN_SHARED_PREFIX
+    responses = [RESPONSE, RESPONSE[::-1] + [9, 10], [77] * 9, RESPONSE[:2]]
+    data = [rl_datum(prompt, r, advantage=a, sampler_logprobs=(torch.randn(len(r), generator=gen) - 3).tolist())
+            for r, a in zip(responses, [1.0, -0.5, 0.25, -0.75], strict=True)]
+    data += [rl_datum([5, 6, 7], [8, 9, 10, 11], advantage=0.6, sampler_logprobs=[-2.5] * 4, weight=0.5),
+             rl_datum(PROMPT[:4], RESPONSE, advantage=-1.2, sampler_logprobs=[-1.0] * len(RESPONSE))]
+    clear_grads(client)
+    out = client.forward_backward(data, loss_fn).result()
+    got = grad_sum(client)
+    clear_grads(client)
+
+    cfg = losses.resolve_config(loss_fn, None)
+    want_loss = 0.0
+    with client.engine.use(client.adapter):
+        model = client.engine.causal_lm()
+        for d in data:
+            tokens = torch.tensor([d.model_input.to_ints()])
+            targets = d.loss_fn_inputs["target_tokens"].to_torch().long()
+            inputs = {k: v.to_torch().float() for k, v in d.loss_fn_inputs.items() if k != "target_tokens"}
+            logits = model(input_ids=tokens).logits[0].float()
+            lp = torch.log_softmax(logits, -1).gather(-1, targets[:, None])[:, 0]
+            loss = losses.LOSSES[loss_fn](lp, inputs, cfg)
+            loss.backward()
+            want_loss += float(loss)
+    want = grad_sum(client)
+    clear_grads(client)
+    assert out.metrics["loss:sum"] == pytest.approx(want_loss, rel=1e-5, abs=1e-6)
+    assert want.keys() == got.keys() and any("lm_head" in k for k in want)
+    assert max(float(g.abs().max()) for g in want.values()) > 1e-3
+    for name in want:
+        assert close(want[name], got[name], rel=1e-4), (name, float((want[name] - got[name]).abs().max()))
+
+
 def test_two_forward_backward_calls_equal_one_over_both_halves(svc) -> None:
     seqs = [PROMPT + RESPONSE, PROMPT[:4] + RESPONSE[:2], [9, 8, 7, 6, 5, 4], PROMPT + [11, 12]]
     data = [rl_datum(s[:3], s[3:], advantage=a, sampler_logprobs=[-4.0] * (len(s) - 3))

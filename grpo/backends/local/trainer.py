@@ -2,7 +2,9 @@
 
 Memory does not scale with batch x vocab: datums are packed into micro-batches under a token
 budget, and target logprobs come from the unembedding applied to a few hundred positions at a
-time under activation checkpointing, so only one chunk of logits ever exists.
+time. In training, each chunk's share of the loss is backpropagated through the unembedding as
+soon as it is computed (``unembed_counted``), so only one chunk of logits ever exists and none is
+recomputed; the decoder then runs one backward for the whole micro-batch.
 
 Prefix sharing: datums whose leading positions the loss does not count are the same tokens (a
 GRPO group: one prompt, several responses) run that prefix through the decoder once; its KV cache
@@ -17,7 +19,6 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
-from torch.utils.checkpoint import checkpoint
 from transformers import DynamicCache
 
 from grpo import losses
@@ -94,13 +95,54 @@ def micro_batches(data: list[PreparedDatum], max_tokens: int) -> list[list[Prepa
     return pack(ordered, lambda batch: len(batch[-1].input_ids) * len(batch), max_tokens)
 
 
+@dataclass
+class DecodedBatch:
+    """A micro-batch after the decoder: everything but the unembedding of the counted positions.
+
+    Positions are flat, in datum order. Positions the loss does not count (as a rule the prompt,
+    most of a GRPO datum) already have their logprob, computed without autograd, and entropy 0:
+    every loss masks them out, so their gradient is exactly zero and the entropy metric weighs
+    them 0.
+    """
+
+    logprobs: torch.Tensor  # (N,) float32; the counted positions are filled in by unembed_counted
+    entropy: torch.Tensor  # (N,)
+    lengths: torch.Tensor  # positions per datum
+    counted: torch.Tensor  # (M,) indices into the N positions
+    hidden: torch.Tensor  # (M, d) their final hidden states, in the decoder's graph when training
+    targets: torch.Tensor  # (M,)
+
+
+class _TargetLogprobs(torch.autograd.Function):
+    """log_softmax(logits)[target] and the entropy of each row, in as few passes over the
+    (positions x vocabulary) logits as possible: the largest tensors the trainer touches.
+
+    Autograd's own version (logsumexp, gather, softmax for the entropy) allocates and sweeps a
+    logits-sized tensor about ten times between forward and backward; here it is four.
+    The entropy is a metric and carries no gradient.
+    """
+
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        logp = torch.log_softmax(logits, dim=-1)
+        probs = logp.exp()
+        entropy = -torch.bmm(probs.unsqueeze(1), logp.unsqueeze(2)).view(-1)  # row-wise dot, no temporary
+        ctx.save_for_backward(probs, targets)
+        ctx.mark_non_differentiable(entropy)
+        return logp.gather(-1, targets[:, None])[:, 0], entropy
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor, _grad_entropy: torch.Tensor) -> tuple[torch.Tensor, None]:
+        probs, targets = ctx.saved_tensors
+        # d logp[t] / d logits = onehot(t) - softmax(logits); probs is not needed again.
+        grad_logits = probs.mul_(-grad[:, None])
+        grad_logits[torch.arange(targets.numel(), device=targets.device), targets] += grad
+        return grad_logits, None
+
+
 def _chunk_logprobs(lm_head, hidden: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    logits = lm_head(hidden).float()
-    logz = torch.logsumexp(logits, dim=-1)
-    target_logits = logits.gather(-1, targets[:, None])[:, 0]
-    probs = torch.softmax(logits, dim=-1)
-    entropy = logz - (probs * logits).sum(-1)
-    return target_logits - logz, entropy
+    """Target logprobs (differentiable) and entropies (not) of one chunk of positions."""
+    return _TargetLogprobs.apply(lm_head(hidden).float(), targets)
 
 
 @torch.no_grad()
@@ -109,43 +151,30 @@ def _chunk_logprobs_only(lm_head, hidden: torch.Tensor, targets: torch.Tensor) -
     return logits.gather(-1, targets[:, None])[:, 0] - torch.logsumexp(logits, dim=-1)
 
 
-def _position_logprobs(lm_head, flat_hidden: torch.Tensor, flat_targets: torch.Tensor,
-                       active: torch.Tensor, grad: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """Logprobs (with autograd at ``active`` positions when ``grad``) and entropies (0 elsewhere)."""
-    n = flat_hidden.shape[0]
-    device = flat_hidden.device
-    lp_all = torch.empty(n, dtype=torch.float32, device=device)
-    ent_all = torch.zeros(n, dtype=torch.float32, device=device)
-    passive_idx = (~active).nonzero()[:, 0]
-    for start in range(0, passive_idx.numel(), LOGIT_CHUNK_POSITIONS):
-        idx = passive_idx[start:start + LOGIT_CHUNK_POSITIONS]
-        lp_all[idx] = _chunk_logprobs_only(lm_head, flat_hidden[idx].detach(), flat_targets[idx])
-    active_idx = active.nonzero()[:, 0]
-    lps = []
-    for start in range(0, active_idx.numel(), LOGIT_CHUNK_POSITIONS):
-        idx = active_idx[start:start + LOGIT_CHUNK_POSITIONS]
-        h, t = flat_hidden[idx], flat_targets[idx]
-        if grad:
-            # Recompute this chunk's logits in backward instead of keeping them alive.
-            lp, ent = checkpoint(_chunk_logprobs, lm_head, h, t, use_reentrant=False)
-        else:
-            lp, ent = _chunk_logprobs(lm_head, h, t)
-        lps.append(lp)
-        ent_all[idx] = ent.detach()
-    if lps:
-        # Out of place, so the active logprobs keep their graph inside the full-length tensor.
-        lp_all = lp_all.index_put((active_idx,), torch.cat(lps))
-    return lp_all, ent_all
+@torch.no_grad()
+def _uncounted_logprobs(lm_head, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    parts = [_chunk_logprobs_only(lm_head, hidden[i:i + LOGIT_CHUNK_POSITIONS], targets[i:i + LOGIT_CHUNK_POSITIONS])
+             for i in range(0, hidden.shape[0], LOGIT_CHUNK_POSITIONS)]
+    return torch.cat(parts) if parts else hidden.new_empty(0, dtype=torch.float32)
 
 
-def target_logprobs(model, batch: list[PreparedDatum], device: torch.device, grad: bool,
-                    active: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Logprobs and entropies at every valid position of a micro-batch, flattened in datum order.
+def _split_counted(lm_head, flat_hidden: torch.Tensor, flat_targets: torch.Tensor, counted_mask: torch.Tensor,
+                   where: torch.Tensor, n: int, lengths: torch.Tensor) -> DecodedBatch:
+    """Fill the uncounted positions' logprobs; leave the counted ones' hidden states for the head.
+    ``where`` gives each row of ``flat_hidden`` its index among the batch's ``n`` positions."""
+    logprobs = torch.zeros(n, dtype=torch.float32, device=flat_hidden.device)
+    uncounted = (~counted_mask).nonzero()[:, 0]
+    logprobs[where[uncounted]] = _uncounted_logprobs(lm_head, flat_hidden[uncounted].detach(), flat_targets[uncounted])
+    counted = counted_mask.nonzero()[:, 0]
+    return DecodedBatch(logprobs=logprobs, entropy=torch.zeros_like(logprobs), lengths=lengths,
+                        counted=where[counted], hidden=flat_hidden[counted], targets=flat_targets[counted])
 
-    ``active`` (flat, bool) marks the positions the loss counts. The others (prompt tokens, as a
-    rule most of a GRPO datum) get their logprob without autograd and no entropy (0): every loss
-    masks them out, so their gradient is exactly zero anyway and the entropy metric weighs them 0.
-    Returns (logprobs, entropy, lengths).
+
+def decode_batch(model, batch: list[PreparedDatum], device: torch.device, counted: torch.Tensor | None,
+                 grad: bool) -> DecodedBatch:
+    """Run a micro-batch of datums through the decoder, each in full (right padded).
+
+    ``counted`` (flat, bool) marks the positions the loss counts; None: all of them.
     """
     width = max(len(d.input_ids) for d in batch)
     ids = torch.zeros((len(batch), width), dtype=torch.long, device=device)
@@ -159,19 +188,51 @@ def target_logprobs(model, batch: list[PreparedDatum], device: torch.device, gra
     hidden = model.get_decoder()(input_ids=ids, attention_mask=mask, use_cache=False).last_hidden_state
     valid = mask.bool()
     flat_hidden = hidden[valid]
-    flat_targets = targets[valid]
     n = flat_hidden.shape[0]
-    if active is None:
-        active = torch.ones(n, dtype=torch.bool, device=device)
-    active = active.to(device)
-    if grad and not bool(active.any()):
+    counted = torch.ones(n, dtype=torch.bool, device=device) if counted is None else counted.to(device)
+    if grad and not bool(counted.any()):
         # Nothing counts, yet the loss must still reach the parameters (as zeros) so that
         # optim_step sees the same gradients as always.
-        active = torch.ones_like(active)
-    lp_all, ent_all = _position_logprobs(model.get_output_embeddings(), flat_hidden, flat_targets,
-                                         active, grad)
-    lengths = mask.sum(-1)
-    return lp_all, ent_all, lengths
+        counted = torch.ones_like(counted)
+    return _split_counted(model.get_output_embeddings(), flat_hidden, targets[valid], counted,
+                          torch.arange(n, device=device), n, mask.sum(-1))
+
+
+def _chunks(n: int) -> list[slice]:
+    return [slice(i, i + LOGIT_CHUNK_POSITIONS) for i in range(0, n, LOGIT_CHUNK_POSITIONS)]
+
+
+def unembed_counted(lm_head, decoded: DecodedBatch, chunk_loss=None) -> float | None:
+    """Logprobs and entropies of the counted positions, a chunk of positions at a time.
+
+    With ``chunk_loss(logprobs, positions)`` (training) each chunk's loss is backpropagated
+    through the unembedding at once, its hidden-state gradient kept, and one backward through the
+    decoder follows; returns the summed loss. Every loss is a sum over positions of a function of
+    that position alone (losses.py), so the chunks' losses add up to the batch's loss and their
+    gradients to its gradient. Only one chunk of logits exists at a time, and none is recomputed
+    in backward, as activation checkpointing of the unembedding would.
+    """
+    if chunk_loss is None:
+        with torch.no_grad():
+            for sl in _chunks(decoded.counted.numel()):
+                lp, ent = _chunk_logprobs(lm_head, decoded.hidden[sl], decoded.targets[sl])
+                decoded.logprobs[decoded.counted[sl]] = lp
+                decoded.entropy[decoded.counted[sl]] = ent
+        return None
+    grad_hidden = torch.zeros_like(decoded.hidden)
+    total = 0.0
+    for sl in _chunks(decoded.counted.numel()):
+        h = decoded.hidden[sl].detach().requires_grad_(True)
+        lp, ent = _chunk_logprobs(lm_head, h, decoded.targets[sl])
+        loss = chunk_loss(lp, decoded.counted[sl])
+        loss.backward()
+        grad_hidden[sl] = h.grad
+        decoded.logprobs[decoded.counted[sl]] = lp.detach()
+        decoded.entropy[decoded.counted[sl]] = ent
+        total += float(loss.detach())
+    if decoded.hidden.requires_grad:  # False when only lm_head is adapted
+        decoded.hidden.backward(grad_hidden)
+    return total
 
 
 # --------------------------------------------------------------------------- prefix sharing
@@ -259,9 +320,8 @@ def _prefix_logprobs(lm_head, hidden: torch.Tensor, targets: list[list[int]]) ->
     return list(torch.cat(pieces, dim=1).unbind(0))
 
 
-def shared_target_logprobs(model, units: list[SharedGroup], device: torch.device, grad: bool,
-                           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """As ``target_logprobs`` for the members of ``units`` (in unit, then member order), with each
+def decode_shared(model, units: list[SharedGroup], device: torch.device) -> DecodedBatch:
+    """``decode_batch`` for the members of ``units`` (in unit, then member order), with each
     unit's prefix run once and its KV cache fanned out to the unit's suffixes.
 
     Prefix positions are uncounted by construction, so their logprobs need no gradient; the
@@ -291,35 +351,34 @@ def shared_target_logprobs(model, units: list[SharedGroup], device: torch.device
     sids = torch.zeros((len(members), swidth), dtype=torch.long, device=device)
     smask = torch.zeros((len(members), swidth), dtype=torch.long, device=device)
     stargets = torch.zeros((len(members), swidth), dtype=torch.long, device=device)
-    active_rows = torch.zeros((len(members), swidth), dtype=torch.bool, device=device)
+    scounted = torch.zeros((len(members), swidth), dtype=torch.bool, device=device)
+    where = torch.zeros((len(members), swidth), dtype=torch.long, device=device)  # index among all positions
+    offset = 0
     for i, d in enumerate(members):
         p = len(units[int(owner[i])].prefix)
         s = len(d.input_ids) - p
         sids[i, :s] = torch.tensor(d.input_ids[p:], device=device)
         stargets[i, :s] = torch.tensor(d.targets[p:], device=device)
         smask[i, :s] = 1
-        active_rows[i, :s] = losses.token_mask({k: v[p:] for k, v in d.inputs.items()}).to(device)
+        scounted[i, :s] = losses.token_mask({k: v[p:] for k, v in d.inputs.items()}).to(device)
+        where[i, :s] = torch.arange(offset + p, offset + p + s, device=device)
+        offset += len(d.input_ids)
     positions = plens[owner][:, None] + torch.arange(swidth, device=device)[None, :]
     hidden = decoder(input_ids=sids, attention_mask=torch.cat([pmask[owner], smask], dim=1),
                      position_ids=positions, past_key_values=cache, use_cache=True).last_hidden_state
     valid = smask.bool()
-    suffix_lp, suffix_ent = _position_logprobs(lm_head, hidden[valid], stargets[valid],
-                                               active_rows[valid], grad)
+    lengths = torch.tensor([len(d.input_ids) for d in members])
+    decoded = _split_counted(lm_head, hidden[valid], stargets[valid], scounted[valid], where[valid], offset, lengths)
 
-    # ---- per datum: prefix logprobs (no grad, entropy 0) then its suffix
-    prefix_lps: list[torch.Tensor] = []
+    # ---- prefix logprobs: each member's own targets over its unit's one prefix pass
+    starts = torch.cumsum(lengths, 0) - lengths
+    i = 0
     for k, u in enumerate(units):
         p = len(u.prefix)
-        prefix_lps += _prefix_logprobs(lm_head, prefix_hidden[k, :p].detach(),
-                                       [d.targets[:p] for d in u.members])
-    suffix_lens = smask.sum(-1).tolist()
-    lp_parts, ent_parts = [], []
-    for plp, slp, sent in zip(prefix_lps, torch.split(suffix_lp, suffix_lens),
-                              torch.split(suffix_ent, suffix_lens), strict=True):
-        lp_parts += [plp, slp]
-        ent_parts += [torch.zeros_like(plp), sent]
-    lengths = torch.tensor([len(d.input_ids) for d in members])
-    return torch.cat(lp_parts), torch.cat(ent_parts), lengths
+        for lp in _prefix_logprobs(lm_head, prefix_hidden[k, :p].detach(), [d.targets[:p] for d in u.members]):
+            decoded.logprobs[int(starts[i]):int(starts[i]) + p] = lp
+            i += 1
+    return decoded
 
 
 def run(model, data: list[PreparedDatum], loss_fn: str, loss_fn_config: Mapping[str, float] | None,
@@ -336,26 +395,30 @@ def run(model, data: list[PreparedDatum], loss_fn: str, loss_fn_config: Mapping[
     work += [([d for u in units for d in u.members], units)
              for units in shared_micro_batches(groups, max_tokens)]
     outputs: list[dict[str, TensorData] | None] = [None] * len(data)
+    lm_head = model.get_output_embeddings()
     total_loss = 0.0
     entropy_sum = 0.0
     entropy_weight = 0.0
     for batch, units in work:
+        inputs = {key: torch.cat([d.inputs[key] for d in batch]).to(device) for key in batch[0].inputs}
         with torch.set_grad_enabled(backward):
-            inputs = {key: torch.cat([d.inputs[key] for d in batch]).to(device) for key in batch[0].inputs}
             if units is not None:
-                lp, ent, lengths = shared_target_logprobs(model, units, device, grad=backward)
+                decoded = decode_shared(model, units, device)
             else:
-                # Positions every loss masks out need no gradient (see target_logprobs).
-                active = losses.token_mask(inputs) if ("weights" in inputs or "advantages" in inputs) else None
-                lp, ent, lengths = target_logprobs(model, batch, device, grad=backward, active=active)
-            loss = losses.LOSSES[loss_fn](lp, inputs, cfg)
-            if backward:
-                loss.backward()
-        total_loss += float(loss.detach())
-        w = losses.token_weights(inputs) if ("weights" in inputs or "advantages" in inputs) else torch.ones_like(ent)
-        entropy_sum += float((ent * w).sum())
+                counted = losses.token_mask(inputs) if ("weights" in inputs or "advantages" in inputs) else None
+                decoded = decode_batch(model, batch, device, counted, grad=backward)
+        if backward:
+            def chunk_loss(lp: torch.Tensor, positions: torch.Tensor, inputs=inputs) -> torch.Tensor:
+                return losses.LOSSES[loss_fn](lp, {k: v[positions] for k, v in inputs.items()}, cfg)
+
+            total_loss += unembed_counted(lm_head, decoded, chunk_loss)
+        else:
+            unembed_counted(lm_head, decoded)
+            total_loss += float(losses.LOSSES[loss_fn](decoded.logprobs, inputs, cfg))
+        w = losses.token_weights(inputs) if ("weights" in inputs or "advantages" in inputs) else torch.ones_like(decoded.entropy)
+        entropy_sum += float((decoded.entropy * w).sum())
         entropy_weight += float(w.sum())
-        for d, chunk in zip(batch, torch.split(lp.detach().float().cpu(), lengths.tolist()), strict=True):
+        for d, chunk in zip(batch, torch.split(decoded.logprobs.cpu(), decoded.lengths.tolist()), strict=True):
             outputs[d.index] = {"logprobs": TensorData.from_torch(chunk)}
     metrics = {"loss:sum": total_loss}
     if entropy_weight > 0:

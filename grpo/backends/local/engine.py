@@ -196,16 +196,19 @@ class Engine:
         """``use()`` for sampling: gradient-free, so LoRA may be folded into the base weights.
 
         Folded wherever ``folded_lora.can_fold`` allows (float32 weights) unless
-        ``fold_lora_for_sampling`` is turned off. One folded copy is kept (keyed by the snapshot it came from, or the adapter's version)
-        so that every sampling call of a training step after the first reuses it.
+        ``fold_lora_for_sampling`` is turned off. One folded copy is kept, keyed by the snapshot
+        it came from (or the adapter's version), so that every sampling call of a training step
+        after the first reuses it.
         """
         with self.lock:
             if adapter is not None and self.fold_lora_for_sampling and can_fold(self.peft_model, adapter):
                 weights = snapshot[1] if snapshot is not None else None
                 key = (adapter, id(weights)) if weights is not None else (adapter, self.versions[adapter], None)
                 if self._folded is None or self._folded.key != key:
-                    self._folded = None  # free the old copy before building the new one
-                    self._folded = FoldedAdapter(self.peft_model, adapter, weights, key)
+                    # The outdated copy's tensors are overwritten; were that to fail half way, no
+                    # half-written copy may stay cached.
+                    outdated, self._folded = self._folded, None
+                    self._folded = FoldedAdapter(self.peft_model, adapter, weights, key, recycle=outdated)
                 self._activate(adapter)
                 with self._folded.installed(self.peft_model) as model:
                     yield model

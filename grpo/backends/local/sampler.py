@@ -161,10 +161,11 @@ def _choose_tokens(logits: torch.Tensor, rows: list[_Row], device: torch.device)
         groups.setdefault((p.temperature, p.top_k, p.top_p, id(row.generator)), []).append(b)
     for (temperature, top_k, top_p, _), members in groups.items():
         idx = torch.tensor(members, device=device)
+        mine = logits if len(members) == len(rows) else logits[idx]  # as a rule, one group: no copy
         if temperature == 0:
-            chosen[idx] = logits[idx].argmax(-1)
+            chosen[idx] = mine.argmax(-1)
             continue
-        scores = logits[idx] if temperature == 1 else logits[idx] / temperature
+        scores = mine if temperature == 1 else mine / temperature
         scores = _filter_top_k_top_p(scores, top_k, top_p)
         chosen[idx] = _draw(torch.softmax(scores, dim=-1), rows[members[0]].generator)
     return chosen, logprobs_all.gather(-1, chosen[:, None])[:, 0]

@@ -151,10 +151,14 @@ def _chunk_logprobs_only(lm_head, hidden: torch.Tensor, targets: torch.Tensor) -
     return logits.gather(-1, targets[:, None])[:, 0] - torch.logsumexp(logits, dim=-1)
 
 
+def _chunks(n: int) -> list[slice]:
+    """Slices of at most LOGIT_CHUNK_POSITIONS positions: the unembedding's unit of work."""
+    return [slice(i, i + LOGIT_CHUNK_POSITIONS) for i in range(0, n, LOGIT_CHUNK_POSITIONS)]
+
+
 @torch.no_grad()
 def _uncounted_logprobs(lm_head, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    parts = [_chunk_logprobs_only(lm_head, hidden[i:i + LOGIT_CHUNK_POSITIONS], targets[i:i + LOGIT_CHUNK_POSITIONS])
-             for i in range(0, hidden.shape[0], LOGIT_CHUNK_POSITIONS)]
+    parts = [_chunk_logprobs_only(lm_head, hidden[sl], targets[sl]) for sl in _chunks(hidden.shape[0])]
     return torch.cat(parts) if parts else hidden.new_empty(0, dtype=torch.float32)
 
 
@@ -170,11 +174,11 @@ def _split_counted(lm_head, flat_hidden: torch.Tensor, flat_targets: torch.Tenso
                         counted=where[counted], hidden=flat_hidden[counted], targets=flat_targets[counted])
 
 
-def decode_batch(model, batch: list[PreparedDatum], device: torch.device, counted: torch.Tensor | None,
+def decode_batch(model, batch: list[PreparedDatum], device: torch.device, counted_mask: torch.Tensor | None,
                  grad: bool) -> DecodedBatch:
     """Run a micro-batch of datums through the decoder, each in full (right padded).
 
-    ``counted`` (flat, bool) marks the positions the loss counts; None: all of them.
+    ``counted_mask`` (flat, bool) marks the positions the loss counts; None: all of them.
     """
     width = max(len(d.input_ids) for d in batch)
     ids = torch.zeros((len(batch), width), dtype=torch.long, device=device)
@@ -189,17 +193,13 @@ def decode_batch(model, batch: list[PreparedDatum], device: torch.device, counte
     valid = mask.bool()
     flat_hidden = hidden[valid]
     n = flat_hidden.shape[0]
-    counted = torch.ones(n, dtype=torch.bool, device=device) if counted is None else counted.to(device)
+    counted = torch.ones(n, dtype=torch.bool, device=device) if counted_mask is None else counted_mask.to(device)
     if grad and not bool(counted.any()):
         # Nothing counts, yet the loss must still reach the parameters (as zeros) so that
         # optim_step sees the same gradients as always.
         counted = torch.ones_like(counted)
     return _split_counted(model.get_output_embeddings(), flat_hidden, targets[valid], counted,
                           torch.arange(n, device=device), n, mask.sum(-1))
-
-
-def _chunks(n: int) -> list[slice]:
-    return [slice(i, i + LOGIT_CHUNK_POSITIONS) for i in range(0, n, LOGIT_CHUNK_POSITIONS)]
 
 
 def unembed_counted(lm_head, decoded: DecodedBatch, chunk_loss=None) -> float | None:
@@ -312,11 +312,10 @@ def _prefix_logprobs(lm_head, hidden: torch.Tensor, targets: list[list[int]]) ->
     device = hidden.device
     target_ids = torch.tensor(targets, dtype=torch.long, device=device)  # (members, p)
     pieces = []
-    for start in range(0, hidden.shape[0], LOGIT_CHUNK_POSITIONS):
-        logits = lm_head(hidden[start:start + LOGIT_CHUNK_POSITIONS]).float()
+    for sl in _chunks(hidden.shape[0]):
+        logits = lm_head(hidden[sl]).float()
         logz = torch.logsumexp(logits, dim=-1)
-        t = target_ids[:, start:start + LOGIT_CHUNK_POSITIONS]
-        pieces.append(logits.gather(-1, t.T).T - logz)
+        pieces.append(logits.gather(-1, target_ids[:, sl].T).T - logz)
     return list(torch.cat(pieces, dim=1).unbind(0))
 
 

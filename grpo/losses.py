@@ -2,6 +2,8 @@
 
 Every loss is a *sum* over tokens (Tinker semantics). Means, per-sequence normalisation and
 the like are the loop's job: it folds them into ``advantages`` or ``weights`` before calling.
+Each term depends on its own position alone, and the trainer relies on it: it backpropagates the
+loss a chunk of positions at a time (trainer.unembed_counted; tests/test_losses.py checks it).
 
 Notation, per token: ``lp`` the trainer's logprob of the target token (differentiable), ``q`` the
 sampler's logprob, ``r = exp(lp - q)``, ``A`` the advantage, ``w`` the weight. Positions count when

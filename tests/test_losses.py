@@ -144,3 +144,27 @@ def test_loss_config_rejects_unknown_keys_and_bad_clip_range() -> None:
     with pytest.raises(ValueError, match="clip_low_threshold <= 1 <= clip_high_threshold"):
         losses.resolve_config("cispo", {"clip_low_threshold": 1.5})
     assert losses.resolve_config("dro", {"beta": 0.2}) == {"beta": 0.2}
+
+
+@pytest.mark.parametrize("loss_fn", list(CONFIGS))
+def test_every_loss_is_a_sum_of_per_position_terms(loss_fn: str) -> None:
+    """The trainer backpropagates the unembedding a chunk of positions at a time, each chunk with
+    only its own positions' inputs (trainer.unembed_counted). That is exact only while a loss is
+    a sum of terms that each depend on one position; a loss that normalises over the sequence
+    inside would break it, and this test."""
+    gen = torch.Generator().manual_seed(0)
+    n = 40
+    lp = (torch.randn(n, generator=gen) - 2).requires_grad_()
+    inputs = {"logprobs": torch.randn(n, generator=gen) - 2, "advantages": torch.randn(n, generator=gen),
+              "weights": (torch.rand(n, generator=gen) > 0.3).float() * torch.rand(n, generator=gen)}
+    cfg = losses.resolve_config(loss_fn, CONFIGS[loss_fn] or None)
+    whole = losses.LOSSES[loss_fn](lp, inputs, cfg)
+    (grad_whole,) = torch.autograd.grad(whole, lp)
+    order = torch.randperm(n, generator=gen)
+    parts, grad_parts = 0.0, torch.zeros(n)
+    for idx in order.split(7):
+        piece = losses.LOSSES[loss_fn](lp[idx], {k: v[idx] for k, v in inputs.items()}, cfg)
+        (g,) = torch.autograd.grad(piece, lp)
+        parts, grad_parts = parts + float(piece), grad_parts + g
+    assert parts == pytest.approx(float(whole), rel=1e-5, abs=1e-6)
+    assert torch.allclose(grad_parts, grad_whole, atol=1e-6)

@@ -2,7 +2,9 @@
 
 Every training and sampling client of a base model shares one ``Engine``: the base weights are
 in memory once, each training client owns a named peft adapter on top, and sampling clients hold
-snapshots of adapter weights that are swapped in only when training has moved past them.
+snapshots of adapter weights. A float32 model samples through a snapshot folded into a copy of the
+adapted weights (folded_lora.py); otherwise the snapshot is swapped into the adapter only when
+training has moved past it.
 """
 
 from __future__ import annotations

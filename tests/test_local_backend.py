@@ -225,6 +225,33 @@ def test_micro_batches_give_the_same_loss_and_grads(svc) -> None:
 # --------------------------------------------------------------------------- optimizer (5, grad norm)
 
 
+def test_bf16_engine_trains_like_float32(svc) -> None:
+    """A CUDA GPU trains in bf16 (CI has none): the same step on a bf16 engine on the CPU, same
+    adapter init and data, must give the float32 loss and gradients up to bf16 rounding, and its
+    sampler's logprobs must stay within bf16 noise of its trainer's."""
+    bf16 = ServiceClient(device="cpu", dtype="bfloat16")
+    clients = {"fp32": new_client(svc, seed=5), "bf16": new_client(bf16, seed=5)}
+    prompt = PROMPT + [40, 41, 42, 43]  # long enough to be shared by the group
+    sampled = clients["bf16"].save_weights_and_get_sampling_client().sample(
+        types.ModelInput.from_ints(prompt), 4, types.SamplingParams(max_tokens=8, seed=0)).result()
+    data = [rl_datum(prompt, s.tokens, advantage=0.5 - 0.3 * i, sampler_logprobs=s.logprobs)
+            for i, s in enumerate(sampled.sequences)]
+    out, grads = {}, {}
+    for name, client in clients.items():
+        clear_grads(client)
+        out[name] = client.forward_backward(data, "ppo").result()
+        grads[name] = grad_sum(client)
+        clear_grads(client)
+    assert out["bf16"].metrics["loss:sum"] == pytest.approx(out["fp32"].metrics["loss:sum"], rel=5e-3)
+    flat = {k: torch.cat([g.float().flatten() for _, g in sorted(v.items())]) for k, v in grads.items()}
+    cosine = float(torch.nn.functional.cosine_similarity(flat["bf16"], flat["fp32"], dim=0))
+    assert cosine > 0.999, cosine
+    n = len(prompt) - 1
+    worst = max(float((o["logprobs"].to_torch()[n:] - torch.tensor(s.logprobs)).abs().max())
+                for o, s in zip(out["bf16"].loss_fn_outputs, sampled.sequences, strict=True))
+    assert worst < 1e-2, worst
+
+
 def test_cross_entropy_twenty_steps_halve_the_loss(svc) -> None:
     client = new_client(svc, perturb=None, rank=8)
     seqs = [PROMPT + RESPONSE, [1, 42, 43, 44, 45, 46, 47, 48, 2]]

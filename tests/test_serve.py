@@ -1,0 +1,145 @@
+"""The Tinker-compatible server (python -m grpo.serve), driven over real HTTP by the real,
+unmodified tinker SDK: the dev extra's 0.22 here (JSON), the newest (0.38, protobuf) in
+test_serve_sdk038.py. Every server is a subprocess on 127.0.0.1."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import threading
+
+import pytest
+from serve_helpers import API_KEY, Server, assert_matches_in_process, replay_in_process
+
+tinker = pytest.importorskip("tinker")
+pytest.importorskip("fastapi")
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    srv = Server(tmp_path_factory.mktemp("serve") / "checkpoints")
+    yield srv
+    srv.stop()
+
+
+def test_requests_without_the_key_are_401(server):
+    assert server.call("POST", "/api/v1/create_session", {}, key=None)[0] == 401
+    status, body = server.call("POST", "/api/v1/create_session", {}, key="tml-wrong")
+    assert status == 401 and "X-API-Key" in body["detail"]
+    assert server.call("POST", "/api/v1/create_session", {}, key=API_KEY)[0] == 200
+
+
+def test_malformed_bodies_are_422_naming_the_field(server):
+    status, body = server.call("POST", "/api/v1/asample", {"num_samples": "many", "sampling_session_id": "x",
+                                                           "prompt": {"chunks": [{"tokens": [1, 2]}]}})
+    assert status == 422
+    assert [e["loc"] for e in body["detail"]] == [["body", "num_samples"]]
+    status, body = server.call("POST", "/api/v1/asample", {"sampling_session_id": "x"})
+    assert status == 422 and ["body", "prompt"] in [e["loc"] for e in body["detail"]]
+    status, body = server.call("POST", "/api/v1/create_model", {"session_id": "s", "base_model": "tiny",
+                                                                "lora_config": {"rank": 0}})
+    assert status == 422 and body["detail"][0]["loc"] == ["body", "lora_config", "rank"]
+    # A protobuf forward_backward that is not one.
+    status, body = server.call("POST", "/api/v1/forward_backward", b"\xff\xff not protobuf",
+                               content_type="application/x-protobuf")
+    assert status == 422 and body["detail"][0]["loc"] == ["body", "body"]
+    # Not JSON at all.
+    status, body = server.call("POST", "/api/v1/optim_step", b"{nope")
+    assert status == 422
+
+
+def test_unknown_ids_are_404_not_retried(server):
+    status, body = server.call("POST", "/api/v1/retrieve_future", {"request_id": "req-nope"})
+    assert status == 404 and body["detail"][0]["loc"] == ["body", "request_id"]
+    status, body = server.call("POST", "/api/v1/get_info", {"model_id": "nope:train:0"})
+    assert status == 404 and "create_model" in body["detail"][0]["msg"]
+
+
+def test_sdk_minimal_loop_matches_in_process_backend(server, tmp_path):
+    """Create LoRA client, sample, forward_backward(importance_sampling), optim_step, save,
+    resume: loss and logprobs equal the in-process backend's on the same data."""
+    result = server.run_sdk_loop(sys.executable, "tiny")
+    assert result["sdk_version"] == tinker.__version__
+    assert_matches_in_process(result, replay_in_process(result, "tiny", tmp_path / "ckpt"))
+
+
+def test_bad_request_fails_alone_and_the_model_trains_on(server):
+    service = tinker.ServiceClient(base_url=server.url, api_key=API_KEY)
+    training = service.create_lora_training_client(base_model="tiny", rank=2)
+    types = tinker.types
+    good = types.Datum(model_input=types.ModelInput.from_ints([1, 2, 3]),
+                       loss_fn_inputs={"target_tokens": types.TensorData(data=[2, 3, 4], dtype="int64", shape=[3]),
+                                       "weights": types.TensorData(data=[1.0, 1.0, 1.0], dtype="float32", shape=[3])})
+    bad = types.Datum(model_input=types.ModelInput.from_ints([1, 2, 10**8]),
+                      loss_fn_inputs={"target_tokens": types.TensorData(data=[2, 3, 4], dtype="int64", shape=[3]),
+                                      "weights": types.TensorData(data=[1.0, 1.0, 1.0], dtype="float32", shape=[3])})
+    with pytest.raises(Exception, match="vocab|token"):
+        training.forward_backward([bad], "cross_entropy").result()
+    with pytest.raises(Exception, match="loss_fn"):
+        training.forward_backward([good], "stable_reinforce").result()
+    out = training.forward_backward([good], "cross_entropy").result()
+    assert out.metrics["loss:sum"] > 0
+    assert len(out.loss_fn_outputs[0]["logprobs"].tolist()) == 3
+
+
+def test_eight_clients_sampling_at_once_all_complete(server):
+    results: dict[int, list[int]] = {}
+    errors: list[BaseException] = []
+
+    def client(i: int) -> None:
+        try:
+            service = tinker.ServiceClient(base_url=server.url, api_key=API_KEY)
+            sampler = service.create_sampling_client(base_model="tiny")
+            response = sampler.sample(tinker.types.ModelInput.from_ints([1, 2, 3 + i]), num_samples=2,
+                                      sampling_params=tinker.types.SamplingParams(max_tokens=5)).result()
+            results[i] = [len(s.tokens) for s in response.sequences]
+        except BaseException as err:  # reported below with the others
+            errors.append(err)
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+    assert not errors, errors
+    assert sorted(results) == list(range(8))
+    assert all(len(lengths) == 2 and all(1 <= n <= 5 for n in lengths) for lengths in results.values())
+
+
+KILLED_CLIENT = textwrap.dedent("""
+    import sys, tinker
+    service = tinker.ServiceClient()
+    sampler = service.create_sampling_client(base_model="tiny")
+    future = sampler.sample(tinker.types.ModelInput.from_ints([1, 2, 3]), num_samples=8,
+                            sampling_params=tinker.types.SamplingParams(max_tokens=400))
+    print("submitted", flush=True)
+    future.result()
+    print("finished", flush=True)
+""")
+
+
+def test_killing_a_client_mid_request_leaves_the_server_serving(server):
+    # A client killed -9 while its sample request is being worked on and polled.
+    proc = subprocess.Popen([sys.executable, "-c", KILLED_CLIENT], env=server.client_env(),
+                            stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "submitted"
+    threading.Event().wait(1.0)
+    assert proc.poll() is None, "the client finished before it could be killed mid-request"
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    # A connection dropped half-way through sending its body.
+    with socket.create_connection(("127.0.0.1", server.port)) as sock:
+        sock.sendall(b"POST /api/v1/create_session HTTP/1.1\r\nHost: x\r\nX-API-Key: " + API_KEY.encode()
+                     + b"\r\nContent-Type: application/json\r\nContent-Length: 500\r\n\r\n{\"tags\"")
+    # Still serving: a new client samples, and the server process is alive.
+    service = tinker.ServiceClient(base_url=server.url, api_key=API_KEY)
+    sampler = service.create_sampling_client(base_model="tiny")
+    response = sampler.sample(tinker.types.ModelInput.from_ints([5, 6]), num_samples=1,
+                              sampling_params=tinker.types.SamplingParams(max_tokens=3)).result()
+    assert 1 <= len(response.sequences[0].tokens) <= 3
+    assert server.proc.poll() is None
+    assert server.call("GET", "/api/v1/healthz")[0] == 200

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import datetime
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Generic, Literal, TypeVar
@@ -368,3 +369,124 @@ def async_twin(name: str, *, awaited: bool = False) -> Any:
     twin.__name__ = twin.__qualname__ = f"{name}_async"
     twin.__doc__ = f"Async twin of ``{name}``" + (": awaits and returns its result." if awaited else ".")
     return twin
+
+
+# --------------------------------------------------------------------------- server, runs and checkpoints
+# What ServiceClient.get_server_capabilities and the RestClient return, field for field as the
+# Tinker SDK (0.38) names them. grpo.checkpoint_store builds the checkpoint records.
+
+CheckpointType = Literal["training", "sampler", "external"]
+
+# tinker://<training_run_id>/<segment>/<name>: the path segment of each checkpoint type.
+CHECKPOINT_SEGMENTS: dict[str, str] = {"training": "weights", "sampler": "sampler_weights",
+                                       "external": "external_weights"}
+
+
+@dataclass
+class SupportedModel:
+    model_name: str | None = None
+    max_context_length: int | None = None
+    trainable: bool | None = None
+    sampleable: bool | None = None
+
+
+@dataclass
+class GetServerCapabilitiesResponse:
+    supported_models: list[SupportedModel]
+
+
+@dataclass
+class Checkpoint:
+    checkpoint_id: str  # "<segment>/<name>", e.g. "weights/step_000010"
+    checkpoint_type: CheckpointType
+    time: datetime.datetime
+    tinker_path: str
+    size_bytes: int | None = None
+    public: bool = False
+    user_metadata: dict[str, str] | None = None
+    expires_at: datetime.datetime | None = None
+
+
+@dataclass
+class ParsedCheckpointTinkerPath:
+    tinker_path: str
+    training_run_id: str
+    checkpoint_type: CheckpointType
+    checkpoint_id: str
+
+    @classmethod
+    def from_tinker_path(cls, tinker_path: str) -> ParsedCheckpointTinkerPath:
+        """Split ``tinker://<run>/<weights|sampler_weights|external_weights>/<name>``."""
+        parts = tinker_path[len("tinker://"):].split("/") if isinstance(tinker_path, str) else []
+        types_by_segment = {seg: kind for kind, seg in CHECKPOINT_SEGMENTS.items()}
+        if (not str(tinker_path).startswith("tinker://") or len(parts) != 3 or not all(parts)
+                or parts[1] not in types_by_segment):
+            raise ValueError(f"invalid tinker path {tinker_path!r}: expected tinker://<training_run_id>/"
+                             f"<{'|'.join(CHECKPOINT_SEGMENTS.values())}>/<name>")
+        return cls(tinker_path=tinker_path, training_run_id=parts[0],
+                   checkpoint_type=types_by_segment[parts[1]], checkpoint_id="/".join(parts[1:]))
+
+
+@dataclass
+class Cursor:
+    offset: int
+    limit: int
+    total_count: int
+
+
+@dataclass
+class CheckpointsListResponse:
+    checkpoints: list[Checkpoint]
+    cursor: Cursor | None = None
+
+
+@dataclass
+class TrainingRun:
+    training_run_id: str
+    base_model: str
+    model_owner: str
+    is_lora: bool
+    last_request_time: datetime.datetime
+    corrupted: bool = False
+    lora_rank: int | None = None
+    last_checkpoint: Checkpoint | None = None
+    last_sampler_checkpoint: Checkpoint | None = None
+    user_metadata: dict[str, str] | None = None
+
+
+@dataclass
+class TrainingRunsResponse:
+    training_runs: list[TrainingRun]
+    cursor: Cursor
+
+
+@dataclass
+class AdamOptimizerConfig:
+    type: Literal["adam"] = "adam"
+
+
+@dataclass
+class WeightsInfoResponse:
+    base_model: str
+    is_lora: bool
+    lora_rank: int | None = None
+    train_unembed: bool | None = None
+    train_mlp: bool | None = None
+    train_attn: bool | None = None
+    optimizer_config: AdamOptimizerConfig = field(default_factory=AdamOptimizerConfig)
+
+
+@dataclass
+class CheckpointArchiveUrlResponse:
+    """Earlier SDKs' download: one URL to a tar archive of the checkpoint's files."""
+
+    url: str
+    expires: datetime.datetime
+
+
+@dataclass
+class ExternalWeightsUrlsResponse:
+    """SDK 0.38's download: one URL per file, keyed by the path inside the checkpoint."""
+
+    urls: dict[str, str]
+    expires: datetime.datetime

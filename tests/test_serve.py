@@ -143,3 +143,32 @@ def test_killing_a_client_mid_request_leaves_the_server_serving(server):
     assert 1 <= len(response.sequences[0].tokens) <= 3
     assert server.proc.poll() is None
     assert server.call("GET", "/api/v1/healthz")[0] == 200
+
+
+def test_rest_client_lists_expires_publishes_and_deletes_checkpoints(server):
+    service = tinker.ServiceClient(base_url=server.url, api_key=API_KEY)
+    training = service.create_lora_training_client(base_model="tiny", rank=2)
+    state = training.save_state("kept").result().path
+    sampler = training.save_weights_for_sampler("for-sampling").result().path
+    run_id = state.split("/")[2]
+    rest = service.create_rest_client()
+
+    listed = rest.list_checkpoints(run_id).result().checkpoints
+    assert sorted(c.tinker_path for c in listed) == sorted([state, sampler])
+    assert {c.checkpoint_type for c in listed} == {"training", "sampler"}
+    assert all(c.size_bytes and c.size_bytes > 0 for c in listed)
+    run = rest.get_training_run(run_id).result()
+    assert (run.base_model, run.lora_rank, run.is_lora) == ("tiny", 2, True)
+
+    rest.set_checkpoint_ttl_from_tinker_path(sampler, 3600).result()
+    rest.publish_checkpoint_from_tinker_path(state).result()
+    listed = {c.tinker_path: c for c in rest.list_checkpoints(run_id).result().checkpoints}
+    assert listed[sampler].expires_at is not None and listed[state].expires_at is None
+    assert listed[state].public and not listed[sampler].public
+
+    rest.delete_checkpoint_from_tinker_path(sampler).result()
+    assert [c.tinker_path for c in rest.list_checkpoints(run_id).result().checkpoints] == [state]
+    # A deleted checkpoint is gone for loading too: a 404 the SDK does not retry.
+    with pytest.raises(tinker.NotFoundError, match="model_path"):
+        service.create_sampling_client(model_path=sampler).sample(
+            tinker.types.ModelInput.from_ints([1, 2]), num_samples=1).result()

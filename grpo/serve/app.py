@@ -14,8 +14,10 @@ import hmac
 import itertools
 import json
 import secrets
+import shutil
 import time
-from dataclasses import dataclass, field
+import uuid
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +29,8 @@ from pydantic import ValidationError
 from grpo import models
 from grpo import types as g
 from grpo.backends.local.clients import SamplingClient, ServiceClient, TrainingClient
-from grpo.serve import bodies, paths, wire
+from grpo.checkpoint_store import CheckpointStore
+from grpo.serve import bodies, wire
 from grpo.serve.futures import FutureStore, error_result
 from grpo.serve.ordering import SeqGate
 
@@ -63,14 +66,16 @@ class ServerState:
 
     def __init__(self, service: ServiceClient, checkpoint_root: Path, long_poll_s: float):
         self.service = service
-        self.checkpoint_root = checkpoint_root
+        self.store = CheckpointStore(checkpoint_root)
+        # A save is written here in the model's request order, then moved into the store.
+        self.staging = checkpoint_root / ".serve-staging"
         self.futures = FutureStore(long_poll_s)
         self.sessions: dict[str, dict[str, Any]] = {}
         self.models: dict[str, Model] = {}
         self.samplers: dict[str, Sampler] = {}
         self.base_samplers: dict[str, SamplingClient] = {}
         # Loading a base model takes seconds to minutes: done off the event loop.
-        self.executor = concurrent.futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="grpo-serve")
+        self.executor = concurrent.futures.ThreadPoolExecutor(max_workers=8, thread_name_prefix="grpo-serve")
 
     def session(self, session_id: str) -> dict[str, Any]:
         if session_id not in self.sessions:
@@ -89,11 +94,39 @@ class ServerState:
             raise _fail(404, "sampling_session_id", f"unknown sampling_session_id {sampler_id!r}")
         return self.samplers[sampler_id]
 
-    def local_path(self, tinker_path: str, field_name: str = "path") -> Path:
+    def local_path(self, path: str, field_name: str = "path") -> Path:
+        """The directory of a saved checkpoint; 4xx naming the field when there is none."""
+        if not isinstance(path, str) or not path.startswith("tinker://"):
+            raise _fail(422, field_name, f"{path!r} is not a tinker:// path; pass one returned by save_state "
+                        "or save_weights_for_sampler")
         try:
-            return paths.local_dir(self.checkpoint_root, tinker_path)
+            return self.store.resolve(path)
         except ValueError as err:
             raise _fail(422, field_name, str(err)) from err
+        except FileNotFoundError as err:
+            raise _fail(404, field_name, str(err)) from err
+
+    def save_checkpoint(self, model: Model, kind: str, name: str, write, ttl_seconds: int | None,
+                        user_metadata: dict[str, str] | None, overwrite: bool) -> str:
+        """Queue ``write(staging_dir)`` (a TrainingClient save, in request order) and move its
+        files into the store when it is done; returns the future's request id."""
+        staging = self.staging / uuid.uuid4().hex
+        written = _api_future(write(str(staging)))
+
+        def into_store(_value: Any) -> dict[str, Any]:
+            def move(target: Path) -> None:
+                for item in staging.iterdir():
+                    item.replace(target / item.name)
+            try:
+                checkpoint = self.store.save(model.model_id, kind, name, move, ttl_seconds=ttl_seconds,
+                                             user_metadata=user_metadata, overwrite=overwrite)
+            finally:
+                shutil.rmtree(staging, ignore_errors=True)
+            return {"path": checkpoint.tinker_path}
+
+        return self.futures.add(_chain(written, into_store),
+                                lambda r, _p: {**r, "type": "save_weights" if kind == "training" else
+                                               "save_weights_for_sampler"})
 
     def submit(self, fn, render=None) -> str:
         return self.futures.add(self.executor.submit(fn), render)
@@ -108,6 +141,11 @@ def tokenizer_id(base_model: str) -> str:
 
 def _api_future(value: g.APIFuture) -> concurrent.futures.Future:
     return value._future  # grpo's APIFuture wraps a concurrent future; the store waits on it directly
+
+
+def _record(value: Any) -> dict[str, Any]:
+    """A checkpoint-store record (dataclass) as JSON-ready data, datetimes as ISO strings."""
+    return json.loads(json.dumps(asdict(value), default=str))
 
 
 def _chain(source: concurrent.futures.Future, transform) -> concurrent.futures.Future:
@@ -199,7 +237,12 @@ def create_app(api_key: str, service: ServiceClient | None = None, checkpoint_di
 
     # ------------------------------------------------------------------ training models
 
-    def register(model_id: str, base_model: str, client: TrainingClient) -> None:
+    def register(model_id: str, base_model: str, client: TrainingClient,
+                 user_metadata: dict[str, Any] | None = None) -> None:
+        spec = client.spec
+        state.store.create_run(base_model, lora_rank=spec.rank, train_mlp=spec.train_mlp, train_attn=spec.train_attn,
+                               train_unembed=spec.train_unembed, run_id=model_id,
+                               user_metadata={str(k): str(v) for k, v in (user_metadata or {}).items()} or None)
         state.models[model_id] = Model(model_id, base_model, client)
 
     @api.post("/create_model")
@@ -218,7 +261,7 @@ def create_app(api_key: str, service: ServiceClient | None = None, checkpoint_di
             client = state.service.create_lora_training_client(
                 body.base_model, rank=lora.rank, seed=lora.seed, train_mlp=lora.train_mlp,
                 train_attn=lora.train_attn, train_unembed=lora.train_unembed)
-            register(model_id, body.base_model, client)
+            register(model_id, body.base_model, client, getattr(body, "user_metadata", None))
             return {"type": "create_model", "model_id": model_id}
 
         return {"request_id": state.submit(work), "model_id": model_id}
@@ -290,15 +333,11 @@ def create_app(api_key: str, service: ServiceClient | None = None, checkpoint_di
     @api.post("/save_weights")
     async def save_weights(body: bodies.SaveWeights) -> dict[str, Any]:
         model = state.model(body.model_id)
-        name = body.path or f"state-{body.seq_id}"
-        try:
-            path = paths.tinker_path(model.model_id, "weights", name)
-        except ValueError as err:
-            raise _fail(422, "path", str(err)) from err
         async with model.gate.turn(body.seq_id):
-            future = model.client.save_state(str(state.local_path(path)))
-        return {"request_id": state.futures.add(
-            _api_future(future), lambda _r, _p: {"type": "save_weights", "path": path})}
+            request_id = state.save_checkpoint(model, "training", body.path or f"state-{body.seq_id}",
+                                               model.client.save_state, body.ttl_seconds, body.user_metadata,
+                                               body.overwrite)
+        return {"request_id": request_id}
 
     @api.post("/save_weights_for_sampler")
     async def save_weights_for_sampler(body: bodies.SaveWeights) -> dict[str, Any]:
@@ -310,29 +349,18 @@ def create_app(api_key: str, service: ServiceClient | None = None, checkpoint_di
                 # is taken so later requests cannot slip in before it.
                 snap = state.executor.submit(model.client.save_weights_and_get_sampling_client)
                 await asyncio.wait({asyncio.wrap_future(snap)})
-            try:
+            if snap.exception() is None:
                 state.samplers[sampler_id] = Sampler(sampler_id, model.base_model, snap.result())
-            except Exception as err:
-                failed: concurrent.futures.Future = concurrent.futures.Future()
-                failed.set_exception(err)
-                return {"request_id": state.futures.add(failed)}
-            done: concurrent.futures.Future = concurrent.futures.Future()
-            done.set_result({"type": "save_weights_for_sampler", "sampling_session_id": sampler_id})
-            return {"request_id": state.futures.add(done)}
-        try:
-            path = paths.tinker_path(model.model_id, "sampler_weights", body.path)
-        except ValueError as err:
-            raise _fail(422, "path", str(err)) from err
+            return {"request_id": state.futures.add(_chain(snap, lambda _c: {
+                "type": "save_weights_for_sampler", "sampling_session_id": sampler_id}))}
         async with model.gate.turn(body.seq_id):
-            future = model.client.save_weights_for_sampler(str(state.local_path(path)))
-        return {"request_id": state.futures.add(
-            _api_future(future), lambda _r, _p: {"type": "save_weights_for_sampler", "path": path})}
+            request_id = state.save_checkpoint(model, "sampler", body.path, model.client.save_weights_for_sampler,
+                                               body.ttl_seconds, body.user_metadata, body.overwrite)
+        return {"request_id": request_id}
 
     @api.post("/load_weights")
     async def load_weights(body: bodies.LoadWeights) -> dict[str, Any]:
         local = state.local_path(body.path)
-        if not local.exists():
-            raise _fail(404, "path", f"no checkpoint at {body.path} (looked in {local})")
         if body.model_id is not None:  # load into an existing model, in its request order
             model = state.model(body.model_id)
             async with model.gate.turn(body.seq_id):
@@ -345,17 +373,15 @@ def create_app(api_key: str, service: ServiceClient | None = None, checkpoint_di
                         "model_seq_id (a new model from the checkpoint)")
         state.session(body.session_id)
         model_id = f"{body.session_id}:train:{body.model_seq_id or 0}"
-        try:
-            saved = json.loads((local / "grpo_state.json").read_text())
-        except FileNotFoundError as err:
-            raise _fail(422, "path", f"{body.path} holds sampler weights only; training resumes from a "
-                        "save_state (weights) path") from err
+        info = state.store.weights_info(body.path)
 
         def work() -> dict[str, Any]:
-            client = state.service.create_lora_training_client(saved["base_model"], **saved["lora"])
+            client = state.service.create_lora_training_client(
+                info.base_model, rank=info.lora_rank, train_mlp=info.train_mlp is not False,
+                train_attn=info.train_attn is not False, train_unembed=info.train_unembed is not False)
             load = client.load_state_with_optimizer if body.optimizer else client.load_state
             load(str(local)).result()
-            register(model_id, saved["base_model"], client)
+            register(model_id, info.base_model, client)
             return {"type": "load_weights", "path": body.path, "model_id": model_id}
 
         return {"request_id": state.submit(work), "model_id": model_id}
@@ -364,14 +390,58 @@ def create_app(api_key: str, service: ServiceClient | None = None, checkpoint_di
     async def weights_info(body: bodies.WeightsInfo) -> dict[str, Any]:
         """What a checkpoint was trained from: SDK 0.22's create_training_client_from_state
         builds a fresh LoRA client from this, then loads the checkpoint into it."""
-        local = state.local_path(body.tinker_path, "tinker_path")
+        state.local_path(body.tinker_path, "tinker_path")
+        return _record(state.store.weights_info(body.tinker_path))
+
+    # The RestClient's calls: listing, TTL, publishing, deleting; all answered by the store.
+
+    def store_call(fn, *args: Any) -> Any:
         try:
-            saved = json.loads((local / "grpo_state.json").read_text())
+            return fn(*args)
         except FileNotFoundError as err:
-            raise _fail(404, "tinker_path", f"no training checkpoint at {body.tinker_path}") from err
-        return {"base_model": saved["base_model"], "is_lora": True, "lora_rank": saved["lora"]["rank"],
-                "train_unembed": saved["lora"]["train_unembed"], "train_mlp": saved["lora"]["train_mlp"],
-                "train_attn": saved["lora"]["train_attn"]}
+            raise HTTPException(404, detail=str(err)) from err
+        except ValueError as err:
+            raise HTTPException(422, detail=str(err)) from err
+
+    def ckpt_path(run_id: str, checkpoint_id: str) -> str:
+        return f"tinker://{run_id}/{checkpoint_id}"
+
+    @api.get("/training_runs")
+    async def list_training_runs(limit: int = 20, offset: int = 0) -> dict[str, Any]:
+        return _record(store_call(state.store.list_runs, limit, offset))
+
+    @api.get("/training_runs/{run_id}")
+    async def get_training_run(run_id: str) -> dict[str, Any]:
+        return _record(store_call(state.store.get_run, run_id))
+
+    @api.get("/training_runs/{run_id}/checkpoints")
+    async def list_checkpoints(run_id: str) -> dict[str, Any]:
+        return _record(store_call(state.store.list_checkpoints, run_id))
+
+    @api.get("/checkpoints")
+    async def list_user_checkpoints(limit: int = 100, offset: int = 0) -> dict[str, Any]:
+        return _record(store_call(state.store.list_user_checkpoints, limit, offset))
+
+    @api.post("/training_runs/{run_id}/checkpoints/{checkpoint_id:path}/publish")
+    async def publish_checkpoint(run_id: str, checkpoint_id: str) -> Response:
+        store_call(state.store.set_public, ckpt_path(run_id, checkpoint_id), True)
+        return Response(status_code=204)
+
+    @api.delete("/training_runs/{run_id}/checkpoints/{checkpoint_id:path}/publish")
+    async def unpublish_checkpoint(run_id: str, checkpoint_id: str) -> Response:
+        store_call(state.store.set_public, ckpt_path(run_id, checkpoint_id), False)
+        return Response(status_code=204)
+
+    @api.put("/training_runs/{run_id}/checkpoints/{checkpoint_id:path}/ttl")
+    async def set_checkpoint_ttl(run_id: str, checkpoint_id: str, body: bodies.SetTtl) -> Response:
+        store_call(state.store.set_ttl, ckpt_path(run_id, checkpoint_id), body.ttl_seconds)
+        return Response(status_code=204)
+
+    # Registered after the /publish and /ttl routes, which its {checkpoint_id:path} would swallow.
+    @api.delete("/training_runs/{run_id}/checkpoints/{checkpoint_id:path}")
+    async def delete_checkpoint(run_id: str, checkpoint_id: str) -> Response:
+        store_call(state.store.delete, ckpt_path(run_id, checkpoint_id))
+        return Response(status_code=204)
 
     # ------------------------------------------------------------------ sampling
 

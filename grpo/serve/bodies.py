@@ -109,6 +109,9 @@ class SaveWeights(Body):
     path: str | None = None
     seq_id: int | None = None
     sampling_session_seq_id: int | None = None
+    ttl_seconds: int | None = None
+    user_metadata: dict[str, str] | None = None
+    overwrite: bool = True
 
 
 class LoadWeights(Body):
@@ -154,3 +157,7 @@ class RetrieveFuture(Body):
 
 class WeightsInfo(Body):
     tinker_path: str
+
+
+class SetTtl(Body):
+    ttl_seconds: int | None = None

@@ -17,6 +17,25 @@ REPO = Path(__file__).resolve().parent.parent
 SDK_LOOP = REPO / "tests" / "tinker_sdk_loop.py"
 
 
+def sdk_venv(name: str, requirements: list[str], env_var: str) -> str:
+    """The python of a throwaway venv holding ``requirements`` (an SDK the test venv cannot hold
+    beside the dev extra's): ``$env_var`` if set, else built once under $GRPO_CACHE/venvs/<name>
+    from the package registry and reused."""
+    explicit = os.environ.get(env_var)
+    if explicit:
+        return explicit
+    from grpo import models
+
+    venv = models.cache_dir() / "venvs" / name
+    python = venv / "bin" / "python"
+    stamp = venv / ".installed"
+    if not stamp.exists() or stamp.read_text() != " ".join(requirements):
+        subprocess.run([sys.executable, "-m", "venv", "--clear", str(venv)], check=True)
+        subprocess.run([str(python), "-m", "pip", "install", "-q", *requirements], check=True, timeout=1800)
+        stamp.write_text(" ".join(requirements))
+    return str(python)
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -24,7 +43,7 @@ def free_port() -> int:
 
 
 class Server:
-    def __init__(self, checkpoint_dir: Path, long_poll_s: float = 30.0):
+    def __init__(self, checkpoint_dir: Path, long_poll_s: float = 30.0, cwd: Path = REPO):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = checkpoint_dir.parent / "server.log"
@@ -32,7 +51,7 @@ class Server:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "grpo.serve", "--port", str(self.port), "--api-key", API_KEY,
              "--checkpoint-dir", str(checkpoint_dir), "--long-poll", str(long_poll_s)],
-            stdout=self._log_file, stderr=subprocess.STDOUT, cwd=REPO)
+            stdout=self._log_file, stderr=subprocess.STDOUT, cwd=cwd)
         deadline = time.monotonic() + 120
         while True:
             try:

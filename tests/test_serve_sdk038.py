@@ -9,13 +9,11 @@ registry is all it needs). Slow: CI runs it in `make test-ci-slow`.
 
 from __future__ import annotations
 
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-from serve_helpers import Server, assert_matches_in_process, replay_in_process
+from serve_helpers import Server, assert_matches_in_process, replay_in_process, sdk_venv
 
 NEW_SDK = "0.38.0"
 
@@ -23,25 +21,9 @@ pytest.importorskip("fastapi")
 pytestmark = pytest.mark.slow
 
 
-def new_sdk_python() -> str:
-    explicit = os.environ.get("GRPO_TINKER_NEW_PYTHON")
-    if explicit:
-        return explicit
-    from grpo import models
-
-    venv = models.cache_dir() / "venvs" / f"tinker-{NEW_SDK}"
-    python = venv / "bin" / "python"
-    stamp = venv / ".installed"
-    if not stamp.exists():
-        subprocess.run([sys.executable, "-m", "venv", "--clear", str(venv)], check=True)
-        subprocess.run([str(python), "-m", "pip", "install", "-q", f"tinker=={NEW_SDK}"], check=True, timeout=1200)
-        stamp.touch()
-    return str(python)
-
-
 @pytest.fixture(scope="module")
 def sdk_python() -> str:
-    python = new_sdk_python()
+    python = sdk_venv(f"tinker-{NEW_SDK}", [f"tinker=={NEW_SDK}"], "GRPO_TINKER_NEW_PYTHON")
     version = subprocess.run([python, "-c", "import tinker; print(tinker.__version__)"], capture_output=True,
                              text=True, check=True).stdout.strip()
     assert version == NEW_SDK, f"{python} has tinker {version}, not {NEW_SDK}"

@@ -136,7 +136,7 @@ def tokenizer_id(base_model: str) -> str:
     """Where the SDK's ``get_tokenizer()`` can load this model's tokenizer without the hub: the
     local directory the engine loaded it from (the SDK cuts the id at ':', so none may occur)."""
     spec = models.resolve(base_model)
-    return spec.path if spec.kind != "hub" else base_model
+    return str(Path(spec.path).resolve()) if spec.kind != "hub" else base_model
 
 
 def _api_future(value: g.APIFuture) -> concurrent.futures.Future:

@@ -172,3 +172,25 @@ def test_rest_client_lists_expires_publishes_and_deletes_checkpoints(server):
     with pytest.raises(tinker.NotFoundError, match="model_path"):
         service.create_sampling_client(model_path=sampler).sample(
             tinker.types.ModelInput.from_ints([1, 2]), num_samples=1).result()
+
+
+MINT_PROGRAM = textwrap.dedent("""
+    import mint
+    from mint import types
+    service = mint.ServiceClient()
+    training = service.create_lora_training_client(base_model="tiny", rank=2)
+    datum = types.Datum(model_input=types.ModelInput.from_ints([1, 2, 3]), loss_fn_inputs={
+        "target_tokens": types.TensorData(data=[2, 3, 4], dtype="int64", shape=[3]),
+        "weights": types.TensorData(data=[1.0, 1.0, 1.0], dtype="float32", shape=[3])})
+    out = training.forward_backward([datum], "cross_entropy").result()
+    print(out.metrics["loss:sum"], -sum(out.loss_fn_outputs[0]["logprobs"].tolist()))
+""")
+
+
+def test_mint_sdk_trains_on_the_server_through_its_own_variables(server):
+    env = {k: v for k, v in server.client_env().items() if not k.startswith("TINKER_")}
+    env.update(MINT_BASE_URL=server.url, MINT_API_KEY=API_KEY)
+    done = subprocess.run([sys.executable, "-c", MINT_PROGRAM], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    loss, minus_logprob_sum = map(float, done.stdout.split())
+    assert loss > 0 and abs(loss - minus_logprob_sum) < 1e-4  # cross-entropy = -sum of target logprobs

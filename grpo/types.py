@@ -297,16 +297,27 @@ class OptimStepResponse:
 @dataclass
 class SaveWeightsResponse:
     path: str
+    type: Literal["save_weights"] = "save_weights"
 
 
 @dataclass
 class SaveWeightsForSamplerResponse:
     path: str
+    type: Literal["save_weights_for_sampler"] = "save_weights_for_sampler"
 
 
 @dataclass
 class LoadWeightsResponse:
-    path: str
+    path: str | None = None
+    model_id: str | None = None
+    type: Literal["load_weights"] = "load_weights"
+
+
+@dataclass
+class AdamOptimizerConfig:
+    """Which optimizer a run uses; locally always AdamW."""
+
+    type: Literal["adamw"] = "adamw"
 
 
 @dataclass
@@ -324,6 +335,7 @@ class GetInfoResponse:
     lora_rank: int | None = None
     model_name: str | None = None
     type: Literal["get_info"] = "get_info"
+    optimizer_config: AdamOptimizerConfig = field(default_factory=AdamOptimizerConfig)
 
 
 # --------------------------------------------------------------------------- futures
@@ -376,6 +388,19 @@ def async_twin(name: str, *, awaited: bool = False) -> Any:
 # Tinker SDK (0.38) names them. grpo.checkpoint_store builds the checkpoint records.
 
 CheckpointType = Literal["training", "sampler", "external"]
+TensorDtype = Literal["int64", "float32"]
+ModelID = str  # a training run's id
+ModelInputChunk = EncodedTextChunk  # the only chunk kind run locally (no image / audio chunks)
+OptimParams = AdamParams  # the only optimizer run locally
+
+
+@dataclass
+class LoraConfig:
+    rank: int
+    seed: int | None = None
+    train_unembed: bool = True
+    train_mlp: bool = True
+    train_attn: bool = True
 
 # tinker://<training_run_id>/<segment>/<name>: the path segment of each checkpoint type.
 CHECKPOINT_SEGMENTS: dict[str, str] = {"training": "weights", "sampler": "sampler_weights",
@@ -458,11 +483,6 @@ class TrainingRun:
 class TrainingRunsResponse:
     training_runs: list[TrainingRun]
     cursor: Cursor
-
-
-@dataclass
-class AdamOptimizerConfig:
-    type: Literal["adam"] = "adam"
 
 
 @dataclass

@@ -242,6 +242,15 @@ class SampledSequence:
     tokens: list[int]
     logprobs: list[float] | None = None
     stop_reason: StopReason = "length"
+    sequence_id: str | None = None
+
+    @property
+    def tokens_np(self) -> np.ndarray:
+        return np.asarray(self.tokens, dtype=np.int32)
+
+    @property
+    def logprobs_np(self) -> np.ndarray | None:
+        return None if self.logprobs is None else np.asarray(self.logprobs, dtype=np.float32)
 
 
 @dataclass
@@ -249,6 +258,13 @@ class SampleResponse:
     sequences: list[SampledSequence]
     prompt_logprobs: list[float | None] | None = None
     type: Literal["sample"] = "sample"
+
+    @property
+    def prompt_logprobs_np(self) -> np.ndarray | None:
+        """The prompt logprobs as float32, NaN where there is none (the first token)."""
+        if self.prompt_logprobs is None:
+            return None
+        return np.asarray([np.nan if x is None else x for x in self.prompt_logprobs], dtype=np.float32)
 
 
 # --------------------------------------------------------------------------- training
@@ -367,6 +383,25 @@ class APIFuture(Generic[T]):
         return self.result_async().__await__()
 
 
+class _AsyncTwin:
+    """Descriptor holding an ``_async`` twin; when its class is created it takes the signature of
+    the method it twins, so ``inspect.signature`` shows the SDK's parameter names on both."""
+
+    def __init__(self, fn: Any, name: str):
+        self.fn = fn
+        self.name = name
+
+    def __set_name__(self, owner: type, attr: str) -> None:
+        import inspect
+
+        self.fn.__signature__ = inspect.signature(getattr(owner, self.name))
+
+    def __get__(self, obj: Any, objtype: type | None = None) -> Any:
+        import types as _types
+
+        return self.fn if obj is None else _types.MethodType(self.fn, obj)
+
+
 def async_twin(name: str, *, awaited: bool = False) -> Any:
     """The ``<name>_async`` method of a client call ``name``, as the SDKs spell them.
 
@@ -380,7 +415,7 @@ def async_twin(name: str, *, awaited: bool = False) -> Any:
 
     twin.__name__ = twin.__qualname__ = f"{name}_async"
     twin.__doc__ = f"Async twin of ``{name}``" + (": awaits and returns its result." if awaited else ".")
-    return twin
+    return _AsyncTwin(twin, name)
 
 
 # --------------------------------------------------------------------------- server, runs and checkpoints

@@ -33,7 +33,7 @@ TYPES = (
 def method_entry(fn) -> dict:
     params = list(inspect.signature(fn).parameters.values())[1:]  # drop self
     return {
-        "async": inspect.iscoroutinefunction(fn),
+        "async": inspect.iscoroutinefunction(inspect.unwrap(fn)),  # @deprecated wrappers hide it
         "params": [p.name for p in params if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)],
         "keyword_only": [p.name for p in params if p.kind == p.KEYWORD_ONLY],
         "required": [p.name for p in params if p.default is p.empty

@@ -204,6 +204,7 @@ class ServiceClient:
         return self.create_rest_client().copy_weights(path, ttl_seconds=ttl_seconds)
 
     get_server_capabilities_async = async_twin("get_server_capabilities")
+    copy_weights_async = async_twin("copy_weights", awaited=True)
     create_training_client_from_state_async = async_twin("create_training_client_from_state")
     create_training_client_from_state_with_optimizer_async = async_twin(
         "create_training_client_from_state_with_optimizer")
@@ -450,13 +451,13 @@ class TrainingClient(_ClientFuture):
     # ------------------------------------------------------------------ sampling
 
     def save_weights_and_get_sampling_client(self, name: str | None = None, retry_config: Any = None,
-                                             record_stability_info: bool = False, kind: Any = None
+                                             record_stability_info: bool = False, kind: str = "snapshot"
                                              ) -> SamplingClient:
-        """A sampler of the current weights. Without a name nothing is written to disk: the client
-        keeps an in-memory snapshot, swapped in only if this adapter trains on before it samples.
-        With a name the weights are also saved as sampler weights under that name."""
-        if name is not None:
-            self.save_weights_for_sampler(name)
+        """A sampler of the current weights. Nothing is written to disk (``name`` has no effect, as
+        in SDK 0.38): the client keeps an in-memory snapshot, swapped in only if this adapter
+        trains on before it samples."""
+        if kind not in (None, "snapshot"):
+            raise ValueError(f"kind={kind!r} is not supported by the local backend; valid: 'snapshot'")
         fut = self._submit(lambda: self._run_in_engine(
             lambda _: (self.engine.versions[self.adapter], self.engine.adapter_state(self.adapter))))
         return SamplingClient(self.handle, adapter=self.adapter, snapshot=fut.result())
@@ -497,6 +498,7 @@ class TrainingClient(_ClientFuture):
     save_weights_and_get_sampling_client_async = async_twin("save_weights_and_get_sampling_client")
     create_sampling_client_async = async_twin("create_sampling_client")
     get_info_async = async_twin("get_info")
+    num_trainable_parameters_async = async_twin("num_trainable_parameters")
 
 
 class SamplingClient(_ClientFuture):

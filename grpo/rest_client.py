@@ -42,6 +42,11 @@ def _future(fn: Callable[[], Any]) -> APIFuture:
     return APIFuture(out)
 
 
+def _none(_: Any) -> None:
+    """The SDK's management calls return None; the store returns the updated record."""
+    return None
+
+
 def _path(training_run_id: str, checkpoint_id: str) -> str:
     return f"tinker://{training_run_id}/{checkpoint_id}"
 
@@ -92,15 +97,15 @@ class RestClient:
 
     def publish_checkpoint_from_tinker_path(self, tinker_path: str) -> APIFuture[None]:
         """Marks the checkpoint public (its ``public`` field); locally nobody else reads it."""
-        return _future(lambda: self.store.set_public(tinker_path, True) and None)
+        return _future(lambda: _none(self.store.set_public(tinker_path, True)))
 
     def unpublish_checkpoint_from_tinker_path(self, tinker_path: str) -> APIFuture[None]:
-        return _future(lambda: self.store.set_public(tinker_path, False) and None)
+        return _future(lambda: _none(self.store.set_public(tinker_path, False)))
 
     def set_checkpoint_ttl_from_tinker_path(self, tinker_path: str, ttl_seconds: int | None) -> APIFuture[None]:
         """Expire the checkpoint ``ttl_seconds`` from now (None: never). The service asks for at
         least 3600 s; locally any positive TTL is honoured."""
-        return _future(lambda: self.store.set_ttl(tinker_path, ttl_seconds) and None)
+        return _future(lambda: _none(self.store.set_ttl(tinker_path, ttl_seconds)))
 
     def copy_weights(self, path: str, destination_project_id: str | None = None, *,
                      ttl_seconds: int | None = None, weights_access_token: str | None = None) -> APIFuture[str]:
@@ -144,6 +149,7 @@ class RestClient:
 
     # ------------------------------------------------------------------ async twins
 
+    get_server_capabilities_async = async_twin("get_server_capabilities", awaited=True)
     get_training_run_async = async_twin("get_training_run", awaited=True)
     get_training_run_by_tinker_path_async = async_twin("get_training_run_by_tinker_path", awaited=True)
     list_training_runs_async = async_twin("list_training_runs", awaited=True)

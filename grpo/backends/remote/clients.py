@@ -158,6 +158,7 @@ class RemoteServiceClient:
             self.sdk_client.create_sampling_client(model_path=sdk_path, base_model=base_model, **sdk_kwargs)))
         return RemoteSamplingClient(self, client, tokenizer_source=lambda: self._tokenizer(None, base_model))
 
+    get_server_capabilities_async = async_twin("get_server_capabilities")
     create_lora_training_client_async = async_twin("create_lora_training_client")
     create_training_client_from_state_async = async_twin("create_training_client_from_state")
     create_training_client_from_state_with_optimizer_async = async_twin(

@@ -77,7 +77,7 @@ def sum_of_squares(data, logprobs):
 def variance_across_sequences(data, logprobs):
     means = torch.stack([(lp * d.loss_fn_inputs["weights"].to_torch()).sum() / d.loss_fn_inputs["weights"].to_torch().sum()
                          for d, lp in zip(data, logprobs, strict=True)])
-    return means.var(), {"mean_logprob": float(means.mean())}
+    return means.var(), {"mean_logprob": float(means.mean().detach())}
 
 
 def dpo(data, logprobs, beta: float = 0.1):

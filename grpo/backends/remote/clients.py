@@ -291,6 +291,8 @@ class RemoteTrainingClient:
 
     def forward(self, data: Sequence[g.Datum], loss_fn: str,
                 loss_fn_config: Mapping[str, Any] | None = None) -> LazyFuture[g.ForwardBackwardOutput]:
+        if loss_fn not in g.LOSS_FNS:  # as forward_backward: a bad name fails here, not on the service
+            raise ValueError(f"loss_fn={loss_fn!r} is invalid; valid: {', '.join(g.LOSS_FNS)}")
         sdk_data = [convert.datum(self.types, d) for d in data]
         config = convert.loss_fn_config(loss_fn_config)
         return self._submit("forward", lambda: self.sdk_client.forward(sdk_data, loss_fn, config),

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from grpo import models
-from grpo.backends.local import sampler, trainer
+from grpo.backends.local import custom_loss, sampler, trainer
 from grpo.backends.local.engine import Engine, LoraSpec
 from grpo.checkpoint_store import CheckpointStore
 from grpo.rest_client import RestClient
@@ -47,7 +47,6 @@ from grpo.types import (
     SaveWeightsForSamplerResponse,
     SaveWeightsResponse,
     SupportedModel,
-    TensorData,
     async_twin,
 )
 
@@ -252,42 +251,33 @@ class TrainingClient(_ClientFuture):
                          loss_fn_config: dict[str, float] | None = None) -> APIFuture[ForwardBackwardOutput]:
         return self._loss_call(data, loss_fn, loss_fn_config, backward=True)
 
-    def forward_backward_custom(self, data: Sequence[Datum], loss_fn: CustomLossFn, *,
+    def forward_backward_custom(self, data: Sequence[Datum], loss_fn: custom_loss.CustomLossFn, *,
                                 loss_type_input: str | None = None) -> APIFuture[ForwardBackwardOutput]:
-        """Backpropagate any differentiable function of the target logprobs, as the SDK does.
-
-        ``loss_fn(data, logprobs)`` gets the datums and one logprob tensor per datum (shaped like
-        its ``target_tokens``) and returns ``(loss, metrics)``. The parameter gradient is that of
-        the loss through the model: a forward pass gives the logprobs, autograd of ``loss_fn``
-        gives ``c = dloss/dlogprobs``, and a second pass backpropagates the linear loss
-        ``sum(c * logprobs)``, whose gradient equals the custom loss's at these weights. The
-        output's ``metrics`` hold ``loss:sum`` (the custom loss), the function's own metrics and
-        ``surrogate_loss:sum``; ``loss_fn_outputs`` hold the logprobs.
-        """
+        """Backpropagate any differentiable function of the target logprobs, as the SDK does:
+        ``loss_fn(data, logprobs) -> (loss, metrics)`` with one logprob tensor per datum; the
+        parameter gradient is autograd of that loss through the model (grpo/backends/local/
+        custom_loss.py says how). ``metrics`` hold ``loss:sum`` (the custom loss), the function's
+        own metrics and ``surrogate_loss:sum``; ``loss_fn_outputs`` hold the logprobs."""
         if loss_type_input not in (None, "logprobs"):
             raise ValueError(f"loss_type_input={loss_type_input!r} is invalid; the loss always receives logprobs")
         if not callable(loss_fn):
             raise TypeError(f"forward_backward_custom takes a function (data, logprobs) -> (loss, metrics), "
                             f"got {type(loss_fn).__name__}")
         data = list(data)
-        forward_data = [Datum(d.model_input, {"target_tokens": _input(d, "target_tokens", i)})
-                        for i, d in enumerate(data)]
+        forward_data = custom_loss.forward_data(data)
         prepared = trainer.prepare(forward_data, "cross_entropy", self.engine.vocab_size, self.engine.check_tokens)
 
+        def run(datums: list, loss: str, config: dict | None, backward: bool) -> ForwardBackwardOutput:
+            return self._run_in_engine(lambda model: trainer.run(
+                model, datums, loss, config, self.engine.device, self.service.micro_batch_tokens, backward))
+
         def work() -> ForwardBackwardOutput:
-            forward = self._run_in_engine(lambda model: trainer.run(
-                model, prepared, "cross_entropy", None, self.engine.device, self.service.micro_batch_tokens,
-                backward=False))
-            loss, metrics, coeffs = _custom_loss_gradient(data, loss_fn, forward)
-            # dro with beta=0 is exactly -sum(w * A * lp) over positions with w > 0: with w = 1 where
-            # the coefficient is non-zero and A = -c it is the linear surrogate sum(c * lp).
-            linear = [Datum(d.model_input, {"target_tokens": forward_data[i].loss_fn_inputs["target_tokens"],
-                                            "weights": (c != 0).float().numpy(), "advantages": (-c).numpy(),
-                                            "logprobs": forward.loss_fn_outputs[i]["logprobs"].to_numpy()})
-                      for i, (d, c) in enumerate(zip(data, coeffs, strict=True))]
-            backward = self._run_in_engine(lambda model: trainer.run(
-                model, trainer.prepare(linear, "dro", self.engine.vocab_size, self.engine.check_tokens), "dro",
-                {"beta": 0.0}, self.engine.device, self.service.micro_batch_tokens, backward=True))
+            forward = run(prepared, "cross_entropy", None, False)
+            loss, metrics, coeffs = custom_loss.loss_gradient(data, loss_fn, forward)
+            linear = custom_loss.linear_surrogate(forward_data, forward, coeffs)
+            backward = run(trainer.prepare(linear, custom_loss.SURROGATE_LOSS, self.engine.vocab_size,
+                                           self.engine.check_tokens),
+                           custom_loss.SURROGATE_LOSS, custom_loss.SURROGATE_CONFIG, True)
             out_metrics = {**metrics, "loss:sum": loss, "surrogate_loss:sum": backward.metrics["loss:sum"]}
             return ForwardBackwardOutput(loss_fn_output_type=forward.loss_fn_output_type,
                                          loss_fn_outputs=forward.loss_fn_outputs, metrics=out_metrics)
@@ -638,35 +628,6 @@ def _read_state(folder: Path, path: str | None = None) -> dict:
         raise FileNotFoundError(f"{path or folder} is not a grpo training state (no {STATE_FILE}); "
                                 "pass a path from save_state")
     return json.loads(state_file.read_text())
-
-
-# A custom loss: (datums, one logprob tensor per datum) -> (scalar loss tensor, metrics).
-CustomLossFn = Callable[[list[Datum], list[torch.Tensor]], tuple[torch.Tensor, dict[str, float]]]
-
-
-def _input(datum: Datum, key: str, index: int) -> TensorData:
-    if key not in datum.loss_fn_inputs:
-        raise ValueError(f"data[{index}] has no loss input {key!r}; forward_backward_custom needs target_tokens")
-    return datum.loss_fn_inputs[key]
-
-
-def _custom_loss_gradient(data: list[Datum], loss_fn: CustomLossFn, forward: ForwardBackwardOutput
-                          ) -> tuple[float, dict[str, float], list[torch.Tensor]]:
-    """Run the user's loss on leaf logprob tensors; its value, metrics and d loss / d logprobs."""
-    logprobs = []
-    for datum, out in zip(data, forward.loss_fn_outputs, strict=True):
-        shape = datum.loss_fn_inputs["target_tokens"].shape
-        lp = out["logprobs"].to_torch().float()
-        logprobs.append((lp.reshape(shape) if shape else lp).clone().requires_grad_(True))
-    result = loss_fn(data, logprobs)
-    if not (isinstance(result, tuple) and len(result) == 2):
-        raise TypeError(f"the custom loss function must return (loss, metrics), got {type(result).__name__}")
-    loss, metrics = result
-    if not isinstance(loss, torch.Tensor) or not loss.requires_grad:
-        raise TypeError("the custom loss function must return a torch tensor computed from the logprobs it was given")
-    loss.sum().backward()
-    coeffs = [torch.zeros(lp.numel()) if lp.grad is None else lp.grad.detach().reshape(-1).float() for lp in logprobs]
-    return float(loss.detach().sum()), {str(k): float(v) for k, v in dict(metrics or {}).items()}, coeffs
 
 
 def _check_last_n(last_n: int | None, n_tokens: int) -> int | None:

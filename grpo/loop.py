@@ -253,7 +253,7 @@ def collect_batch(run: Run, stream: ItemStream, step: int) -> Batch:
         t0 = time.perf_counter()
         rollouts = sample_groups(
             sampler, prompts, cfg.group_size,
-            lambda i, wave=wave: SamplingParams(max_tokens=cfg.max_tokens, temperature=cfg.temperature,
+            lambda i, wave=wave: SamplingParams(max_tokens=cfg.max_tokens, temperature=cfg.temperature_at(step),
                                                 top_p=cfg.top_p, top_k=cfg.top_k, stop=run.stop,
                                                 seed=sampling_seed(cfg.seed, step, wave, i)),
             run.tokenizer)
@@ -315,7 +315,7 @@ def reference_logprobs(reference: SamplingClient, samples: list[TrainSample]) ->
 def train(training_client: TrainingClient, datums: list[Datum], samples: list[TrainSample], cfg: GRPOConfig,
           step: int) -> dict[str, float]:
     lr = cfg.lr_at(step)
-    metrics: dict[str, float] = {"lr": lr, "datums": float(len(datums))}
+    metrics: dict[str, float] = {"lr": lr, "temperature": cfg.temperature_at(step), "datums": float(len(datums))}
     if not datums:  # every group was flat: nothing to learn from this batch
         return metrics
     adam = AdamParams(learning_rate=lr, beta1=cfg.betas[0], beta2=cfg.betas[1], eps=cfg.eps,

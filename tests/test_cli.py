@@ -135,7 +135,7 @@ def test_a_users_adapter_from_outside_the_repository(tmp_path):
 @pytest.mark.parametrize("override, message", [
     ("batch_size=0", "batch_size=0 is invalid: must be a positive integer"),
     ("group_size=1", "group_size=1 is invalid: must be an integer >= 2"),
-    ("loss_fn=grpo", "loss_fn='grpo' is invalid: valid: cross_entropy, importance_sampling, ppo, cispo, dro"),
+    ("loss_fn=grpo", "loss_fn='grpo' is invalid: valid values: cross_entropy, importance_sampling, ppo, cispo, dro"),
     ("learning_rate=-1", "learning_rate=-1"),
     ("max_tokens=0", "max_tokens=0 is invalid"),
     ("temperature=-0.5", "temperature=-0.5 is invalid"),

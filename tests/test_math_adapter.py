@@ -15,7 +15,7 @@ from adapters.math_rl import MathAdapter, MathConfigError
 from grpo.loop import run_grpo
 from grpo.runlog import read_jsonl
 
-CONF = Path(__file__).resolve().parent.parent / "grpo" / "conf" / "adapter" / "math.yaml"
+CONF = Path(__file__).resolve().parent.parent / "conf" / "adapter" / "math.yaml"
 
 
 def _sum_of(question: str) -> int:

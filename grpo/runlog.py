@@ -18,6 +18,8 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
+from grpo.files import atomic_write_text
+
 LOG_FILES = ("metrics.jsonl", "rollouts.jsonl", "failures.jsonl")
 
 
@@ -52,7 +54,6 @@ class RunLog:
                  wandb_cfg: Any = None):
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        self.total_steps = total_steps
         self.config = dict(config)
         self._progress = _Progress(total_steps) if progress else None
         self._wandb = None
@@ -124,9 +125,7 @@ class RunLog:
 def _write_lines(path: Path, rows: list[dict[str, Any]]) -> None:
     if not path.exists() and not rows:
         return
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    tmp.replace(path)
+    atomic_write_text(path, "".join(json.dumps(r) + "\n" for r in rows))
 
 
 class _Progress:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import random
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -27,6 +27,7 @@ class LoopState:
     step: int = 0  # the next step to run
     cursor: int = 0  # position in the training item stream
     wandb_id: str | None = None
+    solve_history: dict = field(default_factory=dict)  # saturation.SolveHistory.to_json()
 
 
 def _loop_dir(run_dir: Path, name: str) -> Path:

@@ -102,9 +102,15 @@ class GRPOConfig:
     eval_temperature: float = setting(0.8, "temperature of the pass@k samples (accuracy is greedy)")
     eval_max_tokens: int | None = setting(None, "most tokens per evaluation response; null: max_tokens")
 
+    retire_solved_after: int = setting(0, "retire a training item once every sample of its group was correct "
+                                       "this many times in a row (saturated: no signal left); 0: never",
+                                       section="curriculum (per-item solve history, kept across resume)")
+    retire_unsolved_after: int = setting(0, "retire a training item never solved after this many groups; 0: never")
+
     save_every: int = setting(5, "checkpoint every N steps (and at the end); 0: only at the end",
                               section="logging, checkpoints, faults")
     rollouts_per_step: int = setting(64, "responses written to rollouts.jsonl each step; -1: all")
+    show_sample_every: int = setting(0, "print one sampled prompt, response and reward every N steps; 0: off")
     max_failure_rate: float = setting(0.5, "stop (after a checkpoint) when a larger share of a step's rewards fail")
     report: bool = setting(True, "write report.html at checkpoints and at the end")
     progress: bool = setting(True, "progress bar on a terminal, one line per step otherwise")
@@ -166,6 +172,8 @@ class GRPOConfig:
         need(self.eval_max_tokens is None or (is_int(self.eval_max_tokens) and self.eval_max_tokens > 0),
              "eval_max_tokens", "must be a positive integer or null")
         need(is_int(self.save_every) and self.save_every >= 0, "save_every", "must be an integer >= 0 (0: only at the end)")
+        for key in ("retire_solved_after", "retire_unsolved_after", "show_sample_every"):
+            need(is_int(getattr(self, key)) and getattr(self, key) >= 0, key, "must be an integer >= 0 (0: off)")
         need(is_int(self.rollouts_per_step) and self.rollouts_per_step >= -1, "rollouts_per_step", "-1 (all) or >= 0")
         need(number("max_failure_rate") and 0 <= self.max_failure_rate <= 1, "max_failure_rate", "must be in [0, 1]")
         try:

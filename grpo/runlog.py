@@ -115,6 +115,12 @@ class RunLog:
             self._wandb.finish()
             self._wandb = None
 
+    def show_sample(self, step: int, row: Mapping[str, Any]) -> None:
+        """One sampled prompt, response and reward on the console, to read what the policy does."""
+        prompt = str(row["prompt"])[-300:]
+        self.print(f"--- step {step} sample (reward {row['reward']}, advantage {row['advantage']:+.3f})\n"
+                   f"[prompt] ...{prompt}\n[response] {row['response']}")
+
     def print(self, message: str) -> None:
         if self._progress is not None:
             self._progress.console.print(message)

@@ -1,4 +1,4 @@
-"""The client contract: what the loop (and any program) may call on a backend's clients.
+"""The client contract the loop is written against: the Tinker SDK's names, as typing.Protocols.
 
 Written down once, as typing.Protocols under the Tinker SDK's names and parameter names, so that
 ``run_grpo(adapter, cfg, service_client)`` can be typed against them and every backend is held
@@ -44,7 +44,7 @@ class Future(Protocol[T_co]):
 
 
 @runtime_checkable
-class SamplingClientAPI(Protocol):
+class SamplingClient(Protocol):
     def sample(self, prompt: ModelInput, num_samples: int, sampling_params: SamplingParams,
                include_prompt_logprobs: bool = False) -> Future[SampleResponse]:
         """``num_samples`` completions of ``prompt``; logprobs are the untempered policy's."""
@@ -63,7 +63,7 @@ class SamplingClientAPI(Protocol):
 
 
 @runtime_checkable
-class TrainingClientAPI(Protocol):
+class TrainingClient(Protocol):
     def forward(self, data: Sequence[Datum], loss_fn: str,
                 loss_fn_config: Mapping[str, float] | None = None) -> Future[ForwardBackwardOutput]:
         """Loss and per-datum target logprobs, without gradients."""
@@ -93,11 +93,11 @@ class TrainingClientAPI(Protocol):
                                  user_metadata: dict[str, str] | None = None
                                  ) -> Future[SaveWeightsForSamplerResponse]: ...
 
-    def save_weights_and_get_sampling_client(self, name: str | None = None) -> SamplingClientAPI:
+    def save_weights_and_get_sampling_client(self, name: str | None = None) -> SamplingClient:
         """A sampler of the weights as of every training call submitted so far."""
         ...
 
-    def create_sampling_client(self, model_path: str) -> SamplingClientAPI: ...
+    def create_sampling_client(self, model_path: str) -> SamplingClient: ...
 
     def get_info(self) -> Any: ...
 
@@ -126,47 +126,47 @@ class TrainingClientAPI(Protocol):
                                              user_metadata: dict[str, str] | None = None
                                              ) -> Future[SaveWeightsForSamplerResponse]: ...
 
-    async def save_weights_and_get_sampling_client_async(self, name: str | None = None) -> SamplingClientAPI: ...
+    async def save_weights_and_get_sampling_client_async(self, name: str | None = None) -> SamplingClient: ...
 
 
 @runtime_checkable
-class ServiceClientAPI(Protocol):
+class ServiceClient(Protocol):
     def create_lora_training_client(self, base_model: str, rank: int = 16, seed: int | None = None,
                                     train_mlp: bool = True, train_attn: bool = True,
-                                    train_unembed: bool = True) -> TrainingClientAPI: ...
+                                    train_unembed: bool = True) -> TrainingClient: ...
 
-    def create_training_client_from_state(self, path: str, base_model: str | None = None) -> TrainingClientAPI:
+    def create_training_client_from_state(self, path: str, base_model: str | None = None) -> TrainingClient:
         """A new training client with the weights saved at ``path`` and a fresh optimizer."""
         ...
 
     def create_training_client_from_state_with_optimizer(self, path: str, base_model: str | None = None
-                                                         ) -> TrainingClientAPI:
+                                                         ) -> TrainingClient:
         """Resume: the weights and the optimizer state saved at ``path``."""
         ...
 
     def create_sampling_client(self, model_path: str | None = None,
-                               base_model: str | None = None) -> SamplingClientAPI: ...
+                               base_model: str | None = None) -> SamplingClient: ...
 
     def get_server_capabilities(self) -> Any: ...
 
     async def create_lora_training_client_async(self, base_model: str, rank: int = 16, seed: int | None = None,
                                                 train_mlp: bool = True, train_attn: bool = True,
-                                                train_unembed: bool = True) -> TrainingClientAPI: ...
+                                                train_unembed: bool = True) -> TrainingClient: ...
 
     async def create_training_client_from_state_async(self, path: str, base_model: str | None = None
-                                                      ) -> TrainingClientAPI: ...
+                                                      ) -> TrainingClient: ...
 
     async def create_training_client_from_state_with_optimizer_async(self, path: str, base_model: str | None = None
-                                                                     ) -> TrainingClientAPI: ...
+                                                                     ) -> TrainingClient: ...
 
     async def create_sampling_client_async(self, model_path: str | None = None,
-                                           base_model: str | None = None) -> SamplingClientAPI: ...
+                                           base_model: str | None = None) -> SamplingClient: ...
 
     async def get_server_capabilities_async(self) -> Any: ...
 
 
-PROTOCOLS: dict[str, type] = {"ServiceClient": ServiceClientAPI, "TrainingClient": TrainingClientAPI,
-                              "SamplingClient": SamplingClientAPI}
+PROTOCOLS: dict[str, type] = {"ServiceClient": ServiceClient, "TrainingClient": TrainingClient,
+                              "SamplingClient": SamplingClient}
 
 
 def protocol_methods(protocol: type) -> list[str]:

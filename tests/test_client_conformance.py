@@ -47,7 +47,7 @@ def test_signature_check_catches_a_drifted_client() -> None:
 
         async def optim_step(self, adam_params): ...  # async, and a required parameter
 
-    problems = " ".join(client_api.signature_mismatches(client_api.TrainingClientAPI, Drifted))
+    problems = " ".join(client_api.signature_mismatches(client_api.TrainingClient, Drifted))
     assert "forward_backward does not take ['loss_fn']" in problems
     assert "optim_step requires ['adam_params']" in problems and "optim_step should not be async" in problems
     assert "save_state is missing" in problems
@@ -55,9 +55,9 @@ def test_signature_check_catches_a_drifted_client() -> None:
 
 def run_steps(service) -> dict:
     """The same calls on any backend: two RL steps, save/resume with optimizer, sample, logprobs."""
-    assert isinstance(service, client_api.ServiceClientAPI)
+    assert isinstance(service, client_api.ServiceClient)
     training = service.create_lora_training_client("tiny", rank=4, seed=7)
-    assert isinstance(training, client_api.TrainingClientAPI)
+    assert isinstance(training, client_api.TrainingClient)
     rng = np.random.default_rng(0)
     data = [rl_datum(PROMPT, [int(t) for t in rng.integers(100, 2000, 5)], adv, [-1.0] * 5) for adv in (1.0, -0.5)]
     losses = []
@@ -73,7 +73,7 @@ def run_steps(service) -> dict:
     training.optim_step(adam_params=g.AdamParams(learning_rate=1e-2)).result()
 
     sampler = training.save_weights_and_get_sampling_client()
-    assert isinstance(sampler, client_api.SamplingClientAPI)
+    assert isinstance(sampler, client_api.SamplingClient)
     response = sampler.sample(g.ModelInput.from_ints(PROMPT), 2, g.SamplingParams(max_tokens=4, seed=3)).result()
     logprobs = sampler.compute_logprobs(g.ModelInput.from_ints(PROMPT + response.sequences[0].tokens)).result()
     return {"losses": losses, "path": path, "tokens": [s.tokens for s in response.sequences],

@@ -30,6 +30,7 @@ from grpo import models
 from grpo.backends.local import custom_loss, sampler, trainer
 from grpo.backends.local.engine import Engine, LoraSpec
 from grpo.checkpoint_store import CheckpointStore
+from grpo.files import replace_dir
 from grpo.rest_client import RestClient
 from grpo.types import (
     AdamParams,
@@ -341,7 +342,7 @@ class TrainingClient(_ClientFuture):
                     tmp = Path(name).with_name(Path(name).name + ".tmp")
                     shutil.rmtree(tmp, ignore_errors=True)
                     self._write_adapter(tmp, with_optimizer)
-                    _replace_dir(tmp, Path(name))
+                    replace_dir(tmp, Path(name))
                 return name
             return self._submit(to_dir)
 
@@ -647,7 +648,7 @@ def _last_n(logprobs: list[float | None] | None, n: int) -> list[float | None] |
 def _check_optimizer(optimizer: Any) -> None:
     # The SDK can pick an optimizer per run; locally it is always Adam(W).
     kind = getattr(optimizer, "type", None) if not isinstance(optimizer, dict) else optimizer.get("type")
-    if optimizer is not None and kind not in (None, "adam"):
+    if optimizer is not None and kind not in (None, "adam", "adamw"):
         raise ValueError(f"optimizer={optimizer!r} is not supported by the local backend: only Adam is; leave it None")
 
 
@@ -664,23 +665,3 @@ def _then(fut: APIFuture, fn: Callable[[Any], Any]) -> APIFuture:
     fut._future.add_done_callback(done)
     return APIFuture(out)
 
-
-def _run_now(fn: Callable[[], Any]) -> APIFuture:
-    """Run ``fn`` here; its value or its error is delivered through the returned future."""
-    out: concurrent.futures.Future = concurrent.futures.Future()
-    try:
-        out.set_result(fn())
-    except Exception as err:
-        out.set_exception(err)
-    return APIFuture(out)
-
-
-def _replace_dir(tmp: Path, path: Path) -> None:
-    if path.exists():
-        old = path.with_name(path.name + ".old")
-        shutil.rmtree(old, ignore_errors=True)
-        path.replace(old)
-        tmp.replace(path)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        tmp.replace(path)

@@ -49,6 +49,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from grpo.files import atomic_write_text, replace_dir
 from grpo.types import (
     CHECKPOINT_SEGMENTS,
     Checkpoint,
@@ -158,7 +159,7 @@ class CheckpointStore:
             created = now()
             meta = {"time": created.isoformat(), "public": False, "user_metadata": _metadata(user_metadata),
                     "expires_at": None if ttl is None else (created + datetime.timedelta(seconds=ttl)).isoformat()}
-            _replace_dir(staging, target)
+            replace_dir(staging, target)
             _write_json(self._meta_file(path), meta)
         return self.get_checkpoint(path)
 
@@ -332,21 +333,7 @@ def _metadata(user_metadata: dict[str, str] | None) -> dict[str, str] | None:
 
 
 def _write_json(path: Path, value: Any) -> None:
-    tmp = path.with_name(f"{path.name}.{uuid.uuid4().hex[:6]}.tmp")
-    tmp.write_text(json.dumps(value, indent=1, default=str))
-    tmp.replace(path)
-
-
-def _replace_dir(staging: Path, target: Path) -> None:
-    """Move ``staging`` to ``target``; an existing target is renamed away first and removed after,
-    so at every moment one complete directory is at (or next to) ``target``."""
-    if target.exists():
-        old = target.with_name(f"{target.name}.{uuid.uuid4().hex[:6]}.old")
-        target.replace(old)
-        staging.replace(target)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        staging.replace(target)
+    atomic_write_text(path, json.dumps(value, indent=1, default=str))
 
 
 def checkpoint_dict(checkpoint: Checkpoint) -> dict[str, Any]:

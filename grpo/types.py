@@ -20,8 +20,8 @@ if TYPE_CHECKING:  # torch is imported lazily so that config validation starts i
 
 T = TypeVar("T")
 
+# The SDK's type for the built-in losses; grpo.losses.LOSSES is the registry (tests hold them equal).
 LossFnType = Literal["cross_entropy", "importance_sampling", "ppo", "cispo", "dro"]
-LOSS_FNS: tuple[str, ...] = ("cross_entropy", "importance_sampling", "ppo", "cispo", "dro")
 StopReason = Literal["stop", "length"]
 
 
@@ -242,6 +242,15 @@ class SampledSequence:
     tokens: list[int]
     logprobs: list[float] | None = None
     stop_reason: StopReason = "length"
+    sequence_id: str | None = None
+
+    @property
+    def tokens_np(self) -> np.ndarray:
+        return np.asarray(self.tokens, dtype=np.int32)
+
+    @property
+    def logprobs_np(self) -> np.ndarray | None:
+        return None if self.logprobs is None else np.asarray(self.logprobs, dtype=np.float32)
 
 
 @dataclass
@@ -249,6 +258,13 @@ class SampleResponse:
     sequences: list[SampledSequence]
     prompt_logprobs: list[float | None] | None = None
     type: Literal["sample"] = "sample"
+
+    @property
+    def prompt_logprobs_np(self) -> np.ndarray | None:
+        """The prompt logprobs as float32, NaN where there is none (the first token)."""
+        if self.prompt_logprobs is None:
+            return None
+        return np.asarray([np.nan if x is None else x for x in self.prompt_logprobs], dtype=np.float32)
 
 
 # --------------------------------------------------------------------------- training
@@ -297,16 +313,27 @@ class OptimStepResponse:
 @dataclass
 class SaveWeightsResponse:
     path: str
+    type: Literal["save_weights"] = "save_weights"
 
 
 @dataclass
 class SaveWeightsForSamplerResponse:
     path: str
+    type: Literal["save_weights_for_sampler"] = "save_weights_for_sampler"
 
 
 @dataclass
 class LoadWeightsResponse:
-    path: str
+    path: str | None = None
+    model_id: str | None = None
+    type: Literal["load_weights"] = "load_weights"
+
+
+@dataclass
+class AdamOptimizerConfig:
+    """Which optimizer a run uses; locally always AdamW."""
+
+    type: Literal["adamw"] = "adamw"
 
 
 @dataclass
@@ -324,6 +351,7 @@ class GetInfoResponse:
     lora_rank: int | None = None
     model_name: str | None = None
     type: Literal["get_info"] = "get_info"
+    optimizer_config: AdamOptimizerConfig = field(default_factory=AdamOptimizerConfig)
 
 
 # --------------------------------------------------------------------------- futures
@@ -355,6 +383,25 @@ class APIFuture(Generic[T]):
         return self.result_async().__await__()
 
 
+class _AsyncTwin:
+    """Descriptor holding an ``_async`` twin; when its class is created it takes the signature of
+    the method it twins, so ``inspect.signature`` shows the SDK's parameter names on both."""
+
+    def __init__(self, fn: Any, name: str):
+        self.fn = fn
+        self.name = name
+
+    def __set_name__(self, owner: type, attr: str) -> None:
+        import inspect
+
+        self.fn.__signature__ = inspect.signature(getattr(owner, self.name))
+
+    def __get__(self, obj: Any, objtype: type | None = None) -> Any:
+        import types as _types
+
+        return self.fn if obj is None else _types.MethodType(self.fn, obj)
+
+
 def async_twin(name: str, *, awaited: bool = False) -> Any:
     """The ``<name>_async`` method of a client call ``name``, as the SDKs spell them.
 
@@ -368,7 +415,7 @@ def async_twin(name: str, *, awaited: bool = False) -> Any:
 
     twin.__name__ = twin.__qualname__ = f"{name}_async"
     twin.__doc__ = f"Async twin of ``{name}``" + (": awaits and returns its result." if awaited else ".")
-    return twin
+    return _AsyncTwin(twin, name)
 
 
 # --------------------------------------------------------------------------- server, runs and checkpoints
@@ -376,6 +423,19 @@ def async_twin(name: str, *, awaited: bool = False) -> Any:
 # Tinker SDK (0.38) names them. grpo.checkpoint_store builds the checkpoint records.
 
 CheckpointType = Literal["training", "sampler", "external"]
+TensorDtype = Literal["int64", "float32"]
+ModelID = str  # a training run's id
+ModelInputChunk = EncodedTextChunk  # the only chunk kind run locally (no image / audio chunks)
+OptimParams = AdamParams  # the only optimizer run locally
+
+
+@dataclass
+class LoraConfig:
+    rank: int
+    seed: int | None = None
+    train_unembed: bool = True
+    train_mlp: bool = True
+    train_attn: bool = True
 
 # tinker://<training_run_id>/<segment>/<name>: the path segment of each checkpoint type.
 CHECKPOINT_SEGMENTS: dict[str, str] = {"training": "weights", "sampler": "sampler_weights",
@@ -458,11 +518,6 @@ class TrainingRun:
 class TrainingRunsResponse:
     training_runs: list[TrainingRun]
     cursor: Cursor
-
-
-@dataclass
-class AdamOptimizerConfig:
-    type: Literal["adam"] = "adam"
 
 
 @dataclass

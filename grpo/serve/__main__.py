@@ -23,7 +23,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--api-key", default=None,
                         help=f"key clients must send (must start with tml-); default ${KEY_VAR}, else a fresh one")
     parser.add_argument("--checkpoint-dir", default=None,
-                        help="where tinker:// checkpoints live (default $GRPO_CACHE/checkpoints/tinker)")
+                        help="the checkpoint store tinker:// paths live in (default $GRPO_CACHE/checkpoints)")
     parser.add_argument("--device", default=None, help="cpu, cuda, ... (default: cuda if available)")
     parser.add_argument("--dtype", default=None, help="float32 or bfloat16 (default: bf16 on CUDA, else fp32)")
     parser.add_argument("--long-poll", type=float, default=30.0,
@@ -53,8 +53,8 @@ def main(argv: list[str] | None = None) -> None:
     from grpo.backends.local.clients import ServiceClient
     from grpo.serve.app import create_app
 
-    service = ServiceClient(device=args.device, dtype=args.dtype)
-    app = create_app(key, service, args.checkpoint_dir, long_poll_s=args.long_poll)
+    service = ServiceClient(checkpoint_dir=args.checkpoint_dir, device=args.device, dtype=args.dtype)
+    app = create_app(key, service, long_poll_s=args.long_poll)
     url = f"http://{'127.0.0.1' if args.host in ('0.0.0.0', '::') else args.host}:{args.port}"
     print(f"grpo serve: Tinker API at {url}", flush=True)
     print(f"  export TINKER_BASE_URL={url}", flush=True)

@@ -14,9 +14,7 @@ import hmac
 import itertools
 import json
 import secrets
-import shutil
 import time
-import uuid
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -29,7 +27,6 @@ from pydantic import ValidationError
 from grpo import models
 from grpo import types as g
 from grpo.backends.local.clients import SamplingClient, ServiceClient, TrainingClient
-from grpo.checkpoint_store import CheckpointStore
 from grpo.serve import bodies, wire
 from grpo.serve.futures import FutureStore, error_result
 from grpo.serve.ordering import SeqGate
@@ -64,11 +61,9 @@ class Sampler:
 class ServerState:
     """Sessions, models, samplers and futures of one server process."""
 
-    def __init__(self, service: ServiceClient, checkpoint_root: Path, long_poll_s: float):
+    def __init__(self, service: ServiceClient, long_poll_s: float):
         self.service = service
-        self.store = CheckpointStore(checkpoint_root)
-        # A save is written here in the model's request order, then moved into the store.
-        self.staging = checkpoint_root / ".serve-staging"
+        self.store = service.store  # the in-process clients save into it; listings read it
         self.futures = FutureStore(long_poll_s)
         self.sessions: dict[str, dict[str, Any]] = {}
         self.models: dict[str, Model] = {}
@@ -105,28 +100,6 @@ class ServerState:
             raise _fail(422, field_name, str(err)) from err
         except FileNotFoundError as err:
             raise _fail(404, field_name, str(err)) from err
-
-    def save_checkpoint(self, model: Model, kind: str, name: str, write, ttl_seconds: int | None,
-                        user_metadata: dict[str, str] | None, overwrite: bool) -> str:
-        """Queue ``write(staging_dir)`` (a TrainingClient save, in request order) and move its
-        files into the store when it is done; returns the future's request id."""
-        staging = self.staging / uuid.uuid4().hex
-        written = _api_future(write(str(staging)))
-
-        def into_store(_value: Any) -> dict[str, Any]:
-            def move(target: Path) -> None:
-                for item in staging.iterdir():
-                    item.replace(target / item.name)
-            try:
-                checkpoint = self.store.save(model.model_id, kind, name, move, ttl_seconds=ttl_seconds,
-                                             user_metadata=user_metadata, overwrite=overwrite)
-            finally:
-                shutil.rmtree(staging, ignore_errors=True)
-            return {"path": checkpoint.tinker_path}
-
-        return self.futures.add(_chain(written, into_store),
-                                lambda r, _p: {**r, "type": "save_weights" if kind == "training" else
-                                               "save_weights_for_sampler"})
 
     def submit(self, fn, render=None) -> str:
         return self.futures.add(self.executor.submit(fn), render)
@@ -176,13 +149,12 @@ def _parse_json(raw: bytes, model: type[bodies.Body]) -> bodies.Body:
         raise RequestValidationError([{**e, "loc": ("body", *e["loc"])} for e in err.errors()]) from err
 
 
-def create_app(api_key: str, service: ServiceClient | None = None, checkpoint_dir: str | Path | None = None,
-               long_poll_s: float = 30.0) -> FastAPI:
+def create_app(api_key: str, service: ServiceClient | None = None, long_poll_s: float = 30.0) -> FastAPI:
+    """The app; ``service`` (default: a ServiceClient on $GRPO_CACHE/checkpoints) holds the
+    base models and the checkpoint store."""
     if not api_key.startswith("tml-"):
         raise ValueError("the API key must start with 'tml-' (the Tinker SDK refuses any other)")
-    service = service or ServiceClient()
-    root = Path(checkpoint_dir) if checkpoint_dir else service.checkpoint_dir / "tinker"
-    state = ServerState(service, root, long_poll_s)
+    state = ServerState(service or ServiceClient(), long_poll_s)
 
     def require_key(request: Request) -> None:
         given = request.headers.get("x-api-key", "")
@@ -237,12 +209,7 @@ def create_app(api_key: str, service: ServiceClient | None = None, checkpoint_di
 
     # ------------------------------------------------------------------ training models
 
-    def register(model_id: str, base_model: str, client: TrainingClient,
-                 user_metadata: dict[str, Any] | None = None) -> None:
-        spec = client.spec
-        state.store.create_run(base_model, lora_rank=spec.rank, train_mlp=spec.train_mlp, train_attn=spec.train_attn,
-                               train_unembed=spec.train_unembed, run_id=model_id,
-                               user_metadata={str(k): str(v) for k, v in (user_metadata or {}).items()} or None)
+    def register(model_id: str, base_model: str, client: TrainingClient) -> None:
         state.models[model_id] = Model(model_id, base_model, client)
 
     @api.post("/create_model")
@@ -256,12 +223,13 @@ def create_app(api_key: str, service: ServiceClient | None = None, checkpoint_di
         if model_id in state.models:
             raise _fail(409, "model_seq_id", f"model {model_id} exists already")
         lora = body.lora_config
+        metadata = {str(k): str(v) for k, v in (body.user_metadata or {}).items()} or None
 
         def work() -> dict[str, Any]:
             client = state.service.create_lora_training_client(
                 body.base_model, rank=lora.rank, seed=lora.seed, train_mlp=lora.train_mlp,
-                train_attn=lora.train_attn, train_unembed=lora.train_unembed)
-            register(model_id, body.base_model, client, getattr(body, "user_metadata", None))
+                train_attn=lora.train_attn, train_unembed=lora.train_unembed, user_metadata=metadata)
+            register(model_id, body.base_model, client)
             return {"type": "create_model", "model_id": model_id}
 
         return {"request_id": state.submit(work), "model_id": model_id}
@@ -334,10 +302,13 @@ def create_app(api_key: str, service: ServiceClient | None = None, checkpoint_di
     async def save_weights(body: bodies.SaveWeights) -> dict[str, Any]:
         model = state.model(body.model_id)
         async with model.gate.turn(body.seq_id):
-            request_id = state.save_checkpoint(model, "training", body.path or f"state-{body.seq_id}",
-                                               model.client.save_state, body.ttl_seconds, body.user_metadata,
-                                               body.overwrite)
-        return {"request_id": request_id}
+            try:
+                future = model.client.save_state(body.path or f"state-{body.seq_id}", ttl_seconds=body.ttl_seconds,
+                                                 overwrite=body.overwrite, user_metadata=body.user_metadata)
+            except ValueError as err:
+                raise _fail(422, "path", str(err)) from err
+        return {"request_id": state.futures.add(
+            _api_future(future), lambda r, _p: {"type": "save_weights", "path": r.path})}
 
     @api.post("/save_weights_for_sampler")
     async def save_weights_for_sampler(body: bodies.SaveWeights) -> dict[str, Any]:
@@ -354,18 +325,22 @@ def create_app(api_key: str, service: ServiceClient | None = None, checkpoint_di
             return {"request_id": state.futures.add(_chain(snap, lambda _c: {
                 "type": "save_weights_for_sampler", "sampling_session_id": sampler_id}))}
         async with model.gate.turn(body.seq_id):
-            request_id = state.save_checkpoint(model, "sampler", body.path, model.client.save_weights_for_sampler,
-                                               body.ttl_seconds, body.user_metadata, body.overwrite)
-        return {"request_id": request_id}
+            try:
+                future = model.client.save_weights_for_sampler(body.path, ttl_seconds=body.ttl_seconds,
+                                                               user_metadata=body.user_metadata)
+            except ValueError as err:
+                raise _fail(422, "path", str(err)) from err
+        return {"request_id": state.futures.add(
+            _api_future(future), lambda r, _p: {"type": "save_weights_for_sampler", "path": r.path})}
 
     @api.post("/load_weights")
     async def load_weights(body: bodies.LoadWeights) -> dict[str, Any]:
-        local = state.local_path(body.path)
+        state.local_path(body.path)  # 404 or 422 now, rather than a failed future later
         if body.model_id is not None:  # load into an existing model, in its request order
             model = state.model(body.model_id)
             async with model.gate.turn(body.seq_id):
                 load = model.client.load_state_with_optimizer if body.optimizer else model.client.load_state
-                future = load(str(local))
+                future = load(body.path)
             return {"request_id": state.futures.add(
                 _api_future(future), lambda _r, _p: {"type": "load_weights", "path": body.path})}
         if body.session_id is None:
@@ -376,12 +351,9 @@ def create_app(api_key: str, service: ServiceClient | None = None, checkpoint_di
         info = state.store.weights_info(body.path)
 
         def work() -> dict[str, Any]:
-            client = state.service.create_lora_training_client(
-                info.base_model, rank=info.lora_rank, train_mlp=info.train_mlp is not False,
-                train_attn=info.train_attn is not False, train_unembed=info.train_unembed is not False)
-            load = client.load_state_with_optimizer if body.optimizer else client.load_state
-            load(str(local)).result()
-            register(model_id, info.base_model, client)
+            resume = (state.service.create_training_client_from_state_with_optimizer if body.optimizer
+                      else state.service.create_training_client_from_state)
+            register(model_id, info.base_model, resume(body.path))
             return {"type": "load_weights", "path": body.path, "model_id": model_id}
 
         return {"request_id": state.submit(work), "model_id": model_id}
@@ -454,7 +426,7 @@ def create_app(api_key: str, service: ServiceClient | None = None, checkpoint_di
             if not (local / "adapter_config.json").exists():
                 raise _fail(404, "model_path", f"no sampler weights at {body.model_path}")
             base = body.base_model or json.loads((local / "adapter_config.json").read_text())["base_model_name_or_path"]
-            client = await asyncio.to_thread(state.service.create_sampling_client, model_path=str(local))
+            client = await asyncio.to_thread(state.service.create_sampling_client, model_path=body.model_path)
         elif body.base_model:
             try:
                 models.resolve(body.base_model)

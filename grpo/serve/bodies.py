@@ -45,6 +45,7 @@ class CreateModel(Body):
     base_model: str = Field(min_length=1)
     lora_config: LoraConfig = LoraConfig()
     optimizer_config: OptimizerConfig | None = None
+    user_metadata: dict[str, Any] | None = None
 
 
 class ModelRef(Body):

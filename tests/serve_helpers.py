@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -34,6 +35,47 @@ def sdk_venv(name: str, requirements: list[str], env_var: str) -> str:
         subprocess.run([str(python), "-m", "pip", "install", "-q", *requirements], check=True, timeout=1800)
         stamp.write_text(" ".join(requirements))
     return str(python)
+
+
+def sdk_overlay(version: str) -> Path:
+    """A directory holding only ``tinker==version`` (pip --no-deps --target), built once under
+    $GRPO_CACHE/sdk-overlays/. Put first on PYTHONPATH, it replaces the dev venv's tinker 0.22 for
+    one subprocess, which keeps the dev venv's grpo, torch and the SDK's dependencies."""
+    from grpo import models
+
+    target = models.cache_dir() / "sdk-overlays" / f"tinker-{version}"
+    if not (target / ".installed").exists():
+        staging = target.with_name(target.name + ".tmp")
+        shutil.rmtree(staging, ignore_errors=True)
+        pip = [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(staging)]
+        subprocess.run([*pip, f"tinker=={version}"], check=True, timeout=600)
+        missing = _unmet_requirements(next(staging.glob("tinker-*.dist-info")) / "METADATA")
+        if missing:  # dependencies the dev venv lacks or holds in a version the SDK refuses
+            subprocess.run([*pip, *missing], check=True, timeout=600)
+        (staging / ".installed").touch()
+        shutil.rmtree(target, ignore_errors=True)
+        staging.replace(target)
+    return target
+
+
+def _unmet_requirements(metadata: Path) -> list[str]:
+    import importlib.metadata
+    from email.parser import Parser
+
+    from packaging.requirements import Requirement
+
+    unmet = []
+    for line in Parser().parsestr(metadata.read_text()).get_all("Requires-Dist") or []:
+        req = Requirement(line)
+        if req.marker is not None and not req.marker.evaluate({"extra": ""}):
+            continue
+        try:
+            if req.specifier.contains(importlib.metadata.version(req.name), prereleases=True):
+                continue
+        except importlib.metadata.PackageNotFoundError:
+            pass
+        unmet.append(str(req).split(";")[0])
+    return unmet
 
 
 def free_port() -> int:

@@ -1,0 +1,62 @@
+"""`python -m grpo ... backend=tinker` against grpo's own Tinker server, with the newest SDK:
+a real HTTP round trip whose metrics equal the local backend's on the same seed (issue #21)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from serve_helpers import API_KEY, REPO, Server, sdk_overlay
+
+from grpo.runlog import read_jsonl
+
+NEWEST_SDK = "0.38.0"
+TOY = ["adapter=custom", "adapter._target_=toy_adapter.ToyAdapter", "base_model=tiny", "batch_size=2",
+       "group_size=4", "max_tokens=8", "report=false", "learning_rate=1e-3", "eval_samples=2", "steps=2", "seed=3"]
+TIMING_PREFIXES = ("time/", "throughput/")
+
+pytest.importorskip("fastapi")
+
+
+def grpo(args: list[str], run_dir: Path, pythonpath: list[Path], extra_env: dict[str, str] | None = None
+         ) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(map(str, pythonpath)), **(extra_env or {})}
+    return subprocess.run([sys.executable, "-m", "grpo", *args, f"hydra.run.dir={run_dir}"], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=600)
+
+
+def comparable(rows: list[dict]) -> list[dict]:
+    return [{k: v for k, v in r.items() if not k.startswith(TIMING_PREFIXES)} for r in rows]
+
+
+def test_backend_tinker_on_grpo_server_with_newest_sdk_matches_local(tmp_path):
+    overlay = sdk_overlay(NEWEST_SDK)
+    tests = REPO / "tests"
+    local = grpo(TOY, tmp_path / "local", [tests])
+    assert local.returncode == 0, local.stderr[-3000:]
+    server = Server(tmp_path / "server-checkpoints")
+    try:
+        probe = subprocess.run([sys.executable, "-c", "import tinker, importlib.metadata as m; "
+                                "print(m.version('tinker'), tinker.__file__)"],
+                               env={**os.environ, "PYTHONPATH": str(overlay)}, capture_output=True, text=True)
+        assert probe.stdout.split()[0] == NEWEST_SDK and str(overlay) in probe.stdout, probe.stdout + probe.stderr
+        remote = grpo([*TOY, "backend=tinker", f"backend.base_url={server.url}"], tmp_path / "remote",
+                      [overlay, tests], {"TINKER_API_KEY": API_KEY, "TINKER_TELEMETRY": "0"})
+        assert remote.returncode == 0, remote.stderr[-3000:] + server.log.read_text()[-2000:]
+    finally:
+        server.stop()
+    for name in ("metrics.jsonl", "rollouts.jsonl"):
+        expected = comparable(read_jsonl(tmp_path / "local" / name))
+        got = comparable(read_jsonl(tmp_path / "remote" / name))
+        assert len(got) == len(expected) > 0, name
+        for want, have in zip(expected, got, strict=True):
+            assert want.keys() == have.keys(), name
+            for key, value in want.items():
+                if isinstance(value, float):
+                    assert have[key] == pytest.approx(value, rel=1e-4, abs=1e-5), (name, key)
+                else:
+                    assert have[key] == value, (name, key)
+    assert "tinker://" in remote.stdout

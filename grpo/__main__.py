@@ -81,10 +81,15 @@ def main(cfg: DictConfig) -> str | None:
     except (ConnectionError, TimeoutError) as err:  # a remote backend that cannot be reached
         print(f"grpo: cannot reach the backend: {err}", file=sys.stderr)
         sys.exit(3)
+    from grpo.backends.remote.resilience import RemoteRequestError
     from grpo.loop import run_grpo
 
-    return run_grpo(adapter, loop_cfg, service_client=service_client, run_dir=run_dir,
-                    resolved_config=OmegaConf.to_container(cfg, resolve=True))
+    try:
+        return run_grpo(adapter, loop_cfg, service_client=service_client, run_dir=run_dir,
+                        resolved_config=OmegaConf.to_container(cfg, resolve=True))
+    except RemoteRequestError as err:  # the service refused a value: one line naming it, no traceback
+        print(f"grpo: {err}", file=sys.stderr)
+        sys.exit(2)
 
 
 if __name__ == "__main__":

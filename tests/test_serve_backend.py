@@ -60,3 +60,32 @@ def test_backend_tinker_on_grpo_server_with_newest_sdk_matches_local(tmp_path):
                 else:
                     assert have[key] == value, (name, key)
     assert "tinker://" in remote.stdout
+
+
+def test_a_value_the_service_refuses_is_one_grpo_line_naming_the_config_key(tmp_path):
+    """The server's 422 for LoRA rank 2000 (dev extra's SDK, over real HTTP) ends the run with one
+    `grpo:` line naming the reason and the key, not a traceback."""
+    server = Server(tmp_path / "server-checkpoints")
+    try:
+        run = grpo([*TOY, "rank=2000", "backend=tinker", f"backend.base_url={server.url}"], tmp_path / "run",
+                   [REPO / "tests"], {"TINKER_API_KEY": API_KEY, "TINKER_TELEMETRY": "0"})
+    finally:
+        server.stop()
+    assert run.returncode == 2, run.stderr[-3000:]
+    assert "Traceback" not in run.stderr
+    last = run.stderr.strip().splitlines()[-1]
+    assert last.startswith("grpo: ") and "lora_config.rank" in last and "1024" in last and "`rank`" in last, last
+
+
+@pytest.mark.parametrize(("reason", "key"), [
+    ("LoRA rank 16 must be between 1 and 8", "rank"),  # SkyRL's words for the same refusal
+    ("lora_config.rank: Input should be less than or equal to 1024", "rank"),
+    ("base_model 'x' is not served here", "base_model"),
+    ("sampling_params.max_tokens: Input should be greater than or equal to 1", "max_tokens"),
+    ("num_samples: too many", "group_size"),
+    ("the server is tired", None),
+])
+def test_refusals_map_to_the_config_key_that_sets_the_value(reason, key):
+    from grpo.backends.remote.resilience import config_key_for
+
+    assert config_key_for(reason) == key

@@ -23,6 +23,7 @@ from grpo.backends.remote.resilience import (
     RemoteStepError,
     RemoteTimeoutError,
     RetryPolicy,
+    as_request_error,
     check_reachable,
     is_transient,
     retrying,
@@ -240,6 +241,9 @@ class RemoteTrainingClient:
         ok, value = call.outcome
         if ok:
             return value
+        refusal = as_request_error(value, call.what, self.service.endpoint)
+        if refusal is not value:
+            raise refusal from value
         raise value
 
     def _settle_pending(self, timeout: float | None) -> None:

@@ -60,6 +60,7 @@ def test_backend_tinker_on_grpo_server_with_newest_sdk_matches_local(tmp_path):
                 else:
                     assert have[key] == value, (name, key)
     assert "tinker://" in remote.stdout
+    assert f"grpo: tinker SDK {NEWEST_SDK} fits the server at {server.url} (grpo serve" in remote.stdout
 
 
 def test_a_value_the_service_refuses_is_one_grpo_line_naming_the_config_key(tmp_path):
@@ -89,3 +90,40 @@ def test_refusals_map_to_the_config_key_that_sets_the_value(reason, key):
     from grpo.backends.remote.resilience import config_key_for
 
     assert config_key_for(reason) == key
+
+
+SKYRL_04 = {"forward": (404, {"detail": "Not Found"}), "json_fwdbwd": (415, {"detail": "Unsupported Media Type"})}
+GRPO_SERVE = {"server": "grpo serve", "version": "0.1.0", "tested_sdks": ["0.22.0", "0.38.0"]}
+
+
+def test_startup_check_says_when_sdk_and_server_do_not_fit():
+    from grpo.backends.remote.compat import judge
+
+    # SDK 0.22 (JSON) on a protobuf-only server, probed as SkyRL 0.4's answered: refused at start-up.
+    verdict = judge("0.22.0", None, SKYRL_04["forward"], SKYRL_04["json_fwdbwd"], "http://h:1")
+    assert verdict.fits is False
+    assert "/forward and no JSON forward_backward" in verdict.line and "tinker>=0.25" in verdict.line
+    # The same server with a protobuf SDK: nothing certain, so one informative line, no refusal.
+    assert judge("0.38.0", None, *SKYRL_04.values(), "http://h:1").fits is None
+    # grpo serve names itself and the SDKs it was tested with.
+    assert judge("0.22.0", GRPO_SERVE, (422, {}), (422, {}), "http://h:1").fits is True
+    newer = judge("0.41.0", GRPO_SERVE, (422, {}), (422, {}), "http://h:1")
+    assert newer.fits is None and "newer than any SDK it was tested with" in newer.line
+
+
+def test_startup_check_probes_a_real_server(tmp_path):
+    from grpo.backends.remote.compat import check
+
+    server = Server(tmp_path / "server-checkpoints")
+    try:
+        verdict = check("tinker", server.url, API_KEY, 10.0)
+        assert server.call("GET", "/api/v1/healthz", key=None)[0] == 200  # open: says what it is, nothing else
+    finally:
+        server.stop()
+    assert verdict.fits is True and verdict.line.startswith(f"tinker SDK {tinker_version()} fits the server at")
+
+
+def tinker_version() -> str:
+    import importlib.metadata
+
+    return importlib.metadata.version("tinker")

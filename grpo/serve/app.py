@@ -33,6 +33,7 @@ from grpo.serve.ordering import SeqGate
 
 API_PREFIX = "/api/v1"
 PROTOBUF = "application/x-protobuf"
+TESTED_SDKS = ("0.22.0", "0.38.0")  # tinker SDK versions tests/test_serve*.py run against this server
 SUPPORTED_LOSSES = ("cross_entropy", "importance_sampling", "ppo", "cispo", "dro")
 
 
@@ -105,6 +106,15 @@ class ServerState:
         return self.futures.add(self.executor.submit(fn), render)
 
 
+def _grpo_version() -> str:
+    import importlib.metadata
+
+    try:
+        return importlib.metadata.version("grpo")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
+
+
 def tokenizer_id(base_model: str) -> str:
     """Where the SDK's ``get_tokenizer()`` can load this model's tokenizer without the hub: the
     local directory the engine loaded it from (the SDK cuts the id at ':', so none may occur)."""
@@ -164,6 +174,11 @@ def create_app(api_key: str, service: ServiceClient | None = None, long_poll_s: 
 
     app = FastAPI(title="grpo Tinker-compatible server")
     app.state.grpo = state
+
+    @app.get(API_PREFIX + "/healthz")
+    async def healthz() -> dict[str, Any]:
+        """Open without the key: liveness, and which server this is, for clients' start-up check."""
+        return {"status": "ok", "server": "grpo serve", "version": _grpo_version(), "tested_sdks": list(TESTED_SDKS)}
     api = APIRouter(prefix=API_PREFIX, dependencies=[Depends(require_key)])
 
     # ------------------------------------------------------------------ client config and sessions
@@ -182,9 +197,6 @@ def create_app(api_key: str, service: ServiceClient | None = None, long_poll_s: 
         return {"supported_models": [{"model_name": n, "trainable": True, "sampleable": True}
                                      for n in dict.fromkeys(names)]}
 
-    @api.get("/healthz")
-    async def healthz() -> dict[str, Any]:
-        return {"status": "ok", "models": len(state.models), "samplers": len(state.samplers)}
 
     @api.post("/create_session")
     async def create_session(body: bodies.CreateSession) -> dict[str, Any]:

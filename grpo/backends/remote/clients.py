@@ -17,7 +17,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from grpo import types as g
-from grpo.backends.remote import convert
+from grpo.backends.remote import compat, convert
 from grpo.backends.remote.resilience import (
     LazyFuture,
     RemoteStepError,
@@ -83,6 +83,10 @@ class RemoteServiceClient:
         self.endpoint = url
         if preflight:
             check_reachable(url, self.spec.url_var, float(connect_timeout_s))
+            verdict = compat.check("tinker", url, key or None, float(connect_timeout_s))
+            if verdict.fits is False:
+                raise RemoteConfigError(verdict.line)
+            print(f"grpo: {verdict.line}", flush=True)
         kwargs = {**dict(sdk_options or {}), "base_url": url}
         if key:
             kwargs["api_key"] = key

@@ -46,11 +46,14 @@ def write_workdir(root: Path, rows: int) -> None:
     data = root / "openai" / "gsm8k"
     (data / "main").mkdir(parents=True)
     (data / "README.md").write_text(GSM8K_README)
+    # The recipe's one-shot example counts the r's in "strawberry" (\boxed{3}); asking it again, a
+    # 135M model answers right some of the time, so rewards vary within a group and it trains.
+    words = ["strawberry", "strawberry", "raspberry", "strawberry"]
     with open(data / "main" / "train.jsonl", "w") as f:
         for i in range(rows):
-            a, b = 3 + i, 4 + 2 * i
-            f.write(json.dumps({"question": f"Tom has {a} apples and buys {b} more. How many apples does he have?",
-                                "answer": f"He has {a} + {b} = {a + b} apples.\n#### {a + b}"}) + "\n")
+            word = words[i % len(words)]
+            f.write(json.dumps({"question": f"How many r's are in {word}?",
+                                "answer": f"{word} has {word.count('r')} r's.\n#### {word.count('r')}"}) + "\n")
 
 
 def test_cookbook_rl_loop_trains_against_the_server(tmp_path):
@@ -63,16 +66,19 @@ def test_cookbook_rl_loop_trains_against_the_server(tmp_path):
         env.pop("TINKER_BASE_URL")  # the recipe's own base_url option says where the server is
         done = subprocess.run(
             [python, "-m", "tinker_cookbook.recipes.rl_loop", f"base_url={server.url}", f"model_name={MODEL_NAME}",
-             "batch_size=2", "group_size=4", "max_tokens=24", "max_steps=2", "lora_rank=8", "save_every=0",
+             "batch_size=2", "group_size=4", "max_tokens=48", "max_steps=2", "lora_rank=8", "save_every=0",
              f"log_path={log_path}"],
             cwd=tmp_path, env=env, capture_output=True, text=True, timeout=1500)
         assert done.returncode == 0, f"{done.stderr[-5000:]}\nserver:\n{server.log.read_text()[-3000:]}"
     finally:
         server.stop()
     metrics = [json.loads(line) for line in (log_path / "metrics.jsonl").read_text().splitlines()]
+    print("rl_loop metrics:", metrics)
     assert [m["progress/batch"] for m in metrics] == [0, 1]
     for m in metrics:
         assert 0.0 <= m["reward/total"] <= 1.0
+        if "grad_norm" in m:  # optim_step ran (the batch had a reward spread to train on): it moved
+            assert m["grad_norm"] > 0
     checkpoints = [json.loads(line) for line in (log_path / "checkpoints.jsonl").read_text().splitlines()]
     final = checkpoints[-1]
     assert final["name"] == "final"

@@ -172,13 +172,15 @@ def create_app(api_key: str, service: ServiceClient | None = None, long_poll_s: 
             raise HTTPException(401, detail="missing or wrong X-API-Key (the key the server printed at start, "
                                 "or $GRPO_SERVE_API_KEY); set TINKER_API_KEY to it")
 
-    app = FastAPI(title="grpo Tinker-compatible server")
+    # No /docs or /openapi.json: nothing is served without the key but liveness.
+    app = FastAPI(title="grpo Tinker-compatible server", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.grpo = state
 
     @app.get(API_PREFIX + "/healthz")
     async def healthz() -> dict[str, Any]:
         """Open without the key: liveness, and which server this is, for clients' start-up check."""
         return {"status": "ok", "server": "grpo serve", "version": _grpo_version(), "tested_sdks": list(TESTED_SDKS)}
+
     api = APIRouter(prefix=API_PREFIX, dependencies=[Depends(require_key)])
 
     # ------------------------------------------------------------------ client config and sessions

@@ -28,6 +28,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--dtype", default=None, help="float32 or bfloat16 (default: bf16 on CUDA, else fp32)")
     parser.add_argument("--long-poll", type=float, default=30.0,
                         help="seconds a result poll is held open before the client is told to try again")
+    parser.add_argument("--fwdbwd-chunk-len", type=int, default=None,
+                        help="datums per forward_backward request the SDK sends (default: the SDK's, 1024)")
     return parser.parse_args(argv)
 
 
@@ -54,7 +56,7 @@ def main(argv: list[str] | None = None) -> None:
     from grpo.serve.app import create_app
 
     service = ServiceClient(checkpoint_dir=args.checkpoint_dir, device=args.device, dtype=args.dtype)
-    app = create_app(key, service, long_poll_s=args.long_poll)
+    app = create_app(key, service, long_poll_s=args.long_poll, fwdbwd_chunk_len=args.fwdbwd_chunk_len)
     url = f"http://{'127.0.0.1' if args.host in ('0.0.0.0', '::') else args.host}:{args.port}"
     print(f"grpo serve: Tinker API at {url}", flush=True)
     print(f"  export TINKER_BASE_URL={url}", flush=True)

@@ -159,9 +159,11 @@ def _parse_json(raw: bytes, model: type[bodies.Body]) -> bodies.Body:
         raise RequestValidationError([{**e, "loc": ("body", *e["loc"])} for e in err.errors()]) from err
 
 
-def create_app(api_key: str, service: ServiceClient | None = None, long_poll_s: float = 30.0) -> FastAPI:
+def create_app(api_key: str, service: ServiceClient | None = None, long_poll_s: float = 30.0,
+               fwdbwd_chunk_len: int | None = None) -> FastAPI:
     """The app; ``service`` (default: a ServiceClient on $GRPO_CACHE/checkpoints) holds the
-    base models and the checkpoint store."""
+    base models and the checkpoint store. ``fwdbwd_chunk_len``: datums per forward_backward
+    request the SDK may send (its default 1024); smaller batches arrive as parallel chunks."""
     if not api_key.startswith("tml-"):
         raise ValueError("the API key must start with 'tml-' (the Tinker SDK refuses any other)")
     state = ServerState(service or ServiceClient(), long_poll_s)
@@ -187,7 +189,10 @@ def create_app(api_key: str, service: ServiceClient | None = None, long_poll_s: 
 
     @api.post("/client/config")
     async def client_config() -> dict[str, Any]:
-        return {"pjwt_auth_enabled": False, "proto_compress_fwdbwd": False}
+        config: dict[str, Any] = {"pjwt_auth_enabled": False, "proto_compress_fwdbwd": False}
+        if fwdbwd_chunk_len:
+            config["fwdbwd_max_chunk_len"] = fwdbwd_chunk_len
+        return config
 
     @api.post("/client/dynamic_config")
     async def client_dynamic_config() -> dict[str, Any]:

@@ -197,3 +197,29 @@ def test_mint_sdk_trains_on_the_server_through_its_own_variables(server):
     assert done.returncode == 0, done.stderr[-3000:]
     loss, minus_logprob_sum = map(float, done.stdout.split())
     assert loss > 0 and abs(loss - minus_logprob_sum) < 1e-4  # cross-entropy = -sum of target logprobs
+
+
+def test_grpo_serve_command_and_its_safety_defaults(tmp_path):
+    from pathlib import Path
+
+    grpo_cmd = Path(sys.executable).parent / "grpo"
+    if not grpo_cmd.exists():
+        pytest.skip("the grpo console script is not installed in this venv")
+    helped = subprocess.run([str(grpo_cmd), "serve", "--help"], capture_output=True, text=True, timeout=60)
+    assert helped.returncode == 0 and "--host" in helped.stdout and "127.0.0.1" in helped.stdout
+    # A key that the SDK would refuse is refused at start.
+    bad = subprocess.run([sys.executable, "-m", "grpo.serve", "--api-key", "sk-nope"], capture_output=True,
+                         text=True, timeout=60)
+    assert bad.returncode != 0 and "tml-" in bad.stderr
+    # Training still goes through the same command.
+    train = subprocess.run([str(grpo_cmd), "adapter=nope"], capture_output=True, text=True, timeout=120,
+                           cwd=tmp_path)
+    assert train.returncode != 0 and "adapter" in (train.stdout + train.stderr)
+
+
+def test_binding_beyond_loopback_is_warned_about():
+    from grpo.serve.__main__ import exposure_warning, parse_args
+
+    assert parse_args([]).host == "127.0.0.1"
+    assert exposure_warning("127.0.0.1") is None and exposure_warning("localhost") is None
+    assert "WARNING" in exposure_warning("0.0.0.0") and "network" in exposure_warning("0.0.0.0")

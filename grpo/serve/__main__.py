@@ -44,12 +44,20 @@ def resolve_api_key(explicit: str | None) -> tuple[str, bool]:
     return key, False
 
 
+def exposure_warning(host: str) -> str | None:
+    """The warning printed when the server is reachable from other machines."""
+    if host in ("127.0.0.1", "localhost", "::1"):
+        return None
+    return (f"grpo serve: WARNING: binding {host} exposes training on this machine to the network; "
+            "anyone who has the API key can use it. Plain HTTP: use a tunnel or proxy for TLS.")
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     key, generated = resolve_api_key(args.api_key)
-    if args.host not in ("127.0.0.1", "localhost", "::1"):
-        print(f"grpo serve: WARNING: binding {args.host} exposes training on this machine to the network; "
-              "anyone who has the API key can use it. Plain HTTP: use a tunnel or proxy for TLS.", file=sys.stderr)
+    warning = exposure_warning(args.host)
+    if warning:
+        print(warning, file=sys.stderr)
     import uvicorn
 
     from grpo.backends.local.clients import ServiceClient

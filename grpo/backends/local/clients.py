@@ -333,7 +333,8 @@ class TrainingClient(_ClientFuture):
               user_metadata: dict[str, str] | None = None, overwrite: bool = True) -> APIFuture[str]:
         """Write the adapter (and optimizer) as checkpoint ``name`` of this run; the future's value
         is its tinker:// path. A name holding a path separator is a plain directory instead
-        (written there, returned as given, not in the store)."""
+        (written there and returned as given; not in the store, so no TTL, metadata or listing,
+        and an existing directory is replaced)."""
         if not name or not isinstance(name, str):
             raise ValueError(f"checkpoint name must be a non-empty string, got {name!r}")
         if Path(name).is_absolute() or os.sep in name:

@@ -46,8 +46,9 @@ def write_workdir(root: Path, rows: int) -> None:
     data = root / "openai" / "gsm8k"
     (data / "main").mkdir(parents=True)
     (data / "README.md").write_text(GSM8K_README)
-    # The recipe's one-shot example counts the r's in "strawberry" (\boxed{3}); asking it again, a
-    # 135M model answers right some of the time, so rewards vary within a group and it trains.
+    # The recipe's one-shot example counts the r's in "strawberry" (\boxed{3}); asking it again
+    # gives a 135M model its best chance of a right answer, so that rewards can vary in a group
+    # and the loop takes a gradient step (when all of a group's rewards are equal it skips it).
     words = ["strawberry", "strawberry", "raspberry", "strawberry"]
     with open(data / "main" / "train.jsonl", "w") as f:
         for i in range(rows):

@@ -49,6 +49,8 @@ def write_workdir(root: Path, rows: int) -> None:
     # The recipe's one-shot example counts the r's in "strawberry" (\boxed{3}); asking it again
     # gives a 135M model its best chance of a right answer, so that rewards can vary in a group
     # and the loop takes a gradient step (when all of a group's rewards are equal it skips it).
+    # Observed 2026-11-23: reward 0.0 on both steps, so no step was taken; the training calls
+    # themselves are covered by test_serve*.py.
     words = ["strawberry", "strawberry", "raspberry", "strawberry"]
     with open(data / "main" / "train.jsonl", "w") as f:
         for i in range(rows):

@@ -2,13 +2,16 @@
 
 Hydra composes conf/ (adapter, backend and every hyperparameter); a sweep is
 ``python -m grpo -m learning_rate=1e-5,2e-5``. Rerunning a command with the same
-``hydra.run.dir=...`` resumes that run.
+``hydra.run.dir=...`` resumes that run (``hydra.sweep.dir=...`` for a sweep: finished runs are
+skipped). The task function returns the run's objective, so Hydra sweepers (Optuna) can tune it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import inspect
+import math
 import sys
 from pathlib import Path
 from typing import Any
@@ -16,6 +19,7 @@ from typing import Any
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
+from grpo import sweep
 from grpo.config import ConfigError, GRPOConfig
 
 NON_LOOP_KEYS = ("adapter", "backend")
@@ -61,28 +65,68 @@ def _cli_adapter_keys() -> set[str]:
 
 
 @hydra.main(config_path="conf", config_name="config", version_base="1.3")
-def main(cfg: DictConfig) -> str | None:
+def main(cfg: DictConfig) -> float | None:
+    """Train one run; return its objective (the last logged value of ``cfg.objective``, NaN when
+    never logged) so that any Hydra sweeper can optimise it."""
     from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
 
-    run_dir = Path(HydraConfig.get().runtime.output_dir)
+    hydra_cfg = HydraConfig.get()
+    run_dir = Path(hydra_cfg.runtime.output_dir)
+    in_sweep = hydra_cfg.mode == RunMode.MULTIRUN
+    resolved = OmegaConf.to_container(cfg, resolve=True)
     try:
         # Validate everything cheap before anything heavy (torch, models) is imported.
         loop_cfg = GRPOConfig.from_any({k: v for k, v in cfg.items() if k not in NON_LOOP_KEYS})
+        sweep.check_objective(loop_cfg)
         backend_cfg = OmegaConf.to_container(cfg.backend, resolve=True)
         adapter = build_adapter(cfg.adapter, _cli_adapter_keys())
-        from grpo.backends import create_service_client
-
-        service_client = create_service_client(backend_cfg, run_dir)
     except (ConfigError, ValueError, TypeError) as err:
         print(f"grpo: configuration error: {err}", file=sys.stderr)
         sys.exit(2)
-    except (ConnectionError, TimeoutError) as err:  # a remote backend that cannot be reached
-        print(f"grpo: cannot reach the backend: {err}", file=sys.stderr)
-        sys.exit(3)
-    from grpo.loop import run_grpo
+    if in_sweep and sweep.finished(run_dir, loop_cfg.steps, resolved):
+        print(f"[grpo] {run_dir} already finished; skipped (its objective is read from metrics.jsonl)")
+        return _objective(run_dir, loop_cfg.objective, in_sweep)
 
-    return run_grpo(adapter, loop_cfg, service_client=service_client, run_dir=run_dir,
-                    resolved_config=OmegaConf.to_container(cfg, resolve=True))
+    with _sweep_gpu(backend_cfg, hydra_cfg.job.num if in_sweep else None) as device:
+        if device is not None:
+            backend_cfg["device"] = device
+            print(f"[grpo] sweep job {hydra_cfg.job.num} trains on {device}")
+        try:
+            from grpo.backends import create_service_client
+
+            service_client = create_service_client(backend_cfg, run_dir)
+        except (ConfigError, ValueError, TypeError) as err:
+            print(f"grpo: configuration error: {err}", file=sys.stderr)
+            sys.exit(2)
+        except (ConnectionError, TimeoutError) as err:  # a remote backend that cannot be reached
+            print(f"grpo: cannot reach the backend: {err}", file=sys.stderr)
+            sys.exit(3)
+        from grpo.loop import run_grpo
+
+        run_grpo(adapter, loop_cfg, service_client=service_client, run_dir=run_dir, resolved_config=resolved)
+    return _objective(run_dir, loop_cfg.objective, in_sweep)
+
+
+def _sweep_gpu(backend_cfg: dict, job_num: int | None) -> Any:
+    """A GPU of its own for a sweep job on the local backend with ``device: auto`` when this
+    machine has several; otherwise nothing to choose (the backend's setting stands)."""
+    if job_num is None or backend_cfg.get("name") != "local" or backend_cfg.get("device") != "auto":
+        return contextlib.nullcontext(None)
+    import torch
+
+    return sweep.claimed_gpu(int(job_num), torch.cuda.device_count())
+
+
+def _objective(run_dir: Path, objective: str, in_sweep: bool) -> float:
+    value = sweep.read_objective(run_dir, objective)
+    if value is None:
+        if in_sweep:  # a sweeper would rank a missing number: say why it is NaN
+            print(f"[grpo] objective={objective} was never logged in {run_dir / 'metrics.jsonl'} "
+                  f"(logged: {', '.join(sweep.logged_metric_keys(run_dir)) or 'nothing'}); returning NaN",
+                  file=sys.stderr)
+        return math.nan
+    return value
 
 
 if __name__ == "__main__":

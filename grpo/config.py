@@ -82,6 +82,7 @@ class GRPOConfig:
     max_failure_rate: float = 0.5  # stop (after a checkpoint) when more rewards fail in a step
     report: bool = True  # write report.html at checkpoints and at the end
     progress: bool = True
+    objective: str = "eval/accuracy"  # metric python -m grpo returns (last value) for Hydra sweepers
     wandb: WandbConfig = field(default_factory=WandbConfig)
 
     def __post_init__(self) -> None:

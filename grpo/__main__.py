@@ -118,15 +118,24 @@ def _sweep_gpu(backend_cfg: dict, job_num: int | None) -> Any:
     return sweep.claimed_gpu(int(job_num), torch.cuda.device_count())
 
 
-def _objective(run_dir: Path, objective: str, in_sweep: bool) -> float:
+def _objective(run_dir: Path, objective: str, in_sweep: bool) -> float | None:
+    """The run's objective. Missing (or NaN) it fails the job when a searching sweeper (Optuna...)
+    would have to rank it; a grid sweep or a single run only says so and returns None."""
     value = sweep.read_objective(run_dir, objective)
-    if value is None:
-        if in_sweep:  # a sweeper would rank a missing number: say why it is NaN
-            print(f"[grpo] objective={objective} was never logged in {run_dir / 'metrics.jsonl'} "
-                  f"(logged: {', '.join(sweep.logged_metric_keys(run_dir)) or 'nothing'}); returning NaN",
-                  file=sys.stderr)
-        return math.nan
-    return value
+    if value is not None and not math.isnan(value):
+        return value
+    if not in_sweep:
+        return None
+    from hydra.core.hydra_config import HydraConfig
+
+    problem = (f"objective={objective} is {'NaN' if value is not None else 'missing'} in "
+               f"{run_dir / 'metrics.jsonl'} (logged keys: "
+               f"{', '.join(sweep.logged_metric_keys(run_dir)) or 'none'})")
+    if HydraConfig.get().sweeper.get("_target_", "").endswith(".BasicSweeper"):
+        print(f"[grpo] {problem}", file=sys.stderr)
+        return None
+    raise sweep.ObjectiveError(f"{problem}: the sweeper has no number to rank this run by; "
+                               "set objective= to one of the logged keys")
 
 
 if __name__ == "__main__":

@@ -34,6 +34,10 @@ _PASS_AT = re.compile(r"eval/pass@(\d+)")
 # --------------------------------------------------------------------------- the objective
 
 
+class ObjectiveError(RuntimeError):
+    """A sweep job finished without the number its sweeper optimises."""
+
+
 def check_objective(cfg: GRPOConfig) -> None:
     """Fail before any model loads when the objective cannot appear in this run's metrics."""
     objective = cfg.objective

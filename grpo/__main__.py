@@ -78,7 +78,7 @@ def main(cfg: DictConfig) -> float | None:
     try:
         # Validate everything cheap before anything heavy (torch, models) is imported.
         loop_cfg = GRPOConfig.from_any({k: v for k, v in cfg.items() if k not in NON_LOOP_KEYS})
-        sweep.check_objective(loop_cfg)
+        sweep.check_objective(loop_cfg, required=_objective_required(hydra_cfg, in_sweep))
         backend_cfg = OmegaConf.to_container(cfg.backend, resolve=True)
         adapter = build_adapter(cfg.adapter, _cli_adapter_keys())
     except (ConfigError, ValueError, TypeError) as err:
@@ -108,6 +108,16 @@ def main(cfg: DictConfig) -> float | None:
     return _objective(run_dir, loop_cfg.objective, in_sweep)
 
 
+def _searching_sweeper(hydra_cfg: Any) -> bool:
+    """A sweeper that ranks runs by the returned value (Optuna, Ax, ...), not Hydra's grid."""
+    return not str(hydra_cfg.sweeper.get("_target_", "")).endswith(".BasicSweeper")
+
+
+def _objective_required(hydra_cfg: Any, in_sweep: bool) -> bool:
+    named = any(o.split("=", 1)[0].lstrip("+~") == "objective" for o in hydra_cfg.overrides.task)
+    return named or (in_sweep and _searching_sweeper(hydra_cfg))
+
+
 def _sweep_gpu(backend_cfg: dict, job_num: int | None) -> Any:
     """A GPU of its own for a sweep job on the local backend with ``device: auto`` when this
     machine has several; otherwise nothing to choose (the backend's setting stands)."""
@@ -131,7 +141,7 @@ def _objective(run_dir: Path, objective: str, in_sweep: bool) -> float | None:
     problem = (f"objective={objective} is {'NaN' if value is not None else 'missing'} in "
                f"{run_dir / 'metrics.jsonl'} (logged keys: "
                f"{', '.join(sweep.logged_metric_keys(run_dir)) or 'none'})")
-    if HydraConfig.get().sweeper.get("_target_", "").endswith(".BasicSweeper"):
+    if not _searching_sweeper(HydraConfig.get()):
         print(f"[grpo] {problem}", file=sys.stderr)
         return None
     raise sweep.ObjectiveError(f"{problem}: the sweeper has no number to rank this run by; "

@@ -38,12 +38,16 @@ class ObjectiveError(RuntimeError):
     """A sweep job finished without the number its sweeper optimises."""
 
 
-def check_objective(cfg: GRPOConfig) -> None:
-    """Fail before any model loads when the objective cannot appear in this run's metrics."""
+def check_objective(cfg: GRPOConfig, required: bool = True) -> None:
+    """Fail before any model loads when the objective cannot appear in this run's metrics.
+    ``required=False`` (nobody asked for it: the default key outside a searching sweep) checks
+    only that it is a name, so ``eval_size=0`` runs keep working with the default objective."""
     objective = cfg.objective
     if not isinstance(objective, str) or not objective.strip():
         raise ConfigError(f"objective={objective!r} is invalid: name a metric of metrics.jsonl, "
                           "e.g. eval/accuracy, eval/pass@4, reward/mean")
+    if not required:
+        return
     if objective.startswith("eval/") and cfg.eval_size == 0:
         raise ConfigError(f"objective={objective} needs held-out evaluation, but eval_size=0: set "
                           "eval_size > 0 or choose a training metric such as reward/mean")

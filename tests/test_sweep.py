@@ -69,6 +69,10 @@ def test_an_objective_the_run_cannot_log_is_refused_up_front(overrides, message)
         sweep.check_objective(GRPOConfig(**overrides))
     sweep.check_objective(GRPOConfig(objective="eval/pass@2", eval_samples=2))
     sweep.check_objective(GRPOConfig(objective="reward/mean", eval_size=0))
+    # Nobody asked for the default objective (a plain run, a grid sweep): eval_size=0 stays valid.
+    sweep.check_objective(GRPOConfig(eval_size=0), required=False)
+    with pytest.raises(ConfigError, match="objective=None is invalid"):
+        sweep.check_objective(GRPOConfig(objective=None), required=False)
 
 
 def test_cli_names_a_bad_objective_before_loading_anything(tmp_path):
@@ -199,7 +203,7 @@ def test_sweep_report_ranks_runs_by_each_runs_objective(tmp_path):
 
 def test_joblib_sweep_runs_two_jobs_at_once_each_with_its_run_dir_and_report(tmp_path):
     sweep_dir = tmp_path / "sweep"
-    args = ["-m", "hydra/launcher=joblib", "hydra.launcher.n_jobs=2", *CLOCK, "steps=3", "eval_size=2",
+    args = ["-m", "hydra/launcher=joblib", "hydra.launcher.n_jobs=2", *CLOCK, "steps=2", "eval_size=2",
             "report=true", "progress=false", f"+adapter.rendezvous={tmp_path / 'rendezvous'}",
             "+adapter.parties=2", "learning_rate=1e-3,2e-3", f"hydra.sweep.dir={sweep_dir}"]
     done = grpo(*args)
@@ -209,7 +213,7 @@ def test_joblib_sweep_runs_two_jobs_at_once_each_with_its_run_dir_and_report(tmp
     spans = []
     for r in runs:
         walls = [m["adapter/wall"] for m in read_jsonl(r / "metrics.jsonl") if "adapter/wall" in m]
-        assert len(walls) == 3, r
+        assert len(walls) == 2, r
         spans.append((walls[0], walls[-1]))
         assert (r / "report.html").is_file()
         assert any(c["kind"] == "final" for c in read_jsonl(r / "checkpoints.jsonl"))
@@ -220,16 +224,25 @@ def test_joblib_sweep_runs_two_jobs_at_once_each_with_its_run_dir_and_report(tmp
     assert "0_learning_rate=0.001" in text and "1_learning_rate=0.002" in text
     assert "runs ranked by their objective" in done.stdout
 
-    # Rerunning the sweep skips finished runs without loading a model, and reruns an unfinished one.
-    killed = runs[1]
-    rows = read_jsonl(killed / "checkpoints.jsonl")
-    write_jsonl(killed / "checkpoints.jsonl", [c for c in rows if c["kind"] != "final"])
-    before = (runs[0] / "metrics.jsonl").read_text()
+
+def test_rerunning_a_sweep_skips_finished_runs_and_resumes_the_others(tmp_path):
+    sweep_dir = tmp_path / "sweep"
+    args = ["-m", *TOY, "steps=2", "save_every=1", "eval_size=0", "objective=reward/mean", "progress=false",
+            "seed=1,2", f"hydra.sweep.dir={sweep_dir}"]
+    done = grpo(*args)
+    assert done.returncode == 0, done.stderr[-3000:]
+    finished, killed = run_dirs(sweep_dir)
+    # As if job 1 was killed during its last step: its log ends at the step-1 checkpoint.
+    write_jsonl(killed / "checkpoints.jsonl", [c for c in read_jsonl(killed / "checkpoints.jsonl")
+                                               if c["step"] < 2])
+    write_jsonl(killed / "metrics.jsonl", [m for m in read_jsonl(killed / "metrics.jsonl") if m["step"] < 1])
+    before = (finished / "metrics.jsonl").read_text()
     again = grpo(*args)
     assert again.returncode == 0, again.stderr[-3000:]
-    assert again.stdout.count("already finished; skipped") == 1 and f"{runs[0]} already finished" in again.stdout
-    assert (runs[0] / "metrics.jsonl").read_text() == before
-    assert f"resumed {killed}" in again.stdout
+    assert again.stdout.count("already finished; skipped") == 1 and f"{finished} already finished" in again.stdout
+    assert (finished / "metrics.jsonl").read_text() == before  # not even its final eval was redone
+    assert f"resumed {killed} at step 1" in again.stdout
+    assert [m["step"] for m in read_jsonl(killed / "metrics.jsonl")] == [0, 1]
     assert any(c["kind"] == "final" for c in read_jsonl(killed / "checkpoints.jsonl"))
 
 

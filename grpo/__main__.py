@@ -90,6 +90,9 @@ def main(cfg: DictConfig) -> float | None:
 
     with _sweep_gpu(backend_cfg, hydra_cfg.job.num if in_sweep else None) as device:
         if device is not None:
+            import torch
+
+            torch.cuda.set_device(device)  # also where anything without an explicit device goes
             backend_cfg["device"] = device
             print(f"[grpo] sweep job {hydra_cfg.job.num} trains on {device}")
         try:

@@ -66,7 +66,7 @@ def _cli_adapter_keys() -> set[str]:
 
 @hydra.main(config_path="conf", config_name="config", version_base="1.3")
 def main(cfg: DictConfig) -> float | None:
-    """Train one run; return its objective (the last logged value of ``cfg.objective``, NaN when
+    """Train one run; return its objective (the last logged value of ``cfg.objective``; None when
     never logged) so that any Hydra sweeper can optimise it."""
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode

@@ -274,6 +274,15 @@ def test_optuna_sweep_returns_each_runs_objective_and_names_the_best(tmp_path):
     assert len({t.value for t in trials}) > 1  # the search saw different outcomes to choose from
 
 
+def test_optuna_job_without_its_objective_fails_naming_the_keys_it_logged(tmp_path):
+    # An adapter with no held-out data: the run trains, but never logs eval/accuracy.
+    done = grpo("-m", "+sweep=optuna", "hydra.sweeper.n_trials=1", *TOY, "+adapter.eval_items=0", "steps=1",
+                "progress=false", f"hydra.sweep.dir={tmp_path}")
+    assert done.returncode != 0
+    assert "objective=eval/accuracy is missing in" in done.stderr
+    assert "logged keys: accuracy, " in done.stderr and "reward/mean" in done.stderr
+
+
 def test_submitit_local_runs_a_two_job_sweep_to_completion(tmp_path):
     sweep_dir = tmp_path / "sweep"
     done = grpo("-m", "hydra/launcher=submitit_local", "hydra.launcher.timeout_min=10", *TOY, "steps=1",

@@ -36,7 +36,6 @@ MAX_ROLLOUT_STEPS = 200
 MAX_TEXT_CHARS = 4000
 MAX_FAILURES = 50
 MAX_LABEL_KEYS = 4
-DEFAULT_OBJECTIVE = "eval/accuracy"  # GRPOConfig.objective's default, for runs that predate the key
 # Config keys that differ between runs for reasons that say nothing about the experiment.
 _UNINTERESTING_KEYS = ("run_dir", "output_dir", "hydra", "wandb.name", "wandb.id")
 
@@ -91,7 +90,9 @@ class Run:
     def objective(self) -> tuple[str, float | None]:
         """(key, last value) of the metric the run reports to a sweeper: its config's ``objective``
         (eval/accuracy by default), as python -m grpo returns it; None if never logged or NaN."""
-        key = self.config.get("objective") or DEFAULT_OBJECTIVE
+        from grpo.config import GRPOConfig
+
+        key = self.config.get("objective") or GRPOConfig.objective  # runs from before the key: default
         series = self.metrics.get(str(key), [])
         return str(key), (series[-1][1] if series else None)
 

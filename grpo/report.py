@@ -244,7 +244,8 @@ def label_runs(runs: list[Run]) -> None:
                  and not any(k == u or k.startswith(u + ".") for u in _UNINTERESTING_KEYS)]
     shared = set.intersection(*(set(r.overrides) for r in runs)) if runs else set()
     for run, name, flat in zip(runs, names, flats, strict=True):
-        own = [o for o in run.overrides if o not in shared]  # what this sweep job varies
+        # What this sweep job varies, unless its directory name already says it (grpo names them so).
+        own = [o for o in run.overrides if o not in shared and o.replace("/", "_") not in name]
         if len(runs) > 1 and own:
             detail = ", ".join(own[:MAX_LABEL_KEYS])
         elif len(runs) > 1 and differing:

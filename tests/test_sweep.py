@@ -198,6 +198,21 @@ def test_sweep_report_ranks_runs_by_each_runs_objective(tmp_path):
         ("eval/accuracy", 0.6), ("eval/pass@2", 0.5), ("eval/accuracy", 0.2), ("eval/accuracy", None)]
 
 
+def test_report_labels_say_what_a_sweep_job_varies_once(tmp_path):
+    def job(name: str, overrides: list[str]) -> report.Run:
+        d = tmp_path / name
+        write_jsonl(d / "metrics.jsonl", [{"step": 0, "reward/mean": 0.5}])
+        (d / ".hydra").mkdir()
+        (d / ".hydra" / "overrides.yaml").write_text(yaml.safe_dump(overrides))
+        return report.load_run(d)
+
+    runs = [job("0_learning_rate=0.001", ["base_model=tiny", "learning_rate=0.001", "seed=1"]),
+            job("1_learning_rate=0.002", ["base_model=tiny", "learning_rate=0.002", "seed=2"])]
+    report.label_runs(runs)
+    # base_model is shared, learning_rate is in the name already: only seed is left to say.
+    assert [r.label for r in runs] == ["0_learning_rate=0.001 (seed=1)", "1_learning_rate=0.002 (seed=2)"]
+
+
 # --------------------------------------------------------------------------- real sweeps
 
 

@@ -10,7 +10,6 @@ of its own through a lock file, never piling onto cuda:0.
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import json
 import math
 import os
@@ -124,6 +123,8 @@ def claimed_gpu(job_num: int, n_gpus: int, lock_dir: Path = GPU_LOCK_DIR, *, vis
     if n_gpus <= 1:
         yield None
         return
+    import fcntl  # POSIX; imported here so that grpo.__main__ itself imports anywhere
+
     lock_dir.mkdir(parents=True, exist_ok=True)
     names = gpu_ids(n_gpus, visible)
     order = [(job_num + i) % n_gpus for i in range(n_gpus)]

@@ -1,6 +1,7 @@
 """Command line: ``python -m grpo adapter=math group_size=8 loss_fn=ppo``.
 
-Hydra composes conf/ (adapter, backend and every hyperparameter); a sweep is
+Hydra composes conf/ (the checkout's top-level conf/, or the copy shipped inside the installed
+package): adapter, backend and every hyperparameter. A sweep is
 ``python -m grpo -m learning_rate=1e-5,2e-5``. Rerunning a command with the same
 ``hydra.run.dir=...`` resumes that run (``hydra.sweep.dir=...`` for a sweep: finished runs are
 skipped). The task function returns the run's objective, so Hydra sweepers (Optuna) can tune it.
@@ -21,6 +22,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from grpo import sweep
 from grpo.config import ConfigError, GRPOConfig
+from grpo.config_docs import config_dir
 
 NON_LOOP_KEYS = ("adapter", "backend")
 
@@ -64,7 +66,7 @@ def _cli_adapter_keys() -> set[str]:
     return keys
 
 
-@hydra.main(config_path="conf", config_name="config", version_base="1.3")
+@hydra.main(config_path=str(config_dir()), config_name="config", version_base="1.3")
 def main(cfg: DictConfig) -> float | None:
     """Train one run; return its objective (the last logged value of ``cfg.objective``; None when
     never logged) so that any Hydra sweeper can optimise it."""

@@ -1,14 +1,16 @@
-"""From rewards to Datums: centre in the group, shape, aggregate, mask the prompt.
+"""From rewards to Datums: shape, centre in the group, aggregate, mask the prompt.
 
-Everything here is a pure function of numbers, so each rule is testable by hand.
+Everything here is a pure function of its arguments that returns what it computes: the adapter's
+rewards in a ScoredGroup are never changed, shaped rewards and advantages are new lists.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 
-from grpo.rollouts import Group, Response
+from grpo.rollouts import Group, Rollout, ScoredGroup
 from grpo.types import Datum, ModelInput
 
 STD_EPS = 1e-6
@@ -56,75 +58,107 @@ def kl_penalised(advantage: float, sampler_logprobs: Sequence[float], ref_logpro
     return [advantage - coef * ((q - ref) - mean_kl) for q, ref in zip(sampler_logprobs, ref_logprobs, strict=True)]
 
 
-def build_datum(prompt_tokens: Sequence[int], response: Response, token_advantages: Sequence[float],
+def training_rewards(scored: ScoredGroup, overlong: str) -> list[float]:
+    """The rewards training sees: the adapter's, except that ``overlong="zero"`` sets a truncated
+    rollout's reward to 0. NaN (a failed reward) stays NaN."""
+    if overlong != "zero":
+        return list(scored.rewards)
+    return [0.0 if r.truncated and math.isfinite(x) else x
+            for r, x in zip(scored.group.rollouts, scored.rewards, strict=True)]
+
+
+def is_flat(rewards: Sequence[float]) -> bool:
+    """A group whose scored rewards are all equal (or with fewer than two) carries no signal."""
+    scored = [r for r in rewards if math.isfinite(r)]
+    return len(scored) < 2 or max(scored) - min(scored) < 1e-9
+
+
+@dataclass(frozen=True)
+class TrainSample:
+    """One rollout chosen for training, with its group (for the prompt) and its advantage."""
+
+    group: Group
+    rollout: Rollout
+    advantage: float
+
+    @property
+    def prompt_tokens(self) -> list[int]:
+        return self.group.prompt_tokens
+
+
+def compute_advantages(scored_groups: Sequence[ScoredGroup], norm: str, overlong: str) -> list[list[float]]:
+    """Per group, each rollout's advantage from the group's training rewards (0 where failed)."""
+    out = []
+    for scored in scored_groups:
+        advantages = group_advantages(training_rewards(scored, overlong), norm)
+        out.append([a if math.isfinite(a) else 0.0 for a in advantages])
+    return out
+
+
+def select_for_training(scored_groups: Sequence[ScoredGroup], advantages: Sequence[Sequence[float]],
+                        skip_flat_groups: bool, overlong: str) -> list[TrainSample]:
+    """The rollouts that become datums, in order: scored, non-empty, not in a flat group (when
+    skipped) and not truncated when ``overlong="drop"``."""
+    chosen: list[TrainSample] = []
+    for scored, group_adv in zip(scored_groups, advantages, strict=True):
+        if skip_flat_groups and is_flat(training_rewards(scored, overlong)):
+            continue
+        group: Group = scored.group
+        for i, (rollout, advantage) in enumerate(zip(group.rollouts, group_adv, strict=True)):
+            if not scored.scored(i) or not rollout.tokens:
+                continue
+            if overlong == "drop" and rollout.truncated:
+                continue
+            chosen.append(TrainSample(group, rollout, advantage))
+    return chosen
+
+
+def build_datum(prompt_tokens: Sequence[int], rollout: Rollout, token_advantages: Sequence[float],
                 weight: float = 1.0) -> Datum:
-    """A next-token datum over prompt + response with the prompt masked out.
+    """A next-token datum over prompt + rollout with the prompt masked out.
 
     Inputs are tokens[:-1] and targets tokens[1:]; the first ``len(prompt) - 1`` targets are
     prompt tokens and get weight 0, advantage 0 and logprob 0.
     """
-    tokens = list(prompt_tokens) + list(response.tokens)
+    tokens = list(prompt_tokens) + list(rollout.tokens)
     n_prompt = len(prompt_tokens) - 1
-    n_resp = len(response.tokens)
+    n_resp = len(rollout.tokens)
     return Datum(
         model_input=ModelInput.from_ints(tokens[:-1]),
         loss_fn_inputs={
             "target_tokens": tokens[1:],
             "weights": [0.0] * n_prompt + [weight] * n_resp,
-            "logprobs": [0.0] * n_prompt + list(response.logprobs),
+            "logprobs": [0.0] * n_prompt + list(rollout.logprobs),
             "advantages": [0.0] * n_prompt + [float(a) for a in token_advantages],
         },
     )
 
 
-def trainable_responses(groups: Sequence[Group], skip_flat_groups: bool, overlong: str) -> list[tuple[Group, Response]]:
-    """The (group, response) pairs that become datums, in order."""
-    pairs: list[tuple[Group, Response]] = []
-    for group in groups:
-        if skip_flat_groups and group.is_flat:
-            continue
-        for response in group.responses:
-            if not response.scored or not response.tokens:
-                continue
-            if overlong == "drop" and response.truncated:
-                continue
-            pairs.append((group, response))
-    return pairs
-
-
-def assign_advantages(groups: Sequence[Group], norm: str, overlong: str) -> None:
-    """Set every response's advantage from its group's rewards (after overlong handling)."""
-    for group in groups:
-        if overlong == "zero":
-            for r in group.responses:
-                if r.truncated and r.scored:
-                    r.reward = 0.0
-        for r, a in zip(group.responses, group_advantages([r.reward for r in group.responses], norm), strict=True):
-            r.advantage = a if math.isfinite(a) else 0.0
-
-
-def build_datums(pairs: Sequence[tuple[Group, Response]], loss_fn: str, loss_agg: str,
-                 kl_penalty_coef: float = 0.0) -> tuple[list[Datum], dict[str, float]]:
-    """Datums for the trainable pairs; returns them with the KL-to-reference metric if used."""
-    scales = loss_scales([len(r.tokens) for _, r in pairs], loss_agg)
+def build_datums(samples: Sequence[TrainSample], loss_fn: str, loss_agg: str, kl_penalty_coef: float = 0.0,
+                 ref_logprobs: Sequence[Sequence[float]] | None = None) -> tuple[list[Datum], dict[str, float]]:
+    """Datums for the chosen samples; returns them with the KL-to-reference metric when the KL
+    penalty is on (``ref_logprobs``: the reference's logprobs of each sample's tokens)."""
+    scales = loss_scales([len(s.rollout.tokens) for s in samples], loss_agg)
     metrics: dict[str, float] = {}
+    use_kl = kl_penalty_coef > 0 and ref_logprobs is not None
     mean_kl = 0.0
-    if kl_penalty_coef > 0:
-        diffs = [q - ref for _, r in pairs for q, ref in zip(r.logprobs, r.ref_logprobs or r.logprobs, strict=True)]
+    if use_kl:
+        diffs = [q - ref for s, refs in zip(samples, ref_logprobs, strict=True)
+                 for q, ref in zip(s.rollout.logprobs, refs, strict=True)]
         mean_kl = sum(diffs) / len(diffs) if diffs else 0.0
         metrics["kl/reference"] = mean_kl
     datums = []
-    for (group, response), scale in zip(pairs, scales, strict=True):
-        if kl_penalty_coef > 0 and response.ref_logprobs is not None:
-            token_adv = kl_penalised(response.advantage, response.logprobs, response.ref_logprobs,
+    for i, (sample, scale) in enumerate(zip(samples, scales, strict=True)):
+        if use_kl:
+            token_adv = kl_penalised(sample.advantage, sample.rollout.logprobs, ref_logprobs[i],
                                      kl_penalty_coef, mean_kl)
         else:
-            token_adv = [response.advantage] * len(response.tokens)
+            token_adv = [sample.advantage] * len(sample.rollout.tokens)
         # DRO's quadratic term does not scale with the advantage, so its aggregation goes into the
         # weights; every other loss is linear in the advantage and takes it there, which also
         # holds on services whose importance_sampling ignores weights.
         if loss_fn == "dro":
-            datums.append(build_datum(group.prompt_tokens, response, token_adv, weight=scale))
+            datums.append(build_datum(sample.prompt_tokens, sample.rollout, token_adv, weight=scale))
         else:
-            datums.append(build_datum(group.prompt_tokens, response, [a * scale for a in token_adv]))
+            datums.append(build_datum(sample.prompt_tokens, sample.rollout, [a * scale for a in token_adv]))
     return datums, metrics

@@ -7,7 +7,8 @@ from math import comb
 from typing import Any
 
 from grpo.adapter import RLAdapter
-from grpo.rollouts import Group, sample_groups, sampling_seed, score_group
+from grpo.client_api import SamplingClient
+from grpo.rollouts import Group, ScoredGroup, sample_groups, sampling_seed, score_group
 from grpo.types import SamplingParams
 
 EVAL_WAVE = 99_991  # keeps eval seeds apart from training seeds
@@ -20,17 +21,15 @@ def pass_at_k(n: int, c: int, k: int) -> float:
     return 1.0 - comb(n - c, k) / comb(n, k)
 
 
-def evaluate(sampling_client: Any, adapter: RLAdapter, items: Sequence[Any], tokenizer: Any, *, seed: int,
+def evaluate(sampling_client: SamplingClient, adapter: RLAdapter, items: Sequence[Any], tokenizer: Any, *, seed: int,
              step: int, max_tokens: int, num_samples: int, temperature: float, stop: list) -> dict[str, float]:
     if not items:
         return {}
     prompts = [adapter.make_prompt(item, tokenizer) for item in items]
 
-    def score(responses_per_item) -> list[Group]:
-        groups = [Group(i, item, p, rs) for i, (item, p, rs) in enumerate(zip(items, prompts, responses_per_item, strict=True))]
-        for g in groups:
-            score_group(adapter, g)
-        return groups
+    def score(rollouts_per_item) -> list[ScoredGroup]:
+        return [score_group(adapter, Group(i, item, p, rs))
+                for i, (item, p, rs) in enumerate(zip(items, prompts, rollouts_per_item, strict=True))]
 
     greedy = score(sample_groups(sampling_client, prompts, 1,
                                  lambda i: SamplingParams(max_tokens=max_tokens, temperature=0.0, stop=stop), tokenizer))
@@ -39,11 +38,11 @@ def evaluate(sampling_client: Any, adapter: RLAdapter, items: Sequence[Any], tok
         lambda i: SamplingParams(max_tokens=max_tokens, temperature=temperature, stop=stop,
                                  seed=sampling_seed(seed, step, EVAL_WAVE, i)), tokenizer))
 
-    def correct(g: Group) -> list[bool]:
-        return [r.scored and adapter.is_correct(r.reward, g.item) for r in g.responses]
+    def correct(g: ScoredGroup) -> list[bool]:
+        return [g.scored(i) and adapter.is_correct(x, g.group.item) for i, x in enumerate(g.rewards)]
 
     greedy_correct = [correct(g)[0] for g in greedy]
-    greedy_rewards = [g.responses[0].reward for g in greedy if g.responses[0].scored]
+    greedy_rewards = [g.rewards[0] for g in greedy if g.scored(0)]
     k = num_samples
     metrics = {
         "eval/accuracy": sum(greedy_correct) / len(items),

@@ -2,12 +2,16 @@
 
 Each step:
   1. snapshot the current weights into a sampling client
-  2. sample ``group_size`` responses for ``batch_size`` prompts (all requests in flight at once)
+  2. sample ``group_size`` rollouts for ``batch_size`` prompts (all requests in flight at once)
   3. score them with the adapter (a failing reward is recorded and left out, never fatal)
   4. advantages = reward - group mean (optionally / std); flat groups carry no signal
   5. Datums: prompt tokens weight 0, response tokens carry the advantage
   6. forward_backward + optim_step, submitted back to back
   7. log metrics and rollouts; evaluate and checkpoint when due
+
+Every stage returns what it made (ScoredGroup, advantages, TrainSample, reference logprobs,
+Datum) and nothing writes into another stage's records, so one step's data flow can be read
+from the signatures of collect_batch and learn.
 """
 
 from __future__ import annotations
@@ -16,27 +20,63 @@ import math
 import random
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from grpo import checkpoint
 from grpo.adapter import RLAdapter
-from grpo.advantages import assign_advantages, build_datums, trainable_responses
+from grpo.advantages import (
+    TrainSample,
+    build_datums,
+    compute_advantages,
+    is_flat,
+    select_for_training,
+    training_rewards,
+)
+from grpo.client_api import SamplingClient, ServiceClient, TrainingClient
 from grpo.config import GRPOConfig
 from grpo.evaluation import evaluate
-from grpo.rollouts import Failure, Group, Response, sample_groups, sampling_seed, score_group
+from grpo.rollouts import Failure, Group, ScoredGroup, sample_groups, sampling_seed, score_group
 from grpo.runlog import RunLog
-from grpo.types import AdamParams, ModelInput, SamplingParams
-
-TIMING_PREFIXES = ("time/", "throughput/")
+from grpo.saturation import SolveHistory
+from grpo.types import AdamParams, Datum, ModelInput, SamplingParams
 
 
 class RewardFailureError(RuntimeError):
     pass
 
 
-def run_grpo(adapter: RLAdapter, cfg: Any = None, *, service_client: Any = None, run_dir: str | Path | None = None,
-             resolved_config: dict | None = None) -> str:
+@dataclass(frozen=True)
+class Run:
+    """What stays fixed for a whole run; every step function takes it first."""
+
+    adapter: RLAdapter
+    cfg: GRPOConfig
+    training_client: TrainingClient
+    reference: SamplingClient | None  # the base model, for the KL penalty
+    tokenizer: Any
+    stop: list
+    log: RunLog
+    run_dir: Path
+
+
+@dataclass(frozen=True)
+class Batch:
+    """One step's scored groups. Policy metrics come from ``first_wave``, an unbiased sample of
+    the policy; ``groups`` adds the dynamic-sampling waves that replaced flat groups."""
+
+    groups: list[ScoredGroup]
+    first_wave: list[ScoredGroup]
+    timing: dict[str, float]
+
+    @property
+    def failures(self) -> list[Failure]:
+        return [f for g in self.groups for f in g.failures]
+
+
+def run_grpo(adapter: RLAdapter, cfg: Any = None, *, service_client: ServiceClient | None = None,
+             run_dir: str | Path | None = None, resolved_config: dict | None = None) -> str:
     """Train a LoRA adapter with GRPO on ``adapter``'s task; return the final weights' path.
 
     ``cfg`` may be a GRPOConfig, a dict / OmegaConf mapping, or a MinT ``RLConfig``. Rerunning
@@ -46,101 +86,59 @@ def run_grpo(adapter: RLAdapter, cfg: Any = None, *, service_client: Any = None,
     run_dir = Path(run_dir) if run_dir is not None else Path("outputs") / time.strftime("%Y-%m-%d_%H-%M-%S")
     log = RunLog(run_dir, cfg.to_dict(), cfg.steps, progress=cfg.progress, wandb_cfg=cfg.wandb)
     log.write_config(resolved_config or cfg.to_dict())
-    if service_client is None:
-        from grpo.backends.local import ServiceClient
+    train_items, eval_items = load_items(adapter, cfg)  # before the model: bad data fails in a blink
+    run = open_run(adapter, cfg, service_client, run_dir, log)
 
-        service_client = ServiceClient(checkpoint_dir=run_dir / "checkpoints")
-
-    # Data before the model: an adapter with no data should fail in a blink, not after a load.
-    train_items = list(adapter.build_dataset())
-    if not train_items:
-        raise ValueError(f"{type(adapter).__name__}.build_dataset() returned no items")
-    eval_items = list(adapter.build_eval_dataset())[: cfg.eval_size]
-
-    training_client = service_client.create_lora_training_client(
-        base_model=cfg.base_model, rank=cfg.rank, seed=cfg.seed,
-        train_mlp=cfg.train_mlp, train_attn=cfg.train_attn, train_unembed=cfg.train_unembed)
-    tokenizer = training_client.get_tokenizer()
-    stop = adapter.stop_sequences(tokenizer)
-    reference = service_client.create_sampling_client(base_model=cfg.base_model) if cfg.kl_penalty_coef > 0 else None
-
-    state = checkpoint.resume(run_dir, training_client, log)
+    state = checkpoint.resume(run_dir, run.training_client, log)
     if state is None:
         state = checkpoint.LoopState()
         random.seed(cfg.seed)
     else:
         log.print(f"resumed {run_dir} at step {state.step}")
     state.wandb_id = log.start_wandb(state.wandb_id)
-    stream = ItemStream(train_items, cfg.seed, state.cursor)
+    history = SolveHistory.from_json(state.solve_history)
+    stream = ItemStream(train_items, cfg.seed, state.cursor, skip=history.retired)
     evals: dict[int, dict[str, float]] = {}  # step -> held-out metrics, for the closing summary
     # True from submitting a step's update until the step is recorded in `state`: the weights
     # and the loop state may disagree then, so an interrupt must not checkpoint.
     updating = False
-
     try:
         for step in range(state.step, cfg.steps + 1):
             if eval_items and cfg.eval_due(step):
-                sampler = training_client.save_weights_and_get_sampling_client(f"eval_{step}")
-                evals[step] = evaluate(
-                    sampler, adapter, eval_items, tokenizer, seed=cfg.seed, step=step,
-                    max_tokens=cfg.eval_max_tokens or cfg.max_tokens, num_samples=cfg.eval_samples,
-                    temperature=cfg.eval_temperature, stop=stop)
-                log.log_metrics(step, evals[step])
+                evals[step] = run_evaluation(run, eval_items, step)
             if step == cfg.steps:
                 break
-
+            if not stream.live:
+                log.print(f"every training item is retired (retire_solved_after / retire_unsolved_after); "
+                          f"stopping after step {step - 1}")
+                break
             t_step = time.perf_counter()
-            cursor_at_start = stream.cursor
-            sampler = training_client.save_weights_and_get_sampling_client(f"step_{step}")
-            groups, first_wave, failures, timing = collect_groups(sampler, adapter, stream, tokenizer, stop, cfg, step)
-            log.log_failures({"step": step, "group": f.item_index, "sample": f.sample, "error": f.error,
-                              "traceback": f.traceback} for f in failures)
-            n_responses = sum(len(g.responses) for g in groups)
-            n_failed = sum(not r.scored for g in groups for r in g.responses)
-            if n_responses and n_failed / n_responses > cfg.max_failure_rate:
-                state.step, state.cursor = step, cursor_at_start
-                path = checkpoint.save(training_client, run_dir, log, state)
-                raise RewardFailureError(
-                    f"{n_failed} of {n_responses} rewards failed at step {step}, above max_failure_rate="
-                    f"{cfg.max_failure_rate}; tracebacks are in {run_dir / 'failures.jsonl'}. "
-                    f"Checkpoint saved at {path}: fix the reward and rerun the same command to resume.")
-
-            assign_advantages(groups, cfg.advantage_norm, cfg.overlong)
-            pairs = trainable_responses(groups, cfg.skip_flat_groups, cfg.overlong)
-            if reference is not None and pairs:
-                attach_reference_logprobs(reference, pairs)
-            datums, kl_metrics = build_datums(pairs, cfg.loss_fn, cfg.loss_agg, cfg.kl_penalty_coef)
-
-            t_train = time.perf_counter()
+            state_at_start = checkpoint.LoopState(step, stream.cursor, state.wandb_id, history.to_json())
+            batch = collect_batch(run, stream, step)
+            stop_if_rewards_fail(run, batch, step, state_at_start)
             updating = True
-            train_metrics = train(training_client, datums, pairs, cfg, step)
-            timing["time/train"] = time.perf_counter() - t_train
-            timing["time/step"] = time.perf_counter() - t_step
-
-            metrics = rollout_metrics(adapter, first_wave, groups, pairs, failures)
-            metrics.update(kl_metrics)
-            metrics.update(train_metrics)
-            metrics.update(timing)
-            trained_tokens = sum(d.model_input.length for d in datums)
-            metrics["throughput/tokens_per_s"] = (metrics["tokens/sampled"] + trained_tokens) / timing["time/step"]
+            metrics = learn(run, batch, step)
+            history.record(batch.groups, adapter.is_correct, cfg.retire_solved_after, cfg.retire_unsolved_after)
+            metrics.update(history.metrics(len(train_items)))
+            metrics["time/step"] = time.perf_counter() - t_step
+            metrics["throughput/tokens_per_s"] = (
+                metrics["tokens/sampled"] + metrics["tokens/trained"]) / metrics["time/step"]
             log.log_metrics(step, metrics)
-            log.log_rollouts(rollout_rows(groups, tokenizer, step, cfg.rollouts_per_step))
-            adapter.evaluate(step, [r.reward for g in first_wave for r in g.responses if r.scored], len(datums))
-
-            state.step, state.cursor = step + 1, stream.cursor
+            log.log_rollouts(rows := rollout_rows(batch, run.cfg, run.tokenizer, step))
+            if cfg.show_sample_every and step % cfg.show_sample_every == 0 and rows:
+                log.show_sample(step, rows[0])
+            adapter.evaluate(step, [x for g in batch.first_wave for x in g.rewards if math.isfinite(x)],
+                             int(metrics["datums"]))
+            state.step, state.cursor, state.solve_history = step + 1, stream.cursor, history.to_json()
             updating = False
             if cfg.save_due(step) and step + 1 < cfg.steps:
-                checkpoint.save(training_client, run_dir, log, state)
-                write_report(run_dir, cfg)
-
-        checkpoint.save(training_client, run_dir, log, state)
-        final = training_client.save_weights_for_sampler("final").result().path
-        log.log_checkpoint({"step": state.step, "name": "final", "path": str(final), "kind": "final"})
-        write_report(run_dir, cfg)
+                checkpoint.save(run.training_client, run_dir, log, state)
+                refresh_report(run_dir, cfg)
+        final = finish(run, state)
     except KeyboardInterrupt:
         # Ctrl-C mid-step: keep everything before this step, so a rerun repeats only the step.
         if not updating:
-            path = checkpoint.save(training_client, run_dir, log, state)
+            path = checkpoint.save(run.training_client, run_dir, log, state)
             log.print(f"interrupted in step {state.step}; checkpoint saved at {path}. "
                       "Rerun the same command to resume.")
         else:
@@ -149,12 +147,62 @@ def run_grpo(adapter: RLAdapter, cfg: Any = None, *, service_client: Any = None,
         raise
     finally:
         log.close()
+    print_summary(log, evals, len(eval_items), final)
+    return final
+
+
+# --------------------------------------------------------------------------- setup and teardown
+
+
+def load_items(adapter: RLAdapter, cfg: GRPOConfig) -> tuple[list[Any], list[Any]]:
+    train_items = list(adapter.build_dataset())
+    if not train_items:
+        raise ValueError(f"{type(adapter).__name__}.build_dataset() returned no items")
+    return train_items, list(adapter.build_eval_dataset())[: cfg.eval_size]
+
+
+def open_run(adapter: RLAdapter, cfg: GRPOConfig, service_client: ServiceClient | None, run_dir: Path,
+             log: RunLog) -> Run:
+    """Create the training client (and the reference sampler for the KL penalty)."""
+    if service_client is None:
+        from grpo.backends.local import ServiceClient as LocalServiceClient
+
+        service_client = LocalServiceClient(checkpoint_dir=run_dir / "checkpoints")
+    training_client = service_client.create_lora_training_client(
+        base_model=cfg.base_model, rank=cfg.rank, seed=cfg.seed,
+        train_mlp=cfg.train_mlp, train_attn=cfg.train_attn, train_unembed=cfg.train_unembed)
+    tokenizer = training_client.get_tokenizer()
+    reference = service_client.create_sampling_client(base_model=cfg.base_model) if cfg.kl_penalty_coef > 0 else None
+    return Run(adapter, cfg, training_client, reference, tokenizer, adapter.stop_sequences(tokenizer), log, run_dir)
+
+
+def finish(run: Run, state: checkpoint.LoopState) -> str:
+    """Last checkpoint (resumable), the final sampler weights, the report; returns the weights' path."""
+    checkpoint.save(run.training_client, run.run_dir, run.log, state)
+    final = str(run.training_client.save_weights_for_sampler("final").result().path)
+    run.log.log_checkpoint({"step": state.step, "name": "final", "path": final, "kind": "final"})
+    refresh_report(run.run_dir, run.cfg)
+    return final
+
+
+def print_summary(log: RunLog, evals: dict[int, dict[str, float]], n_items: int, final: str) -> None:
     if len(evals) > 1:
         first, last = min(evals), max(evals)
         log.print(f"held-out accuracy {evals[first]['eval/accuracy']:.3f} (step {first}) -> "
-                  f"{evals[last]['eval/accuracy']:.3f} (step {last}), {len(eval_items)} items, greedy")
+                  f"{evals[last]['eval/accuracy']:.3f} (step {last}), {n_items} items, greedy")
     log.print(f"final adapter: {final}")
-    return str(final)
+
+
+def refresh_report(run_dir: Path, cfg: GRPOConfig) -> None:
+    """Rewrite report.html from the run directory; a report never takes training down."""
+    if not cfg.report:
+        return
+    try:
+        from grpo.report import write_report
+
+        write_report(run_dir, png=False)
+    except Exception as err:
+        print(f"[grpo] report not written: {type(err).__name__}: {err}")
 
 
 # --------------------------------------------------------------------------- data
@@ -164,11 +212,16 @@ class ItemStream:
     """Training items in a fresh seeded shuffle every epoch; position ``cursor`` is all the
     state there is, so resuming needs only that number."""
 
-    def __init__(self, items: Sequence[Any], seed: int, cursor: int = 0):
+    def __init__(self, items: Sequence[Any], seed: int, cursor: int = 0, skip: set[int] | None = None):
         self.items = list(items)
         self.seed = seed
         self.cursor = cursor
+        self.skip = skip if skip is not None else set()  # retired item indices (the live set, not a copy)
         self._orders: dict[int, list[int]] = {}
+
+    @property
+    def live(self) -> int:
+        return len(self.items) - len(self.skip)
 
     def _order(self, epoch: int) -> list[int]:
         if epoch not in self._orders:
@@ -179,67 +232,106 @@ class ItemStream:
 
     def take(self, n: int) -> list[tuple[int, Any]]:
         out = []
-        for _ in range(n):
+        while len(out) < n and self.live:
             epoch, offset = divmod(self.cursor, len(self.items))
             index = self._order(epoch)[offset]
-            out.append((index, self.items[index]))
             self.cursor += 1
+            if index not in self.skip:
+                out.append((index, self.items[index]))
         return out
 
 
 # --------------------------------------------------------------------------- one step's parts
 
 
-def collect_groups(sampler: Any, adapter: RLAdapter, stream: ItemStream, tokenizer: Any, stop: list,
-                   cfg: GRPOConfig, step: int) -> tuple[list[Group], list[Group], list[Failure], dict[str, float]]:
-    """Sample and score ``batch_size`` groups; with dynamic sampling, replace flat groups with
-    fresh prompts for up to ``dynamic_sampling_waves`` more waves.
+def run_evaluation(run: Run, eval_items: list[Any], step: int) -> dict[str, float]:
+    cfg = run.cfg
+    sampler = run.training_client.save_weights_and_get_sampling_client(f"eval_{step}")
+    metrics = evaluate(sampler, run.adapter, eval_items, run.tokenizer, seed=cfg.seed, step=step,
+                       max_tokens=cfg.eval_max_tokens or cfg.max_tokens, num_samples=cfg.eval_samples,
+                       temperature=cfg.eval_temperature, stop=run.stop)
+    run.log.log_metrics(step, metrics)
+    return metrics
 
-    Returns (all groups, the first wave's groups, failures, timings). Policy metrics come from
-    the first wave, which is an unbiased sample of the policy's behaviour.
-    """
-    groups: list[Group] = []
-    first_wave: list[Group] = []
-    failures: list[Failure] = []
+
+def collect_batch(run: Run, stream: ItemStream, step: int) -> Batch:
+    """Sample and score ``batch_size`` groups; with dynamic sampling, replace flat groups with
+    fresh prompts for up to ``dynamic_sampling_waves`` more waves."""
+    cfg = run.cfg
+    sampler = run.training_client.save_weights_and_get_sampling_client(f"step_{step}")
+    groups: list[ScoredGroup] = []
+    first_wave: list[ScoredGroup] = []
     timing = {"time/sample": 0.0, "time/score": 0.0}
     wanted = cfg.batch_size
     for wave in range(cfg.dynamic_sampling_waves + 1):
         entries = stream.take(wanted)
-        prompts = [adapter.make_prompt(item, tokenizer) for _, item in entries]
+        prompts = [run.adapter.make_prompt(item, run.tokenizer) for _, item in entries]
         t0 = time.perf_counter()
-        responses = sample_groups(
+        rollouts = sample_groups(
             sampler, prompts, cfg.group_size,
-            lambda i, wave=wave: SamplingParams(max_tokens=cfg.max_tokens, temperature=cfg.temperature,
-                                                top_p=cfg.top_p, top_k=cfg.top_k, stop=stop,
+            lambda i, wave=wave: SamplingParams(max_tokens=cfg.max_tokens, temperature=cfg.temperature_at(step),
+                                                top_p=cfg.top_p, top_k=cfg.top_k, stop=run.stop,
                                                 seed=sampling_seed(cfg.seed, step, wave, i)),
-            tokenizer)
+            run.tokenizer)
         t1 = time.perf_counter()
-        wave_groups = [Group(index, item, prompt, rs) for (index, item), prompt, rs in zip(entries, prompts, responses, strict=True)]
-        for group in wave_groups:
-            failures.extend(score_group(adapter, group))
+        wave_groups = [score_group(run.adapter, Group(index, item, prompt, rs))
+                       for (index, item), prompt, rs in zip(entries, prompts, rollouts, strict=True)]
         timing["time/sample"] += t1 - t0
         timing["time/score"] += time.perf_counter() - t1
         groups.extend(wave_groups)
         if wave == 0:
             first_wave = wave_groups
-        wanted = sum(g.is_flat for g in wave_groups)
+        wanted = sum(is_flat(training_rewards(g, cfg.overlong)) for g in wave_groups)
         if wanted == 0:
             break
     timing["dynamic/waves"] = float(wave + 1)
-    return groups, first_wave, failures, timing
+    return Batch(groups, first_wave, timing)
 
 
-def attach_reference_logprobs(reference: Any, pairs: list[tuple[Group, Response]]) -> None:
-    """Logprobs of each response under the base model (adapter disabled), for the KL penalty."""
-    futures = [reference.compute_logprobs(ModelInput.from_ints(g.prompt_tokens + r.tokens)) for g, r in pairs]
-    for (group, response), future in zip(pairs, futures, strict=True):
-        response.ref_logprobs = [float(x) for x in future.result()[len(group.prompt_tokens):]]
+def stop_if_rewards_fail(run: Run, batch: Batch, step: int, state_at_start: checkpoint.LoopState) -> None:
+    """Record the step's reward failures; above ``max_failure_rate``, checkpoint the state at the
+    step's start and stop, so a rerun after fixing the reward repeats exactly this step."""
+    run.log.log_failures({"step": step, "group": f.item_index, "sample": f.sample, "error": f.error,
+                          "traceback": f.traceback} for f in batch.failures)
+    n_rollouts = sum(len(g.rewards) for g in batch.groups)
+    n_failed = sum(not math.isfinite(x) for g in batch.groups for x in g.rewards)
+    if n_rollouts and n_failed / n_rollouts > run.cfg.max_failure_rate:
+        path = checkpoint.save(run.training_client, run.run_dir, run.log, state_at_start)
+        raise RewardFailureError(
+            f"{n_failed} of {n_rollouts} rewards failed at step {step}, above max_failure_rate="
+            f"{run.cfg.max_failure_rate}; tracebacks are in {run.run_dir / 'failures.jsonl'}. "
+            f"Checkpoint saved at {path}: fix the reward and rerun the same command to resume.")
 
 
-def train(training_client: Any, datums: list, pairs: list[tuple[Group, Response]], cfg: GRPOConfig,
+def learn(run: Run, batch: Batch, step: int) -> dict[str, float]:
+    """Advantages -> chosen samples -> (reference logprobs) -> Datums -> one optimizer step.
+    Returns the step's metrics."""
+    cfg = run.cfg
+    t_train = time.perf_counter()
+    advantages = compute_advantages(batch.groups, cfg.advantage_norm, cfg.overlong)
+    samples = select_for_training(batch.groups, advantages, cfg.skip_flat_groups, cfg.overlong)
+    ref_logprobs = reference_logprobs(run.reference, samples) if run.reference is not None and samples else None
+    datums, kl_metrics = build_datums(samples, cfg.loss_fn, cfg.loss_agg, cfg.kl_penalty_coef, ref_logprobs)
+    metrics = rollout_metrics(run, batch, samples)
+    metrics.update(kl_metrics)
+    metrics.update(train(run.training_client, datums, samples, cfg, step))
+    metrics.update(batch.timing)
+    metrics["time/train"] = time.perf_counter() - t_train
+    metrics["tokens/trained"] = float(sum(d.model_input.length for d in datums))
+    return metrics
+
+
+def reference_logprobs(reference: SamplingClient, samples: list[TrainSample]) -> list[list[float]]:
+    """Logprobs of each sample's tokens under the base model (adapter disabled), for the KL penalty."""
+    futures = [reference.compute_logprobs(ModelInput.from_ints(s.prompt_tokens + s.rollout.tokens)) for s in samples]
+    return [[float(x) for x in future.result()[len(s.prompt_tokens):]]
+            for s, future in zip(samples, futures, strict=True)]
+
+
+def train(training_client: TrainingClient, datums: list[Datum], samples: list[TrainSample], cfg: GRPOConfig,
           step: int) -> dict[str, float]:
     lr = cfg.lr_at(step)
-    metrics: dict[str, float] = {"lr": lr, "datums": float(len(datums))}
+    metrics: dict[str, float] = {"lr": lr, "temperature": cfg.temperature_at(step), "datums": float(len(datums))}
     if not datums:  # every group was flat: nothing to learn from this batch
         return metrics
     adam = AdamParams(learning_rate=lr, beta1=cfg.betas[0], beta2=cfg.betas[1], eps=cfg.eps,
@@ -253,13 +345,13 @@ def train(training_client: Any, datums: list, pairs: list[tuple[Group, Response]
 
     # How far the trainer's logprobs are from the sampler's on the same tokens: ~0 when on-policy.
     diffs = []
-    for (group, response), out in zip(pairs, fb.loss_fn_outputs, strict=True):
-        train_lp = out["logprobs"].tolist()[len(group.prompt_tokens) - 1:]
-        diffs.extend(q - p for q, p in zip(response.logprobs, train_lp, strict=True))
+    for sample, out in zip(samples, fb.loss_fn_outputs, strict=True):
+        train_lp = out["logprobs"].tolist()[len(sample.prompt_tokens) - 1:]
+        diffs.extend(q - p for q, p in zip(sample.rollout.logprobs, train_lp, strict=True))
     if diffs:
         metrics["kl/sample_train"] = sum(diffs) / len(diffs)
         metrics["logprob/max_abs_diff"] = max(abs(d) for d in diffs)
-    sampled_lp = [q for _, r in pairs for q in r.logprobs]
+    sampled_lp = [q for s in samples for q in s.rollout.logprobs]
     metrics["entropy"] = fb.metrics.get("entropy:mean", -sum(sampled_lp) / max(1, len(sampled_lp)))
     return metrics
 
@@ -267,58 +359,52 @@ def train(training_client: Any, datums: list, pairs: list[tuple[Group, Response]
 # --------------------------------------------------------------------------- metrics and logs
 
 
-def rollout_metrics(adapter: RLAdapter, first_wave: list[Group], groups: list[Group],
-                    pairs: list[tuple[Group, Response]], failures: list[Failure]) -> dict[str, float]:
-    responses = [r for g in first_wave for r in g.responses]
-    scored = [r for r in responses if r.scored]
-    rewards = [r.reward for r in scored]
+def rollout_metrics(run: Run, batch: Batch, samples: list[TrainSample]) -> dict[str, float]:
+    """Reward, accuracy and group statistics of the first wave (the adapter's own rewards)."""
+    first = batch.first_wave
+    rollouts = [r for g in first for r in g.group.rollouts]
+    rewards = [x for g in first for x in g.rewards if math.isfinite(x)]
     mean = sum(rewards) / len(rewards) if rewards else math.nan
     std = math.sqrt(sum((x - mean) ** 2 for x in rewards) / len(rewards)) if rewards else math.nan
-    correct_by_group = [[adapter.is_correct(r.reward, g.item) for r in g.responses if r.scored] for g in first_wave]
-    all_responses = [r for g in groups for r in g.responses]
-    n_groups = max(1, len(first_wave))
+    correct_by_group = [[run.adapter.is_correct(x, g.group.item) for x in g.rewards if math.isfinite(x)]
+                        for g in first]
+    all_rewards = [x for g in batch.groups for x in g.rewards]
+    n_groups = max(1, len(first))
     metrics = {
         "reward/mean": mean,
         "reward/std": std,
-        "accuracy": sum(sum(c) for c in correct_by_group) / len(scored) if scored else math.nan,
+        "accuracy": sum(sum(c) for c in correct_by_group) / len(rewards) if rewards else math.nan,
         "groups/all_correct": sum(bool(c) and all(c) for c in correct_by_group) / n_groups,
         "groups/all_wrong": sum(not any(c) for c in correct_by_group) / n_groups,
         "groups/mixed": sum(any(c) and not all(c) for c in correct_by_group) / n_groups,
-        "groups/flat": sum(g.is_flat for g in first_wave) / n_groups,
-        "groups/trained": float(len({id(g) for g, _ in pairs})),
-        "tokens/sampled": float(sum(len(r.tokens) for r in all_responses)),
-        "response/mean_length": sum(len(r.tokens) for r in responses) / max(1, len(responses)),
-        "response/truncation_rate": sum(r.truncated for r in responses) / max(1, len(responses)),
-        "failures/count": float(sum(not r.scored for r in all_responses)),
-        "failures/rate": sum(not r.scored for r in all_responses) / max(1, len(all_responses)),
+        "groups/flat": sum(is_flat(training_rewards(g, run.cfg.overlong)) for g in first) / n_groups,
+        "groups/trained": float(len({id(s.group) for s in samples})),
+        "tokens/sampled": float(sum(len(r.tokens) for g in batch.groups for r in g.group.rollouts)),
+        "response/mean_length": sum(len(r.tokens) for r in rollouts) / max(1, len(rollouts)),
+        "response/truncation_rate": sum(r.truncated for r in rollouts) / max(1, len(rollouts)),
+        "failures/count": float(sum(not math.isfinite(x) for x in all_rewards)),
+        "failures/rate": sum(not math.isfinite(x) for x in all_rewards) / max(1, len(all_rewards)),
     }
     sums: dict[str, list[float]] = {}
-    for r in scored:
-        for key, value in r.metrics.items():
-            sums.setdefault(key, []).append(value)
+    for g in first:
+        for x, sample_metrics in zip(g.rewards, g.metrics, strict=True):
+            if math.isfinite(x):
+                for key, value in sample_metrics.items():
+                    sums.setdefault(key, []).append(value)
     metrics.update({f"adapter/{k}": sum(v) / len(v) for k, v in sums.items()})
     return metrics
 
 
-def rollout_rows(groups: list[Group], tokenizer: Any, step: int, limit: int) -> list[dict[str, Any]]:
-    rows = []
-    for gi, group in enumerate(groups):
-        prompt = tokenizer.decode(group.prompt_tokens, skip_special_tokens=False)
-        for si, r in enumerate(group.responses):
-            if 0 <= limit <= len(rows):
+def rollout_rows(batch: Batch, cfg: GRPOConfig, tokenizer: Any, step: int) -> list[dict[str, Any]]:
+    """rollouts.jsonl lines: the adapter's reward and, beside it, the advantage training used."""
+    advantages = compute_advantages(batch.groups, cfg.advantage_norm, cfg.overlong)
+    rows: list[dict[str, Any]] = []
+    for gi, (scored, group_adv) in enumerate(zip(batch.groups, advantages, strict=True)):
+        prompt = tokenizer.decode(scored.group.prompt_tokens, skip_special_tokens=False)
+        for si, (r, reward, advantage) in enumerate(zip(scored.group.rollouts, scored.rewards, group_adv, strict=True)):
+            if 0 <= cfg.rollouts_per_step <= len(rows):
                 return rows
             rows.append({"step": step, "group": gi, "sample": si, "prompt": prompt, "response": r.text,
-                         "reward": r.reward if r.scored else None, "advantage": r.advantage,
+                         "reward": reward if math.isfinite(reward) else None, "advantage": advantage,
                          "truncated": r.truncated, "num_tokens": len(r.tokens)})
     return rows
-
-
-def write_report(run_dir: Path, cfg: GRPOConfig) -> None:
-    if not cfg.report:
-        return
-    try:
-        from grpo.report import write_report as _write
-
-        _write(run_dir, png=False)
-    except Exception as err:  # a report must never take training down
-        print(f"[grpo] report not written: {type(err).__name__}: {err}")

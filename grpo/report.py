@@ -28,6 +28,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
+from grpo.files import atomic_write_text
 from grpo.runlog import read_jsonl
 
 REPORT_NAME = "report.html"
@@ -408,9 +409,7 @@ def build_report(run_dirs: Sequence[str | Path], output: str | Path, *, png: boo
     output = Path(output)
     output.parent.mkdir(parents=True, exist_ok=True)
     text = render_html(build_payload(runs, title))
-    tmp = output.with_name(output.name + ".tmp")
-    tmp.write_text(text, encoding="utf-8")
-    tmp.replace(output)  # a browser reloading mid-run never sees half a page
+    atomic_write_text(output, text)  # a browser reloading mid-run never sees half a page
     if png:
         write_pngs(runs, output.with_name(output.stem + "_plots"))  # .../report_plots/overview.png
     return output

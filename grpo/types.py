@@ -19,8 +19,8 @@ if TYPE_CHECKING:  # torch is imported lazily so that config validation starts i
 
 T = TypeVar("T")
 
+# The SDK's type for the built-in losses; grpo.losses.LOSSES is the registry (tests hold them equal).
 LossFnType = Literal["cross_entropy", "importance_sampling", "ppo", "cispo", "dro"]
-LOSS_FNS: tuple[str, ...] = ("cross_entropy", "importance_sampling", "ppo", "cispo", "dro")
 StopReason = Literal["stop", "length"]
 
 

@@ -132,23 +132,22 @@ def worker_grpo(args: argparse.Namespace) -> None:
         sampler = tc.save_weights_and_get_sampling_client()
         responses = rollouts.sample_groups(sampler, [prompt_ids[i] for i in batch], args.group,
                                            lambda _: params, tokenizer)
-        groups = [rollouts.Group(i, problems[i], prompt_ids[i], rs) for i, rs in zip(batch, responses, strict=True)]
-        for group in groups:
-            for r in group.responses:
-                r.reward = exact_match(r.text, group.item.answer)
+        groups = [rollouts.ScoredGroup(rollouts.Group(i, problems[i], prompt_ids[i], rs),
+                                       [exact_match(r.text, problems[i].answer) for r in rs], [{} for _ in rs], [])
+                  for i, rs in zip(batch, responses, strict=True)]
         t1 = time.perf_counter()
         # TRL's defaults: rewards scaled by the group std, loss averaged over the batch's tokens.
-        advantages.assign_advantages(groups, "std", "keep")
-        pairs = advantages.trainable_responses(groups, skip_flat_groups=False, overlong="keep")
-        datums, _ = advantages.build_datums(pairs, "ppo", "token_mean")
+        group_adv = advantages.compute_advantages(groups, "std", "keep")
+        samples = advantages.select_for_training(groups, group_adv, skip_flat_groups=False, overlong="keep")
+        datums, _ = advantages.build_datums(samples, "ppo", "token_mean")
         fb = tc.forward_backward(datums, "ppo")
         opt = tc.optim_step(adam)
         fb.result()
         opt.result()
         sync(device)
         t2 = time.perf_counter()
-        tokens = sum(len(r.tokens) for g in groups for r in g.responses)
-        reward = statistics.mean(r.reward for g in groups for r in g.responses)
+        tokens = sum(len(r.tokens) for g in groups for r in g.group.rollouts)
+        reward = statistics.mean(x for g in groups for x in g.rewards)
         emit(event="step", seconds=t2 - t0, sample_s=t1 - t0, train_s=t2 - t1, tokens=tokens, reward=reward)
     emit(event="done", **memory_report(device))
 
@@ -246,7 +245,7 @@ def worker_micro(args: argparse.Namespace) -> None:
 
     from grpo.advantages import build_datum
     from grpo.backends.local import ServiceClient
-    from grpo.rollouts import Response
+    from grpo.rollouts import Rollout
     from grpo.types import AdamParams, ModelInput, SamplingParams
 
     device, dtype = device_and_dtype(args.device)
@@ -288,7 +287,7 @@ def worker_micro(args: argparse.Namespace) -> None:
     for prompt, result in zip(prompts, results, strict=True):
         for seq in result.sequences:
             adv = float(torch.randn((), generator=gen)) / 100
-            resp = Response(tokens=list(seq.tokens), logprobs=list(seq.logprobs), stop_reason=seq.stop_reason, text="")
+            resp = Rollout(tokens=list(seq.tokens), logprobs=list(seq.logprobs), stop_reason=seq.stop_reason, text="")
             datums.append(build_datum(prompt, resp, [adv] * len(seq.tokens)))
     adam = AdamParams(learning_rate=args.lr)
 

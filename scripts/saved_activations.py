@@ -26,7 +26,7 @@ from bench import make_problems  # noqa: E402
 
 from grpo.advantages import build_datum  # noqa: E402
 from grpo.backends.local import ServiceClient, trainer  # noqa: E402
-from grpo.rollouts import Response  # noqa: E402
+from grpo.rollouts import Rollout  # noqa: E402
 
 
 class SavedBytes:
@@ -66,7 +66,7 @@ def main() -> None:
     for prompt in prompts:
         for k in range(4):
             tokens = torch.randint(100, 20000, (32,), generator=gen).tolist()
-            response = Response(tokens=tokens, logprobs=[-2.0] * 32, stop_reason="length", text="")
+            response = Rollout(tokens=tokens, logprobs=[-2.0] * 32, stop_reason="length", text="")
             datums.append(build_datum(prompt, response, [0.1 * (k - 1.5)] * 32))
     prepared = trainer.prepare(datums, "ppo", engine.vocab_size, engine.check_tokens)
     parameter_storages = {q.untyped_storage().data_ptr() for q in engine.peft_model.parameters()}

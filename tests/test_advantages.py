@@ -7,20 +7,31 @@ import math
 import pytest
 
 from grpo.advantages import (
-    assign_advantages,
     build_datum,
     build_datums,
+    compute_advantages,
     group_advantages,
+    is_flat,
     kl_penalised,
     loss_scales,
-    trainable_responses,
+    select_for_training,
+    training_rewards,
 )
-from grpo.rollouts import Group, Response
+from grpo.rollouts import Group, Rollout, ScoredGroup
 
 
-def resp(tokens, reward=0.0, stop="stop", logprobs=None):
-    return Response(tokens=list(tokens), logprobs=list(logprobs or [-0.5] * len(tokens)), stop_reason=stop,
-                    text="x", reward=reward)
+def rollout(tokens, stop="stop", logprobs=None):
+    return Rollout(tokens=list(tokens), logprobs=list(logprobs or [-0.5] * len(tokens)), stop_reason=stop, text="x")
+
+
+def scored(index, prompt, pairs):
+    """A ScoredGroup from (rollout, reward) pairs."""
+    group = Group(index, None, list(prompt), [r for r, _ in pairs])
+    return ScoredGroup(group, [x for _, x in pairs], [{} for _ in pairs], [])
+
+
+def chosen(groups, norm="center", overlong="keep", skip_flat=True):
+    return select_for_training(groups, compute_advantages(groups, norm, overlong), skip_flat, overlong)
 
 
 def test_group_advantages_centre_and_std():
@@ -44,7 +55,7 @@ def test_loss_scales_fold_aggregation_into_advantages():
 
 
 def test_build_datum_masks_the_prompt():
-    r = resp([7, 8, 9], logprobs=[-1.0, -2.0, -3.0])
+    r = rollout([7, 8, 9], logprobs=[-1.0, -2.0, -3.0])
     d = build_datum([1, 2, 3, 4], r, [0.5, 0.5, 0.5])
     assert d.model_input.to_ints() == [1, 2, 3, 4, 7, 8]
     ins = {k: v.tolist() for k, v in d.loss_fn_inputs.items()}
@@ -55,38 +66,38 @@ def test_build_datum_masks_the_prompt():
 
 
 def test_flat_groups_are_skipped_and_overlong_rules():
-    flat = Group(0, None, [1, 2], [resp([3], 1.0), resp([4], 1.0)])
-    mixed = Group(1, None, [1, 2], [resp([3], 1.0), resp([4, 5], 0.0, stop="length"), resp([6], math.nan)])
-    assign_advantages([flat, mixed], "center", "keep")
-    pairs = trainable_responses([flat, mixed], skip_flat_groups=True, overlong="keep")
-    assert [(g.item_index, r.tokens) for g, r in pairs] == [(1, [3]), (1, [4, 5])]  # NaN one left out
-    assert [r.advantage for _, r in pairs] == [0.5, -0.5]
-    assert len(trainable_responses([flat, mixed], skip_flat_groups=False, overlong="keep")) == 4
-    assert [r.tokens for _, r in trainable_responses([mixed], True, "drop")] == [[3]]
-    # overlong=zero: the truncated response's reward becomes 0 before centring
-    g = Group(2, None, [1], [resp([3], 1.0), resp([4], 1.0, stop="length")])
-    assign_advantages([g], "center", "zero")
-    assert [r.reward for r in g.responses] == [1.0, 0.0]
-    assert [r.advantage for r in g.responses] == [0.5, -0.5]
+    flat = scored(0, [1, 2], [(rollout([3]), 1.0), (rollout([4]), 1.0)])
+    mixed = scored(1, [1, 2], [(rollout([3]), 1.0), (rollout([4, 5], stop="length"), 0.0), (rollout([6]), math.nan)])
+    samples = chosen([flat, mixed])
+    assert [(s.group.item_index, s.rollout.tokens) for s in samples] == [(1, [3]), (1, [4, 5])]  # NaN left out
+    assert [s.advantage for s in samples] == [0.5, -0.5]
+    assert len(chosen([flat, mixed], skip_flat=False)) == 4
+    assert [s.rollout.tokens for s in chosen([mixed], overlong="drop")] == [[3]]
+    # overlong=zero: the truncated rollout trains with reward 0, but the adapter's reward is kept
+    g = scored(2, [1], [(rollout([3]), 1.0), (rollout([4], stop="length"), 1.0)])
+    assert training_rewards(g, "zero") == [1.0, 0.0]
+    assert [s.advantage for s in chosen([g], overlong="zero")] == [0.5, -0.5]
+    assert g.rewards == [1.0, 1.0]
+    # ... and flatness follows the rewards training sees: flat as the adapter scored it, not once zeroed
+    assert is_flat(g.rewards) and not is_flat(training_rewards(g, "zero"))
+    assert chosen([g], overlong="keep") == []
 
 
 def test_build_datums_loss_agg_and_kl_shaping():
-    g = Group(0, None, [1, 2], [resp([3, 4], 1.0, logprobs=[-1.0, -1.0]), resp([5], 0.0, logprobs=[-2.0])])
-    assign_advantages([g], "center", "keep")
-    pairs = trainable_responses([g], True, "keep")
-    datums, _ = build_datums(pairs, "importance_sampling", "token_mean")
+    g = scored(0, [1, 2], [(rollout([3, 4], logprobs=[-1.0, -1.0]), 1.0), (rollout([5], logprobs=[-2.0]), 0.0)])
+    samples = chosen([g])
+    datums, _ = build_datums(samples, "importance_sampling", "token_mean")
     # 3 response tokens in the batch: advantages are scaled by 1/3
     assert datums[0].loss_fn_inputs["advantages"].tolist()[-2:] == pytest.approx([0.5 / 3] * 2)
     assert datums[1].loss_fn_inputs["advantages"].tolist()[-1:] == pytest.approx([-0.5 / 3])
     # dro puts the aggregation into the weights, the advantage stays whole
-    datums, _ = build_datums(pairs, "dro", "seq_mean")
+    datums, _ = build_datums(samples, "dro", "seq_mean")
     assert datums[0].loss_fn_inputs["weights"].tolist()[-2:] == pytest.approx([0.25, 0.25])
     assert datums[0].loss_fn_inputs["advantages"].tolist()[-1] == pytest.approx(0.5)
 
     # KL shaping: k_t = q_t - ref_t, advantage_t = A - coef * (k_t - mean k)
-    g.responses[0].ref_logprobs = [-1.5, -0.5]  # k = 0.5, -0.5
-    g.responses[1].ref_logprobs = [-2.3]  # k = 0.3
-    datums, metrics = build_datums(pairs, "importance_sampling", "sum", kl_penalty_coef=0.1)
+    refs = [[-1.5, -0.5], [-2.3]]  # k = 0.5, -0.5 and 0.3
+    datums, metrics = build_datums(samples, "importance_sampling", "sum", kl_penalty_coef=0.1, ref_logprobs=refs)
     mean_k = (0.5 - 0.5 + 0.3) / 3
     assert metrics["kl/reference"] == pytest.approx(mean_k)
     assert datums[0].loss_fn_inputs["advantages"].tolist()[-2:] == pytest.approx(

@@ -15,7 +15,7 @@ from adapters.judge import rule_score
 from grpo.adapter import chat_prompt_tokens
 from grpo.runlog import read_jsonl
 
-CHAT_YAML = Path(__file__).resolve().parents[1] / "grpo" / "conf" / "adapter" / "chat.yaml"
+CHAT_YAML = Path(__file__).resolve().parents[1] / "conf" / "adapter" / "chat.yaml"
 
 
 

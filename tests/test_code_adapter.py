@@ -172,10 +172,10 @@ def test_prompt_uses_chat_template(adapter, tokenizer):
 def test_hydra_group_builds_the_adapter():
     from hydra import compose, initialize_config_dir
 
-    import grpo
     from grpo.__main__ import build_adapter
+    from grpo.config_docs import config_dir
 
-    conf = Path(grpo.__file__).parent / "conf"
+    conf = config_dir()
     with initialize_config_dir(config_dir=str(conf), version_base="1.3"):
         cfg = compose(config_name="config", overrides=["adapter=code", "adapter.problems=humaneval",
                                                        "adapter.reward=all_or_nothing", "adapter.workers=1"])

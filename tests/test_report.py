@@ -137,7 +137,7 @@ def test_report_of_real_run_matches_its_logs(real_run):
 
 def test_the_loops_hook_writes_the_report_and_never_raises(real_run, tmp_path, capsys):
     from grpo.config import GRPOConfig
-    from grpo.loop import write_report as loop_write_report
+    from grpo.loop import refresh_report as loop_write_report
 
     cfg = GRPOConfig.from_any({"base_model": "tiny", "report": True})
     copy = tmp_path / "run"

@@ -23,6 +23,7 @@ import torch
 from grpo import models
 from grpo.backends.local import sampler, trainer
 from grpo.backends.local.engine import Engine, LoraSpec
+from grpo.files import replace_dir
 from grpo.types import (
     AdamParams,
     APIFuture,
@@ -211,7 +212,7 @@ class TrainingClient:
         (tmp / STATE_FILE).write_text(json.dumps(meta, indent=1))
         if with_optimizer and self.optimizer is not None:
             torch.save(self.optimizer.state_dict(), tmp / OPTIMIZER_FILE)
-        _replace_dir(tmp, path)
+        replace_dir(tmp, path)
 
     def save_state(self, name: str) -> APIFuture[SaveWeightsResponse]:
         """Adapter weights and optimizer state, for resuming training."""
@@ -419,14 +420,3 @@ def _read_state(path: str) -> dict:
     return json.loads(state_file.read_text())
 
 
-def _replace_dir(tmp: Path, path: Path) -> None:
-    import shutil
-
-    if path.exists():
-        old = path.with_name(path.name + ".old")
-        shutil.rmtree(old, ignore_errors=True)
-        path.replace(old)
-        tmp.replace(path)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        tmp.replace(path)

@@ -31,6 +31,8 @@ from grpo.backends.remote.resilience import (
     wait,
 )
 from grpo.backends.remote.sdk import RemoteConfigError, SdkSpec, get_spec
+from grpo.checks import check_lora_targets
+from grpo.losses import check_loss_fn
 from grpo.types import async_twin
 
 logger = logging.getLogger("grpo.remote")
@@ -125,8 +127,7 @@ class RemoteServiceClient:
     def create_lora_training_client(self, base_model: str, rank: int = 16, seed: int | None = None,
                                     train_mlp: bool = True, train_attn: bool = True,
                                     train_unembed: bool = True, **sdk_kwargs: Any) -> RemoteTrainingClient:
-        if not (train_mlp or train_attn or train_unembed):
-            raise ValueError("at least one of train_mlp, train_attn, train_unembed must be true")
+        check_lora_targets(train_mlp, train_attn, train_unembed)
         client = self._call("create_lora_training_client", lambda: self._ready(
             self.sdk_client.create_lora_training_client(
                 base_model=base_model, rank=int(rank), seed=seed, train_mlp=bool(train_mlp),
@@ -269,8 +270,7 @@ class RemoteTrainingClient:
 
     def forward_backward(self, data: Sequence[g.Datum], loss_fn: str, loss_fn_config: Mapping[str, Any] | None = None
                          ) -> LazyFuture[g.ForwardBackwardOutput]:
-        if loss_fn not in g.LOSS_FNS:
-            raise ValueError(f"loss_fn={loss_fn!r} is invalid; valid: {', '.join(g.LOSS_FNS)}")
+        check_loss_fn(loss_fn)
         sdk_data = [convert.datum(self.types, d) for d in data]
         config = convert.loss_fn_config(loss_fn_config)
         return self._submit("forward_backward", lambda: self.sdk_client.forward_backward(sdk_data, loss_fn, config),

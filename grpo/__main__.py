@@ -80,7 +80,8 @@ def main(cfg: DictConfig) -> float | None:
     try:
         # Validate everything cheap before anything heavy (torch, models) is imported.
         loop_cfg = GRPOConfig.from_any({k: v for k, v in cfg.items() if k not in NON_LOOP_KEYS})
-        sweep.check_objective(loop_cfg, required=_objective_required(hydra_cfg, in_sweep))
+        required = _objective_required(hydra_cfg, in_sweep)
+        sweep.check_objective(loop_cfg, required=required)
         backend_cfg = OmegaConf.to_container(cfg.backend, resolve=True)
         adapter = build_adapter(cfg.adapter, _cli_adapter_keys())
     except (ConfigError, ValueError, TypeError) as err:
@@ -88,7 +89,7 @@ def main(cfg: DictConfig) -> float | None:
         sys.exit(2)
     if in_sweep and sweep.finished(run_dir, loop_cfg.steps, resolved):
         print(f"[grpo] {run_dir} already finished; skipped (its objective is read from metrics.jsonl)")
-        return _objective(run_dir, loop_cfg.objective, in_sweep)
+        return _objective(run_dir, loop_cfg.objective, in_sweep, required)
 
     with _sweep_gpu(backend_cfg, hydra_cfg.job.num if in_sweep else None) as device:
         if device is not None:
@@ -110,7 +111,7 @@ def main(cfg: DictConfig) -> float | None:
         from grpo.loop import run_grpo
 
         run_grpo(adapter, loop_cfg, service_client=service_client, run_dir=run_dir, resolved_config=resolved)
-    return _objective(run_dir, loop_cfg.objective, in_sweep)
+    return _objective(run_dir, loop_cfg.objective, in_sweep, required)
 
 
 def _searching_sweeper(hydra_cfg: Any) -> bool:
@@ -133,13 +134,13 @@ def _sweep_gpu(backend_cfg: dict, job_num: int | None) -> Any:
     return sweep.claimed_gpu(int(job_num), torch.cuda.device_count())
 
 
-def _objective(run_dir: Path, objective: str, in_sweep: bool) -> float | None:
+def _objective(run_dir: Path, objective: str, in_sweep: bool, required: bool) -> float | None:
     """The run's objective. Missing (or NaN) it fails the job when a searching sweeper (Optuna...)
-    would have to rank it; a grid sweep or a single run only says so and returns None."""
+    would have to rank it; a grid sweep that names it says so; otherwise it is None, quietly."""
     value = sweep.read_objective(run_dir, objective)
     if value is not None and not math.isnan(value):
         return value
-    if not in_sweep:
+    if not (in_sweep and required):
         return None
     from hydra.core.hydra_config import HydraConfig
 

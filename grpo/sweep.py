@@ -59,8 +59,8 @@ def check_objective(cfg: GRPOConfig, required: bool = True) -> None:
 
 def read_objective(run_dir: str | Path, objective: str) -> float | None:
     """The last logged value of ``objective`` in RUN_DIR/metrics.jsonl (the final evaluation for an
-    ``eval/*`` key); None when the run never logged it. NaN stays NaN: a sweeper counts that trial
-    as failed rather than ranking a made-up number."""
+    ``eval/*`` key); None when the run never logged it, NaN when its last value was (logged as
+    null); the CLI treats both as "no objective" rather than rank a made-up number."""
     value = None
     for row in read_jsonl(Path(run_dir) / "metrics.jsonl"):
         if objective in row:
@@ -233,6 +233,9 @@ class SweepReport(Callback):
             return
         except Exception as err:  # a report must never turn a finished sweep into a failure
             print(f"[grpo] sweep report not written: {type(err).__name__}: {err}")
+            return
+        if all(run.objective[1] is None for run in runs):  # nothing to rank by (say, eval_size=0)
+            print(f"[grpo] sweep report: {path}")
             return
         print(f"[grpo] {len(runs)} runs ranked by their objective (best first), report: {path}")
         for rank, run in enumerate(runs, 1):

@@ -289,6 +289,22 @@ def test_optuna_sweep_returns_each_runs_objective_and_names_the_best(tmp_path):
     assert len({t.value for t in trials}) > 1  # the search saw different outcomes to choose from
 
 
+def test_rerunning_a_seeded_optuna_sweep_trains_only_its_unfinished_trials(tmp_path):
+    args = ["-m", "+sweep=optuna", "hydra.sweeper.n_trials=2", *TOY, "steps=1", "eval_size=2", "progress=false",
+            "report=false", f"hydra.sweep.dir={tmp_path}"]
+    done = grpo(*args)
+    assert done.returncode == 0, done.stderr[-3000:]
+    finished, killed = run_dirs(tmp_path)
+    write_jsonl(killed / "checkpoints.jsonl", [c for c in read_jsonl(killed / "checkpoints.jsonl")
+                                               if c["kind"] != "final"])
+    again = grpo(*args)
+    assert again.returncode == 0, again.stderr[-3000:]
+    # The seeded sampler asks for the same points, and the finished trial's value is read back.
+    assert run_dirs(tmp_path) == [finished, killed]
+    assert again.stdout.count("already finished; skipped") == 1 and f"{finished} already finished" in again.stdout
+    assert f"resumed {killed}" in again.stdout
+
+
 def test_optuna_job_without_its_objective_fails_naming_the_keys_it_logged(tmp_path):
     # An adapter with no held-out data: the run trains, but never logs eval/accuracy.
     done = grpo("-m", "+sweep=optuna", "hydra.sweeper.n_trials=1", *TOY, "+adapter.eval_items=0", "steps=1",

@@ -38,7 +38,7 @@ def save(training_client: TrainingClient, run_dir: Path, log: RunLog, state: Loo
     import torch
 
     name = f"step_{state.step:06d}"
-    path = training_client.save_state(name).result().path
+    path = training_client.save_state(name, overwrite=True).result().path  # Ctrl-C re-saves a step
     loop_dir = _loop_dir(run_dir, name)
     loop_dir.mkdir(parents=True, exist_ok=True)
     torch.save({"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()},

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 from toy_adapter import ToyAdapter
 
+from grpo.checkpoint_store import CheckpointStore
 from grpo.config import GRPOConfig
 from grpo.loop import RewardFailureError, run_grpo
 from grpo.runlog import read_jsonl
@@ -56,8 +57,10 @@ def test_run_writes_everything_a_user_reads(tmp_path):
     assert (tmp_path / "config.yaml").exists()
     kinds = [c["kind"] for c in read_jsonl(tmp_path / "checkpoints.jsonl")]
     assert kinds == ["state", "state", "final"]
-    assert Path(final) == tmp_path / "checkpoints" / "final"
-    assert (Path(final) / "adapter_config.json").exists()
+    # The final weights are a tinker:// path into the run's checkpoint store.
+    final_dir = CheckpointStore(tmp_path / "checkpoints").resolve(final)
+    assert final.endswith("/sampler_weights/final") and final_dir.name == "final"
+    assert (final_dir / "adapter_config.json").exists()
     assert adapter.evaluated == [(0, 8, 8), (1, 8, 8), (2, 8, 8)]
 
 

@@ -108,9 +108,14 @@ def main(cfg: DictConfig) -> float | None:
         except (ConnectionError, TimeoutError) as err:  # a remote backend that cannot be reached
             print(f"grpo: cannot reach the backend: {err}", file=sys.stderr)
             sys.exit(3)
+        from grpo.backends.remote.resilience import RemoteRequestError
         from grpo.loop import run_grpo
 
-        run_grpo(adapter, loop_cfg, service_client=service_client, run_dir=run_dir, resolved_config=resolved)
+        try:
+            run_grpo(adapter, loop_cfg, service_client=service_client, run_dir=run_dir, resolved_config=resolved)
+        except RemoteRequestError as err:  # the service refused a value: one line naming it, no traceback
+            print(f"grpo: {err}", file=sys.stderr)
+            sys.exit(2)
     return _objective(run_dir, loop_cfg.objective, in_sweep, required)
 
 

@@ -17,12 +17,13 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from grpo import types as g
-from grpo.backends.remote import convert
+from grpo.backends.remote import compat, convert
 from grpo.backends.remote.resilience import (
     LazyFuture,
     RemoteStepError,
     RemoteTimeoutError,
     RetryPolicy,
+    as_request_error,
     check_reachable,
     is_transient,
     retrying,
@@ -82,6 +83,10 @@ class RemoteServiceClient:
         self.endpoint = url
         if preflight:
             check_reachable(url, self.spec.url_var, float(connect_timeout_s))
+            verdict = compat.check("tinker", url, key or None, float(connect_timeout_s))
+            if verdict.fits is False:
+                raise RemoteConfigError(verdict.line)
+            print(f"grpo: {verdict.line}", flush=True)
         kwargs = {**dict(sdk_options or {}), "base_url": url}
         if key:
             kwargs["api_key"] = key
@@ -240,6 +245,9 @@ class RemoteTrainingClient:
         ok, value = call.outcome
         if ok:
             return value
+        refusal = as_request_error(value, call.what, self.service.endpoint)
+        if refusal is not value:
+            raise refusal from value
         raise value
 
     def _settle_pending(self, timeout: float | None) -> None:

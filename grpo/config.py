@@ -114,6 +114,8 @@ class GRPOConfig:
     max_failure_rate: float = setting(0.5, "stop (after a checkpoint) when a larger share of a step's rewards fail")
     report: bool = setting(True, "write report.html at checkpoints and at the end")
     progress: bool = setting(True, "progress bar on a terminal, one line per step otherwise")
+    objective: str = setting("eval/accuracy", "metric a sweep optimises: python -m grpo returns its last value "
+                             "(eval/pass@K needs eval_samples=K)")
     wandb: WandbConfig = setting(WandbConfig(), "Weights & Biases logging")
 
     def __post_init__(self) -> None:

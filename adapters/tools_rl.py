@@ -119,9 +119,13 @@ class ToolsAdapter(AgentAdapter):
 
             self._sandbox = Sandbox(SandboxLimits(timeout_s=self.python_timeout_s, test_timeout_s=self.python_timeout_s,
                                                   memory_mb=self.python_memory_mb), workers=2)
-        result = self._sandbox.run(code, [])
-        if result.killed:
-            raise ToolError(f"the program was stopped ({result.killed})")
+        # One empty test, so the harness reports how loading the program went (crash, timeout).
+        result = self._sandbox.run(code, ["pass"])
+        if result.killed or result.statuses == ["timeout"]:
+            raise ToolError(f"the program was stopped ({result.killed or 'timeout'})")
+        if result.statuses != ["pass"]:
+            details = result.details[0] if result.details else "crashed"
+            return (result.output + details).strip()
         return result.output.strip()
 
     def sample_metrics(self, response: str, sample: Any) -> dict[str, float]:

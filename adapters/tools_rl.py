@@ -33,14 +33,17 @@ from grpo.agent import AgentAdapter, AgentConfigError, ToolError
 TOOLS = ("calc", "python", "none")
 OPS = {"+": operator.add, "-": operator.sub, "*": operator.mul}
 
-# Measured on SmolLM2-135M-Instruct (24 problems x 4 samples, T=1): this terse instruction with a
-# terse example gets a tool call in 57% of episodes and 92% of groups mixed; a longer, politer
-# instruction ("You have a calculator. To use it, write ...") only 8% and 38%.
-CALC_INSTRUCTION = "Use the calculator: <calc>expression</calc>."
+# How the prompt sets the starting point, measured on SmolLM2-135M-Instruct (two-digit + and *, 24
+# problems x 4 samples, T=1): this instruction gets a tool call in 16% of episodes (9% correct,
+# 54% of groups mixed), so GRPO has signal and room to teach the tool's use. A terser one
+# ("Use the calculator: <calc>expression</calc>.", example answer "... 42") already calls it in
+# 57% (greedy held-out accuracy 0.88 before any training), leaving little to learn.
+CALC_INSTRUCTION = ("Always use the calculator: write the expression between <calc> and </calc>, and its "
+                    "result appears between <result> and </result>. Then state the final answer.")
 PYTHON_INSTRUCTION = ("You can run Python. Write code between <python> and </python> that prints what you "
                       "need; its output appears between <result> and </result>. Then state the final answer.")
 # A worked exchange shown before the question, so a small model sees the call syntax in use.
-CALC_EXAMPLE = ("What is 12 + 30?", "<calc>12+30</calc><result>42</result> 42")
+CALC_EXAMPLE = ("What is 12 + 30?", "<calc>12+30</calc><result>42</result> The answer is 42.")
 PYTHON_EXAMPLE = ("Tom has 3 boxes of 12 apples and eats 5. How many apples are left?",
                   "<python>print(3 * 12 - 5)</python><result>31</result> The answer is 31.")
 

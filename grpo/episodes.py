@@ -174,7 +174,7 @@ def _sample_turn(client: SamplingClient, adapter: AgentAdapter, groups: list[lis
     """Sample one turn of every live episode (requests all in flight before any is awaited);
     return the episodes that got a turn."""
     requests: list[tuple[list[tuple[int, _Live]], Any, int]] = []
-    for i, group in enumerate(groups):
+    for i in range(len(groups)):
         mine = [(gi, ep) for gi, ep in live if gi == i]
         if not mine:
             continue

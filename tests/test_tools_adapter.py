@@ -92,3 +92,23 @@ def test_python_tool_runs_code_in_the_sandbox():
     finally:
         if adapter._sandbox is not None:
             adapter._sandbox.close()
+
+
+@pytest.mark.slow
+def test_grpo_on_smollm2_calls_the_calculator(tmp_path):
+    """Two steps of `adapter=tools` on the packaged model: it does call the tool, the calls are
+    answered, and the traces reach rollouts.jsonl and the report."""
+    from grpo.loop import run_grpo
+    from grpo.runlog import read_jsonl
+
+    adapter = ToolsAdapter(num_train=64, num_eval=8)
+    run_grpo(adapter, {"base_model": "smollm2", "steps": 2, "batch_size": 4, "group_size": 4, "max_tokens": 24,
+                       "eval_size": 8, "eval_samples": 1, "learning_rate": 3e-4, "progress": False,
+                       "save_every": 0}, run_dir=tmp_path)
+    steps = [r for r in read_jsonl(tmp_path / "metrics.jsonl") if "reward/mean" in r]
+    assert len(steps) == 2 and all(r["datums"] > 0 for r in steps)
+    assert sum(r["episode/tool_calls"] for r in steps) > 0
+    calls = [t for r in read_jsonl(tmp_path / "rollouts.jsonl") for t in r["turns"] if t["role"] == "observation"]
+    answered = [t for t in calls if not t.get("error")]
+    assert answered and all(t["text"] == f"<result>{calculate(t['tool_input'])}</result>" for t in answered)
+    assert '"turns":[{"role":"model"' in (tmp_path / "report.html").read_text()  # traces embedded in the page

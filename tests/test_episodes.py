@@ -267,3 +267,11 @@ def test_the_readme_tool_task_example_runs(tmp_path):
                        "progress": False}, run_dir=tmp_path)
     rows = read_jsonl(tmp_path / "rollouts.jsonl")
     assert len(rows) == 2 * 2 * 4 and all("turns" in r for r in rows)
+
+
+def test_kl_penalty_on_episodes_reads_model_tokens_only(tmp_path):
+    run_grpo(ToyAgent(num_items=4, max_turns=3), {**BASE, "steps": 1, "kl_penalty_coef": 0.1}, run_dir=tmp_path)
+    (row,) = [r for r in read_jsonl(tmp_path / "metrics.jsonl") if "reward/mean" in r]
+    # LoRA starts as the identity, so policy = reference on every model token; observation tokens
+    # (sampler logprob 0, reference logprob < 0) would pull this far from 0 if they were counted
+    assert abs(row["kl/reference"]) < 1e-4 and row["episode/observation_tokens"] > 0

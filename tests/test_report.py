@@ -502,3 +502,30 @@ def test_browser_sets_tool_calls_apart_and_shows_trace_text_as_text(browser, tmp
     assert browser.find_element(By.CSS_SELECTOR, ".turn-tool .turn-label").text == "calc(2+3) →"
     last = browser.find_elements(By.CSS_SELECTOR, ".turn-model pre.turn-text")[-1]
     assert last.get_attribute("textContent") == " so <b>5</b>" and not last.find_elements(By.CSS_SELECTOR, "b")
+
+
+@pytest.mark.skipif(not os.environ.get("GRPO_REPORT_RUN"), reason="set GRPO_REPORT_RUN=<run dir> to check a real run")
+def test_browser_shows_the_episodes_of_a_given_run(browser, tmp_path):
+    """The report of a real run (e.g. `python -m grpo adapter=tools`) in chromium: every episode of
+    its last step is drawn turn by turn, tool calls set apart. GRPO_REPORT_SHOT=<png> keeps the
+    screenshot (docs/tools_report.png was taken this way)."""
+    from selenium.webdriver.common.by import By
+
+    run_dir = tmp_path / "run"
+    shutil.copytree(os.environ["GRPO_REPORT_RUN"], run_dir, ignore=shutil.ignore_patterns("checkpoints", "wandb"))
+    open_page(browser, report.write_report(run_dir))
+    assert console_errors(browser) == []
+    rows = read_jsonl(run_dir / "rollouts.jsonl")
+    last = max(r["step"] for r in rows)
+    rows = [r for r in rows if r["step"] == last][: report.MAX_ROLLOUTS_PER_STEP]
+    views = browser.find_elements(By.CSS_SELECTOR, "#groups .episode")
+    assert len(views) == len(rows)
+    assert len(browser.find_elements(By.CSS_SELECTOR, "#groups .turn")) == sum(len(r["turns"]) for r in rows)
+    calls = sum(t["role"] == "observation" for r in rows for t in r["turns"])
+    assert len(browser.find_elements(By.CSS_SELECTOR, "#groups .turn-tool, #groups .turn-error")) == calls
+    browser.set_window_size(1400, 2400)
+    section = browser.find_element(By.ID, "rollouts")
+    browser.execute_script("arguments[0].scrollIntoView()", section)
+    shot = Path(os.environ.get("GRPO_REPORT_SHOT") or tmp_path / "episodes.png")
+    assert browser.save_screenshot(str(shot)) and shot.stat().st_size > 20_000
+    browser.set_window_size(1400, 1800)

@@ -75,15 +75,17 @@ def is_flat(rewards: Sequence[float]) -> bool:
 
 @dataclass(frozen=True)
 class TrainSample:
-    """One rollout chosen for training, with its group (for the prompt) and its advantage."""
+    """One rollout chosen for training, with its group (for the prompt) and its advantage. A split
+    episode gives one per segment, each with the ``context`` its tokens were sampled after."""
 
     group: Group
     rollout: Rollout
     advantage: float
+    context: list[int] | None = None  # None: the group's prompt
 
     @property
     def prompt_tokens(self) -> list[int]:
-        return self.group.prompt_tokens
+        return self.context if self.context is not None else self.group.prompt_tokens
 
 
 def compute_advantages(scored_groups: Sequence[ScoredGroup], norm: str, overlong: str) -> list[list[float]]:
@@ -109,7 +111,8 @@ def select_for_training(scored_groups: Sequence[ScoredGroup], advantages: Sequen
                 continue
             if overlong == "drop" and rollout.truncated:
                 continue
-            chosen.append(TrainSample(group, rollout, advantage))
+            chosen.extend(TrainSample(group, part, advantage, context)
+                          for context, part in rollout.datum_parts() if part.tokens)
     return chosen
 
 

@@ -99,6 +99,14 @@ class AgentAdapter(RLAdapter):
             return chat_observation_tokens(tokenizer, text)
         return list(tokenizer.encode(text, add_special_tokens=False))
 
+    def rebuild_context(self, prompt: list[int], episode: Episode, tokenizer: Any) -> list[int] | None:
+        """The next turn's whole context, for environments that re-render the conversation (a
+        template that drops earlier reasoning, a summarised history); ``episode`` ends with the
+        new observation. None (the default): the observation's tokens are appended. A context
+        that does not extend the current one splits the episode: each part trains as its own
+        Datum over exactly the tokens the sampler saw, all with the episode's advantage."""
+        return None
+
     def stop_sequences(self, tokenizer: Any) -> list[str | int]:
         """End of turn, plus each tool's closing tag (the environment answers there)."""
         return [*super().stop_sequences(tokenizer), *(f"</{name}>" for name in self.tools())]

@@ -96,31 +96,50 @@ class Episode:
 
 @dataclass
 class _Live:
-    """An episode while it runs."""
+    """An episode while it runs. ``context`` is what the next turn is sampled after: the prompt and
+    every token since, unless the environment rebuilt it (then a new segment starts there)."""
 
     prompt: list[int]
     sample_index: int
+    context: list[int] = field(default_factory=list)
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     mask: list[int] = field(default_factory=list)
     turns: list[Turn] = field(default_factory=list)
     end_reason: str | None = None
+    segments: list[tuple[list[int], Rollout]] = field(default_factory=list)  # closed ones
+    segment_context: list[int] = field(default_factory=list)  # the open segment's starting context
+    segment_start: int = 0  # where the open segment begins in ``tokens``
 
-    @property
-    def context(self) -> list[int]:
-        return self.prompt + self.tokens
+    def __post_init__(self) -> None:
+        self.context = list(self.prompt)
+        self.segment_context = list(self.prompt)
 
     def add(self, tokens: Sequence[int], logprobs: Sequence[float] | None, turn: Turn) -> None:
+        self.context.extend(tokens)
         self.tokens.extend(tokens)
         self.logprobs.extend(logprobs if logprobs is not None else [0.0] * len(tokens))
         self.mask.extend([1 if logprobs is not None else 0] * len(tokens))
         self.turns.append(turn)
 
+    def restart(self, context: list[int], turn: Turn) -> None:
+        """The environment rebuilt the context so that it no longer extends the last one: close
+        the open segment (its own Datum) and continue from ``context``."""
+        self.segments.append(self._open_segment())
+        self.context, self.segment_context, self.segment_start = list(context), list(context), len(self.tokens)
+        self.turns.append(turn)
+
+    def _open_segment(self) -> tuple[list[int], Rollout]:
+        s = self.segment_start
+        return self.segment_context, Rollout(tokens=self.tokens[s:], logprobs=self.logprobs[s:], stop_reason="stop",
+                                             text="", mask=tuple(self.mask[s:]))
+
     def rollout(self) -> Rollout:
         episode = Episode(tuple(self.turns), self.end_reason or "done", len(self.prompt), len(self.context))
+        segments = tuple([*self.segments, self._open_segment()]) if self.segments else None
         return Rollout(tokens=list(self.tokens), logprobs=list(self.logprobs),
                        stop_reason="length" if episode.end_reason in TRUNCATING_ENDS else "stop",
-                       text=episode.transcript, mask=tuple(self.mask), episode=episode)
+                       text=episode.transcript, mask=tuple(self.mask), episode=episode, segments=segments)
 
 
 # --------------------------------------------------------------------------- entry points
@@ -271,17 +290,23 @@ def _observe(adapter: AgentAdapter, episodes: list[tuple[int, _Live]], items: Se
         # an error shows its message, except a cut output, which shows what was kept
         text = adapter.format_observation(result or error or "", error is not None and not result)
         tokens = adapter.render_observation(text, tokenizer)
-        if len(ep.context) + len(tokens) >= adapter.max_context_tokens:
-            ep.turns.append(Turn("observation", "", 0, seconds, tool=name, tool_input=argument,
-                                 error=error or "observation does not fit in max_context_tokens"))
+        turn = Turn("observation", text, len(tokens), seconds, tool=name, tool_input=argument, error=error)
+        rebuilt = adapter.rebuild_context(ep.prompt, _snapshot(ep, turn), tokenizer)
+        if rebuilt is not None and list(rebuilt[:len(ep.context)]) == ep.context:
+            tokens, rebuilt = list(rebuilt[len(ep.context):]), None  # still a prefix: append the rest
+            turn = dataclasses.replace(turn, num_tokens=len(tokens))
+        if len(rebuilt if rebuilt is not None else ep.context + tokens) >= adapter.max_context_tokens:
+            ep.turns.append(dataclasses.replace(turn, text="", num_tokens=0,
+                                                error=error or "observation does not fit in max_context_tokens"))
             ep.end_reason = "context"
-            continue
-        ep.add(tokens, None, Turn("observation", text, len(tokens), seconds, tool=name, tool_input=argument,
-                                  error=error))
+        elif rebuilt is not None:
+            ep.restart(list(rebuilt), dataclasses.replace(turn, num_tokens=0))
+        else:
+            ep.add(tokens, None, turn)
 
 
-def _snapshot(ep: _Live) -> Episode:
-    return Episode(tuple(ep.turns), "running", len(ep.prompt), len(ep.context))
+def _snapshot(ep: _Live, *more: Turn) -> Episode:
+    return Episode((*ep.turns, *more), "running", len(ep.prompt), len(ep.context))
 
 
 def _as_text(value: Any, limit: int) -> tuple[str, str | None]:

@@ -37,6 +37,9 @@ class Rollout:
     text: str
     mask: tuple[int, ...] | None = None
     episode: Any = None  # grpo.episodes.Episode for an episode
+    # An episode whose environment rebuilt the context (breaking the token prefix) trains as
+    # several Datums: (the context the sampler continued, the part sampled after it) each.
+    segments: tuple[tuple[list[int], Rollout], ...] | None = None
 
     @property
     def truncated(self) -> bool:
@@ -50,6 +53,11 @@ class Rollout:
     @property
     def num_model_tokens(self) -> int:
         return len(self.tokens) if self.mask is None else sum(self.mask)
+
+    def datum_parts(self) -> list[tuple[list[int] | None, Rollout]]:
+        """(context, part) for each Datum this rollout trains as: itself after the group's prompt
+        (context None), or each segment of an episode whose context was rebuilt."""
+        return list(self.segments) if self.segments else [(None, self)]
 
 
 @dataclass(frozen=True)

@@ -275,3 +275,44 @@ def test_kl_penalty_on_episodes_reads_model_tokens_only(tmp_path):
     # LoRA starts as the identity, so policy = reference on every model token; observation tokens
     # (sampler logprob 0, reference logprob < 0) would pull this far from 0 if they were counted
     assert abs(row["kl/reference"]) < 1e-4 and row["episode/observation_tokens"] > 0
+
+
+class Summarising(ToyAgent):
+    """An environment that re-renders the conversation: the prompt, a note of how many turns went
+    by, and the newest observation only. Turn k's context is then no prefix of turn k+1's."""
+
+    def rebuild_context(self, prompt, episode, tokenizer):
+        note = tokenizer.encode(f"[{episode.model_turns} turns summarised]", add_special_tokens=False)
+        return prompt + note + self.render_observation(episode.turns[-1].text, tokenizer)
+
+
+def test_an_environment_that_breaks_the_prefix_splits_the_episode_into_datums(perturbed, tokenizer):
+    from grpo.advantages import select_for_training
+    from grpo.rollouts import Group, ScoredGroup
+
+    client, sampler = perturbed
+    _, prompts, groups = run(sampler, Summarising(max_turns=3), tokenizer)
+    rollout = groups[0][0]
+    assert rollout.episode.model_turns == 3 and len(rollout.segments) == 3
+    # each part is exactly one sampler call: its context, then the tokens sampled after it
+    answered = {tuple(call[0]): call[1] for call in sampler.calls}
+    for context, part in rollout.segments:
+        assert tuple(context) in answered and part.mask == (1,) * len(part.tokens)
+        assert any(list(s.tokens) == part.tokens for s in answered[tuple(context)].sequences)
+    assert [t for _, p in rollout.segments for t in p.tokens] == rollout.tokens
+    # training: one Datum per part, each with the episode's advantage; trainer = sampler logprobs
+    scored = ScoredGroup(Group(0, {}, prompts[0], groups[0]), [1.0, 0.0], [{}, {}], [])
+    samples = select_for_training([scored], [[0.5, -0.5]], True, "keep")
+    assert len(samples) == 6 and [s.advantage for s in samples] == [0.5] * 3 + [-0.5] * 3
+    datums = [build_datum(s.prompt_tokens, s.rollout, [s.advantage] * len(s.rollout.tokens)) for s in samples]
+    out = client.forward(datums, "cross_entropy").result()
+    for s, o in zip(samples, out.loss_fn_outputs, strict=True):
+        trained = o["logprobs"].tolist()[len(s.prompt_tokens) - 1:]
+        assert max(abs(q - p) for q, p in zip(s.rollout.logprobs, trained, strict=True)) < 1e-4
+
+
+def test_run_grpo_trains_split_episodes_on_policy(tmp_path):
+    run_grpo(Summarising(num_items=4, max_turns=2), {**BASE, "steps": 1}, run_dir=tmp_path)
+    (row,) = [r for r in read_jsonl(tmp_path / "metrics.jsonl") if "reward/mean" in r]
+    assert row["datums"] == 2 * 2 * 2  # two parts per episode
+    assert abs(row["kl/sample_train"]) < 1e-4 and row["logprob/max_abs_diff"] < 1e-4

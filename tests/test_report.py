@@ -507,17 +507,19 @@ def test_browser_sets_tool_calls_apart_and_shows_trace_text_as_text(browser, tmp
 @pytest.mark.skipif(not os.environ.get("GRPO_REPORT_RUN"), reason="set GRPO_REPORT_RUN=<run dir> to check a real run")
 def test_browser_shows_the_episodes_of_a_given_run(browser, tmp_path):
     """The report of a real run (e.g. `python -m grpo adapter=tools`) in chromium: every episode of
-    its last step is drawn turn by turn, tool calls set apart. GRPO_REPORT_SHOT=<png> keeps the
-    screenshot (docs/tools_report.png was taken this way)."""
+    its last step (or GRPO_REPORT_STEP) is drawn turn by turn, tool calls set apart.
+    GRPO_REPORT_SHOT=<png> keeps the screenshot (docs/tools_report.png was taken this way)."""
     from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import Select
 
     run_dir = tmp_path / "run"
     shutil.copytree(os.environ["GRPO_REPORT_RUN"], run_dir, ignore=shutil.ignore_patterns("checkpoints", "wandb"))
     open_page(browser, report.write_report(run_dir))
     assert console_errors(browser) == []
     rows = read_jsonl(run_dir / "rollouts.jsonl")
-    last = max(r["step"] for r in rows)
-    rows = [r for r in rows if r["step"] == last][: report.MAX_ROLLOUTS_PER_STEP]
+    step = int(os.environ.get("GRPO_REPORT_STEP", max(r["step"] for r in rows)))  # default: the last
+    rows = [r for r in rows if r["step"] == step][: report.MAX_ROLLOUTS_PER_STEP]
+    Select(browser.find_element(By.ID, "step-select")).select_by_value(str(step))
     views = browser.find_elements(By.CSS_SELECTOR, "#groups .episode")
     assert len(views) == len(rows)
     assert len(browser.find_elements(By.CSS_SELECTOR, "#groups .turn")) == sum(len(r["turns"]) for r in rows)

@@ -25,6 +25,7 @@ from adapters.code_problems import (
 )
 from adapters.sandbox import Job, RunResult, Sandbox, SandboxLimits
 from grpo.adapter import RLAdapter, chat_prompt_tokens
+from grpo.checks import check, check_choice, is_int
 
 REWARDS = ("fraction", "all_or_nothing")
 BUILTIN_SOURCES = ("builtin", "humaneval", "all")
@@ -81,12 +82,11 @@ class CodeAdapter(RLAdapter):
                  split: str = "test", system_prompt: str | None = DEFAULT_SYSTEM_PROMPT,
                  timeout_s: float = 10.0, test_timeout_s: float = 3.0, memory_mb: int = 512,
                  workers: int = 2, guard: bool = True):
-        if reward not in REWARDS:
-            raise ValueError(f"adapter.reward={reward!r} is not one of {REWARDS}")
-        if not 0.0 <= float(eval_fraction) < 1.0:
-            raise ValueError(f"adapter.eval_fraction={eval_fraction!r} must be in [0, 1)")
-        if limit is not None and (not isinstance(limit, int) or limit < 1):
-            raise ValueError(f"adapter.limit={limit!r} must be a positive integer or null")
+        check_choice("adapter.reward", reward, REWARDS)
+        check(isinstance(eval_fraction, int | float) and 0.0 <= eval_fraction < 1.0, "adapter.eval_fraction",
+              eval_fraction, "must be in [0, 1)")
+        check(limit is None or (is_int(limit) and limit >= 1), "adapter.limit", limit,
+              "must be a positive integer or null")
         self.reward = reward
         self.system_prompt = system_prompt
         all_problems = _load_problems(problems, split, limit)

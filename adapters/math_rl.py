@@ -33,6 +33,7 @@ from typing import Any
 from adapters.answers import EXTRACTIONS, Grader, extract_answer, gold_answer
 from adapters.data import DataSourceError, load_rows, require_columns
 from grpo.adapter import RLAdapter, chat_prompt_tokens
+from grpo.checks import ConfigError, check, check_choice, is_int
 
 TASKS = ("addition", "arithmetic", "gsm8k", "dataset")
 PROMPT_STYLES = ("chat", "fewshot")
@@ -41,8 +42,7 @@ DEFAULT_INSTRUCTION = "Give only the final answer."
 POOL_OVERDRAW = 1.5
 
 
-class MathConfigError(ValueError):
-    pass
+MathConfigError = ConfigError  # the name earlier versions raised; the one error class of grpo.checks
 
 
 class MathAdapter(RLAdapter):
@@ -71,18 +71,18 @@ class MathAdapter(RLAdapter):
         format_reward: float = 0.0,
         grade_timeout_s: float = 5.0,
     ):
-        _check_choice("task", task, TASKS)
-        _check_choice("prompt_style", prompt_style, PROMPT_STYLES)
-        _check_choice("extraction", extraction, EXTRACTIONS)
-        _check(_is_int(digits) and 1 <= digits <= 18, "digits", digits, "an integer from 1 to 18")
-        _check(_is_int(terms) and 2 <= terms <= 6, "terms", terms, "an integer from 2 to 6")
-        _check(_is_int(num_train) and num_train > 0, "num_train", num_train, "a positive integer")
-        _check(_is_int(num_eval) and num_eval >= 0, "num_eval", num_eval, "an integer >= 0")
-        _check(_is_int(num_shots) and num_shots >= 0, "num_shots", num_shots, "an integer >= 0")
-        _check(isinstance(format_reward, (int, float)) and 0 <= format_reward < 1, "format_reward",
-               format_reward, "a number in [0, 1): partial credit below a correct answer's 1")
-        _check(isinstance(grade_timeout_s, (int, float)) and grade_timeout_s > 0, "grade_timeout_s",
-               grade_timeout_s, "a positive number of seconds")
+        check_choice("adapter.task", task, TASKS)
+        check_choice("adapter.prompt_style", prompt_style, PROMPT_STYLES)
+        check_choice("adapter.extraction", extraction, EXTRACTIONS)
+        check(is_int(digits) and 1 <= digits <= 18, "adapter.digits", digits, "must be an integer from 1 to 18")
+        check(is_int(terms) and 2 <= terms <= 6, "adapter.terms", terms, "must be an integer from 2 to 6")
+        check(is_int(num_train) and num_train > 0, "adapter.num_train", num_train, "must be a positive integer")
+        check(is_int(num_eval) and num_eval >= 0, "adapter.num_eval", num_eval, "must be an integer >= 0")
+        check(is_int(num_shots) and num_shots >= 0, "adapter.num_shots", num_shots, "must be an integer >= 0")
+        check(isinstance(format_reward, (int, float)) and 0 <= format_reward < 1, "adapter.format_reward",
+              format_reward, "must be a number in [0, 1): partial credit below a correct answer's 1")
+        check(isinstance(grade_timeout_s, (int, float)) and grade_timeout_s > 0, "adapter.grade_timeout_s",
+              grade_timeout_s, "must be a positive number of seconds")
         if task == "dataset" and source is None:
             raise MathConfigError("task='dataset' needs adapter.source: a hub dataset id or a local "
                                   "jsonl/parquet/csv file with question and answer columns")
@@ -244,20 +244,3 @@ def _dataset_items(source: Any, name: str | None, split: str, eval_source: Any, 
     held_questions = {r["question"] for r in held_out}
     train = [r for r in train if r["question"] not in held_questions][:num_train]
     return train, held_out
-
-
-# --------------------------------------------------------------------------- validation
-
-
-def _check_choice(key: str, value: Any, valid: Sequence[str]) -> None:
-    if value not in valid:
-        raise MathConfigError(f"adapter.{key}={value!r} is invalid; valid values: {', '.join(valid)}")
-
-
-def _check(ok: bool, key: str, value: Any, valid: str) -> None:
-    if not ok:
-        raise MathConfigError(f"adapter.{key}={value!r} is invalid: must be {valid}")
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)

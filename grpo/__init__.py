@@ -1,25 +1,68 @@
 """grpo: GRPO training for language models with LoRA, behind the Tinker/MinT client API.
 
-``import grpo as mint`` gives a drop-in for the MinT SDK's entry points on this machine:
-``grpo.ServiceClient``, ``grpo.types``.
+``import grpo as tinker`` (or ``as mint``) runs a program written for the Tinker SDK in this
+process: the clients (``ServiceClient``, ``TrainingClient``, ``SamplingClient``, ``RestClient``),
+the types a program builds or reads (``Datum``, ``ModelInput``, ``TensorData``, ``AdamParams``...)
+and ``grpo.types`` mirror the SDK's top level. What of the SDK has no local meaning is listed,
+with the reason, in grpo/sdk_parity.py.
 """
 
 from grpo import types
 from grpo.adapter import RLAdapter
+from grpo.types import (
+    AdamOptimizerConfig,
+    AdamParams,
+    APIFuture,
+    Checkpoint,
+    CheckpointType,
+    Datum,
+    EncodedTextChunk,
+    ForwardBackwardOutput,
+    LoraConfig,
+    ModelID,
+    ModelInput,
+    ModelInputChunk,
+    OptimParams,
+    OptimStepResponse,
+    ParsedCheckpointTinkerPath,
+    SampledSequence,
+    SampleResponse,
+    SamplingParams,
+    StopReason,
+    TensorData,
+    TensorDtype,
+    TrainingRun,
+)
 
-__all__ = ["RLAdapter", "ServiceClient", "types", "run_grpo"]
+# Clients load torch and transformers, so they are imported on first use (see __getattr__).
+_CLIENTS = {
+    "ServiceClient": "grpo.backends.local.clients",
+    "TrainingClient": "grpo.backends.local.clients",
+    "SamplingClient": "grpo.backends.local.clients",
+    # The SDK's creation calls return these "client futures"; a local client is its own future.
+    "BackcompatTrainingClientFuture": "grpo.backends.local.clients:TrainingClient",
+    "BackcompatSamplingClientFuture": "grpo.backends.local.clients:SamplingClient",
+    "RestClient": "grpo.rest_client",
+    "run_grpo": "grpo.loop",
+}
+
+__all__ = [
+    "RLAdapter", "types", "run_grpo", "ServiceClient", "TrainingClient", "SamplingClient", "RestClient",
+    "BackcompatTrainingClientFuture", "BackcompatSamplingClientFuture", "APIFuture",
+    "AdamOptimizerConfig", "AdamParams", "Checkpoint", "CheckpointType", "Datum", "EncodedTextChunk",
+    "ForwardBackwardOutput", "LoraConfig", "ModelID", "ModelInput", "ModelInputChunk", "OptimParams",
+    "OptimStepResponse", "ParsedCheckpointTinkerPath", "SampledSequence", "SampleResponse", "SamplingParams",
+    "StopReason", "TensorData", "TensorDtype", "TrainingRun",
+]
 __version__ = "0.1.0"
 
 
 def __getattr__(name: str):
     # Heavy imports (torch models, the loop) only when asked for, so `import grpo` stays cheap
     # and config validation can fail fast before any of them load.
-    if name == "ServiceClient":
-        from grpo.backends.local import ServiceClient
+    if name in _CLIENTS:
+        import importlib
 
-        return ServiceClient
-    if name == "run_grpo":
-        from grpo.loop import run_grpo
-
-        return run_grpo
+        module, _, attr = _CLIENTS[name].partition(":")
+        return getattr(importlib.import_module(module), attr or name)
     raise AttributeError(f"module 'grpo' has no attribute {name!r}")

@@ -1,14 +1,18 @@
 """Command line: ``python -m grpo adapter=math group_size=8 loss_fn=ppo``.
 
-Hydra composes conf/ (adapter, backend and every hyperparameter); a sweep is
+Hydra composes conf/ (the checkout's top-level conf/, or the copy shipped inside the installed
+package): adapter, backend and every hyperparameter. A sweep is
 ``python -m grpo -m learning_rate=1e-5,2e-5``. Rerunning a command with the same
-``hydra.run.dir=...`` resumes that run.
+``hydra.run.dir=...`` resumes that run (``hydra.sweep.dir=...`` for a sweep: finished runs are
+skipped). The task function returns the run's objective, so Hydra sweepers (Optuna) can tune it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import inspect
+import math
 import sys
 from pathlib import Path
 from typing import Any
@@ -16,7 +20,9 @@ from typing import Any
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
+from grpo import sweep
 from grpo.config import ConfigError, GRPOConfig
+from grpo.config_docs import config_dir
 
 NON_LOOP_KEYS = ("adapter", "backend")
 
@@ -60,29 +66,97 @@ def _cli_adapter_keys() -> set[str]:
     return keys
 
 
-@hydra.main(config_path="conf", config_name="config", version_base="1.3")
-def main(cfg: DictConfig) -> str | None:
+@hydra.main(config_path=str(config_dir()), config_name="config", version_base="1.3")
+def main(cfg: DictConfig) -> float | None:
+    """Train one run; return its objective (the last logged value of ``cfg.objective``; None when
+    never logged) so that any Hydra sweeper can optimise it."""
     from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
 
-    run_dir = Path(HydraConfig.get().runtime.output_dir)
+    hydra_cfg = HydraConfig.get()
+    run_dir = Path(hydra_cfg.runtime.output_dir)
+    in_sweep = hydra_cfg.mode == RunMode.MULTIRUN
+    resolved = OmegaConf.to_container(cfg, resolve=True)
     try:
         # Validate everything cheap before anything heavy (torch, models) is imported.
         loop_cfg = GRPOConfig.from_any({k: v for k, v in cfg.items() if k not in NON_LOOP_KEYS})
+        required = _objective_required(hydra_cfg, in_sweep)
+        sweep.check_objective(loop_cfg, required=required)
         backend_cfg = OmegaConf.to_container(cfg.backend, resolve=True)
         adapter = build_adapter(cfg.adapter, _cli_adapter_keys())
-        from grpo.backends import create_service_client
-
-        service_client = create_service_client(backend_cfg, run_dir)
     except (ConfigError, ValueError, TypeError) as err:
         print(f"grpo: configuration error: {err}", file=sys.stderr)
         sys.exit(2)
-    except (ConnectionError, TimeoutError) as err:  # a remote backend that cannot be reached
-        print(f"grpo: cannot reach the backend: {err}", file=sys.stderr)
-        sys.exit(3)
-    from grpo.loop import run_grpo
+    if in_sweep and sweep.finished(run_dir, loop_cfg.steps, resolved):
+        print(f"[grpo] {run_dir} already finished; skipped (its objective is read from metrics.jsonl)")
+        return _objective(run_dir, loop_cfg.objective, in_sweep, required)
 
-    return run_grpo(adapter, loop_cfg, service_client=service_client, run_dir=run_dir,
-                    resolved_config=OmegaConf.to_container(cfg, resolve=True))
+    with _sweep_gpu(backend_cfg, hydra_cfg.job.num if in_sweep else None) as device:
+        if device is not None:
+            import torch
+
+            torch.cuda.set_device(device)  # also where anything without an explicit device goes
+            backend_cfg["device"] = device
+            print(f"[grpo] sweep job {hydra_cfg.job.num} trains on {device}")
+        try:
+            from grpo.backends import create_service_client
+
+            service_client = create_service_client(backend_cfg, run_dir)
+        except (ConfigError, ValueError, TypeError) as err:
+            print(f"grpo: configuration error: {err}", file=sys.stderr)
+            sys.exit(2)
+        except (ConnectionError, TimeoutError) as err:  # a remote backend that cannot be reached
+            print(f"grpo: cannot reach the backend: {err}", file=sys.stderr)
+            sys.exit(3)
+        from grpo.backends.remote.resilience import RemoteRequestError
+        from grpo.loop import run_grpo
+
+        try:
+            run_grpo(adapter, loop_cfg, service_client=service_client, run_dir=run_dir, resolved_config=resolved)
+        except RemoteRequestError as err:  # the service refused a value: one line naming it, no traceback
+            print(f"grpo: {err}", file=sys.stderr)
+            sys.exit(2)
+    return _objective(run_dir, loop_cfg.objective, in_sweep, required)
+
+
+def _searching_sweeper(hydra_cfg: Any) -> bool:
+    """A sweeper that ranks runs by the returned value (Optuna, Ax, ...), not Hydra's grid."""
+    return not str(hydra_cfg.sweeper.get("_target_", "")).endswith(".BasicSweeper")
+
+
+def _objective_required(hydra_cfg: Any, in_sweep: bool) -> bool:
+    named = any(o.split("=", 1)[0].lstrip("+~") == "objective" for o in hydra_cfg.overrides.task)
+    return named or (in_sweep and _searching_sweeper(hydra_cfg))
+
+
+def _sweep_gpu(backend_cfg: dict, job_num: int | None) -> Any:
+    """A GPU of its own for a sweep job on the local backend with ``device: auto`` when this
+    machine has several; otherwise nothing to choose (the backend's setting stands)."""
+    if job_num is None or backend_cfg.get("name") != "local" or backend_cfg.get("device") != "auto":
+        return contextlib.nullcontext(None)
+    import torch
+
+    return sweep.claimed_gpu(int(job_num), torch.cuda.device_count())
+
+
+def _objective(run_dir: Path, objective: str, in_sweep: bool, required: bool) -> float | None:
+    """The run's objective. Missing (or NaN) it fails the job when a searching sweeper (Optuna...)
+    would have to rank it; a grid sweep that names it says so; otherwise it is None, quietly."""
+    value = sweep.read_objective(run_dir, objective)
+    if value is not None and not math.isnan(value):
+        return value
+    if not (in_sweep and required):
+        return None
+    from hydra.core.hydra_config import HydraConfig
+
+    problem = (f"objective={objective} is {'NaN' if value is not None else 'missing'} in "
+               f"{run_dir / 'metrics.jsonl'} (logged keys: "
+               f"{', '.join(sweep.logged_metric_keys(run_dir)) or 'none'})")
+    if not _searching_sweeper(HydraConfig.get()):
+        print(f"[grpo] {problem}", file=sys.stderr)
+        return None
+    raise sweep.ObjectiveError(f"{problem}: the sweeper has no number to rank this run by; "
+                               "set objective= to one of the logged keys")
 
 
 if __name__ == "__main__":

@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import json
 import random
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 
+from grpo.client_api import TrainingClient
+from grpo.files import atomic_write_text
 from grpo.runlog import RunLog, read_jsonl
 
 LOOP_STATE = "loop_state.json"
@@ -26,30 +27,29 @@ class LoopState:
     step: int = 0  # the next step to run
     cursor: int = 0  # position in the training item stream
     wandb_id: str | None = None
+    solve_history: dict = field(default_factory=dict)  # saturation.SolveHistory.to_json()
 
 
 def _loop_dir(run_dir: Path, name: str) -> Path:
     return run_dir / "checkpoints" / name
 
 
-def save(training_client: Any, run_dir: Path, log: RunLog, state: LoopState, kind: str = "state") -> str:
+def save(training_client: TrainingClient, run_dir: Path, log: RunLog, state: LoopState) -> str:
     import torch
 
     name = f"step_{state.step:06d}"
-    path = training_client.save_state(name).result().path
+    path = training_client.save_state(name, overwrite=True).result().path  # Ctrl-C re-saves a step
     loop_dir = _loop_dir(run_dir, name)
     loop_dir.mkdir(parents=True, exist_ok=True)
     torch.save({"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()},
                loop_dir / RNG_STATE)
-    tmp = loop_dir / (LOOP_STATE + ".tmp")
-    tmp.write_text(json.dumps(asdict(state)))
-    tmp.replace(loop_dir / LOOP_STATE)
-    log.log_checkpoint({"step": state.step, "name": name, "path": str(path), "kind": kind,
+    atomic_write_text(loop_dir / LOOP_STATE, json.dumps(asdict(state)))
+    log.log_checkpoint({"step": state.step, "name": name, "path": str(path), "kind": "state",
                         "loop_state": str(loop_dir / LOOP_STATE)})
     return str(path)
 
 
-def resume(run_dir: Path, training_client: Any, log: RunLog) -> LoopState | None:
+def resume(run_dir: Path, training_client: TrainingClient, log: RunLog) -> LoopState | None:
     """Restore the newest complete checkpoint of ``run_dir``; None when there is none."""
     import torch
 

@@ -40,6 +40,7 @@ from grpo.episodes import episode_metrics, sample_rollouts
 from grpo.evaluation import evaluate
 from grpo.rollouts import Failure, Group, ScoredGroup, sampling_seed, score_group
 from grpo.runlog import RunLog
+from grpo.saturation import SolveHistory
 from grpo.types import AdamParams, Datum, ModelInput, SamplingParams
 
 
@@ -96,7 +97,8 @@ def run_grpo(adapter: RLAdapter, cfg: Any = None, *, service_client: ServiceClie
     else:
         log.print(f"resumed {run_dir} at step {state.step}")
     state.wandb_id = log.start_wandb(state.wandb_id)
-    stream = ItemStream(train_items, cfg.seed, state.cursor)
+    history = SolveHistory.from_json(state.solve_history)
+    stream = ItemStream(train_items, cfg.seed, state.cursor, skip=history.retired)
     evals: dict[int, dict[str, float]] = {}  # step -> held-out metrics, for the closing summary
     # True from submitting a step's update until the step is recorded in `state`: the weights
     # and the loop state may disagree then, so an interrupt must not checkpoint.
@@ -107,20 +109,28 @@ def run_grpo(adapter: RLAdapter, cfg: Any = None, *, service_client: ServiceClie
                 evals[step] = run_evaluation(run, eval_items, step)
             if step == cfg.steps:
                 break
+            if not stream.live:
+                log.print(f"every training item is retired (retire_solved_after / retire_unsolved_after); "
+                          f"stopping after step {step - 1}")
+                break
             t_step = time.perf_counter()
-            cursor_at_start = stream.cursor
+            state_at_start = checkpoint.LoopState(step, stream.cursor, state.wandb_id, history.to_json())
             batch = collect_batch(run, stream, step)
-            stop_if_rewards_fail(run, batch, step, checkpoint.LoopState(step, cursor_at_start, state.wandb_id))
+            stop_if_rewards_fail(run, batch, step, state_at_start)
             updating = True
             metrics = learn(run, batch, step)
+            history.record(batch.groups, adapter.is_correct, cfg.retire_solved_after, cfg.retire_unsolved_after)
+            metrics.update(history.metrics(len(train_items)))
             metrics["time/step"] = time.perf_counter() - t_step
             metrics["throughput/tokens_per_s"] = (
                 metrics["tokens/sampled"] + metrics["tokens/trained"]) / metrics["time/step"]
             log.log_metrics(step, metrics)
-            log.log_rollouts(rollout_rows(batch, run.cfg, run.tokenizer, step))
+            log.log_rollouts(rows := rollout_rows(batch, run.cfg, run.tokenizer, step))
+            if cfg.show_sample_every and step % cfg.show_sample_every == 0 and rows:
+                log.show_sample(step, rows[0])
             adapter.evaluate(step, [x for g in batch.first_wave for x in g.rewards if math.isfinite(x)],
                              int(metrics["datums"]))
-            state.step, state.cursor = step + 1, stream.cursor
+            state.step, state.cursor, state.solve_history = step + 1, stream.cursor, history.to_json()
             updating = False
             if cfg.save_due(step) and step + 1 < cfg.steps:
                 checkpoint.save(run.training_client, run_dir, log, state)
@@ -203,11 +213,16 @@ class ItemStream:
     """Training items in a fresh seeded shuffle every epoch; position ``cursor`` is all the
     state there is, so resuming needs only that number."""
 
-    def __init__(self, items: Sequence[Any], seed: int, cursor: int = 0):
+    def __init__(self, items: Sequence[Any], seed: int, cursor: int = 0, skip: set[int] | None = None):
         self.items = list(items)
         self.seed = seed
         self.cursor = cursor
+        self.skip = skip if skip is not None else set()  # retired item indices (the live set, not a copy)
         self._orders: dict[int, list[int]] = {}
+
+    @property
+    def live(self) -> int:
+        return len(self.items) - len(self.skip)
 
     def _order(self, epoch: int) -> list[int]:
         if epoch not in self._orders:
@@ -218,11 +233,12 @@ class ItemStream:
 
     def take(self, n: int) -> list[tuple[int, Any]]:
         out = []
-        for _ in range(n):
+        while len(out) < n and self.live:
             epoch, offset = divmod(self.cursor, len(self.items))
             index = self._order(epoch)[offset]
-            out.append((index, self.items[index]))
             self.cursor += 1
+            if index not in self.skip:
+                out.append((index, self.items[index]))
         return out
 
 
@@ -254,7 +270,7 @@ def collect_batch(run: Run, stream: ItemStream, step: int) -> Batch:
         t0 = time.perf_counter()
         rollouts = sample_rollouts(  # an AgentAdapter's rollouts are multi-turn episodes
             sampler, run.adapter, [item for _, item in entries], prompts, cfg.group_size,
-            lambda i, wave=wave: SamplingParams(max_tokens=cfg.max_tokens, temperature=cfg.temperature,
+            lambda i, wave=wave: SamplingParams(max_tokens=cfg.max_tokens, temperature=cfg.temperature_at(step),
                                                 top_p=cfg.top_p, top_k=cfg.top_k, stop=run.stop,
                                                 seed=sampling_seed(cfg.seed, step, wave, i)),
             run.tokenizer)
@@ -316,7 +332,7 @@ def reference_logprobs(reference: SamplingClient, samples: list[TrainSample]) ->
 def train(training_client: TrainingClient, datums: list[Datum], samples: list[TrainSample], cfg: GRPOConfig,
           step: int) -> dict[str, float]:
     lr = cfg.lr_at(step)
-    metrics: dict[str, float] = {"lr": lr, "datums": float(len(datums))}
+    metrics: dict[str, float] = {"lr": lr, "temperature": cfg.temperature_at(step), "datums": float(len(datums))}
     if not datums:  # every group was flat: nothing to learn from this batch
         return metrics
     adam = AdamParams(learning_rate=lr, beta1=cfg.betas[0], beta2=cfg.betas[1], eps=cfg.eps,

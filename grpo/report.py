@@ -28,6 +28,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
+from grpo.files import atomic_write_text
 from grpo.runlog import read_jsonl
 
 REPORT_NAME = "report.html"
@@ -90,6 +91,16 @@ class Run:
     failures: list[dict[str, Any]]
     checkpoints: list[dict[str, Any]]
     label: str = ""
+
+    @property
+    def objective(self) -> tuple[str, float | None]:
+        """(key, last value) of the metric the run reports to a sweeper: its config's ``objective``
+        (eval/accuracy by default), as python -m grpo returns it; None if never logged or NaN."""
+        from grpo.config import GRPOConfig
+
+        key = self.config.get("objective") or GRPOConfig.objective  # runs from before the key: default
+        series = self.metrics.get(str(key), [])
+        return str(key), (series[-1][1] if series else None)
 
 
 def _number(value: Any) -> float | None:
@@ -201,6 +212,14 @@ def _natural_key(path: Path) -> list[Any]:
     return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", str(path))]
 
 
+def rank_runs(runs: list[Run]) -> list[Run]:
+    """Runs best first by their objective (highest value first); runs without one keep their
+    order after the others. Unchanged when no run has an objective value."""
+    if not any(r.objective[1] is not None for r in runs):
+        return list(runs)
+    return sorted(runs, key=lambda r: (r.objective[1] is None, -(r.objective[1] or 0.0)))
+
+
 # --------------------------------------------------------------------------- labels
 
 
@@ -216,7 +235,7 @@ def _flatten(config: dict[str, Any], prefix: str = "") -> dict[str, str]:
 
 
 def label_runs(runs: list[Run]) -> None:
-    """Name each run by what sets it apart: its Hydra overrides, else the config keys whose values
+    """Name each run by what sets it apart: its Hydra overrides that not every run shares, else the config keys whose values
     differ between the runs (``lr=1e-5, group_size=8``), after its directory name."""
     names = [r.name for r in runs]
     if len(set(names)) < len(names):  # e.g. several sweeps' job "0": use the path below the common parent
@@ -229,9 +248,12 @@ def label_runs(runs: list[Run]) -> None:
     keys = sorted(set().union(*flats)) if flats else []
     differing = [k for k in keys if len({f.get(k) for f in flats}) > 1
                  and not any(k == u or k.startswith(u + ".") for u in _UNINTERESTING_KEYS)]
+    shared = set.intersection(*(set(r.overrides) for r in runs)) if runs else set()
     for run, name, flat in zip(runs, names, flats, strict=True):
-        if len(runs) > 1 and run.overrides:
-            detail = ", ".join(run.overrides[:MAX_LABEL_KEYS])
+        # What this sweep job varies, unless its directory name already says it (grpo names them so).
+        own = [o for o in run.overrides if o not in shared and o.replace("/", "_") not in name]
+        if len(runs) > 1 and own:
+            detail = ", ".join(own[:MAX_LABEL_KEYS])
         elif len(runs) > 1 and differing:
             detail = ", ".join(f"{k}={flat.get(k, '-')}" for k in differing[:MAX_LABEL_KEYS])
         else:
@@ -338,6 +360,8 @@ def _summary(run: Run) -> dict[str, Any]:
         "accuracy_last": last("accuracy"),
         "eval_accuracy_first": first("eval/accuracy"),
         "eval_accuracy_last": last("eval/accuracy"),
+        "objective": run.objective[0],
+        "objective_value": run.objective[1],
         "seconds_per_step": sum(step_times) / len(step_times) if step_times else None,
         "failures": len(run.failures),
         "checkpoints": len(run.checkpoints),
@@ -398,14 +422,16 @@ def build_report(run_dirs: Sequence[str | Path], output: str | Path, *, png: boo
     paths = find_runs(run_dirs)
     runs = [load_run(p) for p in paths]
     label_runs(runs)
+    if len(runs) > 1 and any(r.objective[1] is not None for r in runs):
+        runs = rank_runs(runs)  # a sweep's runs, best first: the card order is the ranking
+        for i, run in enumerate(runs, 1):
+            run.label = f"#{i} {run.label}"
     if title is None:
         title = f"grpo run: {runs[0].label}" if len(runs) == 1 else f"grpo: {len(runs)} runs"
     output = Path(output)
     output.parent.mkdir(parents=True, exist_ok=True)
     text = render_html(build_payload(runs, title))
-    tmp = output.with_name(output.name + ".tmp")
-    tmp.write_text(text, encoding="utf-8")
-    tmp.replace(output)  # a browser reloading mid-run never sees half a page
+    atomic_write_text(output, text)  # a browser reloading mid-run never sees half a page
     if png:
         write_pngs(runs, output.with_name(output.stem + "_plots"))  # .../report_plots/overview.png
     return output

@@ -18,6 +18,8 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
+from grpo.files import atomic_write_text
+
 LOG_FILES = ("metrics.jsonl", "rollouts.jsonl", "failures.jsonl")
 
 
@@ -52,7 +54,6 @@ class RunLog:
                  wandb_cfg: Any = None):
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        self.total_steps = total_steps
         self.config = dict(config)
         self._progress = _Progress(total_steps) if progress else None
         self._wandb = None
@@ -114,6 +115,12 @@ class RunLog:
             self._wandb.finish()
             self._wandb = None
 
+    def show_sample(self, step: int, row: Mapping[str, Any]) -> None:
+        """One sampled prompt, response and reward on the console, to read what the policy does."""
+        prompt = str(row["prompt"])[-300:]
+        self.print(f"--- step {step} sample (reward {row['reward']}, advantage {row['advantage']:+.3f})\n"
+                   f"[prompt] ...{prompt}\n[response] {row['response']}")
+
     def print(self, message: str) -> None:
         if self._progress is not None:
             self._progress.console.print(message)
@@ -124,9 +131,7 @@ class RunLog:
 def _write_lines(path: Path, rows: list[dict[str, Any]]) -> None:
     if not path.exists() and not rows:
         return
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    tmp.replace(path)
+    atomic_write_text(path, "".join(json.dumps(r) + "\n" for r in rows))
 
 
 class _Progress:

@@ -13,9 +13,10 @@ from adapters.chat_rl import ChatAdapter
 from adapters.data import DataSourceError
 from adapters.judge import rule_score
 from grpo.adapter import chat_prompt_tokens
+from grpo.checkpoint_store import CheckpointStore
 from grpo.runlog import read_jsonl
 
-CHAT_YAML = Path(__file__).resolve().parents[1] / "grpo" / "conf" / "adapter" / "chat.yaml"
+CHAT_YAML = Path(__file__).resolve().parents[1] / "conf" / "adapter" / "chat.yaml"
 
 
 
@@ -126,7 +127,7 @@ def test_end_to_end_tiny_policy_tiny_judge(tmp_path):
     final = run_grpo(adapter, {"base_model": "tiny", "steps": 2, "batch_size": 2, "group_size": 4,
                                "max_tokens": 8, "learning_rate": 1e-3, "save_every": 0, "progress": False,
                                "report": False}, run_dir=tmp_path)
-    assert Path(final).exists()
+    assert (CheckpointStore(tmp_path / "checkpoints").resolve(final) / "adapter_config.json").exists()
     _check_run(tmp_path, adapter, steps=2, group_size=4)
     # The judge stayed frozen and outside the policy: not a weight moved.
     after = adapter.judge.model.state_dict()

@@ -38,7 +38,8 @@ def test_save_state_then_load_state_reproduces_logprobs_exactly(svc) -> None:
     step(client)
     step(client)
     path = client.save_state("two_steps").result().path
-    assert path.startswith(str(svc.checkpoint_dir))
+    assert path == f"tinker://{client.training_run_id}/weights/two_steps"
+    assert svc.store.resolve(path).parent.parent.parent == svc.checkpoint_dir
     restored = svc.create_lora_training_client("tiny", seed=2, rank=4)
     assert not all(torch.equal(a, b) for a, b in zip(logprobs(client), logprobs(restored), strict=True))
     restored.load_state(path).result()
@@ -57,7 +58,7 @@ def test_resume_with_optimizer_is_bit_identical_to_an_uninterrupted_run(svc, tmp
 
     # A new service (a new engine, as after a restart) resumes from the state.
     fresh_service = ServiceClient(checkpoint_dir=tmp_path / "other", device="cpu", dtype="float32")
-    resumed = fresh_service.create_training_client_from_state(path)
+    resumed = fresh_service.create_training_client_from_state_with_optimizer(path)
     step(resumed)
     want, got = adapter_tensors(straight), adapter_tensors(resumed)
     assert want.keys() == got.keys()
@@ -93,7 +94,7 @@ def test_sampler_weights_load_with_peft_and_give_the_same_logprobs(svc) -> None:
     path = client.save_weights_for_sampler("for_peft").result().path
     want = logprobs(client)
 
-    model = PeftModel.from_pretrained(models.load_model("tiny", device="cpu"), path)
+    model = PeftModel.from_pretrained(models.load_model("tiny", device="cpu"), str(svc.store.resolve(path)))
     model.eval()
     for datum, lp in zip(DATA, want, strict=True):
         tokens = datum.model_input.to_ints()
@@ -131,6 +132,6 @@ def test_second_adapter_does_not_leak_into_saved_state(svc) -> None:
     path = a.save_state("only_a").result().path
     from safetensors.torch import load_file
 
-    keys = set(load_file(f"{path}/adapter_model.safetensors"))
+    keys = set(load_file(svc.store.resolve(path) / "adapter_model.safetensors"))
     assert keys and all("self_attn" in k for k in keys)
     assert len(keys) == len(adapter_tensors(a)) < len(adapter_tensors(b))

@@ -10,6 +10,7 @@ import pytest
 
 from adapters.code_problems import BUILTIN, load_humaneval, split_check
 from adapters.code_rl import CodeAdapter, build_program, extract_code
+from grpo.checkpoint_store import CheckpointStore
 from grpo.runlog import read_jsonl
 
 FENCE = "```"
@@ -172,10 +173,10 @@ def test_prompt_uses_chat_template(adapter, tokenizer):
 def test_hydra_group_builds_the_adapter():
     from hydra import compose, initialize_config_dir
 
-    import grpo
     from grpo.__main__ import build_adapter
+    from grpo.config_docs import config_dir
 
-    conf = Path(grpo.__file__).parent / "conf"
+    conf = config_dir()
     with initialize_config_dir(config_dir=str(conf), version_base="1.3"):
         cfg = compose(config_name="config", overrides=["adapter=code", "adapter.problems=humaneval",
                                                        "adapter.reward=all_or_nothing", "adapter.workers=1"])
@@ -208,7 +209,7 @@ def test_grpo_runs_end_to_end_on_tiny_model(tmp_path):
     final = run_grpo(a, {"base_model": "tiny", "steps": 2, "batch_size": 2, "group_size": 2, "max_tokens": 24,
                          "eval_size": 2, "eval_samples": 2, "progress": False, "report": False,
                          "save_every": 0}, run_dir=tmp_path)
-    assert Path(final).exists()
+    assert (CheckpointStore(tmp_path / "checkpoints").resolve(final) / "adapter_config.json").exists()
     rows = _check_run(tmp_path, a, 2)
     assert all("adapter/has_code" in m for m in rows)
     a.sandbox.close()

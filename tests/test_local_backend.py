@@ -340,7 +340,7 @@ def test_train_flags_and_rank_select_modules_and_parameter_count(svc, tokenizer,
 
 
 def test_no_trainable_module_is_an_error(svc) -> None:
-    with pytest.raises(ValueError, match="at least one of train_attn, train_mlp, train_unembed"):
+    with pytest.raises(ValueError, match="train_mlp, train_attn and train_unembed are all false: at least one must be true"):
         svc.create_lora_training_client("tiny", train_attn=False, train_mlp=False, train_unembed=False)
     with pytest.raises(ValueError, match="rank must be a positive integer, got 0"):
         svc.create_lora_training_client("tiny", rank=0)

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 from toy_adapter import ToyAdapter
 
+from grpo.checkpoint_store import CheckpointStore
 from grpo.config import GRPOConfig
 from grpo.loop import RewardFailureError, run_grpo
 from grpo.runlog import read_jsonl
@@ -56,8 +57,10 @@ def test_run_writes_everything_a_user_reads(tmp_path):
     assert (tmp_path / "config.yaml").exists()
     kinds = [c["kind"] for c in read_jsonl(tmp_path / "checkpoints.jsonl")]
     assert kinds == ["state", "state", "final"]
-    assert Path(final) == tmp_path / "checkpoints" / "final"
-    assert (Path(final) / "adapter_config.json").exists()
+    # The final weights are a tinker:// path into the run's checkpoint store.
+    final_dir = CheckpointStore(tmp_path / "checkpoints").resolve(final)
+    assert final.endswith("/sampler_weights/final") and final_dir.name == "final"
+    assert (final_dir / "adapter_config.json").exists()
     assert adapter.evaluated == [(0, 8, 8), (1, 8, 8), (2, 8, 8)]
 
 
@@ -177,3 +180,63 @@ def test_resolved_config_is_saved(tmp_path):
     saved = yaml.safe_load((tmp_path / "config.yaml").read_text())
     assert saved["seed"] == 7 and saved["base_model"] == "tiny"
     json.dumps(saved)
+
+
+# --------------------------------------------------------------------------- #16: the RL guide's checklist
+
+
+class EvenItemsAlwaysRight(ToyAdapter):
+    def compute_reward(self, response, sample):  # even items: every sample correct (saturated)
+        return 1.0 if sample["id"] % 2 == 0 else 0.0 if sample["id"] % 3 == 0 else super().compute_reward(response, sample)
+
+
+def test_saturated_items_are_counted_and_retired_and_the_history_survives_resume(tmp_path):
+    cfg = {**BASE, "steps": 4, "batch_size": 3, "retire_solved_after": 1, "retire_unsolved_after": 2,
+           "save_every": 2, "seed": 5}
+    adapter = EvenItemsAlwaysRight(num_items=12, eval_items=0)
+    seen: list[int] = []
+    original_take = __import__("grpo.loop", fromlist=["ItemStream"]).ItemStream.take
+
+    def spy(self, n):
+        out = original_take(self, n)
+        seen.extend(i for i, _ in out)
+        return out
+
+    import grpo.loop
+
+    grpo.loop.ItemStream.take = spy
+    try:
+        run_grpo(adapter, cfg, run_dir=tmp_path / "a")
+    finally:
+        grpo.loop.ItemStream.take = original_take
+    rows = train_rows(tmp_path / "a")
+    # an even item is all-correct on its first group and retired: it is never drawn again
+    evens = [i for i in seen if i % 2 == 0]
+    assert evens and len(evens) == len(set(evens))
+    assert rows[-1]["items/retired"] >= len(set(evens))
+    # saturated: last group all correct (every even item, and odd ones the random model got right by chance)
+    assert rows[0]["items/seen"] == 3
+    assert rows[0]["items/saturated"] * 3 >= sum(i % 2 == 0 for i in seen[:3])
+    assert all(0 <= r["items/never_solved"] <= 1 for r in rows)
+    state = json.loads(sorted((tmp_path / "a" / "checkpoints").glob("step_*/loop_state.json"))[-1].read_text())
+    assert set(state["solve_history"]["retired"]) >= set(evens)
+
+    # resumed from the step-2 checkpoint, the run retires and draws exactly the same items
+    import shutil
+
+    shutil.copytree(tmp_path / "a", tmp_path / "b")
+    b = tmp_path / "b"
+    for row in read_jsonl(b / "checkpoints.jsonl"):
+        if row.get("name") != "step_000002":
+            shutil.rmtree(Path(row["path"].replace(str(tmp_path / "a"), str(b))), ignore_errors=True)
+    (b / "checkpoints.jsonl").write_text("".join(
+        json.dumps({k: (v.replace(str(tmp_path / "a"), str(b)) if isinstance(v, str) else v) for k, v in r.items()})
+        + "\n" for r in read_jsonl(tmp_path / "a" / "checkpoints.jsonl") if r.get("name") == "step_000002"))
+    run_grpo(EvenItemsAlwaysRight(num_items=12, eval_items=0), cfg, run_dir=b)
+    assert [r["items/retired"] for r in train_rows(b)] == [r["items/retired"] for r in rows]
+
+
+def test_a_sample_is_shown_every_n_steps(tmp_path, capsys):
+    run_grpo(ToyAdapter(eval_items=0), {**BASE, "steps": 3, "show_sample_every": 2}, run_dir=tmp_path)
+    out = capsys.readouterr().out
+    assert out.count("[response]") == 2 and "--- step 0 sample (reward" in out and "--- step 2 sample" in out

@@ -168,3 +168,20 @@ def test_every_loss_is_a_sum_of_per_position_terms(loss_fn: str) -> None:
         parts, grad_parts = parts + float(piece), grad_parts + g
     assert parts == pytest.approx(float(whole), rel=1e-5, abs=1e-6)
     assert torch.allclose(grad_parts, grad_whole, atol=1e-6)
+
+
+def test_the_registry_is_the_one_list_of_losses() -> None:
+    """One @register_loss per loss: the SDK's LossFnType, the config's valid names and the
+    trainer's input check all follow it."""
+    from typing import get_args
+
+    from grpo.config import GRPOConfig
+    from grpo.types import LossFnType
+
+    assert tuple(losses.LOSSES) == get_args(LossFnType)
+    for name, spec in losses.LOSSES.items():
+        assert GRPOConfig(loss_fn=name).loss_fn == name
+        assert spec.fn.__name__ == name and spec.fn.__doc__, f"{name} needs its formula in a docstring"
+        assert set(spec.inputs) <= {"logprobs", "advantages", "weights"}
+    with pytest.raises(ValueError, match="registered twice"):
+        losses.register_loss("ppo")(losses.ppo)

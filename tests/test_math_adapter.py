@@ -15,7 +15,7 @@ from adapters.math_rl import MathAdapter, MathConfigError
 from grpo.loop import run_grpo
 from grpo.runlog import read_jsonl
 
-CONF = Path(__file__).resolve().parent.parent / "grpo" / "conf" / "adapter" / "math.yaml"
+CONF = Path(__file__).resolve().parent.parent / "conf" / "adapter" / "math.yaml"
 
 
 def _sum_of(question: str) -> int:
@@ -91,8 +91,8 @@ def test_dataset_source_with_custom_columns_and_gsm8k_answers(tmp_path):
 
 
 @pytest.mark.parametrize("kwargs,pattern", [
-    ({"task": "algebra"}, r"adapter\.task='algebra' is invalid; valid values: addition, arithmetic, gsm8k, dataset"),
-    ({"prompt_style": "cot"}, r"adapter\.prompt_style='cot' is invalid; valid values: chat, fewshot"),
+    ({"task": "algebra"}, r"adapter\.task='algebra' is invalid: valid values: addition, arithmetic, gsm8k, dataset"),
+    ({"prompt_style": "cot"}, r"adapter\.prompt_style='cot' is invalid: valid values: chat, fewshot"),
     ({"extraction": "first_number"}, r"adapter\.extraction='first_number'.*last_number, boxed, answer_line, auto"),
     ({"digits": 0}, r"adapter\.digits=0 is invalid"),
     ({"format_reward": 1.0}, r"adapter\.format_reward=1\.0 is invalid: must be a number in \[0, 1\)"),

@@ -70,4 +70,5 @@ def test_minimal_rl_loop_from_the_mint_docs_runs_as_written(tmp_path) -> None:
             ratios.extend(math.exp(a - b) for a, b, wi in zip(lp, q, w, strict=True) if wi > 0)
     assert max(abs(r - 1.0) for r in ratios) < 1e-3
     path = training_client.save_weights_for_sampler("final").result().path
-    assert (tmp_path / "final" / "adapter_config.json").exists() and path == str(tmp_path / "final")
+    assert path.startswith("tinker://") and path.endswith("/sampler_weights/final")
+    assert (service_client.store.resolve(path) / "adapter_config.json").exists()

@@ -115,6 +115,7 @@
         ["reward", arrow(s.reward_first, s.reward_last)],
         ["train accuracy", fmt(s.accuracy_last)],
         ["eval accuracy", arrow(s.eval_accuracy_first, s.eval_accuracy_last)],
+        [`objective (${s.objective})`, fmt(s.objective_value)],
         ["s / step", fmt(s.seconds_per_step)],
         ["reward failures", String(s.failures)],
         ["checkpoints", String(s.checkpoints)],

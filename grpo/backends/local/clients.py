@@ -3,6 +3,11 @@
 Training calls run in order on one worker thread per base model and return futures at once,
 so a caller can submit forward_backward and optim_step back to back as on the service.
 Sampling calls go to a batcher that gathers whatever arrives together into one generation.
+
+Every method of the Tinker SDK (0.38) that has a local meaning is here under the SDK's name and
+parameter names, with its ``_async`` twin; grpo/sdk_parity.py lists the rest and why. Saved
+states live in a grpo.checkpoint_store.CheckpointStore under ``checkpoint_dir`` and are named by
+``tinker://`` paths; every loader takes those or a plain directory.
 """
 
 from __future__ import annotations
@@ -12,23 +17,29 @@ import itertools
 import json
 import os
 import queue
+import shutil
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from grpo import models
-from grpo.backends.local import sampler, trainer
+from grpo.backends.local import custom_loss, sampler, trainer
 from grpo.backends.local.engine import Engine, LoraSpec
+from grpo.checkpoint_store import CheckpointStore
+from grpo.files import replace_dir
+from grpo.rest_client import RestClient
 from grpo.types import (
     AdamParams,
     APIFuture,
     Datum,
     ForwardBackwardOutput,
     GetInfoResponse,
+    GetServerCapabilitiesResponse,
+    LoadWeightsResponse,
     ModelData,
     ModelInput,
     OptimStepResponse,
@@ -36,6 +47,7 @@ from grpo.types import (
     SamplingParams,
     SaveWeightsForSamplerResponse,
     SaveWeightsResponse,
+    SupportedModel,
     async_twin,
 )
 
@@ -44,12 +56,31 @@ OPTIMIZER_FILE = "optimizer.pt"
 DEFAULT_MAX_TOKENS = 256
 
 
+class _ClientFuture:
+    """SDK 0.38's creation calls return an object that is both the client and a future of it
+    (``create_lora_training_client(...).result()`` and ``await`` work); local clients are ready
+    at once, so each is its own completed future."""
+
+    def result(self, timeout: float | None = None) -> Any:
+        return self
+
+    async def result_async(self, timeout: float | None = None) -> Any:
+        return self
+
+    def done(self) -> bool:
+        return True
+
+    def __await__(self):
+        return self.result_async().__await__()
+
+
 class ServiceClient:
     """Entry point, as ``tinker.ServiceClient`` / ``mint.ServiceClient``.
 
     Args beyond the SDK's (all optional): ``checkpoint_dir`` where named states are written
     (default ``$GRPO_CACHE/checkpoints``), ``device`` and ``dtype`` ("auto": CUDA bf16 when
     available, else CPU fp32), ``micro_batch_tokens`` (padded tokens per training micro-batch).
+    The SDK's own arguments (``api_key``, ``base_url``, ``project_id``...) are accepted and unused.
     """
 
     def __init__(self, checkpoint_dir: str | os.PathLike | None = None, device: str | None = None,
@@ -60,6 +91,7 @@ class ServiceClient:
         if micro_batch_tokens <= 0:
             raise ValueError(f"micro_batch_tokens must be positive, got {micro_batch_tokens}")
         self.micro_batch_tokens = int(micro_batch_tokens)
+        self.store = CheckpointStore(self.checkpoint_dir)
         self._engines: dict[str, _EngineHandle] = {}
         self._lock = threading.Lock()
         self._ids = itertools.count()
@@ -71,41 +103,113 @@ class ServiceClient:
                 self._engines[base_model] = _EngineHandle(Engine(base_model, self.device, self.dtype))
             return self._engines[base_model]
 
-    def get_server_capabilities(self) -> dict[str, Any]:
-        return {"supported_models": ["tiny", "smollm2", "<local dir>", "<hub id>"], "backend": "local"}
+    # ------------------------------------------------------------------ session
+
+    def __enter__(self) -> ServiceClient:
+        return self
+
+    def __exit__(self, exc_type: Any, *_: Any) -> None:
+        self.close("success" if exc_type is None else "errored")
+
+    def close(self, status: str = "success", detail: str | None = None) -> APIFuture[None]:
+        """End the session: stop the worker threads of every loaded model. Clients made by this
+        ServiceClient must not be used afterwards (as on the service); saved checkpoints stay."""
+        if status not in ("success", "errored", "interrupted"):
+            raise ValueError(f"close status {status!r} is invalid; valid: success, errored, interrupted")
+        with self._lock:
+            handles, self._engines = list(self._engines.values()), {}
+        for handle in handles:
+            handle.train_executor.shutdown(wait=True)
+        return APIFuture.completed(None)
+
+    def get_server_capabilities(self) -> GetServerCapabilitiesResponse:
+        """The models this process can train: the tiny test model, the packaged SmolLM2, those
+        already loaded; any local model directory or reachable hub id works as well."""
+        names = ["tiny", "smollm2", *(m for m in self._engines if m not in ("tiny", "smollm2"))]
+        return GetServerCapabilitiesResponse(supported_models=[
+            SupportedModel(model_name=name, trainable=True, sampleable=True) for name in names])
+
+    def get_telemetry(self) -> None:
+        """No telemetry is collected locally (the SDK returns None too when it has none)."""
+        return None
+
+    def create_rest_client(self) -> RestClient:
+        """Checkpoint and run management over this client's checkpoint store."""
+        return RestClient(self.store, capabilities=self.get_server_capabilities)
+
+    # ------------------------------------------------------------------ training clients
 
     def create_lora_training_client(self, base_model: str, rank: int = 16, seed: int | None = None,
-                                    train_mlp: bool = True, train_attn: bool = True,
-                                    train_unembed: bool = True, **_sdk_kwargs: Any) -> TrainingClient:
+                                    train_mlp: bool = True, train_attn: bool = True, train_unembed: bool = True,
+                                    user_metadata: dict[str, str] | None = None, optimizer: Any = None,
+                                    **_sdk_kwargs: Any) -> TrainingClient:
+        _check_optimizer(optimizer)
         spec = LoraSpec(rank=rank, train_attn=train_attn, train_mlp=train_mlp, train_unembed=train_unembed)
         handle = self._engine(base_model)
+        run = self.store.create_run(base_model, lora_rank=rank, train_mlp=train_mlp, train_attn=train_attn,
+                                    train_unembed=train_unembed, user_metadata=user_metadata)
         name = f"lora{next(self._ids)}"
         handle.engine.add_adapter(name, spec, seed=seed)
-        return TrainingClient(self, handle, name, spec)
+        return TrainingClient(self, handle, name, spec, run.training_run_id)
 
-    create_lora_training_client_async = async_twin("create_lora_training_client")
+    def create_training_client_from_state(self, path: str, base_model: str | None = None,
+                                          user_metadata: dict[str, str] | None = None,
+                                          weights_access_token: str | None = None, optimizer: Any = None
+                                          ) -> TrainingClient:
+        """A new training client with the weights saved at ``path`` and a fresh optimizer."""
+        return self._from_state(path, base_model, user_metadata, optimizer, with_optimizer=False)
 
-    def create_training_client_from_state(self, path: str, **kwargs: Any) -> TrainingClient:
-        state = _read_state(path)
-        client = self.create_lora_training_client(state["base_model"], **state["lora"], **kwargs)
-        client.load_state_with_optimizer(path).result()
+    def create_training_client_from_state_with_optimizer(self, path: str, base_model: str | None = None,
+                                                         user_metadata: dict[str, str] | None = None,
+                                                         weights_access_token: str | None = None
+                                                         ) -> TrainingClient:
+        """Resume: a new training client with the weights and the optimizer state saved at ``path``."""
+        return self._from_state(path, base_model, user_metadata, None, with_optimizer=True)
+
+    def _from_state(self, path: str, base_model: str | None, user_metadata: dict[str, str] | None,
+                    optimizer: Any, with_optimizer: bool) -> TrainingClient:
+        state = _read_state(self.store.resolve(path), path)
+        if base_model is not None and base_model != state["base_model"]:
+            raise ValueError(f"{path} was trained from base model {state['base_model']!r}, not {base_model!r}")
+        client = self.create_lora_training_client(state["base_model"], **state["lora"],
+                                                  user_metadata=user_metadata, optimizer=optimizer)
+        client._submit(lambda: client._load(path, with_optimizer=with_optimizer)).result()
         return client
 
+    # ------------------------------------------------------------------ sampling clients
+
     def create_sampling_client(self, model_path: str | None = None, base_model: str | None = None,
+                               retry_config: Any = None, record_stability_info: bool = False,
                                **_sdk_kwargs: Any) -> SamplingClient:
         if model_path is None and base_model is None:
             raise ValueError("create_sampling_client needs model_path (saved weights) or base_model")
         if model_path is None:
             return SamplingClient(self._engine(base_model), adapter=None)
-        path = Path(model_path)
+        path = self.store.resolve(model_path)
         if not (path / "adapter_config.json").exists():
-            raise FileNotFoundError(f"model_path {path} holds no adapter_config.json; pass a path returned by "
-                                    "save_weights_for_sampler or save_state")
+            raise FileNotFoundError(f"model_path {model_path} holds no adapter_config.json; pass a path returned "
+                                    "by save_weights_for_sampler or save_state")
         base = base_model or json.loads((path / "adapter_config.json").read_text())["base_model_name_or_path"]
         handle = self._engine(base)
         name = f"sampler{next(self._ids)}"
         handle.engine.load_adapter_dir(name, path)
         return SamplingClient(handle, adapter=name)
+
+    # ------------------------------------------------------------------ weights
+
+    def copy_weights(self, path: str, *, ttl_seconds: int | None = None,
+                     weights_access_token: str | None = None) -> APIFuture[str]:
+        """A copy of a checkpoint in a new training run (as the service's, which cannot be trained
+        on); the future's value is the copy's tinker:// path."""
+        return self.create_rest_client().copy_weights(path, ttl_seconds=ttl_seconds)
+
+    get_server_capabilities_async = async_twin("get_server_capabilities")
+    copy_weights_async = async_twin("copy_weights", awaited=True)
+    create_training_client_from_state_async = async_twin("create_training_client_from_state")
+    create_training_client_from_state_with_optimizer_async = async_twin(
+        "create_training_client_from_state_with_optimizer")
+    create_lora_training_client_async = async_twin("create_lora_training_client")
+    create_sampling_client_async = async_twin("create_sampling_client")
 
 
 class _EngineHandle:
@@ -117,13 +221,15 @@ class _EngineHandle:
         self.batcher = _SampleBatcher(engine)
 
 
-class TrainingClient:
-    def __init__(self, service: ServiceClient, handle: _EngineHandle, adapter: str, spec: LoraSpec):
+class TrainingClient(_ClientFuture):
+    def __init__(self, service: ServiceClient, handle: _EngineHandle, adapter: str, spec: LoraSpec,
+                 training_run_id: str):
         self.service = service
         self.handle = handle
         self.engine = handle.engine
         self.adapter = adapter
         self.spec = spec
+        self.training_run_id = training_run_id
         self.optimizer: torch.optim.Optimizer | None = None
         self._sampler_ids = itertools.count()
 
@@ -138,13 +244,46 @@ class TrainingClient:
 
     # ------------------------------------------------------------------ forward / backward
 
-    def forward(self, data: Sequence[Datum], loss_fn: str = "cross_entropy",
+    def forward(self, data: Sequence[Datum], loss_fn: str,
                 loss_fn_config: dict[str, float] | None = None) -> APIFuture[ForwardBackwardOutput]:
         return self._loss_call(data, loss_fn, loss_fn_config, backward=False)
 
-    def forward_backward(self, data: Sequence[Datum], loss_fn: str = "cross_entropy",
+    def forward_backward(self, data: Sequence[Datum], loss_fn: str,
                          loss_fn_config: dict[str, float] | None = None) -> APIFuture[ForwardBackwardOutput]:
         return self._loss_call(data, loss_fn, loss_fn_config, backward=True)
+
+    def forward_backward_custom(self, data: Sequence[Datum], loss_fn: custom_loss.CustomLossFn, *,
+                                loss_type_input: str | None = None) -> APIFuture[ForwardBackwardOutput]:
+        """Backpropagate any differentiable function of the target logprobs, as the SDK does:
+        ``loss_fn(data, logprobs) -> (loss, metrics)`` with one logprob tensor per datum; the
+        parameter gradient is autograd of that loss through the model (grpo/backends/local/
+        custom_loss.py says how). ``metrics`` hold ``loss:sum`` (the custom loss), the function's
+        own metrics and ``surrogate_loss:sum``; ``loss_fn_outputs`` hold the logprobs."""
+        if loss_type_input not in (None, "logprobs"):
+            raise ValueError(f"loss_type_input={loss_type_input!r} is invalid; the loss always receives logprobs")
+        if not callable(loss_fn):
+            raise TypeError(f"forward_backward_custom takes a function (data, logprobs) -> (loss, metrics), "
+                            f"got {type(loss_fn).__name__}")
+        data = list(data)
+        forward_data = custom_loss.forward_data(data)
+        prepared = trainer.prepare(forward_data, "cross_entropy", self.engine.vocab_size, self.engine.check_tokens)
+
+        def run(datums: list, loss: str, config: dict | None, backward: bool) -> ForwardBackwardOutput:
+            return self._run_in_engine(lambda model: trainer.run(
+                model, datums, loss, config, self.engine.device, self.service.micro_batch_tokens, backward))
+
+        def work() -> ForwardBackwardOutput:
+            forward = run(prepared, "cross_entropy", None, False)
+            loss, metrics, coeffs = custom_loss.loss_gradient(data, loss_fn, forward)
+            linear = custom_loss.linear_surrogate(forward_data, forward, coeffs)
+            backward = run(trainer.prepare(linear, custom_loss.SURROGATE_LOSS, self.engine.vocab_size,
+                                           self.engine.check_tokens),
+                           custom_loss.SURROGATE_LOSS, custom_loss.SURROGATE_CONFIG, True)
+            out_metrics = {**metrics, "loss:sum": loss, "surrogate_loss:sum": backward.metrics["loss:sum"]}
+            return ForwardBackwardOutput(loss_fn_output_type=forward.loss_fn_output_type,
+                                         loss_fn_outputs=forward.loss_fn_outputs, metrics=out_metrics)
+
+        return self._submit(work)
 
     def _loss_call(self, data, loss_fn, loss_fn_config, backward: bool) -> APIFuture[ForwardBackwardOutput]:
         # Validate now, in the caller's thread, so a bad datum raises where it was built.
@@ -160,10 +299,17 @@ class TrainingClient:
 
     # ------------------------------------------------------------------ optimizer
 
-    def optim_step(self, adam_params: AdamParams) -> APIFuture[OptimStepResponse]:
-        if not isinstance(adam_params, AdamParams):
-            raise TypeError(f"optim_step takes grpo.types.AdamParams, got {type(adam_params).__name__}")
-        return self._submit(lambda: self._run_in_engine(lambda _: self._optim_step(adam_params)))
+    def optim_step(self, optim_params: AdamParams | None = None, *,
+                   adam_params: AdamParams | None = None) -> APIFuture[OptimStepResponse]:
+        """One Adam step with the gradients accumulated since the last step (then cleared).
+        ``optim_step(AdamParams(...))`` and ``optim_step(adam_params=...)`` are the same call."""
+        if (optim_params is None) == (adam_params is None):
+            raise TypeError("optim_step takes one AdamParams: optim_step(params) or optim_step(adam_params=params)")
+        params = optim_params if optim_params is not None else adam_params
+        if not isinstance(params, AdamParams):
+            raise TypeError(f"optim_step takes grpo.types.AdamParams (only Adam is implemented locally), "
+                            f"got {type(params).__name__}")
+        return self._submit(lambda: self._run_in_engine(lambda _: self._optim_step(params)))
 
     def _optim_step(self, adam: AdamParams) -> OptimStepResponse:
         params = list(self.engine.adapter_parameters(self.adapter).values())
@@ -183,17 +329,36 @@ class TrainingClient:
 
     # ------------------------------------------------------------------ state
 
-    def _state_path(self, name: str) -> Path:
+    def _save(self, name: str, kind: str, with_optimizer: bool, ttl_seconds: int | None = None,
+              user_metadata: dict[str, str] | None = None, overwrite: bool = True) -> APIFuture[str]:
+        """Write the adapter (and optimizer) as checkpoint ``name`` of this run; the future's value
+        is its tinker:// path. A name holding a path separator is a plain directory instead
+        (written there and returned as given; not in the store, so no TTL, metadata or listing,
+        and an existing directory is replaced)."""
         if not name or not isinstance(name, str):
             raise ValueError(f"checkpoint name must be a non-empty string, got {name!r}")
-        path = Path(name)
-        return path if (path.is_absolute() or os.sep in name) else self.service.checkpoint_dir / name
+        if Path(name).is_absolute() or os.sep in name:
+            def to_dir() -> str:
+                with self.engine.use(self.adapter):
+                    tmp = Path(name).with_name(Path(name).name + ".tmp")
+                    shutil.rmtree(tmp, ignore_errors=True)
+                    self._write_adapter(tmp, with_optimizer)
+                    replace_dir(tmp, Path(name))
+                return name
+            return self._submit(to_dir)
 
-    def _write_adapter(self, path: Path, with_optimizer: bool) -> None:
+        def to_store() -> str:
+            def write(staging: Path) -> None:
+                with self.engine.use(self.adapter):
+                    self._write_adapter(staging, with_optimizer)
+            return self.service.store.save(self.training_run_id, kind, name, write, ttl_seconds=ttl_seconds,
+                                           user_metadata=user_metadata, overwrite=overwrite).tinker_path
+        return self._submit(to_store)
+
+    def _write_adapter(self, tmp: Path, with_optimizer: bool) -> None:
         from peft.utils import get_peft_model_state_dict
         from safetensors.torch import save_file
 
-        tmp = path.with_name(path.name + ".tmp")
         tmp.mkdir(parents=True, exist_ok=True)
         peft_model = self.engine.peft_model
         config = peft_model.peft_config[self.adapter]
@@ -211,45 +376,50 @@ class TrainingClient:
         (tmp / STATE_FILE).write_text(json.dumps(meta, indent=1))
         if with_optimizer and self.optimizer is not None:
             torch.save(self.optimizer.state_dict(), tmp / OPTIMIZER_FILE)
-        _replace_dir(tmp, path)
 
-    def save_state(self, name: str) -> APIFuture[SaveWeightsResponse]:
-        """Adapter weights and optimizer state, for resuming training."""
-        path = self._state_path(name)
+    def save_state(self, name: str, ttl_seconds: int | None = None, overwrite: bool = False,
+                   user_metadata: dict[str, str] | None = None) -> APIFuture[SaveWeightsResponse]:
+        """Adapter weights and optimizer state, for resuming training: ``tinker://<run>/weights/<name>``.
+        Saving an existing name again needs ``overwrite=True`` (as on the service)."""
+        fut = self._save(name, "training", True, ttl_seconds, user_metadata, overwrite)
+        return _then(fut, lambda path: SaveWeightsResponse(path=path))
 
-        def work():
-            with self.engine.use(self.adapter):
-                self._write_adapter(path, with_optimizer=True)
-            return SaveWeightsResponse(path=str(path))
+    def save_weights_for_sampler(self, name: str, ttl_seconds: int | None = None,
+                                 user_metadata: dict[str, str] | None = None
+                                 ) -> APIFuture[SaveWeightsForSamplerResponse]:
+        """A PEFT adapter directory (``PeftModel.from_pretrained`` loads it):
+        ``tinker://<run>/sampler_weights/<name>``."""
+        fut = self._save(name, "sampler", False, ttl_seconds, user_metadata)
+        return _then(fut, lambda path: SaveWeightsForSamplerResponse(path=path))
 
-        return self._submit(work)
+    def save_weights_external(self, name: str, ttl_seconds: int | None = None,
+                              age_encryption_recipients: list[str] | None = None
+                              ) -> APIFuture[SaveWeightsForSamplerResponse]:
+        """The PEFT adapter as an ``external_weights`` checkpoint, for download through the
+        RestClient's get_external_weights_urls. Encryption is not implemented locally."""
+        if age_encryption_recipients:
+            raise ValueError("age_encryption_recipients is not supported by the local backend: the files stay "
+                             "on this machine; leave it None")
+        fut = self._save(name, "external", False, ttl_seconds)
+        return _then(fut, lambda path: SaveWeightsForSamplerResponse(path=path))
 
-    def save_weights_for_sampler(self, name: str) -> APIFuture[SaveWeightsForSamplerResponse]:
-        """A PEFT adapter directory (``PeftModel.from_pretrained`` loads it)."""
-        path = self._state_path(name)
-
-        def work():
-            with self.engine.use(self.adapter):
-                self._write_adapter(path, with_optimizer=False)
-            return SaveWeightsForSamplerResponse(path=str(path))
-
-        return self._submit(work)
-
-    def load_state(self, path: str) -> APIFuture:
+    def load_state(self, path: str, weights_access_token: str | None = None) -> APIFuture[LoadWeightsResponse]:
+        """Load the weights saved at ``path`` (tinker:// or a directory); the optimizer starts fresh."""
         return self._submit(lambda: self._load(path, with_optimizer=False))
 
-    def load_state_with_optimizer(self, path: str) -> APIFuture:
+    def load_state_with_optimizer(self, path: str, weights_access_token: str | None = None
+                                  ) -> APIFuture[LoadWeightsResponse]:
+        """Load the weights and the optimizer state saved at ``path`` by save_state."""
         return self._submit(lambda: self._load(path, with_optimizer=True))
 
-    def _load(self, path: str, with_optimizer: bool):
+    def _load(self, path: str, with_optimizer: bool) -> LoadWeightsResponse:
         from safetensors.torch import load_file
 
-        from grpo.types import LoadWeightsResponse
-
-        state = _read_state(path)
+        folder = self.service.store.resolve(path)
+        state = _read_state(folder, path)
         if state["lora"]["rank"] != self.spec.rank:
             raise ValueError(f"state at {path} has LoRA rank {state['lora']['rank']}, this client has rank {self.spec.rank}")
-        weights = load_file(str(Path(path) / "adapter_model.safetensors"))
+        weights = load_file(str(folder / "adapter_model.safetensors"))
         with self.engine.use(self.adapter):
             from peft.utils import set_peft_model_state_dict
 
@@ -260,7 +430,7 @@ class TrainingClient:
             self.engine.versions[self.adapter] += 1
             self.optimizer = None
             if with_optimizer:
-                opt_file = Path(path) / OPTIMIZER_FILE
+                opt_file = folder / OPTIMIZER_FILE
                 if state.get("optimizer") == "fresh":
                     return LoadWeightsResponse(path=str(path))
                 if not opt_file.exists():
@@ -272,26 +442,33 @@ class TrainingClient:
 
     # ------------------------------------------------------------------ sampling
 
-    def save_weights_and_get_sampling_client(self, name: str | None = None) -> SamplingClient:
-        """A sampler of the current weights. Nothing is written to disk: the client keeps an
-        in-memory snapshot, swapped in only if this adapter trains on before it samples."""
+    def save_weights_and_get_sampling_client(self, name: str | None = None, retry_config: Any = None,
+                                             record_stability_info: bool = False, kind: str = "snapshot"
+                                             ) -> SamplingClient:
+        """A sampler of the current weights. Nothing is written to disk (``name`` has no effect, as
+        in SDK 0.38): the client keeps an in-memory snapshot, swapped in only if this adapter
+        trains on before it samples."""
+        if kind not in (None, "snapshot"):
+            raise ValueError(f"kind={kind!r} is not supported by the local backend; valid: 'snapshot'")
         fut = self._submit(lambda: self._run_in_engine(
             lambda _: (self.engine.versions[self.adapter], self.engine.adapter_state(self.adapter))))
         return SamplingClient(self.handle, adapter=self.adapter, snapshot=fut.result())
 
-    save_weights_and_get_sampling_client_async = async_twin("save_weights_and_get_sampling_client")
-
-    def create_sampling_client(self, model_path: str) -> SamplingClient:
+    def create_sampling_client(self, model_path: str, retry_config: Any = None,
+                               record_stability_info: bool = False) -> SamplingClient:
         return self.service.create_sampling_client(model_path=model_path)
 
     # ------------------------------------------------------------------ info
 
-    def get_tokenizer(self):
+    def get_tokenizer(self) -> Any:
         return self.engine.tokenizer
+
+    def get_telemetry(self) -> None:
+        return None
 
     def get_info(self) -> GetInfoResponse:
         return GetInfoResponse(
-            model_id=self.adapter,
+            model_id=self.training_run_id,
             model_data=ModelData(arch=type(self.engine.model).__name__, model_name=self.engine.base_model,
                                  tokenizer_id=self.engine.base_model),
             is_lora=True, lora_rank=self.spec.rank, model_name=self.engine.base_model)
@@ -303,14 +480,20 @@ class TrainingClient:
 
     forward_async = async_twin("forward")
     forward_backward_async = async_twin("forward_backward")
+    forward_backward_custom_async = async_twin("forward_backward_custom")
     optim_step_async = async_twin("optim_step")
     save_state_async = async_twin("save_state")
     load_state_async = async_twin("load_state")
     load_state_with_optimizer_async = async_twin("load_state_with_optimizer")
     save_weights_for_sampler_async = async_twin("save_weights_for_sampler")
+    save_weights_external_async = async_twin("save_weights_external")
+    save_weights_and_get_sampling_client_async = async_twin("save_weights_and_get_sampling_client")
+    create_sampling_client_async = async_twin("create_sampling_client")
+    get_info_async = async_twin("get_info")
+    num_trainable_parameters_async = async_twin("num_trainable_parameters")
 
 
-class SamplingClient:
+class SamplingClient(_ClientFuture):
     def __init__(self, handle: _EngineHandle, adapter: str | None,
                  snapshot: tuple[int, dict[str, torch.Tensor]] | None = None):
         self.handle = handle
@@ -319,7 +502,15 @@ class SamplingClient:
         self.snapshot = snapshot
 
     def sample(self, prompt: ModelInput, num_samples: int = 1, sampling_params: SamplingParams | None = None,
-               include_prompt_logprobs: bool = False) -> APIFuture[SampleResponse]:
+               include_prompt_logprobs: bool = False, topk_prompt_logprobs: int = 0,
+               topk_sample_logprobs: int = 0, target_prompt_logprobs: Any = None, prompt_alt_tokens_k: int = 0,
+               prompt_logprobs_last_n: int | None = None) -> APIFuture[SampleResponse]:
+        """``num_samples`` completions of ``prompt``. The top-k and alternative-token options of the
+        SDK are not implemented locally: leave them at their defaults (grpo/sdk_parity.py)."""
+        for key, value in (("topk_prompt_logprobs", topk_prompt_logprobs), ("topk_sample_logprobs", topk_sample_logprobs),
+                           ("target_prompt_logprobs", target_prompt_logprobs), ("prompt_alt_tokens_k", prompt_alt_tokens_k)):
+            if value:
+                raise ValueError(f"sample({key}=...) is not supported by the local backend; leave it at its default")
         tokens = _prompt_tokens(prompt, self.engine)
         if not isinstance(num_samples, int) or num_samples < 1:
             raise ValueError(f"num_samples must be a positive integer, got {num_samples!r}")
@@ -328,24 +519,45 @@ class SamplingClient:
             params = SamplingParams(**{**params.__dict__, "max_tokens": DEFAULT_MAX_TOKENS})
         _, stop_ids = params.stop_strings_and_ids()
         self.engine.check_tokens(stop_ids, "SamplingParams.stop token ids")
-        request = sampler.GenerationRequest(tokens, num_samples, params, include_prompt_logprobs)
-        return APIFuture(self.handle.batcher.submit(request, self.adapter, self.snapshot))
+        last_n = _check_last_n(prompt_logprobs_last_n, len(tokens))
+        request = sampler.GenerationRequest(tokens, num_samples, params, include_prompt_logprobs or last_n is not None)
+        fut = APIFuture(self.handle.batcher.submit(request, self.adapter, self.snapshot))
+        if last_n is None:
+            return fut
+
+        def keep_last(response: SampleResponse) -> SampleResponse:
+            response.prompt_logprobs = _last_n(response.prompt_logprobs, last_n)
+            return response
+        return _then(fut, keep_last)
 
     sample_async = async_twin("sample", awaited=True)
 
-    def compute_logprobs(self, prompt: ModelInput) -> APIFuture[list[float | None]]:
+    def compute_logprobs(self, prompt: ModelInput, prompt_logprobs_last_n: int | None = None
+                         ) -> APIFuture[list[float | None]]:
+        """The logprob of each prompt token given those before it (None for the first); with
+        ``prompt_logprobs_last_n=N`` only the last N are given, earlier entries are None."""
         tokens = _prompt_tokens(prompt, self.engine)
+        last_n = _check_last_n(prompt_logprobs_last_n, len(tokens))
 
         def work():
             with self.engine.sampling_model(self.adapter, self.snapshot) as model, torch.no_grad():
-                return sampler.prompt_logprobs(model, [tokens], 0, self.engine.device)[0]
+                out = sampler.prompt_logprobs(model, [tokens], 0, self.engine.device)[0]
+            return out if last_n is None else _last_n(out, last_n)
 
         return APIFuture(self.handle.train_executor.submit(work))
 
     compute_logprobs_async = async_twin("compute_logprobs", awaited=True)
 
-    def get_tokenizer(self):
+    def get_tokenizer(self) -> Any:
         return self.engine.tokenizer
+
+    def get_base_model(self) -> str:
+        return self.engine.base_model
+
+    get_base_model_async = async_twin("get_base_model")
+
+    def get_telemetry(self) -> None:
+        return None
 
 
 def _prompt_tokens(prompt: ModelInput, engine: Engine) -> list[int]:
@@ -412,21 +624,45 @@ class _SampleBatcher:
             future.set_result(SampleResponse(sequences=request.sequences, prompt_logprobs=request.prompt_logprobs))
 
 
-def _read_state(path: str) -> dict:
-    state_file = Path(path) / STATE_FILE
+def _read_state(folder: Path, path: str | None = None) -> dict:
+    state_file = Path(folder) / STATE_FILE
     if not state_file.exists():
-        raise FileNotFoundError(f"{path} is not a grpo training state (no {STATE_FILE}); pass a path from save_state")
+        raise FileNotFoundError(f"{path or folder} is not a grpo training state (no {STATE_FILE}); "
+                                "pass a path from save_state")
     return json.loads(state_file.read_text())
 
 
-def _replace_dir(tmp: Path, path: Path) -> None:
-    import shutil
+def _check_last_n(last_n: int | None, n_tokens: int) -> int | None:
+    if last_n is None:
+        return None
+    if isinstance(last_n, bool) or not isinstance(last_n, int) or not 1 <= last_n <= n_tokens - 1:
+        raise ValueError(f"prompt_logprobs_last_n must be between 1 and len(prompt) - 1 = {n_tokens - 1}, got {last_n!r}")
+    return last_n
 
-    if path.exists():
-        old = path.with_name(path.name + ".old")
-        shutil.rmtree(old, ignore_errors=True)
-        path.replace(old)
-        tmp.replace(path)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        tmp.replace(path)
+
+def _last_n(logprobs: list[float | None] | None, n: int) -> list[float | None] | None:
+    if logprobs is None:
+        return None
+    return [None] * (len(logprobs) - n) + list(logprobs[-n:])
+
+
+def _check_optimizer(optimizer: Any) -> None:
+    # The SDK can pick an optimizer per run; locally it is always Adam(W).
+    kind = getattr(optimizer, "type", None) if not isinstance(optimizer, dict) else optimizer.get("type")
+    if optimizer is not None and kind not in (None, "adam", "adamw"):
+        raise ValueError(f"optimizer={optimizer!r} is not supported by the local backend: only Adam is; leave it None")
+
+
+def _then(fut: APIFuture, fn: Callable[[Any], Any]) -> APIFuture:
+    """A future of ``fn(fut's value)``, done when ``fut`` is."""
+    out: concurrent.futures.Future = concurrent.futures.Future()
+
+    def done(f: concurrent.futures.Future) -> None:
+        try:
+            out.set_result(fn(f.result()))
+        except BaseException as err:
+            out.set_exception(err)
+
+    fut._future.add_done_callback(done)
+    return APIFuture(out)
+

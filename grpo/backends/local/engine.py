@@ -20,6 +20,7 @@ from torch import nn
 
 from grpo import models
 from grpo.backends.local.folded_lora import FoldedAdapter, can_fold
+from grpo.checks import check_lora_targets
 
 ATTN_PARENTS = ("attn", "attention")
 MLP_PARENTS = ("mlp", "feed_forward", "ffn")
@@ -37,8 +38,7 @@ class LoraSpec:
     def __post_init__(self) -> None:
         if not isinstance(self.rank, int) or self.rank <= 0:
             raise ValueError(f"rank must be a positive integer, got {self.rank!r}")
-        if not (self.train_attn or self.train_mlp or self.train_unembed):
-            raise ValueError("at least one of train_attn, train_mlp, train_unembed must be true")
+        check_lora_targets(self.train_mlp, self.train_attn, self.train_unembed)
 
 
 def lora_target_modules(model: nn.Module, spec: LoraSpec) -> list[str]:

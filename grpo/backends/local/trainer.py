@@ -39,10 +39,10 @@ class PreparedDatum:
 
 def prepare(data: Sequence[Datum], loss_fn: str, vocab_size: int, check_tokens) -> list[PreparedDatum]:
     """Validate every datum up front so a bad one fails before any gradient is touched."""
-    losses.check_loss_fn(loss_fn)
+    spec = losses.check_loss_fn(loss_fn)
     if not isinstance(data, (list, tuple)) or not data:
         raise ValueError("forward_backward needs a non-empty list of Datum")
-    required = ("target_tokens", *losses.REQUIRED_INPUTS[loss_fn])
+    required = ("target_tokens", *spec.inputs)
     prepared: list[PreparedDatum] = []
     for i, datum in enumerate(data):
         if not isinstance(datum, Datum):

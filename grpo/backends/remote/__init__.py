@@ -12,6 +12,7 @@ from grpo.backends.remote.clients import (
 )
 from grpo.backends.remote.resilience import (
     RemoteConnectionError,
+    RemoteRequestError,
     RemoteStepError,
     RemoteTimeoutError,
 )
@@ -21,6 +22,7 @@ __all__ = [
     "SDKS",
     "RemoteConfigError",
     "RemoteConnectionError",
+    "RemoteRequestError",
     "RemoteSamplingClient",
     "RemoteServiceClient",
     "RemoteStepError",

@@ -17,12 +17,13 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from grpo import types as g
-from grpo.backends.remote import convert
+from grpo.backends.remote import compat, convert
 from grpo.backends.remote.resilience import (
     LazyFuture,
     RemoteStepError,
     RemoteTimeoutError,
     RetryPolicy,
+    as_request_error,
     check_reachable,
     is_transient,
     retrying,
@@ -31,6 +32,8 @@ from grpo.backends.remote.resilience import (
     wait,
 )
 from grpo.backends.remote.sdk import RemoteConfigError, SdkSpec, get_spec
+from grpo.checks import check_lora_targets
+from grpo.losses import check_loss_fn
 from grpo.types import async_twin
 
 logger = logging.getLogger("grpo.remote")
@@ -80,6 +83,10 @@ class RemoteServiceClient:
         self.endpoint = url
         if preflight:
             check_reachable(url, self.spec.url_var, float(connect_timeout_s))
+            verdict = compat.check("tinker", url, key or None, float(connect_timeout_s))
+            if verdict.fits is False:
+                raise RemoteConfigError(verdict.line)
+            print(f"grpo: {verdict.line}", flush=True)
         kwargs = {**dict(sdk_options or {}), "base_url": url}
         if key:
             kwargs["api_key"] = key
@@ -125,19 +132,27 @@ class RemoteServiceClient:
     def create_lora_training_client(self, base_model: str, rank: int = 16, seed: int | None = None,
                                     train_mlp: bool = True, train_attn: bool = True,
                                     train_unembed: bool = True, **sdk_kwargs: Any) -> RemoteTrainingClient:
-        if not (train_mlp or train_attn or train_unembed):
-            raise ValueError("at least one of train_mlp, train_attn, train_unembed must be true")
+        check_lora_targets(train_mlp, train_attn, train_unembed)
         client = self._call("create_lora_training_client", lambda: self._ready(
             self.sdk_client.create_lora_training_client(
                 base_model=base_model, rank=int(rank), seed=seed, train_mlp=bool(train_mlp),
                 train_attn=bool(train_attn), train_unembed=bool(train_unembed), **sdk_kwargs)))
         return RemoteTrainingClient(self, client, base_model)
 
-    def create_training_client_from_state(self, path: str, base_model: str | None = None) -> RemoteTrainingClient:
-        """Resume: a training client with the weights and optimizer state saved at ``path``."""
+    def create_training_client_from_state(self, path: str, base_model: str | None = None,
+                                          **sdk_kwargs: Any) -> RemoteTrainingClient:
+        """A training client with the weights saved at ``path`` and a fresh optimizer."""
         sdk_path = self.spec.to_sdk_path(path)
         client = self._call("create_training_client_from_state", lambda: self._ready(
-            self.sdk_client.create_training_client_from_state_with_optimizer(sdk_path)))
+            self.sdk_client.create_training_client_from_state(sdk_path, **sdk_kwargs)))
+        return RemoteTrainingClient(self, client, base_model)
+
+    def create_training_client_from_state_with_optimizer(self, path: str, base_model: str | None = None,
+                                                         **sdk_kwargs: Any) -> RemoteTrainingClient:
+        """Resume: a training client with the weights and optimizer state saved at ``path``."""
+        sdk_path = self.spec.to_sdk_path(path)
+        client = self._call("create_training_client_from_state_with_optimizer", lambda: self._ready(
+            self.sdk_client.create_training_client_from_state_with_optimizer(sdk_path, **sdk_kwargs)))
         return RemoteTrainingClient(self, client, base_model)
 
     def create_sampling_client(self, model_path: str | None = None, base_model: str | None = None,
@@ -149,7 +164,11 @@ class RemoteServiceClient:
             self.sdk_client.create_sampling_client(model_path=sdk_path, base_model=base_model, **sdk_kwargs)))
         return RemoteSamplingClient(self, client, tokenizer_source=lambda: self._tokenizer(None, base_model))
 
+    get_server_capabilities_async = async_twin("get_server_capabilities")
     create_lora_training_client_async = async_twin("create_lora_training_client")
+    create_training_client_from_state_async = async_twin("create_training_client_from_state")
+    create_training_client_from_state_with_optimizer_async = async_twin(
+        "create_training_client_from_state_with_optimizer")
     create_sampling_client_async = async_twin("create_sampling_client")
 
     def _tokenizer(self, sdk_client: Any, base_model: str | None) -> Any:
@@ -226,6 +245,9 @@ class RemoteTrainingClient:
         ok, value = call.outcome
         if ok:
             return value
+        refusal = as_request_error(value, call.what, self.service.endpoint)
+        if refusal is not value:
+            raise refusal from value
         raise value
 
     def _settle_pending(self, timeout: float | None) -> None:
@@ -269,56 +291,66 @@ class RemoteTrainingClient:
 
     def forward_backward(self, data: Sequence[g.Datum], loss_fn: str, loss_fn_config: Mapping[str, Any] | None = None
                          ) -> LazyFuture[g.ForwardBackwardOutput]:
-        if loss_fn not in g.LOSS_FNS:
-            raise ValueError(f"loss_fn={loss_fn!r} is invalid; valid: {', '.join(g.LOSS_FNS)}")
+        check_loss_fn(loss_fn)
         sdk_data = [convert.datum(self.types, d) for d in data]
         config = convert.loss_fn_config(loss_fn_config)
         return self._submit("forward_backward", lambda: self.sdk_client.forward_backward(sdk_data, loss_fn, config),
                             convert.from_forward_backward)
 
-    def forward(self, data: Sequence[g.Datum], loss_fn: str = "cross_entropy",
+    def forward(self, data: Sequence[g.Datum], loss_fn: str,
                 loss_fn_config: Mapping[str, Any] | None = None) -> LazyFuture[g.ForwardBackwardOutput]:
+        if loss_fn not in g.LOSS_FNS:  # as forward_backward: a bad name fails here, not on the service
+            raise ValueError(f"loss_fn={loss_fn!r} is invalid; valid: {', '.join(g.LOSS_FNS)}")
         sdk_data = [convert.datum(self.types, d) for d in data]
         config = convert.loss_fn_config(loss_fn_config)
         return self._submit("forward", lambda: self.sdk_client.forward(sdk_data, loss_fn, config),
                             convert.from_forward_backward)
 
-    def optim_step(self, adam_params: g.AdamParams) -> LazyFuture[g.OptimStepResponse]:
-        sdk_adam = convert.adam_params(self.types, adam_params)
+    def optim_step(self, optim_params: g.AdamParams | None = None, *,
+                   adam_params: g.AdamParams | None = None) -> LazyFuture[g.OptimStepResponse]:
+        if (optim_params is None) == (adam_params is None):
+            raise TypeError("optim_step takes one AdamParams: optim_step(params) or optim_step(adam_params=params)")
+        sdk_adam = convert.adam_params(self.types, optim_params if optim_params is not None else adam_params)
         return self._submit("optim_step", lambda: self.sdk_client.optim_step(sdk_adam), convert.from_optim_step)
 
     # ------------------------------------------------------------------ state
 
-    def _save_kwargs(self, method: Callable[..., Any]) -> dict[str, Any]:
+    def _save_kwargs(self, method: Callable[..., Any], **given: Any) -> dict[str, Any]:
+        """The SDK keyword arguments this SDK version accepts: those given, else the backend's
+        checkpoint_ttl_seconds as the TTL."""
         params = inspect.signature(method).parameters
         kwargs: dict[str, Any] = {}
         if self.service.checkpoint_ttl_seconds is not None and "ttl_seconds" in params:
             kwargs["ttl_seconds"] = int(self.service.checkpoint_ttl_seconds)
-        if "overwrite" in params:
-            kwargs["overwrite"] = True  # as the local backend: saving a name again replaces it
+        kwargs.update({k: v for k, v in given.items() if v is not None and k in params})
         return kwargs
 
     def _path_response(self, cls: type) -> Callable[[Any], Any]:
         return lambda response: cls(path=self.service.spec.from_sdk_path(response.path))
 
-    def save_state(self, name: str) -> LazyFuture[g.SaveWeightsResponse]:
+    def save_state(self, name: str, ttl_seconds: int | None = None, overwrite: bool = False,
+                   user_metadata: dict[str, str] | None = None) -> LazyFuture[g.SaveWeightsResponse]:
         """Weights and optimizer state on the service; the path is ``mint://...`` / ``tinker://...``."""
-        kwargs = self._save_kwargs(self.sdk_client.save_state)
+        kwargs = self._save_kwargs(self.sdk_client.save_state, ttl_seconds=ttl_seconds,
+                                   overwrite=overwrite or None, user_metadata=user_metadata)
         return self._submit("save_state", lambda: self.sdk_client.save_state(name, **kwargs),
                             self._path_response(g.SaveWeightsResponse))
 
-    def save_weights_for_sampler(self, name: str) -> LazyFuture[g.SaveWeightsForSamplerResponse]:
-        kwargs = self._save_kwargs(self.sdk_client.save_weights_for_sampler)
-        kwargs.pop("overwrite", None)
+    def save_weights_for_sampler(self, name: str, ttl_seconds: int | None = None,
+                                 user_metadata: dict[str, str] | None = None
+                                 ) -> LazyFuture[g.SaveWeightsForSamplerResponse]:
+        kwargs = self._save_kwargs(self.sdk_client.save_weights_for_sampler, ttl_seconds=ttl_seconds,
+                                   user_metadata=user_metadata)
         return self._submit("save_weights_for_sampler", lambda: self.sdk_client.save_weights_for_sampler(name, **kwargs),
                             self._path_response(g.SaveWeightsForSamplerResponse))
 
-    def load_state(self, path: str) -> LazyFuture[g.LoadWeightsResponse]:
+    def load_state(self, path: str, weights_access_token: str | None = None) -> LazyFuture[g.LoadWeightsResponse]:
         sdk_path = self.service.spec.to_sdk_path(path)
         return self._submit("load_state", lambda: self.sdk_client.load_state(sdk_path),
                             lambda _: g.LoadWeightsResponse(path=str(path)))
 
-    def load_state_with_optimizer(self, path: str) -> LazyFuture[g.LoadWeightsResponse]:
+    def load_state_with_optimizer(self, path: str, weights_access_token: str | None = None
+                                  ) -> LazyFuture[g.LoadWeightsResponse]:
         sdk_path = self.service.spec.to_sdk_path(path)
         return self._submit("load_state_with_optimizer", lambda: self.sdk_client.load_state_with_optimizer(sdk_path),
                             lambda _: g.LoadWeightsResponse(path=str(path)))
@@ -333,8 +365,8 @@ class RemoteTrainingClient:
             self.sdk_client.save_weights_and_get_sampling_client(sdk_name)))
         return RemoteSamplingClient(self.service, client, tokenizer_source=self.get_tokenizer)
 
-    def create_sampling_client(self, model_path: str) -> RemoteSamplingClient:
-        return self.service.create_sampling_client(model_path=model_path, base_model=self.base_model)
+    def create_sampling_client(self, model_path: str, **sdk_kwargs: Any) -> RemoteSamplingClient:
+        return self.service.create_sampling_client(model_path=model_path, base_model=self.base_model, **sdk_kwargs)
 
     # ------------------------------------------------------------------ info
 

@@ -31,6 +31,59 @@ class RemoteStepError(RuntimeError):
     """A training step failed part-way and cannot be replayed safely."""
 
 
+class RemoteRequestError(ValueError):
+    """The service refused a request (a 4xx, or an error result) for a reason retrying cannot fix."""
+
+
+# Words in a service's refusal -> the grpo config key that sets that value.
+CONFIG_KEYS = (("lora_rank", "rank"), ("rank", "rank"), ("base_model", "base_model"),
+               ("learning_rate", "learning_rate"), ("max_tokens", "max_tokens"), ("num_samples", "group_size"),
+               ("loss_fn", "loss_fn"), ("temperature", "temperature"), ("top_p", "top_p"), ("top_k", "top_k"),
+               ("ttl_seconds", "backend.checkpoint_ttl_seconds"))
+
+
+def refusal_reason(err: BaseException) -> str:
+    """The service's own words: FastAPI-style ``detail`` (field path + message), else the body's
+    ``error``/``message``/``detail`` text, else the exception's message."""
+    body = getattr(err, "body", None)
+    if isinstance(body, dict):
+        detail = body.get("detail", body.get("error", body.get("message")))
+        if isinstance(detail, list):
+            parts = []
+            for item in detail:
+                if isinstance(item, dict):
+                    loc = [str(x) for x in item.get("loc", []) if x != "body"]
+                    parts.append(f"{'.'.join(loc)}: {item.get('msg', '')}" if loc else str(item.get("msg", "")))
+            if parts:
+                return "; ".join(parts)
+        if detail:
+            return str(detail)
+    return str(err)
+
+
+def config_key_for(reason: str) -> str | None:
+    import re
+
+    for word, key in CONFIG_KEYS:
+        if re.search(rf"(?<![a-z_]){word}(?![a-z_])", reason, flags=re.IGNORECASE):
+            return key
+    return None
+
+
+def as_request_error(err: BaseException, what: str, endpoint: str) -> BaseException:
+    """A 4xx refusal (or the SDK's RequestFailedError) as one RemoteRequestError line naming the
+    reason and, where one fits, the config key to change; anything else unchanged."""
+    status = getattr(err, "status_code", None)
+    refused = isinstance(status, int) and 400 <= status < 500 and status not in (408, 429)
+    if not refused and type(err).__name__ != "RequestFailedError":
+        return err
+    reason = refusal_reason(err)
+    key = config_key_for(reason)
+    code = f" ({status})" if isinstance(status, int) else ""
+    return RemoteRequestError(f"{endpoint} refused {what}{code}: {reason}"
+                              + (f"; check the config key `{key}`" if key else ""))
+
+
 def check_reachable(base_url: str, url_var: str, timeout_s: float) -> None:
     """One HTTP request to ``base_url``: any HTTP answer (even 404) proves it is reachable."""
     import httpx
@@ -157,6 +210,9 @@ def retrying(submit: Callable[[], Any], convert: Callable[[Any], T], policy: Ret
                 return convert(wait(state["future"], timeout or policy.call_timeout_s, what, endpoint))
             except Exception as err:
                 if not is_transient(err) or attempt == policy.max_retries:
+                    refusal = as_request_error(err, what, endpoint)
+                    if refusal is not err:
+                        raise refusal from err
                     raise
                 delay = policy.delay(attempt)
                 log(f"{what}: {type(err).__name__}: {err}; retry {attempt + 1}/{policy.max_retries} in {delay:g} s")

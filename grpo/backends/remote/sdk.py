@@ -14,8 +14,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 
+from grpo.checks import ConfigError
 
-class RemoteConfigError(ValueError):
+
+class RemoteConfigError(ConfigError):
     """A remote backend is misconfigured: SDK missing, no API key, bad endpoint or path."""
 
 

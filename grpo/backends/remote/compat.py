@@ -1,0 +1,103 @@
+"""Does the installed SDK fit the server? Said in one line at start-up, not found out mid-run.
+
+Tinker SDKs changed wire format twice: up to 0.24 they send forward_backward as JSON (and
+forward to its own /forward route); from 0.25 as protobuf, reading sample and forward_backward
+results only as protobuf; 0.3x also requires ``sample_sequence_ids`` from asample. A server
+built for one generation fails the other mid-run with an opaque error (SkyRL 0.4's server
+answers SDK 0.22's /forward with 404 and its JSON forward_backward with 415).
+
+Two cheap requests tell: each route is probed with an empty JSON body, which a server that has
+the route and reads JSON rejects for the missing fields (4xx naming them), and a server without it
+answers 404 Not Found or 415. A server that says what it is and which SDKs it was tested with
+(grpo serve does, in /healthz) is named in the line too.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+from dataclasses import dataclass
+from typing import Any
+
+PROTOBUF_SINCE = (0, 25)  # first SDK that sends forward_backward as protobuf
+
+
+@dataclass(frozen=True)
+class Compatibility:
+    fits: bool | None  # None: nothing certain either way
+    line: str
+
+
+def sdk_version(package: str = "tinker") -> str:
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
+
+
+def _version_tuple(version: str) -> tuple[int, ...]:
+    parts = []
+    for piece in version.split("."):
+        digits = "".join(ch for ch in piece if ch.isdigit())
+        if not digits:
+            break
+        parts.append(int(digits))
+    return tuple(parts)
+
+
+def _route_missing(status: int, body: Any) -> bool:
+    return status == 404 and body == {"detail": "Not Found"}
+
+
+def judge(version: str, server: dict[str, Any] | None, forward: tuple[int, Any] | None,
+          json_fwdbwd: tuple[int, Any] | None, endpoint: str) -> Compatibility:
+    """The verdict from what the probes saw: (status, JSON body) of an empty POST to /forward and
+    a JSON POST to /forward_backward; ``server`` is /healthz's JSON when it names the server."""
+    name = f"tinker SDK {version}"
+    who = ""
+    if server and server.get("server"):
+        tested = server.get("tested_sdks")
+        who = f" ({server['server']} {server.get('version', '')}".rstrip() + (
+            f", tested with SDK {', '.join(tested)})" if tested else ")")
+    json_sdk = bool(_version_tuple(version)) and _version_tuple(version) < PROTOBUF_SINCE
+    if json_sdk:
+        missing = [what for what, probe in (("/forward", forward), ("JSON forward_backward", json_fwdbwd))
+                   if probe is not None and (_route_missing(*probe) or probe[0] == 415)]
+        if missing:
+            return Compatibility(False, f"{name} does not fit the server at {endpoint}{who}: it has no "
+                                 f"{' and no '.join(missing)}, which this SDK needs; it wants protobuf: "
+                                 "pip install 'tinker>=0.25' (with backend=tinker)")
+    if server and server.get("tested_sdks"):
+        newest = max(_version_tuple(v) for v in server["tested_sdks"])
+        if _version_tuple(version) > newest:
+            return Compatibility(None, f"{name} with the server at {endpoint}{who}: newer than any SDK it was "
+                                 "tested with; if a call fails oddly, try that version")
+        return Compatibility(True, f"{name} fits the server at {endpoint}{who}")
+    return Compatibility(None, f"{name} with the server at {endpoint}{who}")
+
+
+def probe(base_url: str, api_key: str | None, timeout_s: float) -> tuple[dict | None, tuple | None, tuple | None]:
+    """(healthz JSON naming a server or None, /forward probe, JSON /forward_backward probe)."""
+    import httpx
+
+    headers = {"X-API-Key": api_key} if api_key else {}
+    results: list[Any] = []
+    with httpx.Client(timeout=httpx.Timeout(timeout_s), headers=headers) as client:
+        for method, path in (("GET", "/api/v1/healthz"), ("POST", "/api/v1/forward"),
+                             ("POST", "/api/v1/forward_backward")):
+            try:
+                response = client.request(method, base_url + path, json={} if method == "POST" else None)
+                try:
+                    body = response.json()
+                except ValueError:
+                    body = None
+                results.append((response.status_code, body))
+            except (httpx.HTTPError, OSError):
+                results.append(None)
+    health = results[0]
+    server = health[1] if health and health[0] == 200 and isinstance(health[1], dict) else None
+    return server, results[1], results[2]
+
+
+def check(sdk_package: str, base_url: str, api_key: str | None, timeout_s: float) -> Compatibility:
+    server, forward, json_fwdbwd = probe(base_url, api_key, timeout_s)
+    return judge(sdk_version(sdk_package), server, forward, json_fwdbwd, base_url)

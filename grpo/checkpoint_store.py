@@ -1,0 +1,341 @@
+"""The checkpoint store: training runs and their saved weights on disk, addressed by tinker:// paths.
+
+One store serves every way in: the in-process clients (grpo.backends.local) save into it and load
+from it, the RestClient lists/publishes/expires/deletes/downloads from it, and the HTTP server
+(grpo.serve) can answer the same calls from the same directory.
+
+Layout under ``root`` (one directory per training run; nothing else is kept anywhere)::
+
+    <root>/<run_id>/run.json                     the TrainingRun record (base model, LoRA settings)
+    <root>/<run_id>/weights/<name>/              a training state (save_state): weights + optimizer
+    <root>/<run_id>/sampler_weights/<name>/      sampler weights (save_weights_for_sampler)
+    <root>/<run_id>/<segment>/<name>.meta.json   its Checkpoint record: time, expiry, public, metadata
+
+    tinker://<run_id>/<segment>/<name>  <->  <root>/<run_id>/<segment>/<name>/
+
+API (every path argument takes a ``tinker://`` path; ``resolve`` also takes a plain directory):
+
+    store = CheckpointStore(root)
+    run = store.create_run(base_model, lora_rank=..., train_mlp=..., user_metadata=...)  # TrainingRun
+    ckpt = store.save(run.training_run_id, "training", name, write_files, ttl_seconds=None,
+                      user_metadata=None, overwrite=True)   # write_files(staging_dir) writes the files
+    store.resolve(path) -> Path                  # the directory to load; FileNotFoundError if gone
+    store.get_checkpoint(path) -> Checkpoint
+    store.get_run(run_id) -> TrainingRun;  store.list_runs(limit, offset) -> TrainingRunsResponse
+    store.list_checkpoints(run_id) -> CheckpointsListResponse          # newest first
+    store.list_user_checkpoints(limit, offset) -> CheckpointsListResponse
+    store.set_ttl(path, ttl_seconds | None);  store.set_public(path, bool);  store.delete(path)
+    store.weights_info(path) -> WeightsInfoResponse
+    store.archive(path) -> Path                  # an uncompressed tar of the files, `tar -xf` opens it
+    store.file_paths(path) -> dict[str, Path]    # relative path -> file, for per-file downloads
+    store.purge_expired() -> list[str]           # deletes what has expired; called by every listing
+
+Writes are atomic (files are staged beside the target and renamed in), so a crash mid-save leaves
+either the old checkpoint or the new one. Expiry is lazy: an expired checkpoint is deleted the next
+time anything lists or resolves it, and never loads.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import shutil
+import tarfile
+import threading
+import uuid
+from collections.abc import Callable
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from grpo.files import atomic_write_text, replace_dir
+from grpo.types import (
+    CHECKPOINT_SEGMENTS,
+    Checkpoint,
+    CheckpointsListResponse,
+    CheckpointType,
+    Cursor,
+    ParsedCheckpointTinkerPath,
+    TrainingRun,
+    TrainingRunsResponse,
+    WeightsInfoResponse,
+)
+
+RUN_FILE = "run.json"
+META_SUFFIX = ".meta.json"
+OWNER = "local"
+# Files a loader needs, in the archive and the per-file listing; staging leftovers never are.
+_HIDDEN_SUFFIXES = (".tmp", ".old")
+
+
+def now() -> datetime.datetime:
+    return datetime.datetime.now(datetime.UTC)
+
+
+def is_tinker_path(path: Any) -> bool:
+    return isinstance(path, str) and path.startswith("tinker://")
+
+
+def tinker_path(run_id: str, checkpoint_type: CheckpointType, name: str) -> str:
+    return f"tinker://{run_id}/{CHECKPOINT_SEGMENTS[checkpoint_type]}/{name}"
+
+
+class CheckpointStore:
+    """Training runs and checkpoints under one directory (see the module docstring)."""
+
+    def __init__(self, root: str | os.PathLike):
+        self.root = Path(root)
+        self._lock = threading.RLock()
+
+    # ------------------------------------------------------------------ runs
+
+    def create_run(self, base_model: str, *, lora_rank: int | None = None, train_mlp: bool = True,
+                   train_attn: bool = True, train_unembed: bool = True,
+                   user_metadata: dict[str, str] | None = None, run_id: str | None = None) -> TrainingRun:
+        """Register a new training run (one per training client) and return its record."""
+        run_id = run_id or f"run-{uuid.uuid4().hex[:12]}"
+        _check_name(run_id, "training_run_id")
+        record = {"training_run_id": run_id, "base_model": base_model, "is_lora": lora_rank is not None,
+                  "lora_rank": lora_rank, "train_mlp": train_mlp, "train_attn": train_attn,
+                  "train_unembed": train_unembed, "user_metadata": _metadata(user_metadata),
+                  "created": now().isoformat()}
+        run_dir = self.root / run_id
+        run_dir.mkdir(parents=True, exist_ok=True)
+        _write_json(run_dir / RUN_FILE, record)
+        return self.get_run(run_id)
+
+    def get_run(self, run_id: str) -> TrainingRun:
+        record = self._run_record(run_id)
+        checkpoints = self.list_checkpoints(run_id).checkpoints
+        last = {kind: next((c for c in checkpoints if c.checkpoint_type == kind), None)
+                for kind in ("training", "sampler")}
+        times = [datetime.datetime.fromisoformat(record["created"])] + [c.time for c in checkpoints]
+        return TrainingRun(training_run_id=run_id, base_model=record["base_model"], model_owner=OWNER,
+                           is_lora=record["is_lora"], lora_rank=record["lora_rank"],
+                           last_request_time=max(times), last_checkpoint=last["training"],
+                           last_sampler_checkpoint=last["sampler"], user_metadata=record["user_metadata"])
+
+    def list_runs(self, limit: int = 20, offset: int = 0) -> TrainingRunsResponse:
+        """Runs, most recently active first."""
+        runs = [self.get_run(p.name) for p in self._run_dirs()]
+        runs.sort(key=lambda r: r.last_request_time, reverse=True)
+        return TrainingRunsResponse(training_runs=runs[offset:offset + limit],
+                                    cursor=Cursor(offset=offset, limit=limit, total_count=len(runs)))
+
+    def _run_record(self, run_id: str) -> dict[str, Any]:
+        _check_name(run_id, "training_run_id")
+        path = self.root / run_id / RUN_FILE
+        if not path.exists():
+            raise FileNotFoundError(f"no training run {run_id!r} in the checkpoint store at {self.root}")
+        return json.loads(path.read_text())
+
+    def _run_dirs(self) -> list[Path]:
+        if not self.root.is_dir():
+            return []
+        return sorted(p for p in self.root.iterdir() if (p / RUN_FILE).exists())
+
+    # ------------------------------------------------------------------ saving and resolving
+
+    def save(self, run_id: str, checkpoint_type: CheckpointType, name: str, write_files: Callable[[Path], None],
+             *, ttl_seconds: int | None = None, user_metadata: dict[str, str] | None = None,
+             overwrite: bool = True) -> Checkpoint:
+        """Write a checkpoint: ``write_files(staging_dir)`` fills a fresh directory, which then
+        replaces ``<run>/<segment>/<name>`` atomically. ``overwrite=False`` refuses an existing name."""
+        if checkpoint_type not in CHECKPOINT_SEGMENTS:
+            raise ValueError(f"checkpoint_type={checkpoint_type!r} is invalid; valid: {', '.join(CHECKPOINT_SEGMENTS)}")
+        _check_name(name, "checkpoint name")
+        ttl = _check_ttl(ttl_seconds)
+        self._run_record(run_id)
+        path = tinker_path(run_id, checkpoint_type, name)
+        target = self._dir(path)
+        with self._lock:
+            if target.exists() and not overwrite:
+                raise FileExistsError(f"checkpoint {path} exists; pass overwrite=True to replace it")
+            staging = target.with_name(target.name + ".tmp")
+            shutil.rmtree(staging, ignore_errors=True)
+            staging.mkdir(parents=True)
+            write_files(staging)
+            created = now()
+            meta = {"time": created.isoformat(), "public": False, "user_metadata": _metadata(user_metadata),
+                    "expires_at": None if ttl is None else (created + datetime.timedelta(seconds=ttl)).isoformat()}
+            replace_dir(staging, target)
+            _write_json(self._meta_file(path), meta)
+        return self.get_checkpoint(path)
+
+    def resolve(self, path: str | os.PathLike) -> Path:
+        """The directory a loader reads: a tinker:// path's checkpoint, or a plain directory as is."""
+        if not is_tinker_path(path):
+            return Path(path)
+        self.purge_expired()
+        target = self._dir(str(path))
+        if not target.is_dir() or not self._meta_file(str(path)).exists():
+            raise FileNotFoundError(f"no checkpoint {path} in the checkpoint store at {self.root} "
+                                    "(never saved, deleted, or expired)")
+        return target
+
+    def get_checkpoint(self, path: str) -> Checkpoint:
+        parsed = ParsedCheckpointTinkerPath.from_tinker_path(path)
+        meta_file = self._meta_file(path)
+        if not meta_file.exists():
+            raise FileNotFoundError(f"no checkpoint {path} in the checkpoint store at {self.root}")
+        meta = json.loads(meta_file.read_text())
+        expires = meta.get("expires_at")
+        return Checkpoint(checkpoint_id=parsed.checkpoint_id, checkpoint_type=parsed.checkpoint_type,
+                          time=datetime.datetime.fromisoformat(meta["time"]), tinker_path=path,
+                          size_bytes=sum(f.stat().st_size for f in self.file_paths(path, check=False).values()),
+                          public=bool(meta.get("public")), user_metadata=meta.get("user_metadata"),
+                          expires_at=None if expires is None else datetime.datetime.fromisoformat(expires))
+
+    # ------------------------------------------------------------------ listing
+
+    def list_checkpoints(self, run_id: str) -> CheckpointsListResponse:
+        """A run's checkpoints of every type, newest first."""
+        self.purge_expired()
+        self._run_record(run_id)
+        found = [self.get_checkpoint(p) for p in self._checkpoint_paths(run_id)]
+        found.sort(key=lambda c: c.time, reverse=True)
+        return CheckpointsListResponse(checkpoints=found)
+
+    def list_user_checkpoints(self, limit: int = 100, offset: int = 0) -> CheckpointsListResponse:
+        """Every run's checkpoints, newest first, one page of them."""
+        self.purge_expired()
+        found = [self.get_checkpoint(p) for run in self._run_dirs() for p in self._checkpoint_paths(run.name)]
+        found.sort(key=lambda c: c.time, reverse=True)
+        return CheckpointsListResponse(checkpoints=found[offset:offset + limit],
+                                       cursor=Cursor(offset=offset, limit=limit, total_count=len(found)))
+
+    def _checkpoint_paths(self, run_id: str) -> list[str]:
+        out = []
+        for kind, segment in CHECKPOINT_SEGMENTS.items():
+            folder = self.root / run_id / segment
+            if folder.is_dir():
+                out += [tinker_path(run_id, kind, m.name[:-len(META_SUFFIX)])  # type: ignore[arg-type]
+                        for m in sorted(folder.glob("*" + META_SUFFIX))]
+        return out
+
+    # ------------------------------------------------------------------ management
+
+    def set_ttl(self, path: str, ttl_seconds: int | None) -> Checkpoint:
+        """Expire ``ttl_seconds`` from now, or never (None)."""
+        ttl = _check_ttl(ttl_seconds)
+        self.resolve(path)
+        expires = None if ttl is None else (now() + datetime.timedelta(seconds=ttl)).isoformat()
+        return self._update_meta(path, expires_at=expires)
+
+    def set_public(self, path: str, public: bool) -> Checkpoint:
+        self.resolve(path)
+        return self._update_meta(path, public=bool(public))
+
+    def delete(self, path: str) -> None:
+        self.resolve(path)
+        self._remove(path)
+
+    def purge_expired(self) -> list[str]:
+        """Delete every checkpoint whose expiry has passed; returns their paths."""
+        gone = []
+        moment = now()
+        for run in self._run_dirs():
+            for path in self._checkpoint_paths(run.name):
+                try:
+                    expires = json.loads(self._meta_file(path).read_text()).get("expires_at")
+                except (FileNotFoundError, json.JSONDecodeError):
+                    continue  # deleted or being written by someone else just now
+                if expires is not None and datetime.datetime.fromisoformat(expires) <= moment:
+                    self._remove(path)
+                    gone.append(path)
+        return gone
+
+    def _update_meta(self, path: str, **changes: Any) -> Checkpoint:
+        with self._lock:
+            meta_file = self._meta_file(path)
+            _write_json(meta_file, {**json.loads(meta_file.read_text()), **changes})
+        return self.get_checkpoint(path)
+
+    def _remove(self, path: str) -> None:
+        with self._lock:
+            self._meta_file(path).unlink(missing_ok=True)  # first: a half-removed checkpoint is invisible
+            shutil.rmtree(self._dir(path), ignore_errors=True)
+
+    # ------------------------------------------------------------------ reading the weights
+
+    def weights_info(self, path: str) -> WeightsInfoResponse:
+        """What a loader needs to know before loading: base model and LoRA settings."""
+        parsed = ParsedCheckpointTinkerPath.from_tinker_path(path)
+        self.resolve(path)
+        run = self._run_record(parsed.training_run_id)
+        return WeightsInfoResponse(base_model=run["base_model"], is_lora=run["is_lora"], lora_rank=run["lora_rank"],
+                                   train_unembed=run["train_unembed"], train_mlp=run["train_mlp"],
+                                   train_attn=run["train_attn"])
+
+    def file_paths(self, path: str, check: bool = True) -> dict[str, Path]:
+        """The checkpoint's files, keyed by their path inside the checkpoint directory."""
+        folder = self.resolve(path) if check else self._dir(path)
+        if not folder.is_dir():
+            return {}
+        return {f.relative_to(folder).as_posix(): f for f in sorted(folder.rglob("*"))
+                if f.is_file() and not f.name.endswith(_HIDDEN_SUFFIXES)}
+
+    def archive(self, path: str) -> Path:
+        """An uncompressed tar of the checkpoint's files (at the archive's top level, as the
+        service's archives are), written once under ``<root>/.archives`` and reused."""
+        files = self.file_paths(path)
+        parsed = ParsedCheckpointTinkerPath.from_tinker_path(path)
+        stamp = self.get_checkpoint(path).time.strftime("%Y%m%dT%H%M%S%f")
+        out = self.root / ".archives" / parsed.training_run_id / f"{parsed.checkpoint_id.replace('/', '__')}-{stamp}.tar"
+        if not out.exists():
+            out.parent.mkdir(parents=True, exist_ok=True)
+            tmp = out.with_name(out.name + f".{uuid.uuid4().hex[:6]}.tmp")
+            with tarfile.open(tmp, "w") as tar:
+                for rel, file in files.items():
+                    tar.add(file, arcname=rel)
+            tmp.replace(out)
+        return out
+
+    # ------------------------------------------------------------------ paths
+
+    def _dir(self, path: str) -> Path:
+        parsed = ParsedCheckpointTinkerPath.from_tinker_path(path)
+        _check_name(parsed.training_run_id, "training_run_id")
+        segment, name = parsed.checkpoint_id.split("/")
+        _check_name(name, "checkpoint name")
+        return self.root / parsed.training_run_id / segment / name
+
+    def _meta_file(self, path: str) -> Path:
+        folder = self._dir(path)
+        return folder.with_name(folder.name + META_SUFFIX)
+
+
+def _check_name(name: Any, what: str) -> None:
+    if (not isinstance(name, str) or not name or name in (".", "..") or "/" in name or "\\" in name
+            or name.startswith(".") or name.endswith(_HIDDEN_SUFFIXES + (META_SUFFIX,))):
+        raise ValueError(f"{what} {name!r} is invalid: use a non-empty name without '/' that does not start "
+                         f"with '.' or end in {', '.join(_HIDDEN_SUFFIXES + (META_SUFFIX,))}")
+
+
+def _check_ttl(ttl_seconds: Any) -> int | None:
+    # The service asks for at least an hour; locally any positive TTL is honoured (tests use seconds).
+    if ttl_seconds is None:
+        return None
+    if isinstance(ttl_seconds, bool) or not isinstance(ttl_seconds, int | float) or ttl_seconds <= 0:
+        raise ValueError(f"ttl_seconds must be a positive number of seconds or None (never expires), "
+                         f"got {ttl_seconds!r}")
+    return ttl_seconds
+
+
+def _metadata(user_metadata: dict[str, str] | None) -> dict[str, str] | None:
+    if user_metadata is None:
+        return None
+    if not isinstance(user_metadata, dict) or not all(isinstance(k, str) and isinstance(v, str)
+                                                      for k, v in user_metadata.items()):
+        raise ValueError(f"user_metadata must map strings to strings, got {user_metadata!r}")
+    return dict(user_metadata)
+
+
+def _write_json(path: Path, value: Any) -> None:
+    atomic_write_text(path, json.dumps(value, indent=1, default=str))
+
+
+def checkpoint_dict(checkpoint: Checkpoint) -> dict[str, Any]:
+    """A Checkpoint as JSON-ready data (datetimes as ISO strings), e.g. for an HTTP response."""
+    return json.loads(json.dumps(asdict(checkpoint), default=str))

@@ -1,0 +1,79 @@
+"""``python -m grpo.serve`` / ``grpo serve``: the Tinker HTTP API on this machine.
+
+    python -m grpo.serve                      # 127.0.0.1:8000, prints a fresh tml- key
+    TINKER_BASE_URL=http://127.0.0.1:8000 TINKER_API_KEY=<key> python your_tinker_script.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import secrets
+import sys
+
+KEY_VAR = "GRPO_SERVE_API_KEY"
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m grpo.serve",
+                                     description="Serve grpo's local backend over the Tinker HTTP API.")
+    parser.add_argument("--host", default="127.0.0.1",
+                        help="address to bind (default 127.0.0.1: this machine only; 0.0.0.0 exposes it)")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--api-key", default=None,
+                        help=f"key clients must send (must start with tml-); default ${KEY_VAR}, else a fresh one")
+    parser.add_argument("--checkpoint-dir", default=None,
+                        help="the checkpoint store tinker:// paths live in (default $GRPO_CACHE/checkpoints)")
+    parser.add_argument("--device", default=None, help="cpu, cuda, ... (default: cuda if available)")
+    parser.add_argument("--dtype", default=None, help="float32 or bfloat16 (default: bf16 on CUDA, else fp32)")
+    parser.add_argument("--long-poll", type=float, default=30.0,
+                        help="seconds a result poll is held open before the client is told to try again")
+    parser.add_argument("--fwdbwd-chunk-len", type=int, default=None,
+                        help="datums per forward_backward request the SDK sends (default: the SDK's, 1024)")
+    return parser.parse_args(argv)
+
+
+def resolve_api_key(explicit: str | None) -> tuple[str, bool]:
+    """(key, generated). A key from the flag or environment must start with tml-."""
+    key = explicit or os.environ.get(KEY_VAR, "")
+    if not key:
+        return "tml-" + secrets.token_urlsafe(24), True
+    if not key.startswith("tml-"):
+        raise SystemExit(f"grpo serve: the API key (--api-key or ${KEY_VAR}) must start with 'tml-', "
+                         "as the Tinker SDK refuses any other")
+    return key, False
+
+
+def exposure_warning(host: str) -> str | None:
+    """The warning printed when the server is reachable from other machines."""
+    if host in ("127.0.0.1", "localhost", "::1"):
+        return None
+    return (f"grpo serve: WARNING: binding {host} exposes training on this machine to the network; "
+            "anyone who has the API key can use it. Plain HTTP: use a tunnel or proxy for TLS.")
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    key, generated = resolve_api_key(args.api_key)
+    warning = exposure_warning(args.host)
+    if warning:
+        print(warning, file=sys.stderr)
+    import uvicorn
+
+    from grpo.backends.local.clients import ServiceClient
+    from grpo.serve.app import create_app
+
+    service = ServiceClient(checkpoint_dir=args.checkpoint_dir, device=args.device, dtype=args.dtype)
+    app = create_app(key, service, long_poll_s=args.long_poll, fwdbwd_chunk_len=args.fwdbwd_chunk_len)
+    url = f"http://{'127.0.0.1' if args.host in ('0.0.0.0', '::') else args.host}:{args.port}"
+    print(f"grpo serve: Tinker API at {url}", flush=True)
+    print(f"  export TINKER_BASE_URL={url}", flush=True)
+    if generated:
+        print(f"  export TINKER_API_KEY={key}   (generated; set ${KEY_VAR} to choose one)", flush=True)
+    else:
+        print(f"  export TINKER_API_KEY=<the key from --api-key or ${KEY_VAR}>", flush=True)
+    uvicorn.run(app, host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=5)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,513 @@
+"""The Tinker HTTP API over grpo's in-process local backend.
+
+Every handler validates its request, hands the work to the local ServiceClient / TrainingClient
+/ SamplingClient (which queue training per base model and batch sampling), and answers with a
+future id; results are fetched through ``/retrieve_future`` (see futures.py). Nothing here
+trains: it translates.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import hmac
+import itertools
+import json
+import secrets
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from fastapi import APIRouter, Depends, FastAPI, HTTPException, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from pydantic import ValidationError
+
+from grpo import models
+from grpo import types as g
+from grpo.backends.local.clients import SamplingClient, ServiceClient, TrainingClient
+from grpo.serve import bodies, wire
+from grpo.serve.futures import FutureStore, error_result
+from grpo.serve.ordering import SeqGate
+
+API_PREFIX = "/api/v1"
+PROTOBUF = "application/x-protobuf"
+TESTED_SDKS = ("0.22.0", "0.38.0")  # tinker SDK versions tests/test_serve*.py run against this server
+SUPPORTED_LOSSES = ("cross_entropy", "importance_sampling", "ppo", "cispo", "dro")
+
+
+def _fail(status: int, field_path: str, message: str) -> HTTPException:
+    """A 4xx in FastAPI's own validation shape, so every client error names its field."""
+    return HTTPException(status, detail=[{"loc": ["body", *field_path.split(".")], "msg": message}])
+
+
+@dataclass
+class Model:
+    model_id: str
+    base_model: str
+    client: TrainingClient
+    gate: SeqGate = field(default_factory=SeqGate)
+    sampler_ids: itertools.count = field(default_factory=itertools.count)
+
+
+@dataclass
+class Sampler:
+    sampler_id: str
+    base_model: str
+    client: SamplingClient
+    model_path: str | None = None
+
+
+class ServerState:
+    """Sessions, models, samplers and futures of one server process."""
+
+    def __init__(self, service: ServiceClient, long_poll_s: float):
+        self.service = service
+        self.store = service.store  # the in-process clients save into it; listings read it
+        self.futures = FutureStore(long_poll_s)
+        self.sessions: dict[str, dict[str, Any]] = {}
+        self.models: dict[str, Model] = {}
+        self.samplers: dict[str, Sampler] = {}
+        self.base_samplers: dict[str, SamplingClient] = {}
+        # Loading a base model takes seconds to minutes: done off the event loop.
+        self.executor = concurrent.futures.ThreadPoolExecutor(max_workers=8, thread_name_prefix="grpo-serve")
+
+    def session(self, session_id: str) -> dict[str, Any]:
+        if session_id not in self.sessions:
+            raise _fail(404, "session_id", f"unknown session_id {session_id!r}; create_session first "
+                        "(sessions do not survive a server restart)")
+        return self.sessions[session_id]
+
+    def model(self, model_id: str) -> Model:
+        if model_id not in self.models:
+            raise _fail(404, "model_id", f"unknown model_id {model_id!r}; create_model first (models do not "
+                        "survive a server restart: resume with create_training_client_from_state)")
+        return self.models[model_id]
+
+    def sampler(self, sampler_id: str) -> Sampler:
+        if sampler_id not in self.samplers:
+            raise _fail(404, "sampling_session_id", f"unknown sampling_session_id {sampler_id!r}")
+        return self.samplers[sampler_id]
+
+    def local_path(self, path: str, field_name: str = "path") -> Path:
+        """The directory of a saved checkpoint; 4xx naming the field when there is none."""
+        if not isinstance(path, str) or not path.startswith("tinker://"):
+            raise _fail(422, field_name, f"{path!r} is not a tinker:// path; pass one returned by save_state "
+                        "or save_weights_for_sampler")
+        try:
+            return self.store.resolve(path)
+        except ValueError as err:
+            raise _fail(422, field_name, str(err)) from err
+        except FileNotFoundError as err:
+            raise _fail(404, field_name, str(err)) from err
+
+    def submit(self, fn, render=None) -> str:
+        return self.futures.add(self.executor.submit(fn), render)
+
+
+def _grpo_version() -> str:
+    import importlib.metadata
+
+    try:
+        return importlib.metadata.version("grpo")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
+
+
+def tokenizer_id(base_model: str) -> str:
+    """Where the SDK's ``get_tokenizer()`` can load this model's tokenizer without the hub: the
+    local directory the engine loaded it from (the SDK cuts the id at ':', so none may occur)."""
+    spec = models.resolve(base_model)
+    return str(Path(spec.path).resolve()) if spec.kind != "hub" else base_model
+
+
+def _api_future(value: g.APIFuture) -> concurrent.futures.Future:
+    return value._future  # grpo's APIFuture wraps a concurrent future; the store waits on it directly
+
+
+def _record(value: Any) -> dict[str, Any]:
+    """A checkpoint-store record (dataclass) as JSON-ready data, datetimes as ISO strings."""
+    return json.loads(json.dumps(asdict(value), default=str))
+
+
+def _chain(source: concurrent.futures.Future, transform) -> concurrent.futures.Future:
+    out: concurrent.futures.Future = concurrent.futures.Future()
+
+    def done(f: concurrent.futures.Future) -> None:
+        try:
+            out.set_result(transform(f.result()))
+        except BaseException as err:  # delivered to the poller as an error result
+            out.set_exception(err)
+
+    source.add_done_callback(done)
+    return out
+
+
+def _render_fwdbwd(value: g.ForwardBackwardOutput, want_proto: bool) -> dict[str, Any] | bytes:
+    return wire.forward_backward_to_proto(value) if want_proto else wire.forward_backward_to_json(value)
+
+
+def _render_sample(value: g.SampleResponse, want_proto: bool) -> dict[str, Any] | bytes:
+    return wire.sample_to_proto(value) if want_proto else wire.sample_to_json(value)
+
+
+def _parse_json(raw: bytes, model: type[bodies.Body]) -> bodies.Body:
+    try:
+        return model.model_validate_json(raw or b"{}")
+    except ValidationError as err:
+        raise RequestValidationError([{**e, "loc": ("body", *e["loc"])} for e in err.errors()]) from err
+
+
+def create_app(api_key: str, service: ServiceClient | None = None, long_poll_s: float = 30.0,
+               fwdbwd_chunk_len: int | None = None) -> FastAPI:
+    """The app; ``service`` (default: a ServiceClient on $GRPO_CACHE/checkpoints) holds the
+    base models and the checkpoint store. ``fwdbwd_chunk_len``: datums per forward_backward
+    request the SDK may send (its default 1024); smaller batches arrive as parallel chunks."""
+    if not api_key.startswith("tml-"):
+        raise ValueError("the API key must start with 'tml-' (the Tinker SDK refuses any other)")
+    state = ServerState(service or ServiceClient(), long_poll_s)
+
+    def require_key(request: Request) -> None:
+        given = request.headers.get("x-api-key", "")
+        if not hmac.compare_digest(given.encode(), api_key.encode()):
+            raise HTTPException(401, detail="missing or wrong X-API-Key (the key the server printed at start, "
+                                "or $GRPO_SERVE_API_KEY); set TINKER_API_KEY to it")
+
+    # No /docs or /openapi.json: nothing is served without the key but liveness.
+    app = FastAPI(title="grpo Tinker-compatible server", docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.grpo = state
+
+    @app.get(API_PREFIX + "/healthz")
+    async def healthz() -> dict[str, Any]:
+        """Open without the key: liveness, and which server this is, for clients' start-up check."""
+        return {"status": "ok", "server": "grpo serve", "version": _grpo_version(), "tested_sdks": list(TESTED_SDKS)}
+
+    api = APIRouter(prefix=API_PREFIX, dependencies=[Depends(require_key)])
+
+    # ------------------------------------------------------------------ client config and sessions
+
+    @api.post("/client/config")
+    async def client_config() -> dict[str, Any]:
+        config: dict[str, Any] = {"pjwt_auth_enabled": False, "proto_compress_fwdbwd": False}
+        if fwdbwd_chunk_len:
+            config["fwdbwd_max_chunk_len"] = fwdbwd_chunk_len
+        return config
+
+    @api.post("/client/dynamic_config")
+    async def client_dynamic_config() -> dict[str, Any]:
+        return {}
+
+    @api.get("/get_server_capabilities")
+    async def capabilities() -> dict[str, Any]:
+        names = ["tiny", "smollm2", *sorted({m.base_model for m in state.models.values()})]
+        return {"supported_models": [{"model_name": n, "trainable": True, "sampleable": True}
+                                     for n in dict.fromkeys(names)]}
+
+
+    @api.post("/create_session")
+    async def create_session(body: bodies.CreateSession) -> dict[str, Any]:
+        session_id = f"sess-{secrets.token_hex(4)}"
+        state.sessions[session_id] = {"created": time.time(), "sdk_version": body.sdk_version,
+                                      "user_metadata": body.user_metadata or {}, "heartbeat": time.time()}
+        return {"type": "create_session", "session_id": session_id}
+
+    @api.post("/session_heartbeat")
+    async def session_heartbeat(body: bodies.SessionRef) -> dict[str, Any]:
+        state.session(body.session_id)["heartbeat"] = time.time()
+        return {"type": "session_heartbeat"}
+
+    @api.post("/sessions/{session_id}/finish")
+    async def finish_session(session_id: str) -> dict[str, Any]:
+        state.sessions.pop(session_id, None)
+        return {"type": "finish_session"}
+
+    @api.post("/telemetry")
+    async def telemetry() -> dict[str, Any]:
+        return {"status": "accepted"}  # accepted and dropped: nothing leaves this machine
+
+    # ------------------------------------------------------------------ training models
+
+    def register(model_id: str, base_model: str, client: TrainingClient) -> None:
+        state.models[model_id] = Model(model_id, base_model, client)
+
+    @api.post("/create_model")
+    async def create_model(body: bodies.CreateModel) -> dict[str, Any]:
+        state.session(body.session_id)
+        try:
+            models.resolve(body.base_model)
+        except ValueError as err:
+            raise _fail(422, "base_model", str(err)) from err
+        model_id = f"{body.session_id}:train:{body.model_seq_id}"
+        if model_id in state.models:
+            raise _fail(409, "model_seq_id", f"model {model_id} exists already")
+        lora = body.lora_config
+        metadata = {str(k): str(v) for k, v in (body.user_metadata or {}).items()} or None
+
+        def work() -> dict[str, Any]:
+            client = state.service.create_lora_training_client(
+                body.base_model, rank=lora.rank, seed=lora.seed, train_mlp=lora.train_mlp,
+                train_attn=lora.train_attn, train_unembed=lora.train_unembed, user_metadata=metadata)
+            register(model_id, body.base_model, client)
+            return {"type": "create_model", "model_id": model_id}
+
+        return {"request_id": state.submit(work), "model_id": model_id}
+
+    @api.post("/get_info")
+    async def get_info(body: bodies.ModelRef) -> dict[str, Any]:
+        model = state.model(body.model_id)
+        info = model.client.get_info()
+        return {"type": "get_info", "model_id": model.model_id, "is_lora": True, "lora_rank": model.client.spec.rank,
+                "model_name": model.base_model,
+                "model_data": {"arch": info.model_data.arch, "model_name": model.base_model,
+                               "tokenizer_id": tokenizer_id(model.base_model)}}
+
+    async def loss_call(model_id: str, seq_id: int | None, data: list[g.Datum], loss_fn: str,
+                        config: dict[str, float] | None, backward: bool) -> dict[str, Any]:
+        model = state.model(model_id)
+        if loss_fn not in SUPPORTED_LOSSES:
+            raise _fail(422, "loss_fn", f"loss_fn {loss_fn!r} is not supported locally; use one of "
+                        f"{', '.join(SUPPORTED_LOSSES)} (stable_reinforce is server-defined and unpublished)")
+        async with model.gate.turn(seq_id):
+            try:
+                call = model.client.forward_backward if backward else model.client.forward
+                future = call(data, loss_fn, config)
+            except (ValueError, TypeError) as err:
+                raise _fail(422, "data", str(err)) from err
+        return {"request_id": state.futures.add(_api_future(future), _render_fwdbwd), "model_id": model_id}
+
+    @api.post("/forward_backward")
+    async def forward_backward(request: Request) -> dict[str, Any]:
+        raw = await request.body()
+        if request.headers.get("content-encoding"):
+            raise HTTPException(415, detail="compressed request bodies are not supported (proto_compress_fwdbwd is off)")
+        if request.headers.get("content-type", "").startswith(PROTOBUF):
+            try:
+                req = wire.forward_backward_from_proto(raw)
+            except wire.WireError as err:
+                raise _fail(422, err.field, str(err)) from err
+            return await loss_call(req["model_id"], req["seq_id"], req["data"], req["loss_fn"] or "cross_entropy",
+                                   req["loss_fn_config"], backward=not req["forward_only"])
+        body = _parse_json(raw, bodies.ForwardBackward)
+        return await loss_json(body.model_id, body.seq_id, body.forward_backward_input, backward=True)
+
+    @api.post("/forward")
+    async def forward(body: bodies.Forward) -> dict[str, Any]:
+        return await loss_json(body.model_id, body.seq_id, body.forward_input, backward=False)
+
+    async def loss_json(model_id: str, seq_id: int | None, fb: bodies.ForwardBackwardInput,
+                        backward: bool) -> dict[str, Any]:
+        try:
+            data = wire.data_from_json([d.model_dump() for d in fb.data])
+        except wire.WireError as err:
+            raise _fail(422, f"forward_backward_input.{err.field}", str(err)) from err
+        return await loss_call(model_id, seq_id, data, fb.loss_fn, fb.loss_fn_config, backward)
+
+    @api.post("/optim_step")
+    async def optim_step(body: bodies.OptimStep) -> dict[str, Any]:
+        model = state.model(body.model_id)
+        try:
+            adam = g.AdamParams(**body.adam_params.model_dump(include=set(bodies.AdamParams.model_fields)))
+        except ValueError as err:
+            raise _fail(422, "adam_params", str(err)) from err
+        async with model.gate.turn(body.seq_id):
+            future = model.client.optim_step(adam)
+        return {"request_id": state.futures.add(
+            _api_future(future), lambda r, _p: {"type": "optim_step", "metrics": r.metrics})}
+
+    # ------------------------------------------------------------------ checkpoints
+
+    @api.post("/save_weights")
+    async def save_weights(body: bodies.SaveWeights) -> dict[str, Any]:
+        model = state.model(body.model_id)
+        async with model.gate.turn(body.seq_id):
+            try:
+                future = model.client.save_state(body.path or f"state-{body.seq_id}", ttl_seconds=body.ttl_seconds,
+                                                 overwrite=body.overwrite, user_metadata=body.user_metadata)
+            except ValueError as err:
+                raise _fail(422, "path", str(err)) from err
+        return {"request_id": state.futures.add(
+            _api_future(future), lambda r, _p: {"type": "save_weights", "path": r.path})}
+
+    @api.post("/save_weights_for_sampler")
+    async def save_weights_for_sampler(body: bodies.SaveWeights) -> dict[str, Any]:
+        model = state.model(body.model_id)
+        if body.path is None:  # save_weights_and_get_sampling_client: an in-memory snapshot, no file
+            sampler_id = f"{model.model_id}:sample:{next(model.sampler_ids)}"
+            async with model.gate.turn(body.seq_id):
+                # Taking the snapshot waits for the queued training work; hold the turn until it
+                # is taken so later requests cannot slip in before it.
+                snap = state.executor.submit(model.client.save_weights_and_get_sampling_client)
+                await asyncio.wait({asyncio.wrap_future(snap)})
+            if snap.exception() is None:
+                state.samplers[sampler_id] = Sampler(sampler_id, model.base_model, snap.result())
+            return {"request_id": state.futures.add(_chain(snap, lambda _c: {
+                "type": "save_weights_for_sampler", "sampling_session_id": sampler_id}))}
+        async with model.gate.turn(body.seq_id):
+            try:
+                future = model.client.save_weights_for_sampler(body.path, ttl_seconds=body.ttl_seconds,
+                                                               user_metadata=body.user_metadata)
+            except ValueError as err:
+                raise _fail(422, "path", str(err)) from err
+        return {"request_id": state.futures.add(
+            _api_future(future), lambda r, _p: {"type": "save_weights_for_sampler", "path": r.path})}
+
+    @api.post("/load_weights")
+    async def load_weights(body: bodies.LoadWeights) -> dict[str, Any]:
+        state.local_path(body.path)  # 404 or 422 now, rather than a failed future later
+        if body.model_id is not None:  # load into an existing model, in its request order
+            model = state.model(body.model_id)
+            async with model.gate.turn(body.seq_id):
+                load = model.client.load_state_with_optimizer if body.optimizer else model.client.load_state
+                future = load(body.path)
+            return {"request_id": state.futures.add(
+                _api_future(future), lambda _r, _p: {"type": "load_weights", "path": body.path})}
+        if body.session_id is None:
+            raise _fail(422, "model_id", "load_weights needs model_id (an existing model) or session_id and "
+                        "model_seq_id (a new model from the checkpoint)")
+        state.session(body.session_id)
+        model_id = f"{body.session_id}:train:{body.model_seq_id or 0}"
+        info = state.store.weights_info(body.path)
+
+        def work() -> dict[str, Any]:
+            resume = (state.service.create_training_client_from_state_with_optimizer if body.optimizer
+                      else state.service.create_training_client_from_state)
+            register(model_id, info.base_model, resume(body.path))
+            return {"type": "load_weights", "path": body.path, "model_id": model_id}
+
+        return {"request_id": state.submit(work), "model_id": model_id}
+
+    @api.post("/weights_info")
+    async def weights_info(body: bodies.WeightsInfo) -> dict[str, Any]:
+        """What a checkpoint was trained from: SDK 0.22's create_training_client_from_state
+        builds a fresh LoRA client from this, then loads the checkpoint into it."""
+        state.local_path(body.tinker_path, "tinker_path")
+        return _record(state.store.weights_info(body.tinker_path))
+
+    # The RestClient's calls: listing, TTL, publishing, deleting; all answered by the store.
+
+    def store_call(fn, *args: Any) -> Any:
+        try:
+            return fn(*args)
+        except FileNotFoundError as err:
+            raise HTTPException(404, detail=str(err)) from err
+        except ValueError as err:
+            raise HTTPException(422, detail=str(err)) from err
+
+    def ckpt_path(run_id: str, checkpoint_id: str) -> str:
+        return f"tinker://{run_id}/{checkpoint_id}"
+
+    @api.get("/training_runs")
+    async def list_training_runs(limit: int = 20, offset: int = 0) -> dict[str, Any]:
+        return _record(store_call(state.store.list_runs, limit, offset))
+
+    @api.get("/training_runs/{run_id}")
+    async def get_training_run(run_id: str) -> dict[str, Any]:
+        return _record(store_call(state.store.get_run, run_id))
+
+    @api.get("/training_runs/{run_id}/checkpoints")
+    async def list_checkpoints(run_id: str) -> dict[str, Any]:
+        return _record(store_call(state.store.list_checkpoints, run_id))
+
+    @api.get("/checkpoints")
+    async def list_user_checkpoints(limit: int = 100, offset: int = 0) -> dict[str, Any]:
+        return _record(store_call(state.store.list_user_checkpoints, limit, offset))
+
+    @api.post("/training_runs/{run_id}/checkpoints/{checkpoint_id:path}/publish")
+    async def publish_checkpoint(run_id: str, checkpoint_id: str) -> Response:
+        store_call(state.store.set_public, ckpt_path(run_id, checkpoint_id), True)
+        return Response(status_code=204)
+
+    @api.delete("/training_runs/{run_id}/checkpoints/{checkpoint_id:path}/publish")
+    async def unpublish_checkpoint(run_id: str, checkpoint_id: str) -> Response:
+        store_call(state.store.set_public, ckpt_path(run_id, checkpoint_id), False)
+        return Response(status_code=204)
+
+    @api.put("/training_runs/{run_id}/checkpoints/{checkpoint_id:path}/ttl")
+    async def set_checkpoint_ttl(run_id: str, checkpoint_id: str, body: bodies.SetTtl) -> Response:
+        store_call(state.store.set_ttl, ckpt_path(run_id, checkpoint_id), body.ttl_seconds)
+        return Response(status_code=204)
+
+    # Registered after the /publish and /ttl routes, which its {checkpoint_id:path} would swallow.
+    @api.delete("/training_runs/{run_id}/checkpoints/{checkpoint_id:path}")
+    async def delete_checkpoint(run_id: str, checkpoint_id: str) -> Response:
+        store_call(state.store.delete, ckpt_path(run_id, checkpoint_id))
+        return Response(status_code=204)
+
+    # ------------------------------------------------------------------ sampling
+
+    @api.post("/create_sampling_session")
+    async def create_sampling_session(body: bodies.CreateSamplingSession) -> dict[str, Any]:
+        state.session(body.session_id)
+        sampler_id = f"{body.session_id}:sample:{body.sampling_session_seq_id}"
+        if body.model_path:
+            local = state.local_path(body.model_path, "model_path")
+            if not (local / "adapter_config.json").exists():
+                raise _fail(404, "model_path", f"no sampler weights at {body.model_path}")
+            base = body.base_model or json.loads((local / "adapter_config.json").read_text())["base_model_name_or_path"]
+            client = await asyncio.to_thread(state.service.create_sampling_client, model_path=body.model_path)
+        elif body.base_model:
+            try:
+                models.resolve(body.base_model)
+            except ValueError as err:
+                raise _fail(422, "base_model", str(err)) from err
+            base = body.base_model
+            client = await asyncio.to_thread(state.service.create_sampling_client, base_model=base)
+        else:
+            raise _fail(422, "model_path", "create_sampling_session needs model_path or base_model")
+        state.samplers[sampler_id] = Sampler(sampler_id, base, client, body.model_path)
+        return {"type": "create_sampling_session", "sampling_session_id": sampler_id}
+
+    @api.get("/samplers/{sampler_id}")
+    async def get_sampler(sampler_id: str) -> dict[str, Any]:
+        sampler = state.sampler(sampler_id)
+        return {"sampler_id": sampler.sampler_id, "base_model": sampler.base_model, "model_path": sampler.model_path}
+
+    @api.post("/asample")
+    async def asample(body: bodies.Sample) -> dict[str, Any]:
+        if body.sampling_session_id:
+            client = state.sampler(body.sampling_session_id).client
+        elif body.base_model:
+            if body.base_model not in state.base_samplers:
+                state.base_samplers[body.base_model] = await asyncio.to_thread(
+                    state.service.create_sampling_client, base_model=body.base_model)
+            client = state.base_samplers[body.base_model]
+        else:
+            raise _fail(422, "sampling_session_id", "asample needs a sampling_session_id")
+        tokens = [t for chunk in body.prompt.chunks for t in chunk.tokens]
+        try:
+            params = wire.sampling_params_from_json(body.sampling_params.model_dump())
+            future = client.sample(g.ModelInput.from_ints(tokens), body.num_samples, params,
+                                   include_prompt_logprobs=body.prompt_logprobs)
+        except wire.WireError as err:
+            raise _fail(422, err.field, str(err)) from err
+        except (ValueError, TypeError) as err:
+            raise _fail(422, "prompt", str(err)) from err
+        request_id = state.futures.add(_api_future(future), _render_sample)
+        return {"request_id": request_id, "sample_sequence_ids": [f"{request_id}:{i}" for i in range(body.num_samples)]}
+
+    # ------------------------------------------------------------------ futures
+
+    @api.post("/retrieve_future")
+    async def retrieve_future(body: bodies.RetrieveFuture, request: Request) -> Response:
+        pending = state.futures.get(body.request_id)
+        if pending is None:
+            raise _fail(404, "request_id", f"unknown request_id {body.request_id!r} (results are kept "
+                        "10 minutes, and not across a server restart)")
+        if not await state.futures.wait(pending):
+            return JSONResponse({"type": "try_again", "request_id": body.request_id, "queue_state": "active"})
+        err = pending.future.exception()
+        if err is not None:
+            return JSONResponse(error_result(err))
+        accept = request.headers.get("accept", "")
+        want_proto = PROTOBUF in accept and "application/json" not in accept
+        try:
+            rendered = pending.render(pending.future.result(), want_proto)
+        except Exception as render_err:  # never a 5xx: the SDK would retry it forever
+            return JSONResponse(error_result(render_err))
+        if isinstance(rendered, bytes):
+            return Response(rendered, media_type=PROTOBUF)
+        return JSONResponse(rendered)
+
+    app.include_router(api)
+    return app

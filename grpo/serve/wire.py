@@ -1,0 +1,189 @@
+"""Request bodies in, results out: the Tinker wire formats <-> grpo.types.
+
+Two encodings: JSON (every SDK; the only one SDK 0.22 sends) and protobuf (SDK >= 0.25 sends
+forward_backward as protobuf and reads sample and forward_backward results only as protobuf).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+
+from grpo import types as g
+from grpo.serve import proto
+
+
+class WireError(ValueError):
+    """A request body that parses but cannot be used; ``field`` names where it went wrong."""
+
+    def __init__(self, field: str, message: str):
+        super().__init__(f"{field}: {message}")
+        self.field = field
+
+
+# --------------------------------------------------------------------------- protobuf in
+
+_PROTO_DTYPES = {1: ("float32", np.float32), 2: ("int64", np.int64), 3: ("int64", np.int32)}
+
+
+def _proto_tensor(tensor: Any, field: str) -> g.TensorData:
+    if tensor.dtype not in _PROTO_DTYPES:
+        raise WireError(field, f"dtype {tensor.dtype} is not supported (float32, int64 or int32)")
+    name, np_dtype = _PROTO_DTYPES[tensor.dtype]
+    shape = [int(s) for s in tensor.shape]
+    if tensor.WhichOneof("encoding") == "sparse_csr":
+        csr = tensor.sparse_csr
+        values = np.frombuffer(csr.values, dtype=np_dtype)
+        crow = np.frombuffer(csr.crow_indices, dtype=np.int64)
+        cols = np.frombuffer(csr.col_indices, dtype=np.int64)
+        rows, ncols = (shape[0], shape[1]) if len(shape) == 2 else (1, shape[0] if shape else 0)
+        if len(crow) != rows + 1 or len(cols) != len(values):
+            raise WireError(field, "sparse_csr indices do not match its shape")
+        dense = np.zeros((rows, ncols), dtype=np_dtype)
+        for r in range(rows):
+            dense[r, cols[crow[r]:crow[r + 1]]] = values[crow[r]:crow[r + 1]]
+        array = dense.reshape(shape)
+    else:
+        array = np.frombuffer(tensor.dense, dtype=np_dtype)
+        if shape and int(np.prod(shape)) != array.size:
+            raise WireError(field, f"holds {array.size} values but shape is {shape}")
+        array = array.reshape(shape) if shape else array
+    return g.TensorData.from_numpy(array.astype(np.int64 if name == "int64" else np.float32))
+
+
+def _proto_tokens(chunks: Any, field: str) -> g.ModelInput:
+    out = []
+    for i, chunk in enumerate(chunks):
+        kind = chunk.WhichOneof("chunk")
+        if kind != "encoded_text":
+            raise WireError(f"{field}[{i}]", f"{kind} chunks are not supported by the local backend (text only)")
+        out.append(g.EncodedTextChunk(tokens=np.frombuffer(chunk.encoded_text.tokens, dtype=np.int32).tolist()))
+    return g.ModelInput(chunks=out)
+
+
+def forward_backward_from_proto(body: bytes) -> dict[str, Any]:
+    """A ForwardBackwardRequest as {model_id, seq_id, data, loss_fn, loss_fn_config, forward_only}."""
+    request = proto.ForwardBackwardRequest()
+    try:
+        request.ParseFromString(body)
+    except Exception as err:  # protobuf raises its own DecodeError
+        raise WireError("body", f"not a tinker_public.ForwardBackwardRequest ({err})") from err
+    data = []
+    for i, datum in enumerate(request.data):
+        inputs = {k: _proto_tensor(v, f"data[{i}].loss_fn_inputs.{k}") for k, v in datum.loss_fn_inputs.items()}
+        data.append(_datum(_proto_tokens(datum.model_input, f"data[{i}].model_input"), inputs, f"data[{i}]"))
+    config: dict[str, float] = dict(request.loss_fn_config)
+    for key, value in request.loss_fn_config_v2.items():
+        if value.WhichOneof("value") == "text":
+            raise WireError(f"loss_fn_config.{key}", "text values are not supported; pass numbers")
+        config[key] = value.number
+    return {"model_id": request.model_id, "seq_id": request.seq_id, "data": data, "loss_fn": request.loss_fn,
+            "loss_fn_config": config or None, "forward_only": request.forward_only}
+
+
+def _datum(model_input: g.ModelInput, inputs: dict[str, g.TensorData], field: str) -> g.Datum:
+    try:
+        return g.Datum(model_input=model_input, loss_fn_inputs=inputs)
+    except (TypeError, ValueError) as err:
+        raise WireError(field, str(err)) from err
+
+
+# --------------------------------------------------------------------------- JSON in
+
+
+def model_input_from_json(value: dict[str, Any], field: str) -> g.ModelInput:
+    chunks = []
+    for i, chunk in enumerate(value.get("chunks") or []):
+        if chunk.get("type", "encoded_text") != "encoded_text":
+            raise WireError(f"{field}.chunks[{i}]", f"{chunk.get('type')} chunks are not supported (text only)")
+        chunks.append(g.EncodedTextChunk(tokens=[int(t) for t in chunk["tokens"]]))
+    return g.ModelInput(chunks=chunks)
+
+
+def tensor_from_json(value: dict[str, Any], field: str) -> g.TensorData:
+    dtype = value.get("dtype")
+    if dtype not in ("int64", "float32"):
+        raise WireError(f"{field}.dtype", f"must be int64 or float32, got {dtype!r}")
+    if value.get("sparse_crow_indices") is not None:
+        raise WireError(field, "sparse tensors are not supported in JSON requests; send dense data")
+    array = np.asarray(value.get("data") or [], dtype=np.int64 if dtype == "int64" else np.float32)
+    shape = value.get("shape")
+    if shape is not None:
+        if int(np.prod(shape)) != array.size:
+            raise WireError(field, f"holds {array.size} values but shape is {shape}")
+        array = array.reshape(shape)
+    return g.TensorData.from_numpy(array)
+
+
+def data_from_json(data: list[dict[str, Any]]) -> list[g.Datum]:
+    out = []
+    for i, datum in enumerate(data):
+        inputs = {k: tensor_from_json(v, f"data[{i}].loss_fn_inputs.{k}")
+                  for k, v in (datum.get("loss_fn_inputs") or {}).items()}
+        out.append(_datum(model_input_from_json(datum["model_input"], f"data[{i}].model_input"), inputs, f"data[{i}]"))
+    return out
+
+
+def sampling_params_from_json(value: dict[str, Any]) -> g.SamplingParams:
+    stop = value.get("stop")
+    try:
+        return g.SamplingParams(max_tokens=value.get("max_tokens"), temperature=float(value.get("temperature", 1.0)),
+                                top_k=int(value.get("top_k", -1)), top_p=float(value.get("top_p", 1.0)),
+                                stop=stop, seed=value.get("seed"))
+    except (TypeError, ValueError) as err:
+        raise WireError("sampling_params", str(err)) from err
+
+
+# --------------------------------------------------------------------------- results out
+
+
+def forward_backward_to_json(out: g.ForwardBackwardOutput) -> dict[str, Any]:
+    return {
+        "loss_fn_output_type": out.loss_fn_output_type,
+        "loss_fn_outputs": [{k: {"data": v.to_numpy().reshape(-1).tolist(), "dtype": v.dtype,
+                                 "shape": list(v.to_numpy().shape)} for k, v in record.items()}
+                            for record in out.loss_fn_outputs],
+        "metrics": {k: float(v) for k, v in out.metrics.items()},
+    }
+
+
+def forward_backward_to_proto(out: g.ForwardBackwardOutput) -> bytes:
+    """One ArrayRecord per datum, each field a BatchedTensor of one element (offsets [0, nbytes])."""
+    message = proto.ForwardBackwardOutput(loss_fn_output_type=out.loss_fn_output_type,
+                                          metrics={k: float(v) for k, v in out.metrics.items()})
+    for record in out.loss_fn_outputs:
+        array_record = message.loss_fn_outputs.add(num_datums=1)
+        for key, value in record.items():
+            array = value.to_numpy()
+            dtype = 2 if value.dtype == "int64" else 1
+            raw = array.astype(np.int64 if dtype == 2 else np.float32).tobytes()
+            field = array_record.fields[key]
+            field.data = raw
+            field.offsets = np.asarray([0, len(raw)], dtype=np.int64).tobytes()
+            field.dtype = dtype
+            field.trailing_shape.extend(list(array.shape[1:]))
+    return message.SerializeToString()
+
+
+def sample_to_json(out: g.SampleResponse) -> dict[str, Any]:
+    return {
+        "type": "sample",
+        "sequences": [{"stop_reason": s.stop_reason, "tokens": list(s.tokens), "logprobs": s.logprobs}
+                      for s in out.sequences],
+        "prompt_logprobs": out.prompt_logprobs,
+    }
+
+
+def sample_to_proto(out: g.SampleResponse) -> bytes:
+    message = proto.SampleResponse()
+    for seq in out.sequences:
+        item = message.sequences.add(stop_reason=0 if seq.stop_reason == "stop" else 1,
+                                     tokens=np.asarray(seq.tokens, dtype=np.int32).tobytes())
+        if seq.logprobs is not None:
+            item.logprobs = np.asarray(seq.logprobs, dtype=np.float32).tobytes()
+    if out.prompt_logprobs is not None:
+        message.prompt_logprobs = np.asarray([math.nan if x is None else x for x in out.prompt_logprobs],
+                                             dtype=np.float32).tobytes()
+    return message.SerializeToString()

@@ -1,0 +1,124 @@
+"""grpo.checkpoint_store on a temporary directory: paths, listings, TTLs, publish, delete, downloads."""
+
+from __future__ import annotations
+
+import datetime
+import subprocess
+import tarfile
+import time
+
+import pytest
+
+from grpo import types
+from grpo.checkpoint_store import CheckpointStore, tinker_path
+
+
+def writer(files: dict[str, bytes]):
+    def write(folder):
+        for rel, data in files.items():
+            (folder / rel).parent.mkdir(parents=True, exist_ok=True)
+            (folder / rel).write_bytes(data)
+    return write
+
+
+@pytest.fixture
+def store(tmp_path) -> CheckpointStore:
+    return CheckpointStore(tmp_path / "store")
+
+
+def test_saved_checkpoint_resolves_to_its_files_and_lists_with_sdk_fields(store) -> None:
+    run = store.create_run("tiny", lora_rank=4, train_mlp=False, user_metadata={"who": "test"})
+    ckpt = store.save(run.training_run_id, "training", "step_1", writer({"a.bin": b"12345", "sub/b.txt": b"xy"}),
+                      user_metadata={"step": "1"})
+    assert ckpt.tinker_path == f"tinker://{run.training_run_id}/weights/step_1"
+    assert ckpt.checkpoint_id == "weights/step_1" and ckpt.checkpoint_type == "training"
+    assert ckpt.size_bytes == 7 and ckpt.public is False and ckpt.expires_at is None
+    assert ckpt.user_metadata == {"step": "1"}
+    folder = store.resolve(ckpt.tinker_path)
+    assert (folder / "a.bin").read_bytes() == b"12345"
+    assert store.resolve(str(folder)) == folder  # a plain directory passes through
+
+    sampler = store.save(run.training_run_id, "sampler", "final", writer({"w": b"1"}))
+    listed = store.list_checkpoints(run.training_run_id).checkpoints
+    assert [c.tinker_path for c in listed] == [sampler.tinker_path, ckpt.tinker_path]  # newest first
+    got = store.get_run(run.training_run_id)
+    assert (got.base_model, got.lora_rank, got.is_lora, got.model_owner) == ("tiny", 4, True, "local")
+    assert got.last_checkpoint == ckpt and got.last_sampler_checkpoint == sampler
+    assert got.user_metadata == {"who": "test"}
+    info = store.weights_info(sampler.tinker_path)
+    assert (info.base_model, info.lora_rank, info.train_mlp, info.train_attn) == ("tiny", 4, False, True)
+    parsed = types.ParsedCheckpointTinkerPath.from_tinker_path(sampler.tinker_path)
+    assert (parsed.training_run_id, parsed.checkpoint_type) == (run.training_run_id, "sampler")
+
+
+def test_user_checkpoints_span_runs_and_page(store) -> None:
+    paths = []
+    for i in range(3):
+        run = store.create_run("tiny", lora_rank=2)
+        paths.append(store.save(run.training_run_id, "sampler", f"s{i}", writer({"f": b"x"})).tinker_path)
+    page = store.list_user_checkpoints(limit=2, offset=1)
+    assert [c.tinker_path for c in page.checkpoints] == [paths[1], paths[0]]
+    assert (page.cursor.offset, page.cursor.limit, page.cursor.total_count) == (1, 2, 3)
+    runs = store.list_runs(limit=10)
+    assert runs.cursor.total_count == 3 and len(runs.training_runs) == 3
+
+
+def test_ttl_expires_and_removes_a_checkpoint_and_none_clears_it(store) -> None:
+    run = store.create_run("tiny", lora_rank=2)
+    short = store.save(run.training_run_id, "training", "short", writer({"f": b"x"}), ttl_seconds=1)
+    kept = store.save(run.training_run_id, "training", "kept", writer({"f": b"x"}), ttl_seconds=1)
+    assert short.expires_at is not None
+    assert abs((short.expires_at - short.time).total_seconds() - 1) < 1e-3
+    assert store.set_ttl(kept.tinker_path, None).expires_at is None
+    later = store.set_ttl(kept.tinker_path, 3600).expires_at
+    assert later - datetime.datetime.now(datetime.UTC) > datetime.timedelta(seconds=3590)
+    store.set_ttl(kept.tinker_path, None)
+    time.sleep(1.1)
+    assert [c.tinker_path for c in store.list_checkpoints(run.training_run_id).checkpoints] == [kept.tinker_path]
+    assert not (store.root / run.training_run_id / "weights" / "short").exists()
+    with pytest.raises(FileNotFoundError, match="never saved, deleted, or expired"):
+        store.resolve(short.tinker_path)
+    with pytest.raises(ValueError, match="ttl_seconds must be a positive number"):
+        store.set_ttl(kept.tinker_path, -5)
+
+
+def test_publish_delete_and_overwrite(store) -> None:
+    run = store.create_run("tiny", lora_rank=2)
+    path = store.save(run.training_run_id, "sampler", "s", writer({"f": b"old"})).tinker_path
+    assert store.set_public(path, True).public is True
+    assert store.get_checkpoint(path).public is True
+    assert store.set_public(path, False).public is False
+    store.save(run.training_run_id, "sampler", "s", writer({"f": b"new!"}))
+    assert (store.resolve(path) / "f").read_bytes() == b"new!"
+    with pytest.raises(FileExistsError, match="overwrite=True"):
+        store.save(run.training_run_id, "sampler", "s", writer({"f": b"x"}), overwrite=False)
+    store.delete(path)
+    assert store.list_checkpoints(run.training_run_id).checkpoints == []
+    with pytest.raises(FileNotFoundError):
+        store.delete(path)
+
+
+def test_archive_opens_with_tar_and_file_paths_list_every_file(store, tmp_path) -> None:
+    run = store.create_run("tiny", lora_rank=2)
+    files = {"adapter_config.json": b"{}", "adapter_model.safetensors": b"\0" * 100, "nested/x.txt": b"hi"}
+    path = store.save(run.training_run_id, "sampler", "final", writer(files)).tinker_path
+    assert {k: v.read_bytes() for k, v in store.file_paths(path).items()} == files
+    archive = store.archive(path)
+    out = tmp_path / "extracted"
+    out.mkdir()
+    subprocess.run(["tar", "-xf", str(archive), "-C", str(out)], check=True)
+    assert {p.relative_to(out).as_posix(): p.read_bytes() for p in out.rglob("*") if p.is_file()} == files
+    with tarfile.open(archive) as tar:
+        assert sorted(tar.getnames()) == sorted(files)
+
+
+def test_bad_paths_and_names_say_what_is_valid(store) -> None:
+    run = store.create_run("tiny", lora_rank=2)
+    with pytest.raises(ValueError, match="invalid tinker path"):
+        store.get_checkpoint("tinker://x/bogus/y")
+    with pytest.raises(ValueError, match="checkpoint name '../up' is invalid"):
+        store.save(run.training_run_id, "training", "../up", writer({}))
+    with pytest.raises(FileNotFoundError, match="no training run 'run-missing'"):
+        store.list_checkpoints("run-missing")
+    with pytest.raises(FileNotFoundError, match="no checkpoint"):
+        store.resolve(tinker_path(run.training_run_id, "training", "never"))

@@ -1,0 +1,129 @@
+"""`python -m grpo ... backend=tinker` against grpo's own Tinker server, with the newest SDK:
+a real HTTP round trip whose metrics equal the local backend's on the same seed (issue #21)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from serve_helpers import API_KEY, REPO, Server, sdk_overlay
+
+from grpo.runlog import read_jsonl
+
+NEWEST_SDK = "0.38.0"
+TOY = ["adapter=custom", "adapter._target_=toy_adapter.ToyAdapter", "base_model=tiny", "batch_size=2",
+       "group_size=4", "max_tokens=8", "report=false", "learning_rate=1e-3", "eval_samples=2", "steps=2", "seed=3"]
+TIMING_PREFIXES = ("time/", "throughput/")
+
+pytest.importorskip("fastapi")
+
+
+def grpo(args: list[str], run_dir: Path, pythonpath: list[Path], extra_env: dict[str, str] | None = None
+         ) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(map(str, pythonpath)), **(extra_env or {})}
+    return subprocess.run([sys.executable, "-m", "grpo", *args, f"hydra.run.dir={run_dir}"], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=600)
+
+
+def comparable(rows: list[dict]) -> list[dict]:
+    return [{k: v for k, v in r.items() if not k.startswith(TIMING_PREFIXES)} for r in rows]
+
+
+def test_backend_tinker_on_grpo_server_with_newest_sdk_matches_local(tmp_path):
+    overlay = sdk_overlay(NEWEST_SDK)
+    tests = REPO / "tests"
+    local = grpo(TOY, tmp_path / "local", [tests])
+    assert local.returncode == 0, local.stderr[-3000:]
+    server = Server(tmp_path / "server-checkpoints")
+    try:
+        probe = subprocess.run([sys.executable, "-c", "import tinker, importlib.metadata as m; "
+                                "print(m.version('tinker'), tinker.__file__)"],
+                               env={**os.environ, "PYTHONPATH": str(overlay)}, capture_output=True, text=True)
+        assert probe.stdout.split()[0] == NEWEST_SDK and str(overlay) in probe.stdout, probe.stdout + probe.stderr
+        remote = grpo([*TOY, "backend=tinker", f"backend.base_url={server.url}"], tmp_path / "remote",
+                      [overlay, tests], {"TINKER_API_KEY": API_KEY, "TINKER_TELEMETRY": "0"})
+        assert remote.returncode == 0, remote.stderr[-3000:] + server.log.read_text()[-2000:]
+    finally:
+        server.stop()
+    for name in ("metrics.jsonl", "rollouts.jsonl"):
+        expected = comparable(read_jsonl(tmp_path / "local" / name))
+        got = comparable(read_jsonl(tmp_path / "remote" / name))
+        assert len(got) == len(expected) > 0, name
+        for want, have in zip(expected, got, strict=True):
+            assert want.keys() == have.keys(), name
+            for key, value in want.items():
+                if isinstance(value, float):
+                    assert have[key] == pytest.approx(value, rel=1e-4, abs=1e-5), (name, key)
+                else:
+                    assert have[key] == value, (name, key)
+    assert "tinker://" in remote.stdout
+    assert f"grpo: tinker SDK {NEWEST_SDK} fits the server at {server.url} (grpo serve" in remote.stdout
+
+
+def test_a_value_the_service_refuses_is_one_grpo_line_naming_the_config_key(tmp_path):
+    """The server's 422 for LoRA rank 2000 (dev extra's SDK, over real HTTP) ends the run with one
+    `grpo:` line naming the reason and the key, not a traceback."""
+    server = Server(tmp_path / "server-checkpoints")
+    try:
+        run = grpo([*TOY, "rank=2000", "backend=tinker", f"backend.base_url={server.url}"], tmp_path / "run",
+                   [REPO / "tests"], {"TINKER_API_KEY": API_KEY, "TINKER_TELEMETRY": "0"})
+    finally:
+        server.stop()
+    assert run.returncode == 2, run.stderr[-3000:]
+    assert "Traceback" not in run.stderr
+    last = run.stderr.strip().splitlines()[-1]
+    assert last.startswith("grpo: ") and "lora_config.rank" in last and "1024" in last and "`rank`" in last, last
+
+
+@pytest.mark.parametrize(("reason", "key"), [
+    ("LoRA rank 16 must be between 1 and 8", "rank"),  # SkyRL's words for the same refusal
+    ("lora_config.rank: Input should be less than or equal to 1024", "rank"),
+    ("base_model 'x' is not served here", "base_model"),
+    ("sampling_params.max_tokens: Input should be greater than or equal to 1", "max_tokens"),
+    ("num_samples: too many", "group_size"),
+    ("the server is tired", None),
+])
+def test_refusals_map_to_the_config_key_that_sets_the_value(reason, key):
+    from grpo.backends.remote.resilience import config_key_for
+
+    assert config_key_for(reason) == key
+
+
+SKYRL_04 = {"forward": (404, {"detail": "Not Found"}), "json_fwdbwd": (415, {"detail": "Unsupported Media Type"})}
+GRPO_SERVE = {"server": "grpo serve", "version": "0.1.0", "tested_sdks": ["0.22.0", "0.38.0"]}
+
+
+def test_startup_check_says_when_sdk_and_server_do_not_fit():
+    from grpo.backends.remote.compat import judge
+
+    # SDK 0.22 (JSON) on a protobuf-only server, probed as SkyRL 0.4's answered: refused at start-up.
+    verdict = judge("0.22.0", None, SKYRL_04["forward"], SKYRL_04["json_fwdbwd"], "http://h:1")
+    assert verdict.fits is False
+    assert "/forward and no JSON forward_backward" in verdict.line and "tinker>=0.25" in verdict.line
+    # The same server with a protobuf SDK: nothing certain, so one informative line, no refusal.
+    assert judge("0.38.0", None, *SKYRL_04.values(), "http://h:1").fits is None
+    # grpo serve names itself and the SDKs it was tested with.
+    assert judge("0.22.0", GRPO_SERVE, (422, {}), (422, {}), "http://h:1").fits is True
+    newer = judge("0.41.0", GRPO_SERVE, (422, {}), (422, {}), "http://h:1")
+    assert newer.fits is None and "newer than any SDK it was tested with" in newer.line
+
+
+def test_startup_check_probes_a_real_server(tmp_path):
+    from grpo.backends.remote.compat import check
+
+    server = Server(tmp_path / "server-checkpoints")
+    try:
+        verdict = check("tinker", server.url, API_KEY, 10.0)
+        assert server.call("GET", "/api/v1/healthz", key=None)[0] == 200  # open: says what it is, nothing else
+    finally:
+        server.stop()
+    assert verdict.fits is True and verdict.line.startswith(f"tinker SDK {tinker_version()} fits the server at")
+
+
+def tinker_version() -> str:
+    import importlib.metadata
+
+    return importlib.metadata.version("tinker")

@@ -75,15 +75,17 @@ def is_flat(rewards: Sequence[float]) -> bool:
 
 @dataclass(frozen=True)
 class TrainSample:
-    """One rollout chosen for training, with its group (for the prompt) and its advantage."""
+    """One rollout chosen for training, with its group (for the prompt) and its advantage. A split
+    episode gives one per segment, each with the ``context`` its tokens were sampled after."""
 
     group: Group
     rollout: Rollout
     advantage: float
+    context: list[int] | None = None  # None: the group's prompt
 
     @property
     def prompt_tokens(self) -> list[int]:
-        return self.group.prompt_tokens
+        return self.context if self.context is not None else self.group.prompt_tokens
 
 
 def compute_advantages(scored_groups: Sequence[ScoredGroup], norm: str, overlong: str) -> list[list[float]]:
@@ -109,7 +111,8 @@ def select_for_training(scored_groups: Sequence[ScoredGroup], advantages: Sequen
                 continue
             if overlong == "drop" and rollout.truncated:
                 continue
-            chosen.append(TrainSample(group, rollout, advantage))
+            chosen.extend(TrainSample(group, part, advantage, context)
+                          for context, part in rollout.datum_parts() if part.tokens)
     return chosen
 
 
@@ -118,18 +121,19 @@ def build_datum(prompt_tokens: Sequence[int], rollout: Rollout, token_advantages
     """A next-token datum over prompt + rollout with the prompt masked out.
 
     Inputs are tokens[:-1] and targets tokens[1:]; the first ``len(prompt) - 1`` targets are
-    prompt tokens and get weight 0, advantage 0 and logprob 0.
+    prompt tokens and get weight 0, advantage 0 and logprob 0. In an episode, observation tokens
+    (``rollout.mask`` 0) are masked the same way: only model-written tokens train.
     """
     tokens = list(prompt_tokens) + list(rollout.tokens)
     n_prompt = len(prompt_tokens) - 1
-    n_resp = len(rollout.tokens)
+    mask = rollout.model_mask
     return Datum(
         model_input=ModelInput.from_ints(tokens[:-1]),
         loss_fn_inputs={
             "target_tokens": tokens[1:],
-            "weights": [0.0] * n_prompt + [weight] * n_resp,
-            "logprobs": [0.0] * n_prompt + list(rollout.logprobs),
-            "advantages": [0.0] * n_prompt + [float(a) for a in token_advantages],
+            "weights": [0.0] * n_prompt + [weight * m for m in mask],
+            "logprobs": [0.0] * n_prompt + [q * m for q, m in zip(rollout.logprobs, mask, strict=True)],
+            "advantages": [0.0] * n_prompt + [float(a) * m for a, m in zip(token_advantages, mask, strict=True)],
         },
     )
 
@@ -138,13 +142,13 @@ def build_datums(samples: Sequence[TrainSample], loss_fn: str, loss_agg: str, kl
                  ref_logprobs: Sequence[Sequence[float]] | None = None) -> tuple[list[Datum], dict[str, float]]:
     """Datums for the chosen samples; returns them with the KL-to-reference metric when the KL
     penalty is on (``ref_logprobs``: the reference's logprobs of each sample's tokens)."""
-    scales = loss_scales([len(s.rollout.tokens) for s in samples], loss_agg)
+    scales = loss_scales([s.rollout.num_model_tokens for s in samples], loss_agg)
     metrics: dict[str, float] = {}
     use_kl = kl_penalty_coef > 0 and ref_logprobs is not None
     mean_kl = 0.0
     if use_kl:
         diffs = [q - ref for s, refs in zip(samples, ref_logprobs, strict=True)
-                 for q, ref in zip(s.rollout.logprobs, refs, strict=True)]
+                 for q, ref, m in zip(s.rollout.logprobs, refs, s.rollout.model_mask, strict=True) if m]
         mean_kl = sum(diffs) / len(diffs) if diffs else 0.0
         metrics["kl/reference"] = mean_kl
     datums = []

@@ -8,7 +8,8 @@ from typing import Any
 
 from grpo.adapter import RLAdapter
 from grpo.client_api import SamplingClient
-from grpo.rollouts import Group, ScoredGroup, sample_groups, sampling_seed, score_group
+from grpo.episodes import sample_rollouts
+from grpo.rollouts import Group, ScoredGroup, sampling_seed, score_group
 from grpo.types import SamplingParams
 
 EVAL_WAVE = 99_991  # keeps eval seeds apart from training seeds
@@ -31,10 +32,11 @@ def evaluate(sampling_client: SamplingClient, adapter: RLAdapter, items: Sequenc
         return [score_group(adapter, Group(i, item, p, rs))
                 for i, (item, p, rs) in enumerate(zip(items, prompts, rollouts_per_item, strict=True))]
 
-    greedy = score(sample_groups(sampling_client, prompts, 1,
-                                 lambda i: SamplingParams(max_tokens=max_tokens, temperature=0.0, stop=stop), tokenizer))
-    sampled = score(sample_groups(
-        sampling_client, prompts, num_samples,
+    greedy = score(sample_rollouts(sampling_client, adapter, items, prompts, 1,
+                                   lambda i: SamplingParams(max_tokens=max_tokens, temperature=0.0, stop=stop),
+                                   tokenizer))
+    sampled = score(sample_rollouts(
+        sampling_client, adapter, items, prompts, num_samples,
         lambda i: SamplingParams(max_tokens=max_tokens, temperature=temperature, stop=stop,
                                  seed=sampling_seed(seed, step, EVAL_WAVE, i)), tokenizer))
 

@@ -36,8 +36,9 @@ from grpo.advantages import (
 )
 from grpo.client_api import SamplingClient, ServiceClient, TrainingClient
 from grpo.config import GRPOConfig
+from grpo.episodes import episode_metrics, sample_rollouts
 from grpo.evaluation import evaluate
-from grpo.rollouts import Failure, Group, ScoredGroup, sample_groups, sampling_seed, score_group
+from grpo.rollouts import Failure, Group, ScoredGroup, sampling_seed, score_group
 from grpo.runlog import RunLog
 from grpo.saturation import SolveHistory
 from grpo.types import AdamParams, Datum, ModelInput, SamplingParams
@@ -267,8 +268,8 @@ def collect_batch(run: Run, stream: ItemStream, step: int) -> Batch:
         entries = stream.take(wanted)
         prompts = [run.adapter.make_prompt(item, run.tokenizer) for _, item in entries]
         t0 = time.perf_counter()
-        rollouts = sample_groups(
-            sampler, prompts, cfg.group_size,
+        rollouts = sample_rollouts(  # an AgentAdapter's rollouts are multi-turn episodes
+            sampler, run.adapter, [item for _, item in entries], prompts, cfg.group_size,
             lambda i, wave=wave: SamplingParams(max_tokens=cfg.max_tokens, temperature=cfg.temperature_at(step),
                                                 top_p=cfg.top_p, top_k=cfg.top_k, stop=run.stop,
                                                 seed=sampling_seed(cfg.seed, step, wave, i)),
@@ -347,11 +348,12 @@ def train(training_client: TrainingClient, datums: list[Datum], samples: list[Tr
     diffs = []
     for sample, out in zip(samples, fb.loss_fn_outputs, strict=True):
         train_lp = out["logprobs"].tolist()[len(sample.prompt_tokens) - 1:]
-        diffs.extend(q - p for q, p in zip(sample.rollout.logprobs, train_lp, strict=True))
+        diffs.extend(q - p for q, p, m in zip(sample.rollout.logprobs, train_lp, sample.rollout.model_mask,
+                                              strict=True) if m)  # model-written tokens only
     if diffs:
         metrics["kl/sample_train"] = sum(diffs) / len(diffs)
         metrics["logprob/max_abs_diff"] = max(abs(d) for d in diffs)
-    sampled_lp = [q for s in samples for q in s.rollout.logprobs]
+    sampled_lp = [q for s in samples for q, m in zip(s.rollout.logprobs, s.rollout.model_mask, strict=True) if m]
     metrics["entropy"] = fb.metrics.get("entropy:mean", -sum(sampled_lp) / max(1, len(sampled_lp)))
     return metrics
 
@@ -379,7 +381,7 @@ def rollout_metrics(run: Run, batch: Batch, samples: list[TrainSample]) -> dict[
         "groups/mixed": sum(any(c) and not all(c) for c in correct_by_group) / n_groups,
         "groups/flat": sum(is_flat(training_rewards(g, run.cfg.overlong)) for g in first) / n_groups,
         "groups/trained": float(len({id(s.group) for s in samples})),
-        "tokens/sampled": float(sum(len(r.tokens) for g in batch.groups for r in g.group.rollouts)),
+        "tokens/sampled": float(sum(r.num_model_tokens for g in batch.groups for r in g.group.rollouts)),
         "response/mean_length": sum(len(r.tokens) for r in rollouts) / max(1, len(rollouts)),
         "response/truncation_rate": sum(r.truncated for r in rollouts) / max(1, len(rollouts)),
         "failures/count": float(sum(not math.isfinite(x) for x in all_rewards)),
@@ -392,6 +394,7 @@ def rollout_metrics(run: Run, batch: Batch, samples: list[TrainSample]) -> dict[
                 for key, value in sample_metrics.items():
                     sums.setdefault(key, []).append(value)
     metrics.update({f"adapter/{k}": sum(v) / len(v) for k, v in sums.items()})
+    metrics.update(episode_metrics(rollouts))  # turns, tool calls, tool errors (AgentAdapter only)
     return metrics
 
 
@@ -407,4 +410,6 @@ def rollout_rows(batch: Batch, cfg: GRPOConfig, tokenizer: Any, step: int) -> li
             rows.append({"step": step, "group": gi, "sample": si, "prompt": prompt, "response": r.text,
                          "reward": reward if math.isfinite(reward) else None, "advantage": advantage,
                          "truncated": r.truncated, "num_tokens": len(r.tokens)})
+            if r.episode is not None:  # the episode's trace: turns, tool calls, results, errors
+                rows[-1].update(r.episode.to_json())
     return rows

@@ -36,6 +36,8 @@ MAX_ROLLOUTS_PER_STEP = 64
 MAX_ROLLOUT_STEPS = 200
 MAX_TEXT_CHARS = 4000
 MAX_FAILURES = 50
+MAX_TURNS = 40  # turns of one episode embedded in the page
+MAX_TURN_CHARS = 1500
 MAX_LABEL_KEYS = 4
 # Config keys that differ between runs for reasons that say nothing about the experiment.
 _UNINTERESTING_KEYS = ("run_dir", "output_dir", "hydra", "wandb.name", "wandb.id")
@@ -67,6 +69,9 @@ PANELS: tuple[Panel, ...] = (
     Panel("length", "Response length (tokens)", ("response/mean_length",)),
     Panel("truncation", "Truncation rate", ("response/truncation_rate",)),
     Panel("time", "Time per phase (s)", ("time/sample", "time/score", "time/train", "time/*")),
+    Panel("episode", "Episodes: turns, tool calls, tool error rate",
+          ("episode/turns", "episode/tool_calls", "episode/tool_error_rate"),
+          empty="single-turn run (no episodes)"),
     Panel("loss", "Loss", ("loss",)),
     Panel("grad_norm", "Gradient norm", ("grad_norm",)),
 )
@@ -310,10 +315,27 @@ def rollouts_by_step(rows: list[dict[str, Any]], per_step: int = MAX_ROLLOUTS_PE
                 "advantage": _number(row.get("advantage")),
                 "truncated": bool(row.get("truncated")),
                 "num_tokens": _number(row.get("num_tokens")),
+                **_episode(row),
             })
             kept += 1
         out[str(step)] = list(groups.values())
     return out, kept
+
+
+def _episode(row: dict[str, Any]) -> dict[str, Any]:
+    """A multi-turn rollout's trace (grpo.episodes): each turn's role, text, tool call and error."""
+    turns = row.get("turns")
+    if not isinstance(turns, list):
+        return {}
+    kept = []
+    for turn in turns[:MAX_TURNS]:
+        if not isinstance(turn, dict):
+            continue
+        kept.append({"role": "model" if turn.get("role") == "model" else "observation",
+                     "text": _cut(turn.get("text"), MAX_TURN_CHARS),
+                     **{k: _cut(turn[k], 500) for k in ("tool", "tool_input", "error") if turn.get(k) is not None}})
+    return {"turns": kept, "end_reason": _cut(row.get("end_reason"), 40),
+            "turns_cut": max(0, len(turns) - MAX_TURNS)}
 
 
 def _summary(run: Run) -> dict[str, Any]:

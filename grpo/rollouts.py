@@ -24,16 +24,40 @@ from grpo.types import ModelInput, SamplingParams
 @dataclass(frozen=True)
 class Rollout:
     """One sampled response: its tokens (after the prompt), the sampler's logprobs of them, why
-    sampling stopped, and the decoded text the adapter scores."""
+    sampling stopped, and the decoded text the adapter scores.
+
+    A multi-turn episode (grpo.episodes) is a Rollout too: its tokens interleave model turns and
+    observations, ``mask`` marks each token 1 (model-written) or 0 (observation; its logprob is
+    0), and ``episode`` holds the trace. Single-turn rollouts leave both None: all model tokens.
+    """
 
     tokens: list[int]
     logprobs: list[float]
     stop_reason: str
     text: str
+    mask: tuple[int, ...] | None = None
+    episode: Any = None  # grpo.episodes.Episode for an episode
+    # An episode whose environment rebuilt the context (breaking the token prefix) trains as
+    # several Datums: (the context the sampler continued, the part sampled after it) each.
+    segments: tuple[tuple[list[int], Rollout], ...] | None = None
 
     @property
     def truncated(self) -> bool:
         return self.stop_reason == "length"
+
+    @property
+    def model_mask(self) -> list[int]:
+        """1 for each token the model wrote, 0 for observation tokens."""
+        return list(self.mask) if self.mask is not None else [1] * len(self.tokens)
+
+    @property
+    def num_model_tokens(self) -> int:
+        return len(self.tokens) if self.mask is None else sum(self.mask)
+
+    def datum_parts(self) -> list[tuple[list[int] | None, Rollout]]:
+        """(context, part) for each Datum this rollout trains as: itself after the group's prompt
+        (context None), or each segment of an episode whose context was rebuilt."""
+        return list(self.segments) if self.segments else [(None, self)]
 
 
 @dataclass(frozen=True)
@@ -104,9 +128,12 @@ def score_group(adapter: RLAdapter, group: Group) -> ScoredGroup:
             return ScoredGroup(group, [math.nan] * len(texts), [{} for _ in texts], failures)
     else:
         raw = []
-        for i, text in enumerate(texts):
+        for i, (text, rollout) in enumerate(zip(texts, group.rollouts, strict=True)):
             try:
-                raw.append(adapter.compute_reward(text, group.item))
+                if rollout.episode is not None:  # an AgentAdapter's episode: the reward reads its trace
+                    raw.append(adapter.episode_reward(rollout.episode, group.item))
+                else:
+                    raw.append(adapter.compute_reward(text, group.item))
             except Exception as err:
                 failures.append(Failure(group.item_index, i, _describe(err), traceback.format_exc()))
                 raw.append(math.nan)

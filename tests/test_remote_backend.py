@@ -452,3 +452,40 @@ def test_run_grpo_on_the_remote_client_checkpoints_with_the_scheme_and_resumes(l
     loads = [w for e, w in local_service.log if e == "submit" and w == "load_state_with_optimizer"]
     assert loads == ["load_state_with_optimizer"]
     assert [r["step"] for r in read_jsonl(tmp_path / "metrics.jsonl") if "loss" in r] == [0, 1, 2]
+
+
+# --------------------------------------------------------------------------- multi-turn episodes
+
+
+def test_multi_turn_datum_keeps_its_observation_mask_through_conversion():
+    from grpo.advantages import build_datum
+    from grpo.rollouts import Rollout
+
+    # prompt 5 6 7 ▸ model 8 9 ▸ observation 10 11 ▸ model 12
+    episode = Rollout(tokens=[8, 9, 10, 11, 12], logprobs=[-0.5, -1.0, 0.0, 0.0, -0.25], stop_reason="stop",
+                      text="", mask=(1, 1, 0, 0, 1))
+    out = convert.datum(T, build_datum([5, 6, 7], episode, [0.75] * 5))
+    assert out.model_input.to_ints() == [5, 6, 7, 8, 9, 10, 11]
+    inputs = out.loss_fn_inputs
+    np.testing.assert_array_equal(inputs["target_tokens"].to_numpy(), [6, 7, 8, 9, 10, 11, 12])
+    np.testing.assert_array_equal(inputs["weights"].to_numpy(), [0, 0, 1, 1, 0, 0, 1])
+    np.testing.assert_array_equal(inputs["logprobs"].to_numpy(), np.float32([0, 0, -0.5, -1.0, 0, 0, -0.25]))
+    np.testing.assert_array_equal(inputs["advantages"].to_numpy(), np.float32([0, 0, 0.75, 0.75, 0, 0, 0.75]))
+
+
+def test_run_grpo_runs_multi_turn_episodes_through_the_sdk_unchanged(local_service, tmp_path):
+    from toy_agent import ToyAgent
+
+    from grpo.loop import run_grpo
+    from grpo.runlog import read_jsonl
+
+    cfg = {"base_model": "tiny", "rank": 4, "batch_size": 2, "group_size": 2, "max_tokens": 16, "report": False,
+           "progress": False, "learning_rate": 1e-3, "steps": 1}
+    run_grpo(ToyAgent(num_items=4, max_turns=3), cfg, service_client=remote(local_service, sdk="tinker"),
+             run_dir=tmp_path)
+    (row,) = [r for r in read_jsonl(tmp_path / "metrics.jsonl") if "loss" in r]
+    assert row["episode/turns"] == 3 and row["episode/tool_calls"] == 2 and row["datums"] == 4
+    # turn 1: one request per prompt; turns 2 and 3: one per episode, all through the SDK's types
+    assert local_service.log.count(("submit", "sample")) == 2 + 4 + 4
+    # on-policy through the service: the trainer's logprobs of model tokens equal the sampler's
+    assert abs(row["kl/sample_train"]) < 1e-4 and row["logprob/max_abs_diff"] < 1e-4

@@ -414,3 +414,120 @@ def test_browser_overlays_a_sweep(browser, tmp_path):
     assert len(browser.find_elements(By.CSS_SELECTOR, "#legend > span")) == 2
     Select(browser.find_element(By.ID, "run-select")).select_by_value("1")
     assert browser.find_element(By.CSS_SELECTOR, "#groups pre.response").text == "rb"
+
+
+# --------------------------------------------------------------------------- multi-turn episodes
+
+
+@pytest.fixture(scope="module")
+def agent_run(tmp_path_factory) -> Path:
+    """2 real GRPO steps of the tiny model on 3-turn episodes whose tool fails for one item."""
+    from toy_agent import ToyAgent
+
+    from grpo.loop import run_grpo
+
+    run_dir = tmp_path_factory.mktemp("agent_run")
+    run_grpo(ToyAgent(num_items=4, max_turns=3, behaviour={1: "raise"}),
+             {"base_model": "tiny", "steps": 2, "batch_size": 2, "group_size": 2, "max_tokens": 16,
+              "report": False, "progress": False}, run_dir=run_dir)
+    return run_dir
+
+
+CALC_ROW = {"step": 0, "group": 0, "sample": 0, "prompt": "What is 2 + 3?", "response": "x", "reward": 1.0,
+            "advantage": 0.5, "num_tokens": 20, "end_reason": "done",
+            "turns": [{"role": "model", "text": "Let me see <calc>2+3</calc>"},
+                      {"role": "observation", "text": "<result>5</result>", "tool": "calc", "tool_input": "2+3"},
+                      {"role": "model", "text": " so <b>5</b>"}]}
+
+
+def test_episode_traces_reach_the_page_data(agent_run, tmp_path):
+    data = payload_of(report.write_report(agent_run))
+    (run,) = data["runs"]
+    rows = read_jsonl(agent_run / "rollouts.jsonl")
+    samples = [s for step in sorted(run["rollouts"], key=int) for g in run["rollouts"][step] for s in g["samples"]]
+    assert len(samples) == len(rows) == 2 * 2 * 2
+    for s, r in zip(samples, rows, strict=True):
+        assert [t["text"] for t in s["turns"]] == [t["text"] for t in r["turns"]]
+        assert [t.get("error") for t in s["turns"]] == [t.get("error") for t in r["turns"]]
+        assert s["end_reason"] == r["end_reason"]
+    assert {p["id"]: p["keys"] for p in data["panels"]}["episode"] == [
+        "episode/turns", "episode/tool_calls", "episode/tool_error_rate"]
+
+
+def test_browser_shows_multi_turn_traces(browser, agent_run, tmp_path):
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import Select
+
+    path = report.write_report(agent_run)
+    open_page(browser, path)
+    assert console_errors(browser) == []
+    rows = [r for r in read_jsonl(agent_run / "rollouts.jsonl") if r["step"] == 1]
+    Select(browser.find_element(By.ID, "step-select")).select_by_value("1")
+    episodes = browser.find_elements(By.CSS_SELECTOR, "#groups tr.sample .episode")
+    assert len(episodes) == len(rows)
+    for view, row in zip(episodes, rows, strict=True):
+        turns = view.find_elements(By.CSS_SELECTOR, ".turn")
+        assert len(turns) == len(row["turns"])
+        for t_el, turn in zip(turns, row["turns"], strict=True):
+            kind = "turn-model" if turn["role"] == "model" else "turn-error" if turn.get("error") else "turn-tool"
+            assert kind in t_el.get_attribute("class").split()
+            text = t_el.find_elements(By.CSS_SELECTOR, "pre.turn-text")
+            assert (text[0].get_attribute("textContent") if text else "") == turn["text"]
+        assert f"ended: {row['end_reason']}" in view.find_element(By.CSS_SELECTOR, ".episode-end").text
+    errors = [t for r in rows for t in r["turns"] if t.get("error")]
+    assert errors and len(browser.find_elements(By.CSS_SELECTOR, "#groups .turn-error")) == len(errors)
+    assert points_of(browser, "episode") > 0
+    rollouts = browser.find_element(By.ID, "rollouts")
+    browser.execute_script("arguments[0].scrollIntoView()", rollouts)
+    shot = tmp_path / "episodes.png"
+    assert rollouts.screenshot(str(shot))
+    import matplotlib.image
+
+    image = matplotlib.image.imread(shot)
+    assert image.shape[0] > 300 and image[..., :3].std() > 0.05  # drawn turns, not a blank box
+
+
+def points_of(driver, panel: str) -> int:
+    return chart_points(driver)[panel]
+
+
+def test_browser_sets_tool_calls_apart_and_shows_trace_text_as_text(browser, tmp_path):
+    from selenium.webdriver.common.by import By
+
+    run_dir = make_run(tmp_path / "calc", [{"step": 0, "reward/mean": 1.0}], [CALC_ROW])
+    open_page(browser, report.write_report(run_dir))
+    assert console_errors(browser) == []
+    chips = browser.find_elements(By.CSS_SELECTOR, ".turn-model .tool-call")
+    assert [c.text for c in chips] == ["<calc>2+3</calc>"]
+    assert browser.find_element(By.CSS_SELECTOR, ".turn-tool .turn-label").text == "calc(2+3) →"
+    last = browser.find_elements(By.CSS_SELECTOR, ".turn-model pre.turn-text")[-1]
+    assert last.get_attribute("textContent") == " so <b>5</b>" and not last.find_elements(By.CSS_SELECTOR, "b")
+
+
+@pytest.mark.skipif(not os.environ.get("GRPO_REPORT_RUN"), reason="set GRPO_REPORT_RUN=<run dir> to check a real run")
+def test_browser_shows_the_episodes_of_a_given_run(browser, tmp_path):
+    """The report of a real run (e.g. `python -m grpo adapter=tools`) in chromium: every episode of
+    its last step (or GRPO_REPORT_STEP) is drawn turn by turn, tool calls set apart.
+    GRPO_REPORT_SHOT=<png> keeps the screenshot (docs/tools_report.png was taken this way)."""
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import Select
+
+    run_dir = tmp_path / "run"
+    shutil.copytree(os.environ["GRPO_REPORT_RUN"], run_dir, ignore=shutil.ignore_patterns("checkpoints", "wandb"))
+    open_page(browser, report.write_report(run_dir))
+    assert console_errors(browser) == []
+    rows = read_jsonl(run_dir / "rollouts.jsonl")
+    step = int(os.environ.get("GRPO_REPORT_STEP", max(r["step"] for r in rows)))  # default: the last
+    rows = [r for r in rows if r["step"] == step][: report.MAX_ROLLOUTS_PER_STEP]
+    Select(browser.find_element(By.ID, "step-select")).select_by_value(str(step))
+    views = browser.find_elements(By.CSS_SELECTOR, "#groups .episode")
+    assert len(views) == len(rows)
+    assert len(browser.find_elements(By.CSS_SELECTOR, "#groups .turn")) == sum(len(r["turns"]) for r in rows)
+    calls = sum(t["role"] == "observation" for r in rows for t in r["turns"])
+    assert len(browser.find_elements(By.CSS_SELECTOR, "#groups .turn-tool, #groups .turn-error")) == calls
+    browser.set_window_size(1400, 2400)
+    section = browser.find_element(By.ID, "rollouts")
+    browser.execute_script("arguments[0].scrollIntoView()", section)
+    shot = Path(os.environ.get("GRPO_REPORT_SHOT") or tmp_path / "episodes.png")
+    assert browser.save_screenshot(str(shot)) and shot.stat().st_size > 20_000
+    browser.set_window_size(1400, 1800)

@@ -343,6 +343,47 @@
 
     function signClass(v) { return !isNum(v) ? "zero" : v > 0 ? "pos" : v < 0 ? "neg" : "zero"; }
 
+    // A model turn's text with each call of a tool the episode used (<name>...</name>) set
+    // apart as a chip; any other markup stays plain text.
+    function modelText(text, tools) {
+      const pre = el("pre", { class: "turn-text" });
+      if (!tools.length) { pre.textContent = text; return pre; }
+      const names = tools.map((t) => t.replace(/[.*+?^${}()|[\]\\]/g, "\\$&")).join("|");
+      const call = new RegExp(`<(${names})>([\\s\\S]*?)<\\/\\1>`, "g");
+      let last = 0, m;
+      while ((m = call.exec(text)) !== null) {
+        if (m.index > last) pre.append(text.slice(last, m.index));
+        pre.append(el("span", { class: "tool-call", title: `tool call: ${m[1]}`, text: m[0] }));
+        last = m.index + m[0].length;
+      }
+      if (last < text.length) pre.append(text.slice(last));
+      return pre;
+    }
+
+    // An episode (grpo.episodes): its turns in order, model text, tool results and errors told apart.
+    function episodeView(s) {
+      const box = el("div", { class: "episode" });
+      const tools = Array.from(new Set(s.turns.filter((t) => t.tool).map((t) => t.tool)));
+      for (const t of s.turns) {
+        if (t.role === "model") {
+          box.append(el("div", { class: "turn turn-model" }, [el("span", { class: "turn-label", text: "model" }),
+                                                              modelText(t.text, tools)]));
+          continue;
+        }
+        const label = t.tool ? `${t.tool}(${t.tool_input ?? ""})` : "environment";
+        const kids = [el("span", { class: "turn-label", text: t.error ? `${label} · error` : `${label} →` })];
+        if (t.error) kids.push(el("span", { class: "turn-error-text", text: t.error }));
+        if (t.text) kids.push(el("pre", { class: "turn-text", text: t.text }));
+        box.append(el("div", { class: `turn ${t.error ? "turn-error" : "turn-tool"}` }, kids));
+      }
+      const calls = s.turns.filter((t) => t.role !== "model").length;
+      const errors = s.turns.filter((t) => t.error).length;
+      box.append(el("div", { class: "episode-end muted",
+        text: `${s.turns.filter((t) => t.role === "model").length} model turns · ${calls} tool calls · ` +
+              `${errors} errors · ended: ${s.end_reason}${s.turns_cut ? ` · ${s.turns_cut} more turns not shown` : ""}` }));
+      return box;
+    }
+
     function render() {
       groupsBox.replaceChildren();
       if (!stepSelect.options.length) {
@@ -380,7 +421,7 @@
             el("td", { class: `num reward ${signClass(s.reward)}`, text: isNum(s.reward) ? fmt(s.reward) : "failed" }),
             el("td", { class: `num ${signClass(s.advantage)}`, text: fmt(s.advantage) }),
             tokens,
-            el("td", {}, [el("pre", { class: "response", text: s.response })]),
+            el("td", {}, [s.turns ? episodeView(s) : el("pre", { class: "response", text: s.response })]),
           ]));
         }
         groupsBox.append(el("div", { class: "card group", "data-group": String(group.group) },

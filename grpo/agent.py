@@ -1,0 +1,158 @@
+"""The AgentAdapter protocol: an RLAdapter whose rollouts are multi-turn episodes with tools.
+
+An episode is: prompt ▸ model turn ▸ observation ▸ model turn ▸ ... ▸ end. A model turn ends at
+a stop sequence (a tool call's closing tag, or end of turn). The adapter's environment
+(``observe``) turns the turn's text into an observation (a tool result, a user reply) or ends
+the episode by returning None; the observation is appended to the context *as tokens*, so the
+trainer sees exactly the tokens the sampler saw, and observation tokens get weight 0.
+
+A tool task needs the RLAdapter's methods plus ``tools()``::
+
+    class Calculator(AgentAdapter):
+        def build_dataset(self): return [{"q": "What is 37 * 48?", "a": 1776}, ...]
+        def make_prompt(self, sample, tokenizer): return chat_prompt_tokens(tokenizer, [...])
+        def tools(self): return {"calc": lambda expr: str(eval_arithmetic(expr))}
+        def compute_reward(self, response, sample): return float(str(sample["a"]) in response)
+
+The model calls a tool by writing ``<calc>37*48</calc>``; the environment runs it in a thread
+with a time limit (``tool_timeout_s``) and answers ``<result>1776</result>``. A tool that
+raises, hangs or returns something that is not text becomes an error observation the model can
+read (or ends the episode, with ``tool_errors="end"``), is counted in the trace, and never takes
+training down. ``compute_reward`` scores the final model turn; ``episode_reward`` adds the
+process terms (``tool_call_cost`` per call by default) and may read the whole trace.
+
+Limits (attributes, or constructor arguments of a subclass): ``max_turns`` model turns per
+episode; the loop's ``max_tokens`` per model turn; ``max_context_tokens`` for prompt + episode
+(a turn never samples past it, and an observation that does not fit ends the episode with
+``end_reason="context"``); ``tool_timeout_s`` per environment call.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any
+
+from grpo.adapter import RLAdapter
+
+if TYPE_CHECKING:
+    from grpo.episodes import Episode
+
+OBSERVATION_STYLES = ("inline", "chat")
+TOOL_ERROR_POLICIES = ("observe", "end")
+
+
+class AgentConfigError(ValueError):
+    pass
+
+
+class ToolError(Exception):
+    """Raised by a tool (or the environment) to hand the model an error message as observation."""
+
+
+class AgentAdapter(RLAdapter):
+    """An RLAdapter whose rollouts are episodes: model turns interleaved with observations."""
+
+    max_turns: int = 4  # model turns per episode; after the last one the episode ends
+    max_context_tokens: int = 2048  # prompt + every turn and observation
+    tool_timeout_s: float = 5.0  # wall clock per environment call (tool run); then an error observation
+    tool_call_cost: float = 0.0  # subtracted from the reward per tool call (episode_reward's default)
+    max_observation_chars: int = 2000  # longer tool output is cut and counted as an error
+    observation_style: str = "inline"  # inline: <result>..</result> in the same turn; chat: a tool message
+    tool_errors: str = "observe"  # observe: the error is the observation; end: it ends the episode
+
+    # ------------------------------------------------------------------ tools and environment
+
+    def tools(self) -> Mapping[str, Callable[[str], Any]]:
+        """Tools by name. The model calls one by writing ``<name>input</name>``; the function gets
+        the input text and returns the result (text or a number)."""
+        return {}
+
+    def find_tool_call(self, text: str) -> tuple[str, str] | None:
+        """The (tool name, input) the model's turn asks for, or None when it calls no tool (its
+        final answer). Default: the last complete ``<name>...</name>`` of a known tool."""
+        names = [re.escape(n) for n in self.tools()]
+        if not names:
+            return None
+        calls = re.findall(rf"<({'|'.join(names)})>(.*?)</\1>", text, flags=re.S)
+        return (calls[-1][0], calls[-1][1].strip()) if calls else None
+
+    def observe(self, text: str, sample: Any, episode: Episode) -> str | None:
+        """The environment: the observation that answers the model's turn ``text``, or None to end
+        the episode. Runs in a worker thread under ``tool_timeout_s``; raising (ToolError or
+        anything else) gives an error observation. Default: run the tool the turn calls."""
+        call = self.find_tool_call(text)
+        if call is None:
+            return None
+        name, argument = call
+        return self.tools()[name](argument)
+
+    def format_observation(self, result: str, error: bool) -> str:
+        """The text the model reads for a tool result (or an error message)."""
+        return f"<result>{'error: ' if error else ''}{result}</result>"
+
+    def render_observation(self, text: str, tokenizer: Any) -> list[int]:
+        """Tokens appended to the context for an observation. ``inline`` continues the model's
+        message (``<result>..</result>`` then the model goes on); ``chat`` closes the model's
+        message and opens a tool message, then a new assistant message, in the chat template."""
+        if self.observation_style == "chat":
+            return chat_observation_tokens(tokenizer, text)
+        return list(tokenizer.encode(text, add_special_tokens=False))
+
+    def rebuild_context(self, prompt: list[int], episode: Episode, tokenizer: Any) -> list[int] | None:
+        """The next turn's whole context, for environments that re-render the conversation (a
+        template that drops earlier reasoning, a summarised history); ``episode`` ends with the
+        new observation. None (the default): the observation's tokens are appended. A context
+        that does not extend the current one splits the episode: each part trains as its own
+        Datum over exactly the tokens the sampler saw, all with the episode's advantage."""
+        return None
+
+    def stop_sequences(self, tokenizer: Any) -> list[str | int]:
+        """End of turn, plus each tool's closing tag (the environment answers there)."""
+        return [*super().stop_sequences(tokenizer), *(f"</{name}>" for name in self.tools())]
+
+    # ------------------------------------------------------------------ reward
+
+    def episode_reward(self, episode: Episode, sample: Any) -> float:
+        """Final outcome plus process terms: ``compute_reward`` of the last model turn minus
+        ``tool_call_cost`` per tool call. Override to read the whole trace (turns, errors)."""
+        return float(self.compute_reward(episode.final_text, sample)) - self.tool_call_cost * episode.tool_calls
+
+    # ------------------------------------------------------------------ checks
+
+    def check_agent_config(self) -> None:
+        """Raise AgentConfigError naming the attribute when a limit is out of range."""
+        def need(ok: bool, key: str, valid: str) -> None:
+            if not ok:
+                raise AgentConfigError(f"adapter.{key}={getattr(self, key)!r} is invalid: {valid}")
+
+        need(isinstance(self.max_turns, int) and self.max_turns >= 1, "max_turns", "must be an integer >= 1")
+        need(isinstance(self.max_context_tokens, int) and self.max_context_tokens > 0, "max_context_tokens",
+             "must be a positive integer")
+        need(isinstance(self.tool_timeout_s, (int, float)) and self.tool_timeout_s > 0, "tool_timeout_s",
+             "must be a positive number of seconds")
+        need(self.tool_call_cost >= 0, "tool_call_cost", "must be >= 0")
+        need(self.max_observation_chars > 0, "max_observation_chars", "must be a positive integer")
+        need(self.observation_style in OBSERVATION_STYLES, "observation_style",
+             f"valid: {', '.join(OBSERVATION_STYLES)}")
+        need(self.tool_errors in TOOL_ERROR_POLICIES, "tool_errors", f"valid: {', '.join(TOOL_ERROR_POLICIES)}")
+
+
+def chat_observation_tokens(tokenizer: Any, text: str, role: str = "tool") -> list[int]:
+    """Tokens that end the assistant's message, add ``text`` as a ``role`` message and open the
+    next assistant message, in the tokenizer's chat template. Found as the difference between two
+    renderings of the same conversation, so any template works; a template that rejects the role
+    falls back to ``user``."""
+    marker = "\x00GRPO-OBSERVATION-MARKER\x00"
+    base = [{"role": "user", "content": "q"}, {"role": "assistant", "content": marker}]
+    for r in (role, "user"):
+        try:
+            full = tokenizer.apply_chat_template(base + [{"role": r, "content": text}], add_generation_prompt=True,
+                                                 tokenize=False)
+            break
+        except Exception:
+            continue
+    else:
+        raise AgentConfigError("observation_style='chat' needs a tokenizer with a chat template")
+    tail = full[full.index(marker) + len(marker):]
+    return list(tokenizer.encode(tail, add_special_tokens=False))

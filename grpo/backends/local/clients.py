@@ -2,16 +2,17 @@
 
 Training calls run in order on one worker thread per base model and return futures at once,
 so a caller can submit forward_backward and optim_step back to back as on the service.
-Sampling calls go to a batcher that gathers whatever arrives together into one generation.
+Sampling calls go to a batcher that runs the requests a caller issued before waiting as one
+generation (the same one on every run, see _SampleBatcher).
 """
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import itertools
 import json
 import os
-import queue
 import threading
 import time
 from collections.abc import Sequence
@@ -358,32 +359,93 @@ def _prompt_tokens(prompt: ModelInput, engine: Engine) -> list[int]:
     return tokens
 
 
-class _SampleBatcher:
-    """Gathers sample requests arriving close together into one batched generation."""
+class _SampleFuture(concurrent.futures.Future):
+    """A sample call's future. Waiting on it closes the batch it belongs to (see _SampleBatcher)."""
 
-    GATHER_WINDOW_S = 0.01
+    def __init__(self, batcher: _SampleBatcher):
+        super().__init__()
+        self._batcher = batcher
+
+    def result(self, timeout: float | None = None):
+        self._batcher.close_batch()
+        return super().result(timeout)
+
+    def exception(self, timeout: float | None = None):
+        self._batcher.close_batch()
+        return super().exception(timeout)
+
+    def done(self) -> bool:
+        self._batcher.close_batch()  # a caller polling for completion is waiting too
+        return super().done()
+
+    def add_done_callback(self, fn) -> None:
+        # ``await`` (asyncio.wrap_future) lands here. Closing at once would cut an
+        # asyncio.gather of sample calls after its first request; closing on the event loop's
+        # next turn lets every task already scheduled submit its request first.
+        try:
+            asyncio.get_running_loop().call_soon(self._batcher.close_batch)
+        except RuntimeError:  # not inside an event loop
+            self._batcher.close_batch()
+        super().add_done_callback(fn)
+
+
+class _SampleBatcher:
+    """Runs sample requests in batches whose make-up depends on the calls, never on timing.
+
+    A batch is every request submitted since the previous batch closed; it closes when a caller
+    waits on one of its futures (``result()``, ``await``, ``done()``). A caller that issues its
+    requests and then waits -- the GRPO loop, ``asyncio.gather`` of ``sample_async`` -- gets all
+    of them in one generation, and the same generation on every run: batch make-up changes float
+    results (padding, matmul shapes), so a batch that closed whenever a timer said would make a
+    seeded run depend on how busy the machine was. Requests nobody waits on still run, once
+    ``IDLE_CLOSE_S`` has passed with no new request. Batches closed while the worker was busy run
+    together (several threads sampling at once get batched; their make-up depends on their
+    timing, as theirs always does).
+    """
+
+    IDLE_CLOSE_S = 0.5
 
     def __init__(self, engine: Engine):
         self.engine = engine
-        self.queue: queue.Queue = queue.Queue()
+        self._cond = threading.Condition()
+        self._open: list = []  # submitted, batch still open
+        self._closed: list = []  # waiting for the worker
+        self._last_submit = 0.0
         self.thread = threading.Thread(target=self._loop, name="grpo-sampler", daemon=True)
         self.thread.start()
 
     def submit(self, request: sampler.GenerationRequest, adapter: str | None, snapshot) -> concurrent.futures.Future:
-        future: concurrent.futures.Future = concurrent.futures.Future()
-        self.queue.put((request, adapter, snapshot, future))
+        future = _SampleFuture(self)
+        with self._cond:
+            self._open.append((request, adapter, snapshot, future))
+            self._last_submit = time.monotonic()
+            self._cond.notify_all()
         return future
+
+    def close_batch(self) -> None:
+        with self._cond:
+            if self._open:
+                self._closed.extend(self._open)
+                self._open = []
+                self._cond.notify_all()
+
+    def _next_batch(self) -> list:
+        with self._cond:
+            while not self._closed:
+                if self._open:
+                    idle = time.monotonic() - self._last_submit
+                    if idle >= self.IDLE_CLOSE_S:
+                        self._closed, self._open = self._open, []
+                        break
+                    self._cond.wait(self.IDLE_CLOSE_S - idle)
+                else:
+                    self._cond.wait()
+            batch, self._closed = self._closed, []
+            return batch
 
     def _loop(self) -> None:
         while True:
-            pending = [self.queue.get()]
-            deadline = time.monotonic() + self.GATHER_WINDOW_S
-            while True:
-                try:
-                    pending.append(self.queue.get(timeout=max(0.0, deadline - time.monotonic())))
-                    deadline = time.monotonic() + self.GATHER_WINDOW_S
-                except queue.Empty:
-                    break
+            pending = self._next_batch()
             # Requests for different weights cannot share a forward pass.
             by_weights: dict[tuple, list] = {}
             for item in pending:

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from grpo import models
-from grpo.backends.local import sampler, trainer
+from grpo.backends.local import memory, sampler, trainer
 from grpo.backends.local.engine import Engine, LoraSpec
 from grpo.types import (
     AdamParams,
@@ -50,17 +50,23 @@ class ServiceClient:
 
     Args beyond the SDK's (all optional): ``checkpoint_dir`` where named states are written
     (default ``$GRPO_CACHE/checkpoints``), ``device`` and ``dtype`` ("auto": CUDA bf16 when
-    available, else CPU fp32), ``micro_batch_tokens`` (padded tokens per training micro-batch).
+    available, else CPU fp32), ``memory_budget_mb`` (working memory of one training micro-batch
+    or one sampling wave; "auto": a share of the device's memory, 0: unbounded; see memory.py),
+    ``micro_batch_tokens`` (padded tokens per training micro-batch; overrides what the budget
+    gives).
     """
 
     def __init__(self, checkpoint_dir: str | os.PathLike | None = None, device: str | None = None,
-                 dtype: str | None = None, micro_batch_tokens: int = 4096, **_sdk_kwargs: Any):
+                 dtype: str | None = None, micro_batch_tokens: int | None = None,
+                 memory_budget_mb: int | float | str | None = "auto", **_sdk_kwargs: Any):
         self.checkpoint_dir = Path(checkpoint_dir) if checkpoint_dir else models.cache_dir() / "checkpoints"
         self.device = device
         self.dtype = dtype
-        if micro_batch_tokens <= 0:
-            raise ValueError(f"micro_batch_tokens must be positive, got {micro_batch_tokens}")
-        self.micro_batch_tokens = int(micro_batch_tokens)
+        if micro_batch_tokens is not None and (not isinstance(micro_batch_tokens, int) or micro_batch_tokens <= 0):
+            raise ValueError(f"micro_batch_tokens must be a positive integer or null, got {micro_batch_tokens!r}")
+        self.micro_batch_tokens = micro_batch_tokens
+        memory.resolve_budget(memory_budget_mb, torch.device("cpu"))  # fail fast on a bad value
+        self.memory_budget_mb = memory_budget_mb
         self._engines: dict[str, _EngineHandle] = {}
         self._lock = threading.Lock()
         self._ids = itertools.count()
@@ -69,7 +75,9 @@ class ServiceClient:
         models.resolve(base_model)  # fail fast on a bad name, before any thread starts
         with self._lock:
             if base_model not in self._engines:
-                self._engines[base_model] = _EngineHandle(Engine(base_model, self.device, self.dtype))
+                engine = Engine(base_model, self.device, self.dtype)
+                budget = memory.Budget.for_model(self.memory_budget_mb, engine.model, engine.device)
+                self._engines[base_model] = _EngineHandle(engine, budget)
             return self._engines[base_model]
 
     def get_server_capabilities(self) -> dict[str, Any]:
@@ -112,10 +120,11 @@ class ServiceClient:
 class _EngineHandle:
     """An engine plus its two workers: an ordered training queue and a sampling batcher."""
 
-    def __init__(self, engine: Engine):
+    def __init__(self, engine: Engine, budget: memory.Budget):
         self.engine = engine
+        self.budget = budget
         self.train_executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="grpo-train")
-        self.batcher = _SampleBatcher(engine)
+        self.batcher = _SampleBatcher(engine, budget)
 
 
 class TrainingClient:
@@ -155,7 +164,7 @@ class TrainingClient:
         def work() -> ForwardBackwardOutput:
             return self._run_in_engine(lambda model: trainer.run(
                 model, prepared, loss_fn, loss_fn_config, self.engine.device,
-                self.service.micro_batch_tokens, backward))
+                self.service.micro_batch_tokens or self.handle.budget.train_tokens(), backward))
 
         return self._submit(work)
 
@@ -405,8 +414,9 @@ class _SampleBatcher:
 
     IDLE_CLOSE_S = 0.5
 
-    def __init__(self, engine: Engine):
+    def __init__(self, engine: Engine, budget: memory.Budget):
         self.engine = engine
+        self.budget = budget
         self._cond = threading.Condition()
         self._open: list = []  # submitted, batch still open
         self._closed: list = []  # waiting for the worker
@@ -463,9 +473,12 @@ class _SampleBatcher:
         if not live:
             return
         _, adapter, snapshot, _ = live[0]
+        requests = [it[0] for it in live]
         try:
             with self.engine.sampling_model(adapter, snapshot) as model:
-                sampler.generate(model, [it[0] for it in live], self.engine.tokenizer, self.engine.device)
+                # Whole requests per wave, so a seeded request draws as it would alone.
+                for wave in sampler.waves(requests, self.budget.row_bytes, self.budget.bytes):
+                    sampler.generate(model, wave, self.engine.tokenizer, self.engine.device)
         except Exception as err:  # delivered to every caller of this batch
             for it in live:
                 it[3].set_exception(err)

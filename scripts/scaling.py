@@ -27,7 +27,6 @@ import argparse
 import json
 import platform
 import resource
-import statistics
 import subprocess
 import sys
 import time
@@ -192,10 +191,16 @@ def main() -> None:
     p.add_argument("--unbounded", action="store_true", help="no memory budget (the backend's old behaviour)")
     p.add_argument("--timeout", type=float, default=900, help="seconds per row")
     p.add_argument("--json", type=Path, help="also write the rows' measurements here")
+    p.add_argument("--from-json", type=Path, nargs="+", help="print the table of rows saved with --json")
     p.add_argument("--worker", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.worker:
         worker(json.loads(args.worker))
+        return
+    if args.from_json:
+        results = [r for path in args.from_json for r in json.loads(path.read_text())]
+        print(table(results))
+        print(spread(results))
         return
     rows = {"all": SHAPE_ROWS + MODEL_ROWS, "shapes": SHAPE_ROWS, "models": MODEL_ROWS}[args.rows]
     if args.only:
@@ -215,10 +220,23 @@ def main() -> None:
     print(table(results))
     if args.json:
         args.json.write_text(json.dumps(results, indent=1))
-    spread = [1000 * r["train_s"] / r["sampled"] for r in results if r["model"] == "smollm2"]
-    if len(spread) > 1:
-        print(f"\ntrain ms/token spread (smollm2 rows): {max(spread) / min(spread):.2f}x; "
-              f"sample: {statistics.mean(spread):.2f} mean")
+    print(spread(results))
+
+
+def spread(results: list[dict[str, Any]]) -> str:
+    """Largest over smallest per-token cost and peak RSS among the packaged model's rows."""
+    rows = [r for r in results if r["model"] == "smollm2"]
+    if len(rows) < 2:
+        return ""
+    def ratio(key) -> float:
+        values = [key(r) for r in rows]
+        return max(values) / min(values)
+
+    first = next((r for r in rows if (r["prompts"], r["group"], r["max_tokens"]) == (8, 4, 32)), rows[0])
+    peak = max(r["peak_rss_mb"] for r in rows) / first["peak_rss_mb"]
+    return (f"\nAcross the SmolLM2-135M rows: train ms/token max/min {ratio(lambda r: r['train_s'] / r['sampled']):.2f}x, "
+            f"sample ms/token max/min {ratio(lambda r: r['sample_s'] / r['sampled']):.2f}x, "
+            f"largest peak RSS / the 8 x 4 x 32 row's {peak:.2f}x.")
 
 
 if __name__ == "__main__":

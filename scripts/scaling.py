@@ -188,7 +188,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--rows", choices=["all", "shapes", "models"], default="all")
     p.add_argument("--only", help="comma-separated row numbers (0-based) of the chosen rows")
-    p.add_argument("--unbounded", action="store_true", help="no memory budget (the backend's old behaviour)")
+    p.add_argument("--unbounded", action="store_true", help="memory_budget_mb=0: one sampling wave, one micro-batch")
     p.add_argument("--timeout", type=float, default=900, help="seconds per row")
     p.add_argument("--json", type=Path, help="also write the rows' measurements here")
     p.add_argument("--from-json", type=Path, nargs="+", help="print the table of rows saved with --json")

@@ -4,6 +4,7 @@ batching of concurrent requests, snapshots that stay put while training moves on
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 import torch
@@ -35,11 +36,9 @@ def trained(svc):
 
 
 @pytest.fixture
-def wide_window(trained, monkeypatch):
-    """Make the batcher wait long enough that requests submitted back to back share a batch,
-    and count the generations it runs (the real sampler.generate does the work)."""
-    client, _ = trained
-    monkeypatch.setattr(client.handle.batcher, "GATHER_WINDOW_S", 0.25)
+def generations(monkeypatch):
+    """The number of requests in each generation the batcher runs (the real sampler.generate
+    does the work)."""
     calls: list[int] = []
     real = sampler.generate
 
@@ -59,13 +58,13 @@ def sample(sampling_client, prompt, n=1, **params):
 
 
 @pytest.mark.parametrize("temperature", [0.7, 1.0])
-def test_sampler_logprobs_equal_trainer_logprobs(trained, wide_window, temperature) -> None:
+def test_sampler_logprobs_equal_trainer_logprobs(trained, generations, temperature) -> None:
     client, sampling_client = trained
     # Prompts of different lengths in one batch: left padding must not move any logprob.
     futures = [sample(sampling_client, p, 3, max_tokens=10, temperature=temperature, seed=i)
                for i, p in enumerate(PROMPTS)]
     results = [f.result() for f in futures]
-    assert wide_window == [len(PROMPTS)]
+    assert generations == [len(PROMPTS)]
     data, sampled = [], []
     for prompt, res in zip(PROMPTS, results, strict=True):
         assert len(res.sequences) == 3
@@ -124,7 +123,7 @@ def test_length_limit_and_stop_ids_and_stop_strings(trained, tokenizer) -> None:
     assert top1.sequences[0].tokens == tokens
 
 
-def test_fixed_seed_reproduces_samples_alone_and_in_a_shared_batch(trained, wide_window) -> None:
+def test_fixed_seed_reproduces_samples_alone_and_in_a_shared_batch(trained, generations) -> None:
     _, sampling_client = trained
     params = dict(max_tokens=12, temperature=1.0, seed=1234)
     alone = sample(sampling_client, PROMPTS[0], 4, **params).result()
@@ -136,7 +135,7 @@ def test_fixed_seed_reproduces_samples_alone_and_in_a_shared_batch(trained, wide
     others.append(sample(sampling_client, PROMPTS[1], 1, max_tokens=3, temperature=0.0))
     shared = shared.result()
     [o.result() for o in others]
-    assert wide_window[-1] == 4, wide_window  # the shared batch really held all four requests
+    assert generations[-1] == 4, generations  # the shared batch really held all four requests
     toks = [[s.tokens for s in r.sequences] for r in (alone, again, shared)]
     assert toks[0] == toks[1] == toks[2]
     assert len({tuple(t) for t in toks[0]}) > 1, "the four samples of one prompt should differ"
@@ -144,14 +143,60 @@ def test_fixed_seed_reproduces_samples_alone_and_in_a_shared_batch(trained, wide
     assert [s.tokens for s in other_seed.sequences] != toks[0]
 
 
-def test_concurrent_sample_calls_are_batched_into_one_generation(trained, wide_window) -> None:
+def test_concurrent_sample_calls_are_batched_into_one_generation(trained, generations) -> None:
     _, sampling_client = trained
     futures = [sample(sampling_client, p, n, max_tokens=4, temperature=1.0) for p, n in zip(PROMPTS, [2, 3, 1],
                                                                                             strict=True)]
     results = [f.result() for f in futures]
-    assert wide_window == [3]
+    assert generations == [3]
     assert [len(r.sequences) for r in results] == [2, 3, 1]
     assert all(len(s.tokens) == 4 and s.stop_reason == "length" for r in results for s in r.sequences)
+
+
+def test_a_batch_holds_what_was_issued_before_waiting_however_slowly(trained, generations) -> None:
+    """Batch make-up changes float results, so it must follow the calls, not the clock: requests
+    issued with pauses between them still share one generation, and give the same bits as ones
+    issued back to back."""
+    _, sampling_client = trained
+
+    def wave(pause_s: float) -> list:
+        futures = []
+        for i, p in enumerate(PROMPTS):
+            futures.append(sample(sampling_client, p, 3, max_tokens=6, temperature=1.0, seed=40 + i))
+            time.sleep(pause_s)
+        return [[(s.tokens, s.logprobs) for s in f.result().sequences] for f in futures]
+
+    back_to_back, paused = wave(0.0), wave(0.05)
+    assert generations == [3, 3]
+    assert paused == back_to_back
+    # each request on its own is a different batch: waiting closes it
+    alone = [[(s.tokens, s.logprobs) for s in sample(sampling_client, p, 3, max_tokens=6, temperature=1.0,
+                                                     seed=40 + i).result().sequences] for i, p in enumerate(PROMPTS)]
+    assert generations == [3, 3, 1, 1, 1]
+    assert [[t for t, _ in r] for r in alone] == [[t for t, _ in r] for r in back_to_back]  # seeds hold
+
+
+def test_gathered_sample_async_calls_share_one_generation(trained, generations) -> None:
+    _, sampling_client = trained
+
+    async def main():
+        return await asyncio.gather(*[
+            sampling_client.sample_async(types.ModelInput.from_ints(p), 2, types.SamplingParams(max_tokens=3))
+            for p in PROMPTS])
+
+    results = asyncio.run(main())
+    assert generations == [3]
+    assert [len(r.sequences) for r in results] == [2, 2, 2]
+
+
+def test_requests_nobody_waits_on_still_run(trained, generations) -> None:
+    """concurrent.futures.wait looks at no method of the future: the idle timeout closes the batch."""
+    import concurrent.futures
+
+    _, sampling_client = trained
+    futures = [sample(sampling_client, p, 1, max_tokens=2) for p in PROMPTS[:2]]
+    done, _ = concurrent.futures.wait([f._future for f in futures], timeout=30)
+    assert len(done) == 2 and generations == [2]
 
 
 def test_sample_async(trained) -> None:

@@ -2,7 +2,8 @@
 
 Training calls run in order on one worker thread per base model and return futures at once,
 so a caller can submit forward_backward and optim_step back to back as on the service.
-Sampling calls go to a batcher that gathers whatever arrives together into one generation.
+Sampling calls go to a batcher that runs the requests a caller issued before waiting as one
+generation (the same one on every run, see _SampleBatcher).
 
 Every method of the Tinker SDK (0.38) that has a local meaning is here under the SDK's name and
 parameter names, with its ``_async`` twin; grpo/sdk_parity.py lists the rest and why. Saved
@@ -12,11 +13,11 @@ states live in a grpo.checkpoint_store.CheckpointStore under ``checkpoint_dir`` 
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import itertools
 import json
 import os
-import queue
 import shutil
 import threading
 import time
@@ -27,7 +28,7 @@ from typing import Any
 import torch
 
 from grpo import models
-from grpo.backends.local import custom_loss, sampler, trainer
+from grpo.backends.local import custom_loss, memory, sampler, trainer
 from grpo.backends.local.engine import Engine, LoraSpec
 from grpo.checkpoint_store import CheckpointStore
 from grpo.files import replace_dir
@@ -79,18 +80,24 @@ class ServiceClient:
 
     Args beyond the SDK's (all optional): ``checkpoint_dir`` where named states are written
     (default ``$GRPO_CACHE/checkpoints``), ``device`` and ``dtype`` ("auto": CUDA bf16 when
-    available, else CPU fp32), ``micro_batch_tokens`` (padded tokens per training micro-batch).
+    available, else CPU fp32), ``memory_budget_mb`` (working memory of one training micro-batch
+    or one sampling wave; "auto": a share of the device's memory, 0: unbounded; see memory.py),
+    ``micro_batch_tokens`` (padded tokens per training micro-batch; overrides what the budget
+    gives).
     The SDK's own arguments (``api_key``, ``base_url``, ``project_id``...) are accepted and unused.
     """
 
     def __init__(self, checkpoint_dir: str | os.PathLike | None = None, device: str | None = None,
-                 dtype: str | None = None, micro_batch_tokens: int = 4096, **_sdk_kwargs: Any):
+                 dtype: str | None = None, micro_batch_tokens: int | None = None,
+                 memory_budget_mb: int | float | str | None = "auto", **_sdk_kwargs: Any):
         self.checkpoint_dir = Path(checkpoint_dir) if checkpoint_dir else models.cache_dir() / "checkpoints"
         self.device = device
         self.dtype = dtype
-        if micro_batch_tokens <= 0:
-            raise ValueError(f"micro_batch_tokens must be positive, got {micro_batch_tokens}")
-        self.micro_batch_tokens = int(micro_batch_tokens)
+        if micro_batch_tokens is not None and (not isinstance(micro_batch_tokens, int) or micro_batch_tokens <= 0):
+            raise ValueError(f"micro_batch_tokens must be a positive integer or null, got {micro_batch_tokens!r}")
+        self.micro_batch_tokens = micro_batch_tokens
+        memory.resolve_budget(memory_budget_mb, torch.device("cpu"))  # fail fast on a bad value
+        self.memory_budget_mb = memory_budget_mb
         self.store = CheckpointStore(self.checkpoint_dir)
         self._engines: dict[str, _EngineHandle] = {}
         self._lock = threading.Lock()
@@ -100,7 +107,9 @@ class ServiceClient:
         models.resolve(base_model)  # fail fast on a bad name, before any thread starts
         with self._lock:
             if base_model not in self._engines:
-                self._engines[base_model] = _EngineHandle(Engine(base_model, self.device, self.dtype))
+                engine = Engine(base_model, self.device, self.dtype)
+                budget = memory.Budget.for_model(self.memory_budget_mb, engine.model, engine.device)
+                self._engines[base_model] = _EngineHandle(engine, budget)
             return self._engines[base_model]
 
     # ------------------------------------------------------------------ session
@@ -215,10 +224,11 @@ class ServiceClient:
 class _EngineHandle:
     """An engine plus its two workers: an ordered training queue and a sampling batcher."""
 
-    def __init__(self, engine: Engine):
+    def __init__(self, engine: Engine, budget: memory.Budget):
         self.engine = engine
+        self.budget = budget
         self.train_executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="grpo-train")
-        self.batcher = _SampleBatcher(engine)
+        self.batcher = _SampleBatcher(engine, budget)
 
 
 class TrainingClient(_ClientFuture):
@@ -270,7 +280,7 @@ class TrainingClient(_ClientFuture):
 
         def run(datums: list, loss: str, config: dict | None, backward: bool) -> ForwardBackwardOutput:
             return self._run_in_engine(lambda model: trainer.run(
-                model, datums, loss, config, self.engine.device, self.service.micro_batch_tokens, backward))
+                model, datums, loss, config, self.engine.device, self._micro_batch_tokens(), backward))
 
         def work() -> ForwardBackwardOutput:
             forward = run(prepared, "cross_entropy", None, False)
@@ -292,10 +302,13 @@ class TrainingClient(_ClientFuture):
 
         def work() -> ForwardBackwardOutput:
             return self._run_in_engine(lambda model: trainer.run(
-                model, prepared, loss_fn, loss_fn_config, self.engine.device,
-                self.service.micro_batch_tokens, backward))
+                model, prepared, loss_fn, loss_fn_config, self.engine.device, self._micro_batch_tokens(), backward))
 
         return self._submit(work)
+
+    def _micro_batch_tokens(self) -> int:
+        """Tokens per training micro-batch: the explicit setting, else what the memory budget allows."""
+        return self.service.micro_batch_tokens or self.handle.budget.train_tokens()
 
     # ------------------------------------------------------------------ optimizer
 
@@ -570,32 +583,94 @@ def _prompt_tokens(prompt: ModelInput, engine: Engine) -> list[int]:
     return tokens
 
 
+class _SampleFuture(concurrent.futures.Future):
+    """A sample call's future. Waiting on it closes the batch it belongs to (see _SampleBatcher)."""
+
+    def __init__(self, batcher: _SampleBatcher):
+        super().__init__()
+        self._batcher = batcher
+
+    def result(self, timeout: float | None = None):
+        self._batcher.close_batch()
+        return super().result(timeout)
+
+    def exception(self, timeout: float | None = None):
+        self._batcher.close_batch()
+        return super().exception(timeout)
+
+    def done(self) -> bool:
+        self._batcher.close_batch()  # a caller polling for completion is waiting too
+        return super().done()
+
+    def add_done_callback(self, fn) -> None:
+        # ``await`` (asyncio.wrap_future) lands here. Closing at once would cut an
+        # asyncio.gather of sample calls after its first request; closing on the event loop's
+        # next turn lets every task already scheduled submit its request first.
+        try:
+            asyncio.get_running_loop().call_soon(self._batcher.close_batch)
+        except RuntimeError:  # not inside an event loop
+            self._batcher.close_batch()
+        super().add_done_callback(fn)
+
+
 class _SampleBatcher:
-    """Gathers sample requests arriving close together into one batched generation."""
+    """Runs sample requests in batches whose make-up depends on the calls, never on timing.
 
-    GATHER_WINDOW_S = 0.01
+    A batch is every request submitted since the previous batch closed; it closes when a caller
+    waits on one of its futures (``result()``, ``await``, ``done()``). A caller that issues its
+    requests and then waits -- the GRPO loop, ``asyncio.gather`` of ``sample_async`` -- gets all
+    of them in one generation, and the same generation on every run: batch make-up changes float
+    results (padding, matmul shapes), so a batch that closed whenever a timer said would make a
+    seeded run depend on how busy the machine was. Requests nobody waits on still run, once
+    ``IDLE_CLOSE_S`` has passed with no new request. Batches closed while the worker was busy run
+    together (several threads sampling at once get batched; their make-up depends on their
+    timing, as theirs always does).
+    """
 
-    def __init__(self, engine: Engine):
+    IDLE_CLOSE_S = 0.5
+
+    def __init__(self, engine: Engine, budget: memory.Budget):
         self.engine = engine
-        self.queue: queue.Queue = queue.Queue()
+        self.budget = budget
+        self._cond = threading.Condition()
+        self._open: list = []  # submitted, batch still open
+        self._closed: list = []  # waiting for the worker
+        self._last_submit = 0.0
         self.thread = threading.Thread(target=self._loop, name="grpo-sampler", daemon=True)
         self.thread.start()
 
     def submit(self, request: sampler.GenerationRequest, adapter: str | None, snapshot) -> concurrent.futures.Future:
-        future: concurrent.futures.Future = concurrent.futures.Future()
-        self.queue.put((request, adapter, snapshot, future))
+        future = _SampleFuture(self)
+        with self._cond:
+            self._open.append((request, adapter, snapshot, future))
+            self._last_submit = time.monotonic()
+            self._cond.notify_all()
         return future
+
+    def close_batch(self) -> None:
+        with self._cond:
+            if self._open:
+                self._closed.extend(self._open)
+                self._open = []
+                self._cond.notify_all()
+
+    def _next_batch(self) -> list:
+        with self._cond:
+            while not self._closed:
+                if self._open:
+                    idle = time.monotonic() - self._last_submit
+                    if idle >= self.IDLE_CLOSE_S:
+                        self._closed, self._open = self._open, []
+                        break
+                    self._cond.wait(self.IDLE_CLOSE_S - idle)
+                else:
+                    self._cond.wait()
+            batch, self._closed = self._closed, []
+            return batch
 
     def _loop(self) -> None:
         while True:
-            pending = [self.queue.get()]
-            deadline = time.monotonic() + self.GATHER_WINDOW_S
-            while True:
-                try:
-                    pending.append(self.queue.get(timeout=max(0.0, deadline - time.monotonic())))
-                    deadline = time.monotonic() + self.GATHER_WINDOW_S
-                except queue.Empty:
-                    break
+            pending = self._next_batch()
             # Requests for different weights cannot share a forward pass.
             by_weights: dict[tuple, list] = {}
             for item in pending:
@@ -613,9 +688,12 @@ class _SampleBatcher:
         if not live:
             return
         _, adapter, snapshot, _ = live[0]
+        requests = [it[0] for it in live]
         try:
             with self.engine.sampling_model(adapter, snapshot) as model:
-                sampler.generate(model, [it[0] for it in live], self.engine.tokenizer, self.engine.device)
+                # Whole requests per wave, so a seeded request draws as it would alone.
+                for wave in sampler.waves(requests, self.budget.row_bytes, self.budget.bytes):
+                    sampler.generate(model, wave, self.engine.tokenizer, self.engine.device)
         except Exception as err:  # delivered to every caller of this batch
             for it in live:
                 it[3].set_exception(err)

@@ -47,6 +47,26 @@ def _position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
     return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
 
 
+def waves(requests: list[GenerationRequest], row_bytes, budget: int | None) -> list[list[GenerationRequest]]:
+    """Consecutive runs of whole requests whose rows' working memory (``row_bytes(length)`` per
+    row, length = prompt + max_tokens) stays within ``budget`` bytes (None: all in one wave).
+    A request over the budget on its own still runs, alone: splitting its rows would change
+    what its seed draws."""
+    if budget is None:
+        return [requests]
+    out: list[list[GenerationRequest]] = []
+    used = 0
+    for req in requests:
+        need = req.num_samples * row_bytes(len(req.prompt) + (req.params.max_tokens or 0))
+        if out and used + need <= budget:
+            out[-1].append(req)
+            used += need
+        else:
+            out.append([req])
+            used = need
+    return out
+
+
 @torch.no_grad()
 def prompt_logprobs(model, prompts: list[list[int]], pad_id: int, device: torch.device) -> list[list[float | None]]:
     """Logprob of every prompt token given the ones before it (None for the first)."""

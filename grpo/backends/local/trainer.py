@@ -73,26 +73,54 @@ def prepare(data: Sequence[Datum], loss_fn: str, vocab_size: int, check_tokens) 
     return prepared
 
 
-def pack(items: list, cost, max_tokens: int) -> list[list]:
-    """Greedy packing in order: a batch grows until ``cost(batch)`` would pass the budget (an item
-    too big for any batch still gets one of its own)."""
+# What one more decoder call costs beyond its tokens, in tokens: Python and kernel-launch
+# overhead of a forward and backward through every layer, and the matmuls' lower efficiency on
+# few rows. Keeps the partition below from cutting a batch to save a handful of padded tokens.
+MICRO_BATCH_OVERHEAD_TOKENS = 32
+# How far back the partition looks for a batch start: bounds its cost on very large calls.
+PARTITION_LOOKBACK = 512
+
+
+def partition(items: list, prefix_of, prefix_len, length, max_tokens: int | None) -> list[list]:
+    """Cut ``items`` (in this order) into consecutive micro-batches, minimising the tokens the
+    decoder processes -- padding included -- plus a fixed cost per batch, with every batch's
+    tokens within ``max_tokens`` (None: no limit; an item too big for any batch gets its own).
+
+    A batch's tokens: each distinct prefix (``prefix_of(item)``, None for none) once, padded to
+    the batch's longest prefix, plus every item's own ``length`` padded to the batch's longest.
+    Items sorted by length make a batch's padding small; this picks the cuts.
+    """
+    n = len(items)
+    best = [0.0] + [float("inf")] * n
+    start = [0] * (n + 1)
+    for j in range(1, n + 1):
+        prefixes: set = set()
+        longest_prefix = longest = 0
+        for i in range(j - 1, max(-1, j - 1 - PARTITION_LOOKBACK), -1):
+            item = items[i]
+            key = prefix_of(item)
+            if key is not None:
+                prefixes.add(key)
+                longest_prefix = max(longest_prefix, prefix_len(item))
+            longest = max(longest, length(item))
+            tokens = len(prefixes) * longest_prefix + (j - i) * longest
+            if max_tokens is not None and tokens > max_tokens and i < j - 1:
+                break
+            cost = best[i] + tokens + MICRO_BATCH_OVERHEAD_TOKENS
+            if cost < best[j]:
+                best[j], start[j] = cost, i
     batches: list[list] = []
-    current: list = []
-    for item in items:
-        if current and cost([*current, item]) > max_tokens:
-            batches.append(current)
-            current = []
-        current.append(item)
-    if current:
-        batches.append(current)
-    return batches
+    j = n
+    while j > 0:
+        batches.append(items[start[j]:j])
+        j = start[j]
+    return batches[::-1]
 
 
-def micro_batches(data: list[PreparedDatum], max_tokens: int) -> list[list[PreparedDatum]]:
-    """Group datums of similar length so padding stays small and each batch fits the budget."""
+def micro_batches(data: list[PreparedDatum], max_tokens: int | None) -> list[list[PreparedDatum]]:
+    """Datums sorted by length, cut where padding or the budget says (``partition``)."""
     ordered = sorted(data, key=lambda d: len(d.input_ids))
-    # padded tokens: the last datum is the longest, since sorted
-    return pack(ordered, lambda batch: len(batch[-1].input_ids) * len(batch), max_tokens)
+    return partition(ordered, lambda d: None, lambda d: 0, lambda d: len(d.input_ids), max_tokens)
 
 
 @dataclass
@@ -292,17 +320,36 @@ def _shared_cost(units: list[SharedGroup]) -> int:
             + rows * max(u.suffix_width() for u in units))
 
 
-def shared_micro_batches(groups: list[SharedGroup], max_tokens: int) -> list[list[SharedGroup]]:
-    """Pack groups under the token budget, splitting a group too big for it (each part then
-    pays for its own prefix pass, which is still exact)."""
-    units: list[SharedGroup] = []
-    for g in groups:
-        members = sorted(g.members, key=lambda d: len(d.input_ids))
-        parts = pack(members, lambda part, prefix=g.prefix: _shared_cost([SharedGroup(prefix, part)]), max_tokens)
-        units.extend(SharedGroup(g.prefix, part) for part in parts)
-    # Similar prefix and suffix lengths together, so padding stays small.
-    units.sort(key=lambda u: (len(u.prefix), u.suffix_width()))
-    return pack(units, _shared_cost, max_tokens)
+def shared_micro_batches(groups: list[SharedGroup], max_tokens: int | None) -> list[list[SharedGroup]]:
+    """Micro-batches of group members, each batch running the prefixes of its members once.
+
+    Members are ordered by the length of their own part (the suffix after the prefix), so that
+    long and short responses are not padded to each other; a group whose members land in
+    several batches pays its prefix pass in each (still exact). The other order -- group by
+    group -- is kept when it costs fewer tokens (few groups, similar lengths).
+    """
+    members = [(g.prefix, d) for g in groups for d in g.members]
+
+    def cut(order: list) -> list[list]:
+        return partition(order, lambda m: id(m[0]), lambda m: len(m[0]), lambda m: len(m[1].input_ids) - len(m[0]),
+                         max_tokens)
+
+    def as_units(batches: list[list]) -> list[list[SharedGroup]]:
+        out = []
+        for batch in batches:
+            units: dict[int, SharedGroup] = {}
+            for prefix, d in batch:
+                units.setdefault(id(prefix), SharedGroup(prefix, [])).members.append(d)
+            out.append(list(units.values()))
+        return out
+
+    def cost(batches: list[list[SharedGroup]]) -> int:
+        return sum(_shared_cost(b) + MICRO_BATCH_OVERHEAD_TOKENS for b in batches)
+
+    by_suffix = as_units(cut(sorted(members, key=lambda m: len(m[1].input_ids) - len(m[0]))))
+    group_of = {id(g.prefix): k for k, g in enumerate(groups)}
+    by_group = as_units(cut(sorted(members, key=lambda m: (group_of[id(m[0])], len(m[1].input_ids)))))
+    return by_suffix if cost(by_suffix) <= cost(by_group) else by_group
 
 
 @torch.no_grad()
@@ -381,7 +428,7 @@ def decode_shared(model, units: list[SharedGroup], device: torch.device) -> Deco
 
 
 def run(model, data: list[PreparedDatum], loss_fn: str, loss_fn_config: Mapping[str, float] | None,
-        device: torch.device, max_tokens: int, backward: bool,
+        device: torch.device, max_tokens: int | None, backward: bool,
         share_prefixes: bool = True) -> ForwardBackwardOutput:
     """Compute (and optionally backpropagate) the summed loss over ``data``.
 

@@ -1,0 +1,243 @@
+"""How grpo's step time and memory grow with group size, response length, prompts and model size.
+
+Usage (from the repository root):
+
+    .venv/bin/python scripts/scaling.py                  # every row, prints the markdown table
+    .venv/bin/python scripts/scaling.py --rows shapes    # the packaged model's shape rows only
+    .venv/bin/python scripts/scaling.py --rows models --json out.json
+    .venv/bin/python scripts/scaling.py --unbounded      # the same rows with no memory budget
+
+Each row runs in a fresh child process (its peak RSS is its own): one small warm-up step (pays
+one-time costs: folding LoRA for sampling, the optimizer's state, the allocator's first pages),
+then one timed GRPO step through the client API: ``save_weights_and_get_sampling_client``, one
+``sample`` call per prompt, the package's advantages and datums, ``forward_backward(ppo)`` +
+``optim_step``. The packaged SmolLM2-135M rows stop at end of turn, as a real run does; the
+larger models are built from their architectures with random weights (no hub needed) and sample
+without stop, so every response is exactly ``max_tokens`` long.
+
+Efficiency: the matmul FLOPs the step had to do (2 x parameters per token forward; training adds
+the backward through the inputs, 2x more, for every token the decoder processed) divided by the
+step's time, against the FLOP/s a plain fp32 torch matmul of the model's own shapes reaches on
+the same machine in the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import resource
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "scripts"))
+MARK = "@@scaling "
+
+# Architectures of public checkpoints, built with random weights (tokenizer: SmolLM2's; the 1B
+# model keeps its own 128k vocabulary size, so its unembedding costs what the real one does).
+ARCHITECTURES: dict[str, dict[str, Any]] = {
+    "SmolLM2-360M (random)": dict(hidden_size=960, intermediate_size=2560, num_hidden_layers=32,
+                                  num_attention_heads=15, num_key_value_heads=5, vocab_size=49152,
+                                  tie_word_embeddings=True, rope_theta=100000.0, max_position_embeddings=8192),
+    "Llama-3.2-1B (random)": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+                                  num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,
+                                  tie_word_embeddings=True, rope_theta=500000.0, max_position_embeddings=8192),
+}
+
+# (model, prompts, group, max_tokens)
+SHAPE_ROWS = [("smollm2", 8, 4, 32), ("smollm2", 8, 16, 32), ("smollm2", 32, 4, 32), ("smollm2", 8, 4, 128),
+              ("smollm2", 8, 16, 128), ("smollm2", 8, 16, 256)]
+MODEL_ROWS = [("SmolLM2-360M (random)", 8, 4, 32), ("Llama-3.2-1B (random)", 4, 4, 32)]
+
+
+def emit(**payload: Any) -> None:
+    print(MARK + json.dumps(payload), flush=True)
+
+
+# --------------------------------------------------------------------------- child
+
+
+def patch_random_model(arch: dict[str, Any]) -> None:
+    """Make base_model "tiny" build ``arch`` instead of the test model (random weights)."""
+    import torch
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from grpo import models
+
+    def load_model(name, device=None, dtype=None, seed=0):
+        tokenizer = models.load_tokenizer(name)
+        config = LlamaConfig(bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                             pad_token_id=tokenizer.pad_token_id, rms_norm_eps=1e-5, **arch)
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        return model.to(device or "cpu").eval()
+
+    models.load_model = load_model
+
+
+def matmul_gflops(hidden: int, intermediate: int, tokens: int = 512, seconds: float = 1.0) -> float:
+    """fp32 GFLOP/s of plain torch matmuls of the model's MLP shapes on ``tokens`` rows."""
+    import torch
+
+    x = torch.randn(tokens, hidden)
+    w = torch.randn(hidden, intermediate)
+    torch.mm(x, w)
+    n, t0 = 0, time.perf_counter()
+    while time.perf_counter() - t0 < seconds:
+        torch.mm(x, w)
+        n += 1
+    return 2 * tokens * hidden * intermediate * n / (time.perf_counter() - t0) / 1e9
+
+
+def worker(row: dict[str, Any]) -> None:
+    from bench import exact_match, make_problems
+
+    from grpo import advantages, rollouts
+    from grpo.backends.local import ServiceClient
+    from grpo.types import AdamParams, SamplingParams
+
+    model_name = row["model"]
+    if model_name in ARCHITECTURES:
+        patch_random_model(ARCHITECTURES[model_name])
+        base, stop = "tiny", False
+    else:
+        base, stop = model_name, True
+    service = ServiceClient(device="cpu", dtype="float32", **row.get("service", {}))
+    tc = service.create_lora_training_client(base, rank=16, seed=0, train_unembed=False)
+    tokenizer = tc.get_tokenizer()
+    engine = tc.engine
+    config = engine.model.config
+    params_matmul = sum(p.numel() for n, p in engine.model.named_parameters() if "embed_tokens" not in n)
+    if getattr(config, "tie_word_embeddings", False):
+        params_matmul += engine.model.get_output_embeddings().weight.numel()
+    adam = AdamParams(learning_rate=2e-5, grad_clip_norm=1.0)
+
+    def step(problems, group: int, max_tokens: int) -> dict[str, float]:
+        prompt_ids = [tokenizer.apply_chat_template(p.messages, add_generation_prompt=True, tokenize=True,
+                                                    return_dict=False) for p in problems]
+        params = SamplingParams(max_tokens=max_tokens, temperature=1.0, seed=1,
+                                stop=[tokenizer.eos_token_id] if stop else None)
+        t0 = time.perf_counter()
+        sampler = tc.save_weights_and_get_sampling_client()
+        responses = rollouts.sample_groups(sampler, prompt_ids, group, lambda _: params, tokenizer)
+        t1 = time.perf_counter()
+        groups = [rollouts.Group(i, p, ids, rs) for i, (p, ids, rs) in enumerate(zip(problems, prompt_ids, responses,
+                                                                                        strict=True))]
+        for g in groups:
+            for k, r in enumerate(g.responses):
+                # exact match rarely fires on a random model; a fixed spread keeps every group trainable
+                r.reward = exact_match(r.text, g.item.answer) + 0.1 * k
+        advantages.assign_advantages(groups, "std", "keep")
+        pairs = advantages.trainable_responses(groups, skip_flat_groups=False, overlong="keep")
+        datums, _ = advantages.build_datums(pairs, "ppo", "token_mean")
+        t2 = time.perf_counter()
+        tc.forward_backward(datums, "ppo").result()
+        tc.optim_step(adam).result()
+        t3 = time.perf_counter()
+        sampled = sum(len(r.tokens) for g in groups for r in g.responses)
+        prompt_tokens = sum(len(ids) for ids in prompt_ids)
+        # what the decoder processes in training: each group's prompt once (shared), every response
+        processed = prompt_tokens + sampled
+        return {"sample_s": t1 - t0, "train_s": t3 - t2, "sampled": sampled, "prompt_tokens": prompt_tokens,
+                "processed": processed}
+
+    problems = make_problems(row["prompts"] + 1, seed=7)
+    step(problems[:1], 2, 4)  # warm-up
+    timed = step(problems[1:], row["group"], row["max_tokens"])
+    flops = 2 * params_matmul * (timed["prompt_tokens"] + timed["sampled"]) + 4 * params_matmul * timed["processed"]
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    gflops = matmul_gflops(config.hidden_size, config.intermediate_size)
+    emit(**row, **timed, flops=flops, peak_rss_mb=peak, matmul_gflops=gflops, params=params_matmul)
+
+
+# --------------------------------------------------------------------------- parent
+
+
+def run_row(row: dict[str, Any], timeout: float) -> dict[str, Any]:
+    proc = subprocess.run([sys.executable, __file__, "--worker", json.dumps(row)], capture_output=True, text=True,
+                          timeout=timeout, cwd=ROOT)
+    for line in proc.stdout.splitlines():
+        if line.startswith(MARK):
+            return json.loads(line[len(MARK):])
+    raise RuntimeError(f"row {row} failed:\n{proc.stderr[-3000:]}")
+
+
+def table(results: list[dict[str, Any]]) -> str:
+    head = ("| model | prompts x group x max_tokens | sampled tokens | step (sample + train) | sampled tok/s | "
+            "sample ms/token | trained tok/s | train ms/token | efficiency | peak RSS |\n"
+            "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    lines = [head]
+    for r in results:
+        step = r["sample_s"] + r["train_s"]
+        eff = r["flops"] / step / (r["matmul_gflops"] * 1e9)
+        lines.append(
+            f"| {r['model']} | {r['prompts']} x {r['group']} x {r['max_tokens']} | {r['sampled']:,} | "
+            f"{step:.1f} s ({r['sample_s']:.1f} + {r['train_s']:.1f}) | {r['sampled'] / r['sample_s']:.0f} | "
+            f"{1000 * r['sample_s'] / r['sampled']:.2f} | {r['sampled'] / r['train_s']:.0f} | "
+            f"{1000 * r['train_s'] / r['sampled']:.2f} | {100 * eff:.0f}% of {r['matmul_gflops']:.0f} GFLOP/s | "
+            f"{r['peak_rss_mb'] / 1024:.2f} GB |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--rows", choices=["all", "shapes", "models"], default="all")
+    p.add_argument("--only", help="comma-separated row numbers (0-based) of the chosen rows")
+    p.add_argument("--unbounded", action="store_true", help="memory_budget_mb=0: one sampling wave, one micro-batch")
+    p.add_argument("--timeout", type=float, default=900, help="seconds per row")
+    p.add_argument("--json", type=Path, help="also write the rows' measurements here")
+    p.add_argument("--from-json", type=Path, nargs="+", help="print the table of rows saved with --json")
+    p.add_argument("--worker", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.worker:
+        worker(json.loads(args.worker))
+        return
+    if args.from_json:
+        results = [r for path in args.from_json for r in json.loads(path.read_text())]
+        print(table(results))
+        print(spread(results))
+        return
+    rows = {"all": SHAPE_ROWS + MODEL_ROWS, "shapes": SHAPE_ROWS, "models": MODEL_ROWS}[args.rows]
+    if args.only:
+        rows = [rows[int(i)] for i in args.only.split(",")]
+    service = {"memory_budget_mb": 0} if args.unbounded else {}
+    results = []
+    t0 = time.perf_counter()
+    for model, prompts, group, max_tokens in rows:
+        row = {"model": model, "prompts": prompts, "group": group, "max_tokens": max_tokens, "service": service}
+        results.append(run_row(row, args.timeout))
+        print(f"# {model} {prompts}x{group}x{max_tokens}: {results[-1]['sample_s'] + results[-1]['train_s']:.1f} s, "
+              f"peak {results[-1]['peak_rss_mb']:.0f} MB", file=sys.stderr, flush=True)
+    import torch
+
+    print(f"Machine: {platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, "
+          f"torch {torch.__version__}; total {time.perf_counter() - t0:.0f} s\n")
+    print(table(results))
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=1))
+    print(spread(results))
+
+
+def spread(results: list[dict[str, Any]]) -> str:
+    """Largest over smallest per-token cost and peak RSS among the packaged model's rows."""
+    rows = [r for r in results if r["model"] == "smollm2"]
+    if len(rows) < 2:
+        return ""
+    def ratio(key) -> float:
+        values = [key(r) for r in rows]
+        return max(values) / min(values)
+
+    first = next((r for r in rows if (r["prompts"], r["group"], r["max_tokens"]) == (8, 4, 32)), rows[0])
+    peak = max(r["peak_rss_mb"] for r in rows) / first["peak_rss_mb"]
+    return (f"\nAcross the SmolLM2-135M rows: train ms/token max/min {ratio(lambda r: r['train_s'] / r['sampled']):.2f}x, "
+            f"sample ms/token max/min {ratio(lambda r: r['sample_s'] / r['sampled']):.2f}x, "
+            f"largest peak RSS / the 8 x 4 x 32 row's {peak:.2f}x.")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,137 @@
+"""The memory budget: sampling in waves and training in budget-sized micro-batches change how the
+work is cut, never what it computes (tiny model)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from backend_helpers import adapter_tensors, perturb_adapter, rl_datum
+
+from grpo import types
+from grpo.backends.local import ServiceClient, memory, sampler, trainer
+
+# 6 prompts of different lengths, 4 samples each: a GRPO step in miniature
+PROMPTS = [[1, *range(200 + 7 * k, 200 + 7 * k + 5 + 3 * k)] for k in range(6)]
+BUDGET_MB = 1.5  # tiny model: a request per sampling wave, ~180 tokens per micro-batch
+
+
+def step(svc: ServiceClient, counts: dict) -> tuple[list, dict, float]:
+    """Sample a group per prompt, then one forward_backward on them; the samples, the
+    adapter's gradients and the loss."""
+    client = svc.create_lora_training_client("tiny", seed=0, rank=8)
+    perturb_adapter(client, seed=3, scale=0.3)
+    sampling = client.save_weights_and_get_sampling_client()
+    futures = [sampling.sample(types.ModelInput.from_ints(p), 4,
+                               types.SamplingParams(max_tokens=24, temperature=1.0, seed=50 + i))
+               for i, p in enumerate(PROMPTS)]
+    samples = [[(s.tokens, s.logprobs) for s in f.result().sequences] for f in futures]
+    datums = [rl_datum(p, tokens, 0.25 * (k + 1), logprobs)
+              for p, group in zip(PROMPTS, samples, strict=True) for k, (tokens, logprobs) in enumerate(group)]
+    out = client.forward_backward(datums, "ppo").result()
+    counts["trained_tokens"] = sum(len(d.model_input.to_ints()) for d in datums)
+    return samples, adapter_tensors(client, "grad"), out.metrics["loss:sum"]
+
+
+@pytest.fixture
+def counts(monkeypatch) -> dict:
+    """How many sampling waves and training micro-batches the real code ran."""
+    seen = {"waves": [], "micro_batches": []}
+    real_generate, real_partition = sampler.generate, trainer.partition
+
+    def generate(model, requests, *args, **kwargs):
+        seen["waves"].append(len(requests))
+        return real_generate(model, requests, *args, **kwargs)
+
+    def partition(*args, **kwargs):
+        batches = real_partition(*args, **kwargs)
+        seen["micro_batches"].append(len(batches))
+        return batches
+
+    monkeypatch.setattr(sampler, "generate", generate)
+    monkeypatch.setattr(trainer, "partition", partition)
+    return seen
+
+
+def test_a_small_budget_gives_the_unbounded_samples_and_gradients(tmp_path, counts) -> None:
+    unbounded = step(ServiceClient(checkpoint_dir=tmp_path, device="cpu", dtype="float32", memory_budget_mb=0), counts)
+    assert counts["waves"] == [6]
+    counts["waves"].clear()
+    counts["micro_batches"].clear()
+    bounded = step(ServiceClient(checkpoint_dir=tmp_path, device="cpu", dtype="float32", memory_budget_mb=BUDGET_MB),
+                   counts)
+    # the budget really cut the work: several waves, and micro-batches in the order the trainer tried
+    assert len(counts["waves"]) >= 3 and sum(counts["waves"]) == 6
+    assert max(counts["micro_batches"]) >= 3
+
+    samples_u, grads_u, loss_u = unbounded
+    samples_b, grads_b, loss_b = bounded
+    assert [[t for t, _ in g] for g in samples_b] == [[t for t, _ in g] for g in samples_u]  # the same tokens
+    for gu, gb in zip(samples_u, samples_b, strict=True):
+        for (_, lu), (_, lb) in zip(gu, gb, strict=True):
+            assert torch.allclose(torch.tensor(lb), torch.tensor(lu), atol=1e-5)
+    assert loss_b == pytest.approx(loss_u, rel=1e-5, abs=1e-6)
+    assert grads_b.keys() == grads_u.keys()
+    for name in grads_u:
+        # float rounding: a sum of a few hundred per-position terms, some cancelling
+        scale = float(grads_u[name].abs().max())
+        assert float((grads_b[name] - grads_u[name]).abs().max()) <= 1e-5 * scale, name
+    assert any(g.abs().sum() > 0 for g in grads_u.values())
+
+
+def test_budget_settings_and_their_errors() -> None:
+    cpu = torch.device("cpu")
+    assert memory.resolve_budget(0, cpu) is None
+    assert memory.resolve_budget(3, cpu) == 3 * 2**20
+    assert memory.resolve_budget("auto", cpu) == memory.total_memory(cpu) // 16
+    for bad in (-1, "lots", True):
+        with pytest.raises(ValueError, match="memory_budget_mb"):
+            ServiceClient(memory_budget_mb=bad)
+    with pytest.raises(ValueError, match="micro_batch_tokens"):
+        ServiceClient(micro_batch_tokens=0)
+
+
+def test_training_bytes_per_token_cover_what_autograd_saves(tmp_path) -> None:
+    """The estimate the micro-batch size comes from is not below what autograd really keeps per
+    processed token (saved tensors counted by a hook), nor more than twice it."""
+    svc = ServiceClient(checkpoint_dir=tmp_path, device="cpu", dtype="float32", memory_budget_mb=0)
+    client = svc.create_lora_training_client("tiny", seed=0, rank=16, train_unembed=False)
+    gen = torch.Generator().manual_seed(0)
+    datums = [rl_datum(PROMPTS[5], torch.randint(100, 20000, (120,), generator=gen).tolist(), 0.1 * k, [-2.0] * 120)
+              for k in range(4)]
+    prepared = trainer.prepare(datums, "ppo", client.engine.vocab_size, client.engine.check_tokens)
+    params = {p.untyped_storage().data_ptr() for p in client.engine.peft_model.parameters()}
+    seen: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        ptr = t.untyped_storage().data_ptr()
+        if ptr not in params:
+            seen[ptr] = t.untyped_storage().nbytes()
+        return t
+
+    with client.engine.use(client.adapter), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model = client.engine.causal_lm()
+        # the decoder only: the unembedding holds one chunk of positions at a time (trainer.py)
+        decoded = trainer.decode_shared(model, trainer.shared_micro_batches(trainer.plan_sharing(prepared)[0], None)[0],
+                                        client.engine.device)
+    processed = len(PROMPTS[5]) + 4 * 120
+    measured = sum(seen.values()) / processed
+    estimate = memory.train_bytes_per_token(model.config, torch.float32)
+    assert measured <= estimate <= 2 * measured, (measured, estimate)
+    del decoded
+
+
+def test_partition_cuts_where_padding_costs_more_than_a_batch() -> None:
+    lengths = [3, 3, 4, 4, 100]
+    batches = trainer.partition(lengths, lambda n: None, lambda n: 0, lambda n: n, None)
+    assert batches == [[3, 3, 4, 4], [100]]  # not one batch padded to 100 (5 x 100 tokens)
+    budgeted = trainer.partition(lengths, lambda n: None, lambda n: 0, lambda n: n, 8)
+    assert all(len(b) * max(b) <= 8 or len(b) == 1 for b in budgeted)
+    assert [n for b in budgeted for n in b] == lengths
+
+
+def test_waves_hold_whole_requests_within_the_budget() -> None:
+    params = types.SamplingParams(max_tokens=10)
+    reqs = [sampler.GenerationRequest([1] * 5, n, params) for n in (2, 3, 1, 8, 2)]
+    waves = sampler.waves(reqs, lambda length: 100 * length, budget=6 * 1500)  # a row costs 1500
+    assert [[r.num_samples for r in w] for w in waves] == [[2, 3, 1], [8], [2]]  # 8 rows alone, over budget
+    assert sampler.waves(reqs, lambda length: 1, None) == [reqs]

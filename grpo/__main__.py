@@ -67,8 +67,8 @@ def _cli_adapter_keys() -> set[str]:
 
 
 @hydra.main(config_path=str(config_dir()), config_name="config", version_base="1.3")
-def main(cfg: DictConfig) -> float | None:
-    """Train one run; return its objective (the last logged value of ``cfg.objective``; None when
+def main(composed: DictConfig) -> float | None:
+    """Train one run; return its objective (the last logged value of ``objective``; None when
     never logged) so that any Hydra sweeper can optimise it."""
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
@@ -76,14 +76,14 @@ def main(cfg: DictConfig) -> float | None:
     hydra_cfg = HydraConfig.get()
     run_dir = Path(hydra_cfg.runtime.output_dir)
     in_sweep = hydra_cfg.mode == RunMode.MULTIRUN
-    resolved = OmegaConf.to_container(cfg, resolve=True)
+    resolved = OmegaConf.to_container(composed, resolve=True)
     try:
         # Validate everything cheap before anything heavy (torch, models) is imported.
-        loop_cfg = GRPOConfig.from_any({k: v for k, v in cfg.items() if k not in NON_LOOP_KEYS})
+        loop_cfg = GRPOConfig.from_any({k: v for k, v in composed.items() if k not in NON_LOOP_KEYS})
         required = _objective_required(hydra_cfg, in_sweep)
         sweep.check_objective(loop_cfg, required=required)
-        backend_cfg = OmegaConf.to_container(cfg.backend, resolve=True)
-        adapter = build_adapter(cfg.adapter, _cli_adapter_keys())
+        backend_cfg = OmegaConf.to_container(composed.backend, resolve=True)
+        adapter = build_adapter(composed.adapter, _cli_adapter_keys())
     except (ConfigError, ValueError, TypeError) as err:
         print(f"grpo: configuration error: {err}", file=sys.stderr)
         sys.exit(2)

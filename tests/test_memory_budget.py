@@ -111,13 +111,13 @@ def test_training_bytes_per_token_cover_what_autograd_saves(tmp_path) -> None:
     with client.engine.use(client.adapter), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         model = client.engine.causal_lm()
         # the decoder only: the unembedding holds one chunk of positions at a time (trainer.py)
-        decoded = trainer.decode_shared(model, trainer.shared_micro_batches(trainer.plan_sharing(prepared)[0], None)[0],
+        dec_out = trainer.run_decoder_shared(model, trainer.shared_micro_batches(trainer.plan_sharing(prepared)[0], None)[0],
                                         client.engine.device)
     processed = len(PROMPTS[5]) + 4 * 120
     measured = sum(seen.values()) / processed
     estimate = memory.train_bytes_per_token(model.config, torch.float32)
     assert measured <= estimate <= 2 * measured, (measured, estimate)
-    del decoded
+    del dec_out
 
 
 def test_partition_cuts_where_padding_costs_more_than_a_batch() -> None:

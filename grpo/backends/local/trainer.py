@@ -124,7 +124,7 @@ def micro_batches(data: list[PreparedDatum], max_tokens: int | None) -> list[lis
 
 
 @dataclass
-class DecodedBatch:
+class DecoderOutput:
     """A micro-batch after the decoder: everything but the unembedding of the counted positions.
 
     Positions are flat, in datum order. Positions the loss does not count (as a rule the prompt,
@@ -191,19 +191,19 @@ def _uncounted_logprobs(lm_head, hidden: torch.Tensor, targets: torch.Tensor) ->
 
 
 def _split_counted(lm_head, flat_hidden: torch.Tensor, flat_targets: torch.Tensor, counted_mask: torch.Tensor,
-                   where: torch.Tensor, n: int, lengths: torch.Tensor) -> DecodedBatch:
+                   where: torch.Tensor, n: int, lengths: torch.Tensor) -> DecoderOutput:
     """Fill the uncounted positions' logprobs; leave the counted ones' hidden states for the head.
     ``where`` gives each row of ``flat_hidden`` its index among the batch's ``n`` positions."""
     logprobs = torch.zeros(n, dtype=torch.float32, device=flat_hidden.device)
     uncounted = (~counted_mask).nonzero()[:, 0]
     logprobs[where[uncounted]] = _uncounted_logprobs(lm_head, flat_hidden[uncounted].detach(), flat_targets[uncounted])
     counted = counted_mask.nonzero()[:, 0]
-    return DecodedBatch(logprobs=logprobs, entropy=torch.zeros_like(logprobs), lengths=lengths,
+    return DecoderOutput(logprobs=logprobs, entropy=torch.zeros_like(logprobs), lengths=lengths,
                         counted=where[counted], hidden=flat_hidden[counted], targets=flat_targets[counted])
 
 
-def decode_batch(model, batch: list[PreparedDatum], device: torch.device, counted_mask: torch.Tensor | None,
-                 grad: bool) -> DecodedBatch:
+def run_decoder(model, batch: list[PreparedDatum], device: torch.device, counted_mask: torch.Tensor | None,
+                 grad: bool) -> DecoderOutput:
     """Run a micro-batch of datums through the decoder, each in full (right padded).
 
     ``counted_mask`` (flat, bool) marks the positions the loss counts; None: all of them.
@@ -230,7 +230,7 @@ def decode_batch(model, batch: list[PreparedDatum], device: torch.device, counte
                           torch.arange(n, device=device), n, mask.sum(-1))
 
 
-def unembed_counted(lm_head, decoded: DecodedBatch, chunk_loss=None) -> float | None:
+def unembed_counted(lm_head, dec_out: DecoderOutput, chunk_loss=None) -> float | None:
     """Logprobs and entropies of the counted positions, a chunk of positions at a time.
 
     With ``chunk_loss(logprobs, positions)`` (training) each chunk's loss is backpropagated
@@ -242,24 +242,24 @@ def unembed_counted(lm_head, decoded: DecodedBatch, chunk_loss=None) -> float | 
     """
     if chunk_loss is None:
         with torch.no_grad():
-            for sl in _chunks(decoded.counted.numel()):
-                lp, ent = _chunk_logprobs(lm_head, decoded.hidden[sl], decoded.targets[sl])
-                decoded.logprobs[decoded.counted[sl]] = lp
-                decoded.entropy[decoded.counted[sl]] = ent
+            for sl in _chunks(dec_out.counted.numel()):
+                lp, ent = _chunk_logprobs(lm_head, dec_out.hidden[sl], dec_out.targets[sl])
+                dec_out.logprobs[dec_out.counted[sl]] = lp
+                dec_out.entropy[dec_out.counted[sl]] = ent
         return None
-    grad_hidden = torch.zeros_like(decoded.hidden)
+    grad_hidden = torch.zeros_like(dec_out.hidden)
     total = 0.0
-    for sl in _chunks(decoded.counted.numel()):
-        h = decoded.hidden[sl].detach().requires_grad_(True)
-        lp, ent = _chunk_logprobs(lm_head, h, decoded.targets[sl])
-        loss = chunk_loss(lp, decoded.counted[sl])
+    for sl in _chunks(dec_out.counted.numel()):
+        h = dec_out.hidden[sl].detach().requires_grad_(True)
+        lp, ent = _chunk_logprobs(lm_head, h, dec_out.targets[sl])
+        loss = chunk_loss(lp, dec_out.counted[sl])
         loss.backward()
         grad_hidden[sl] = h.grad
-        decoded.logprobs[decoded.counted[sl]] = lp.detach()
-        decoded.entropy[decoded.counted[sl]] = ent
+        dec_out.logprobs[dec_out.counted[sl]] = lp.detach()
+        dec_out.entropy[dec_out.counted[sl]] = ent
         total += float(loss.detach())
-    if decoded.hidden.requires_grad:  # False when only lm_head is adapted
-        decoded.hidden.backward(grad_hidden)
+    if dec_out.hidden.requires_grad:  # False when only lm_head is adapted
+        dec_out.hidden.backward(grad_hidden)
     return total
 
 
@@ -366,8 +366,8 @@ def _prefix_logprobs(lm_head, hidden: torch.Tensor, targets: list[list[int]]) ->
     return list(torch.cat(pieces, dim=1).unbind(0))
 
 
-def decode_shared(model, units: list[SharedGroup], device: torch.device) -> DecodedBatch:
-    """``decode_batch`` for the members of ``units`` (in unit, then member order), with each
+def run_decoder_shared(model, units: list[SharedGroup], device: torch.device) -> DecoderOutput:
+    """``run_decoder`` for the members of ``units`` (in unit, then member order), with each
     unit's prefix run once and its KV cache fanned out to the unit's suffixes.
 
     Prefix positions are uncounted by construction, so their logprobs need no gradient; the
@@ -414,7 +414,7 @@ def decode_shared(model, units: list[SharedGroup], device: torch.device) -> Deco
                      position_ids=positions, past_key_values=cache, use_cache=True).last_hidden_state
     valid = smask.bool()
     lengths = torch.tensor([len(d.input_ids) for d in members])
-    decoded = _split_counted(lm_head, hidden[valid], stargets[valid], scounted[valid], where[valid], offset, lengths)
+    dec_out = _split_counted(lm_head, hidden[valid], stargets[valid], scounted[valid], where[valid], offset, lengths)
 
     # ---- prefix logprobs: each member's own targets over its unit's one prefix pass
     starts = torch.cumsum(lengths, 0) - lengths
@@ -422,9 +422,9 @@ def decode_shared(model, units: list[SharedGroup], device: torch.device) -> Deco
     for k, u in enumerate(units):
         p = len(u.prefix)
         for lp in _prefix_logprobs(lm_head, prefix_hidden[k, :p].detach(), [d.targets[:p] for d in u.members]):
-            decoded.logprobs[int(starts[i]):int(starts[i]) + p] = lp
+            dec_out.logprobs[int(starts[i]):int(starts[i]) + p] = lp
             i += 1
-    return decoded
+    return dec_out
 
 
 def run(model, data: list[PreparedDatum], loss_fn: str, loss_fn_config: Mapping[str, float] | None,
@@ -434,7 +434,7 @@ def run(model, data: list[PreparedDatum], loss_fn: str, loss_fn_config: Mapping[
 
     ``share_prefixes=False`` runs every datum in full (the reference the shared path must equal).
     """
-    cfg = losses.resolve_config(loss_fn, loss_fn_config)
+    params = losses.resolve_config(loss_fn, loss_fn_config)
     groups, alone = plan_sharing(data) if share_prefixes else ([], list(data))
     work: list[tuple[list[PreparedDatum], list[SharedGroup] | None]] = [
         (batch, None) for batch in micro_batches(alone, max_tokens)]
@@ -449,22 +449,22 @@ def run(model, data: list[PreparedDatum], loss_fn: str, loss_fn_config: Mapping[
         inputs = {key: torch.cat([d.inputs[key] for d in batch]).to(device) for key in batch[0].inputs}
         with torch.set_grad_enabled(backward):
             if units is not None:
-                decoded = decode_shared(model, units, device)
+                dec_out = run_decoder_shared(model, units, device)
             else:
                 counted = losses.token_mask(inputs) if ("weights" in inputs or "advantages" in inputs) else None
-                decoded = decode_batch(model, batch, device, counted, grad=backward)
+                dec_out = run_decoder(model, batch, device, counted, grad=backward)
         if backward:
             def chunk_loss(lp: torch.Tensor, positions: torch.Tensor, inputs=inputs) -> torch.Tensor:
-                return losses.LOSSES[loss_fn](lp, {k: v[positions] for k, v in inputs.items()}, cfg)
+                return losses.LOSSES[loss_fn](lp, {k: v[positions] for k, v in inputs.items()}, params)
 
-            total_loss += unembed_counted(lm_head, decoded, chunk_loss)
+            total_loss += unembed_counted(lm_head, dec_out, chunk_loss)
         else:
-            unembed_counted(lm_head, decoded)
-            total_loss += float(losses.LOSSES[loss_fn](decoded.logprobs, inputs, cfg))
-        w = losses.token_weights(inputs) if ("weights" in inputs or "advantages" in inputs) else torch.ones_like(decoded.entropy)
-        entropy_sum += float((decoded.entropy * w).sum())
+            unembed_counted(lm_head, dec_out)
+            total_loss += float(losses.LOSSES[loss_fn](dec_out.logprobs, inputs, params))
+        w = losses.token_weights(inputs) if ("weights" in inputs or "advantages" in inputs) else torch.ones_like(dec_out.entropy)
+        entropy_sum += float((dec_out.entropy * w).sum())
         entropy_weight += float(w.sum())
-        for d, chunk in zip(batch, torch.split(decoded.logprobs.cpu(), decoded.lengths.tolist()), strict=True):
+        for d, chunk in zip(batch, torch.split(dec_out.logprobs.cpu(), dec_out.lengths.tolist()), strict=True):
             outputs[d.index] = {"logprobs": TensorData.from_torch(chunk)}
     metrics = {"loss:sum": total_loss}
     if entropy_weight > 0:

@@ -6,8 +6,9 @@
 
 from grpo import types
 from grpo.adapter import RLAdapter
+from grpo.mint_compat import RLConfig
 
-__all__ = ["RLAdapter", "ServiceClient", "types", "run_grpo"]
+__all__ = ["RLAdapter", "RLConfig", "ServiceClient", "types", "run_grpo"]
 __version__ = "0.1.0"
 
 

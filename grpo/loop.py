@@ -24,6 +24,7 @@ from grpo.adapter import RLAdapter
 from grpo.advantages import assign_advantages, build_datums, trainable_responses
 from grpo.config import GRPOConfig
 from grpo.evaluation import evaluate
+from grpo.mint_compat import RLConfig, run_rlconfig
 from grpo.rollouts import Failure, Group, Response, sample_groups, sampling_seed, score_group
 from grpo.runlog import RunLog
 from grpo.types import AdamParams, ModelInput, SamplingParams
@@ -42,6 +43,8 @@ def run_grpo(adapter: RLAdapter, cfg: Any = None, *, service_client: Any = None,
     ``cfg`` may be a GRPOConfig, a dict / OmegaConf mapping, or a MinT ``RLConfig``. Rerunning
     with the same ``run_dir`` resumes from its newest checkpoint.
     """
+    if isinstance(cfg, RLConfig) and service_client is None:  # a MinT demo's call: its backend rule
+        return run_rlconfig(adapter, cfg, run_dir=run_dir)
     cfg = GRPOConfig.from_any(cfg)
     run_dir = Path(run_dir) if run_dir is not None else Path("outputs") / time.strftime("%Y-%m-%d_%H-%M-%S")
     log = RunLog(run_dir, cfg.to_dict(), cfg.steps, progress=cfg.progress, wandb_cfg=cfg.wandb)

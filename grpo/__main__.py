@@ -72,6 +72,10 @@ def main(cfg: DictConfig) -> str | None:
         adapter = build_adapter(cfg.adapter, _cli_adapter_keys())
         from grpo.backends import create_service_client
 
+        if backend_cfg.get("name", "local") == "local":  # a service resolves its own model names
+            from grpo.models import resolve
+
+            resolve(loop_cfg.base_model)  # a missing directory or a malformed name: one line, now
         service_client = create_service_client(backend_cfg, run_dir)
     except (ConfigError, ValueError, TypeError) as err:
         print(f"grpo: configuration error: {err}", file=sys.stderr)
@@ -80,9 +84,14 @@ def main(cfg: DictConfig) -> str | None:
         print(f"grpo: cannot reach the backend: {err}", file=sys.stderr)
         sys.exit(3)
     from grpo.loop import run_grpo
+    from grpo.models import ModelNotFoundError
 
-    return run_grpo(adapter, loop_cfg, service_client=service_client, run_dir=run_dir,
-                    resolved_config=OmegaConf.to_container(cfg, resolve=True))
+    try:
+        return run_grpo(adapter, loop_cfg, service_client=service_client, run_dir=run_dir,
+                        resolved_config=OmegaConf.to_container(cfg, resolve=True))
+    except ModelNotFoundError as err:  # a hub id that is neither cached nor reachable, a broken dir
+        print(f"grpo: {' '.join(str(err).split())}", file=sys.stderr)
+        sys.exit(2)
 
 
 if __name__ == "__main__":

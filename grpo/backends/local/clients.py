@@ -65,11 +65,13 @@ class ServiceClient:
         self._ids = itertools.count()
 
     def _engine(self, base_model: str) -> _EngineHandle:
-        models.resolve(base_model)  # fail fast on a bad name, before any thread starts
+        # public_id fails fast on a bad name, before any thread starts, and gives one key to the
+        # names of one model ("smollm2" and the id an exported adapter_config.json names)
+        key = models.public_id(base_model)
         with self._lock:
-            if base_model not in self._engines:
-                self._engines[base_model] = _EngineHandle(Engine(base_model, self.device, self.dtype))
-            return self._engines[base_model]
+            if key not in self._engines:
+                self._engines[key] = _EngineHandle(Engine(base_model, self.device, self.dtype))
+            return self._engines[key]
 
     def get_server_capabilities(self) -> dict[str, Any]:
         return {"supported_models": ["tiny", "smollm2", "<local dir>", "<hub id>"], "backend": "local"}
@@ -197,7 +199,7 @@ class TrainingClient:
         tmp.mkdir(parents=True, exist_ok=True)
         peft_model = self.engine.peft_model
         config = peft_model.peft_config[self.adapter]
-        config.base_model_name_or_path = self.engine.base_model
+        config.base_model_name_or_path = models.public_id(self.engine.base_model)  # an id other libraries resolve
         config.save_pretrained(str(tmp))
         # The base weights never change (tied lm_head included), so only LoRA tensors are saved.
         state = get_peft_model_state_dict(peft_model, adapter_name=self.adapter, save_embedding_layers=False)

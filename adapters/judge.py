@@ -248,6 +248,13 @@ class PairwiseJudge:
         p_first, p_second = self.prob_a([instruction, instruction], [a, b], [b, a])
         return PairJudgement(p_first, p_second)
 
+    def p_better(self, instructions: Sequence[str], responses: Sequence[str], others: Sequence[str]) -> list[float]:
+        """Symmetrised P(``responses[k]`` better than ``others[k]``) for each k, both orders asked
+        in one batched pass."""
+        n = len(responses)
+        probs = self.prob_a(list(instructions) * 2, list(responses) + list(others), list(others) + list(responses))
+        return [PairJudgement(probs[k], probs[n + k]).p_i_over_j for k in range(n)]
+
     def judge_group(self, instruction: str, responses: Sequence[str]) -> dict[tuple[int, int], PairJudgement]:
         """Every pair i < j of a group, both orders, in one batched pass (a group of 4: 12 prompts)."""
         pairs = [(i, j) for i in range(len(responses)) for j in range(i + 1, len(responses))]

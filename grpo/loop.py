@@ -23,7 +23,7 @@ from grpo import checkpoint
 from grpo.adapter import RLAdapter
 from grpo.advantages import assign_advantages, build_datums, trainable_responses
 from grpo.config import GRPOConfig
-from grpo.evaluation import evaluate
+from grpo.evaluation import evaluate, summary
 from grpo.mint_compat import RLConfig, run_rlconfig
 from grpo.rollouts import Failure, Group, Response, sample_groups, sampling_seed, score_group
 from grpo.runlog import RunLog
@@ -87,7 +87,8 @@ def run_grpo(adapter: RLAdapter, cfg: Any = None, *, service_client: Any = None,
                 evals[step] = evaluate(
                     sampler, adapter, eval_items, tokenizer, seed=cfg.seed, step=step,
                     max_tokens=cfg.eval_max_tokens or cfg.max_tokens, num_samples=cfg.eval_samples,
-                    temperature=cfg.eval_temperature, stop=stop)
+                    temperature=cfg.eval_temperature, stop=stop, record_failures=log.log_failures,
+                    baseline_sampler=lambda: service_client.create_sampling_client(base_model=cfg.base_model))
                 log.log_metrics(step, evals[step])
             if step == cfg.steps:
                 break
@@ -152,10 +153,8 @@ def run_grpo(adapter: RLAdapter, cfg: Any = None, *, service_client: Any = None,
         raise
     finally:
         log.close()
-    if len(evals) > 1:
-        first, last = min(evals), max(evals)
-        log.print(f"held-out accuracy {evals[first]['eval/accuracy']:.3f} (step {first}) -> "
-                  f"{evals[last]['eval/accuracy']:.3f} (step {last}), {len(eval_items)} items, greedy")
+    if summary(evals, len(eval_items)):
+        log.print(summary(evals, len(eval_items)))
     log.print(f"final adapter: {final}")
     return str(final)
 

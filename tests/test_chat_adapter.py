@@ -122,11 +122,12 @@ def test_hydra_group_file_instantiates_with_overrides():
 
     from grpo.__main__ import build_adapter
 
-    overrides = ["adapter=chat", "adapter.judge_model=tiny", "adapter.scorer=judge+rules", "adapter.limit=5"]
+    overrides = ["adapter=chat", "adapter.judge_model=tiny", "adapter.scorer=judge+rules", "adapter.limit=5",
+                 "adapter.eval_size=0"]  # the group's 12 held-out prompts would not fit in 5
     with initialize_config_dir(config_dir=str(CHAT_YAML.parent.parent), version_base="1.3"):
         cfg = compose(config_name="config", overrides=overrides)
     assert cfg.max_tokens == 64  # the group's own default for the loop
-    adapter = build_adapter(cfg.adapter, cli_keys={"judge_model", "scorer", "limit"})
+    adapter = build_adapter(cfg.adapter, cli_keys={"judge_model", "scorer", "limit", "eval_size"})
     assert isinstance(adapter, ChatAdapter)
     assert adapter.scorer == "judge+rules" and adapter.judge.model_name == "tiny"
     assert len(adapter.build_dataset()) == 5

@@ -121,6 +121,7 @@ def closed_port() -> int:
 def test_mint_api_key_in_dotenv_sends_the_run_to_the_mint_service(tmp_path) -> None:
     # The key only in .env (as the quickstart tells users to write it): the run goes to
     # MINT_BASE_URL, which here refuses the connection, and says so in one line.
+    pytest.importorskip("mint")  # the MinT SDK (mindlab-toolkit, in the dev extra)
     url = f"http://127.0.0.1:{closed_port()}"
     (tmp_path / ".env").write_text(f"MINT_API_KEY=sk-mint-test\nMINT_BASE_URL={url}\n", encoding="utf-8")
     done = run_demo("verifiable_math", tmp_path, timeout=120)

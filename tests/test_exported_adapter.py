@@ -57,6 +57,25 @@ def test_a_local_base_model_is_named_by_its_absolute_path(tmp_path, monkeypatch)
     assert len(service._engines) == 1
 
 
+def test_hf_cache_makes_the_packaged_id_resolve_offline(tmp_path) -> None:
+    # Config and tokenizer only (no weights load): the layout is what huggingface_hub reads.
+    from grpo import hf_cache
+
+    snapshot = hf_cache.install(tmp_path / "hub")
+    assert hf_cache.install(tmp_path / "hub") == snapshot  # idempotent
+    source = models.cache_dir() / "smollm2-135m-instruct" / "model.safetensors"
+    assert (snapshot / "model.safetensors").stat().st_size == source.stat().st_size
+    script = ("from transformers import AutoConfig, AutoTokenizer\n"
+              f"c = AutoConfig.from_pretrained({models.SMOLLM2_HUB_ID!r})\n"
+              f"t = AutoTokenizer.from_pretrained({models.SMOLLM2_HUB_ID!r})\n"
+              "print(c.model_type, c.num_hidden_layers, len(t))\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "TRANSFORMERS_"))}
+    env.update(HF_HUB_CACHE=str(tmp_path / "hub"), HF_HUB_OFFLINE="1")
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split() == ["llama", "30", str(len(models.load_tokenizer("smollm2")))]
+
+
 @pytest.mark.slow
 def test_auto_peft_loads_a_final_adapter_of_the_packaged_model(tmp_path) -> None:
     """AutoPeftModelForCausalLM.from_pretrained(final) resolves the id the adapter names, in a

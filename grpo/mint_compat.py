@@ -195,8 +195,11 @@ class _V4ChatTemplate:
     def __getattr__(self, name: str) -> Any:
         return getattr(self._tokenizer, name)
 
-    def __len__(self) -> int:
+    def __len__(self) -> int:  # dunder methods are looked up on the type, so these are spelled out
         return len(self._tokenizer)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self._tokenizer(*args, **kwargs)
 
 
 def _keep_v4_chat_template(adapter: Any) -> None:

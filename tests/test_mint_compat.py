@@ -83,6 +83,20 @@ def test_rlconfig_becomes_the_same_grpo_run() -> None:
         RLConfig(group=1).to_grpo_config()
 
 
+def test_demo_prompts_get_token_ids_from_apply_chat_template(tokenizer) -> None:
+    # transformers v5 returns a mapping for tokenize=True; list() of it would be its keys.
+    from grpo.mint_compat import _V4ChatTemplate
+
+    messages = [{"role": "user", "content": "Why is the sea salty?"}]
+    view = _V4ChatTemplate(tokenizer)
+    ids = list(view.apply_chat_template(messages, tokenize=True, add_generation_prompt=True))
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert ids == tokenizer.encode(text, add_special_tokens=False) and all(isinstance(i, int) for i in ids)
+    assert view.apply_chat_template(messages, tokenize=False, add_generation_prompt=True) == text
+    assert view.eos_token_id == tokenizer.eos_token_id and len(view) == len(tokenizer)
+    assert view("hi")["input_ids"] == tokenizer("hi")["input_ids"]
+
+
 # --------------------------------------------------------------------------- the demos as scripts
 
 

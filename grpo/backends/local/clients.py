@@ -8,6 +8,7 @@ Sampling calls go to a batcher that gathers whatever arrives together into one g
 from __future__ import annotations
 
 import concurrent.futures
+import copy
 import itertools
 import json
 import os
@@ -198,8 +199,11 @@ class TrainingClient:
         tmp = path.with_name(path.name + ".tmp")
         tmp.mkdir(parents=True, exist_ok=True)
         peft_model = self.engine.peft_model
-        config = peft_model.peft_config[self.adapter]
-        config.base_model_name_or_path = models.public_id(self.engine.base_model)  # an id other libraries resolve
+        # What other tools need to load it: a base id they resolve, and the task type that
+        # AutoPeftModelForCausalLM picks its class by (a copy: the live adapter stays as it is).
+        config = copy.copy(peft_model.peft_config[self.adapter])
+        config.base_model_name_or_path = models.public_id(self.engine.base_model)
+        config.task_type = config.task_type or "CAUSAL_LM"
         config.save_pretrained(str(tmp))
         # The base weights never change (tied lm_head included), so only LoRA tensors are saved.
         state = get_peft_model_state_dict(peft_model, adapter_name=self.adapter, save_embedding_layers=False)

@@ -18,7 +18,7 @@ import random
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from adapters.chat_prompts import builtin_prompts
+from adapters.chat_prompts import REFERENCE_ANSWERS, builtin_prompts
 from adapters.data import DataSourceError, load_rows, require_columns
 from adapters.judge import PairwiseJudge, rule_checks, rule_score
 from grpo.adapter import RLAdapter, chat_prompt_tokens
@@ -32,17 +32,13 @@ class ChatAdapter(RLAdapter):
                  eval_size: int = 0, system_prompt: str | None = None, scorer: str = "judge",
                  judge_model: str = "smollm2", judge_device: str | None = None, judge_dtype: str | None = "float32",
                  judge_max_response_tokens: int = 96, judge_batch_size: int = 32,
-                 rules_weight: float = 0.5, seed: int = 0):
+                 rules_weight: float = 0.5, seed: int = 0, reference_column: str | None = "reference"):
         if scorer not in SCORERS:
             raise ValueError(f"adapter.scorer={scorer!r} is not valid; choose one of {', '.join(SCORERS)}")
         if not 0.0 <= float(rules_weight) <= 1.0:
             raise ValueError(f"adapter.rules_weight={rules_weight!r} must be between 0 and 1")
         if eval_size < 0:
             raise ValueError(f"adapter.eval_size={eval_size!r} must be >= 0")
-        if eval_size and scorer != "rules":
-            # Evaluation scores one greedy response per prompt: nothing for a pairwise judge to compare.
-            raise ValueError(f"adapter.eval_size={eval_size} needs adapter.scorer=rules: held-out evaluation "
-                             "scores a single greedy response per prompt, which a pairwise judge cannot rank")
         self.prompts_source = prompts
         self.prompt_column = prompt_column
         self.split = split
@@ -53,6 +49,8 @@ class ChatAdapter(RLAdapter):
         self.scorer = scorer
         self.rules_weight = float(rules_weight)
         self.seed = seed
+        self.reference_column = reference_column
+        self._vs_reference: dict[str, float] = {}  # response -> judge P(beats the reference), this group
         # Built now (cheap: nothing loads until the first comparison), so a bad judge option fails at once.
         self.judge = (PairwiseJudge(judge_model, device=judge_device, dtype=judge_dtype, max_response_tokens=judge_max_response_tokens,
                                     batch_size=judge_batch_size) if scorer != "rules" else None)
@@ -63,12 +61,14 @@ class ChatAdapter(RLAdapter):
     def _all_items(self) -> list[dict[str, Any]]:
         if self._items is None:
             if isinstance(self.prompts_source, str) and self.prompts_source == "builtin":
-                rows: list[dict[str, Any]] = [{self.prompt_column: p} for p in builtin_prompts()]
+                rows: list[dict[str, Any]] = [{self.prompt_column: p, "reference": REFERENCE_ANSWERS.get(p)}
+                                              for p in builtin_prompts()]
                 rows = rows[: self.limit] if self.limit is not None else rows
             else:
                 rows = load_rows(self.prompts_source, split=self.split, name=self.subset, limit=self.limit)
                 require_columns(rows, [self.prompt_column], self.prompts_source)
-            items = [self._item(row[self.prompt_column], k) for k, row in enumerate(rows)]
+            items = [self._item(row[self.prompt_column], k, row.get(self.reference_column or "", None))
+                     for k, row in enumerate(rows)]
             random.Random(self.seed).shuffle(items)
             if len(items) <= self.eval_size:
                 raise DataSourceError(f"chat prompts: {len(items)} prompt(s) cannot hold out eval_size="
@@ -76,8 +76,8 @@ class ChatAdapter(RLAdapter):
             self._items = items
         return self._items
 
-    def _item(self, value: Any, index: int) -> dict[str, Any]:
-        """One prompt row as ``{"messages": [...], "instruction": str}``."""
+    def _item(self, value: Any, index: int, reference: Any = None) -> dict[str, Any]:
+        """One prompt row as ``{"messages": [...], "instruction": str, "reference": str | None}``."""
         if isinstance(value, str) and value.strip():
             messages = [{"role": "user", "content": value.strip()}]
         elif isinstance(value, Sequence) and value and all(isinstance(m, Mapping) and "role" in m
@@ -91,7 +91,8 @@ class ChatAdapter(RLAdapter):
                                   f"instruction string or a list of {{'role', 'content'}} messages, got {value!r}")
         if self.system_prompt and messages[0]["role"] != "system":
             messages = [{"role": "system", "content": self.system_prompt}] + messages
-        return {"messages": messages, "instruction": messages[-1]["content"]}
+        reference = reference.strip() if isinstance(reference, str) and reference.strip() else None
+        return {"messages": messages, "instruction": messages[-1]["content"], "reference": reference}
 
     def build_dataset(self) -> list[dict[str, Any]]:
         return self._all_items()[self.eval_size:]
@@ -116,10 +117,33 @@ class ChatAdapter(RLAdapter):
             return [rule_score(r, instruction) for r in responses]
         assert self.judge is not None
         wins = self.judge.win_rates(instruction, responses)
+        # A score that is not relative to the group, so progress shows while the win rates
+        # average 0.5 by construction: P(response beats a fixed good answer), where there is one.
+        self._vs_reference = {}
+        if sample.get("reference"):
+            p = self.judge.p_better([instruction] * len(responses), responses, [sample["reference"]] * len(responses))
+            self._vs_reference = dict(zip(responses, p, strict=True))
         if self.scorer == "judge":
             return wins
         w = self.rules_weight
         return [(1 - w) * win + w * rule_score(r, instruction) for win, r in zip(wins, responses, strict=True)]
+
+    def compare_responses(self, samples: Sequence[dict[str, Any]], responses: Sequence[str],
+                          baselines: Sequence[str]) -> list[float]:
+        """P(response beats the baseline) for held-out evaluation, by the training reward's own
+        measure: the judge (both orders), the rule score (1 / 0.5 / 0 for better / equal / worse),
+        or their ``rules_weight`` mix."""
+        instructions = [s["instruction"] for s in samples]
+        rules = [0.5 + 0.5 * _sign(rule_score(r, p) - rule_score(b, p))
+                 for p, r, b in zip(instructions, responses, baselines, strict=True)]
+        if self.scorer == "rules":
+            return rules
+        assert self.judge is not None
+        judged = self.judge.p_better(instructions, responses, baselines)
+        if self.scorer == "judge":
+            return judged
+        w = self.rules_weight
+        return [(1 - w) * j + w * r for j, r in zip(judged, rules, strict=True)]
 
     def is_correct(self, reward: float, sample: Any) -> bool:
         # Win rates centre on 0.5 and rule scores run 0..1: above the midpoint counts as "good".
@@ -127,5 +151,12 @@ class ChatAdapter(RLAdapter):
 
     def sample_metrics(self, response: str, sample: dict[str, Any]) -> dict[str, float]:
         checks = rule_checks(response, sample["instruction"])
-        return {"words": float(len(response.split())), "empty": checks["empty"],
-                "distinct": checks["distinct"], "rule_score": rule_score(response, sample["instruction"])}
+        metrics = {"words": float(len(response.split())), "empty": checks["empty"],
+                   "distinct": checks["distinct"], "rule_score": rule_score(response, sample["instruction"])}
+        if response in self._vs_reference:
+            metrics["judge_vs_reference"] = self._vs_reference[response]
+        return metrics
+
+
+def _sign(x: float) -> float:
+    return (x > 1e-12) - (x < -1e-12)

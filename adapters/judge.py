@@ -119,6 +119,8 @@ class PairwiseJudge:
         self._model: Any = None
         self._tokenizer: Any = None
         self._prefix_cache: Any = None
+        # False: full-vocabulary logits at every position, as before (kept to measure against).
+        self.read_only_needed_positions = True
 
     # ------------------------------------------------------------------ prompt
 
@@ -179,7 +181,9 @@ class PairwiseJudge:
         if self._prefix_cache is None:
             ids = self.tokenizer.encode(self.prefix(), add_special_tokens=False)
             if ids:
-                out = self.model(input_ids=torch.tensor([ids], device=self._device()), use_cache=True)
+                # Only its KV cache is wanted: the decoder alone, no logits, where the head allows.
+                runner = self.model.get_decoder() if self._plain_head() else self.model
+                out = runner(input_ids=torch.tensor([ids], device=self._device()), use_cache=True)
                 self._prefix_cache = (out.past_key_values, len(ids))
             else:
                 self._prefix_cache = (None, 0)
@@ -193,7 +197,7 @@ class PairwiseJudge:
         comparisons themselves go through in batches of ``batch_size``, right-padded, each read
         at its own last token (padding after a token never reaches it under causal attention).
         """
-        model = self.model
+        _ = self.model  # loads the model and sets the answer ids
         a_id, b_id = self._answer_ids
         queries = [self.tokenizer.encode(self.query(p, a, b), add_special_tokens=False)
                    for p, a, b in zip(instructions, firsts, seconds, strict=True)]
@@ -212,17 +216,44 @@ class PairwiseJudge:
                 cache.batch_repeat_interleave(len(chunk))
                 kwargs["past_key_values"] = cache
                 kwargs["use_cache"] = True
-            logits = model(**kwargs).logits
             last = torch.tensor([len(q) - 1 for q in chunk], device=device)
-            pair = logits[torch.arange(len(chunk), device=device), last][:, [a_id, b_id]].float()
+            pair = self._logits_at(kwargs, last)[:, [a_id, b_id]].float()
             probs.extend(torch.softmax(pair, dim=-1)[:, 0].tolist())
         return probs
+
+    def _logits_at(self, inputs: dict[str, Any], last: torch.Tensor) -> torch.Tensor:
+        """Next-token logits at position ``last[r]`` of each row r: [rows, vocab].
+
+        Only one position per row is read, so only those rows of hidden state go through the
+        unembedding: the full [rows, width, vocab] logits (0.9 GB in fp32 for 32 comparisons of
+        150 tokens with SmolLM2's 49k vocabulary) are never made. Heads that transform logits
+        after the unembedding (soft-capping, a logit scale) take the full forward instead.
+        """
+        rows = torch.arange(len(last), device=last.device)
+        if self._plain_head():
+            hidden = self.model.get_decoder()(**inputs).last_hidden_state
+            return self.model.get_output_embeddings()(hidden[rows, last])
+        return self.model(**inputs).logits[rows, last]
+
+    def _plain_head(self) -> bool:
+        config = self.model.config
+        transformed = any(getattr(config, k, None) not in (None, 1.0)
+                          for k in ("final_logit_softcapping", "logit_scale", "logits_scaling"))
+        return (not transformed and self.read_only_needed_positions and hasattr(self.model, "get_decoder")
+                and self.model.get_output_embeddings() is not None)
 
     # ------------------------------------------------------------------ comparisons
 
     def compare(self, instruction: str, a: str, b: str) -> PairJudgement:
         p_first, p_second = self.prob_a([instruction, instruction], [a, b], [b, a])
         return PairJudgement(p_first, p_second)
+
+    def p_better(self, instructions: Sequence[str], responses: Sequence[str], others: Sequence[str]) -> list[float]:
+        """Symmetrised P(``responses[k]`` better than ``others[k]``) for each k, both orders asked
+        in one batched pass."""
+        n = len(responses)
+        probs = self.prob_a(list(instructions) * 2, list(responses) + list(others), list(others) + list(responses))
+        return [PairJudgement(probs[k], probs[n + k]).p_i_over_j for k in range(n)]
 
     def judge_group(self, instruction: str, responses: Sequence[str]) -> dict[tuple[int, int], PairJudgement]:
         """Every pair i < j of a group, both orders, in one batched pass (a group of 4: 12 prompts)."""

@@ -9,6 +9,7 @@ with the reason, in grpo/sdk_parity.py.
 
 from grpo import types
 from grpo.adapter import RLAdapter
+from grpo.mint_compat import RLConfig
 from grpo.types import (
     AdamOptimizerConfig,
     AdamParams,
@@ -44,10 +45,11 @@ _CLIENTS = {
     "BackcompatSamplingClientFuture": "grpo.backends.local.clients:SamplingClient",
     "RestClient": "grpo.rest_client",
     "run_grpo": "grpo.loop",
+    "AgentAdapter": "grpo.agent",
 }
 
 __all__ = [
-    "RLAdapter", "types", "run_grpo", "ServiceClient", "TrainingClient", "SamplingClient", "RestClient",
+    "RLAdapter", "RLConfig", "AgentAdapter", "types", "run_grpo", "ServiceClient", "TrainingClient", "SamplingClient", "RestClient",
     "BackcompatTrainingClientFuture", "BackcompatSamplingClientFuture", "APIFuture",
     "AdamOptimizerConfig", "AdamParams", "Checkpoint", "CheckpointType", "Datum", "EncodedTextChunk",
     "ForwardBackwardOutput", "LoraConfig", "ModelID", "ModelInput", "ModelInputChunk", "OptimParams",

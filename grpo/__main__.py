@@ -84,6 +84,10 @@ def main(composed: DictConfig) -> float | None:
         sweep.check_objective(loop_cfg, required=required)
         backend_cfg = OmegaConf.to_container(composed.backend, resolve=True)
         adapter = build_adapter(composed.adapter, _cli_adapter_keys())
+        if backend_cfg.get("name", "local") == "local":  # a service resolves its own model names
+            from grpo.models import resolve
+
+            resolve(loop_cfg.base_model)  # a missing directory or a malformed name: one line, now
     except (ConfigError, ValueError, TypeError) as err:
         print(f"grpo: configuration error: {err}", file=sys.stderr)
         sys.exit(2)
@@ -110,11 +114,15 @@ def main(composed: DictConfig) -> float | None:
             sys.exit(3)
         from grpo.backends.remote.resilience import RemoteRequestError
         from grpo.loop import run_grpo
+        from grpo.models import ModelNotFoundError
 
         try:
             run_grpo(adapter, loop_cfg, service_client=service_client, run_dir=run_dir, resolved_config=resolved)
         except RemoteRequestError as err:  # the service refused a value: one line naming it, no traceback
             print(f"grpo: {err}", file=sys.stderr)
+            sys.exit(2)
+        except ModelNotFoundError as err:  # a hub id that is neither cached nor reachable, a broken dir
+            print(f"grpo: {' '.join(str(err).split())}", file=sys.stderr)
             sys.exit(2)
     return _objective(run_dir, loop_cfg.objective, in_sweep, required)
 

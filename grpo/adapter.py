@@ -40,6 +40,17 @@ class RLAdapter(ABC):
         """Held-out items for evaluation (greedy accuracy and pass@k). Empty: no evaluation."""
         return []
 
+    def compare_responses(self, samples: Sequence[Any], responses: Sequence[str],
+                          baselines: Sequence[str]) -> list[float]:
+        """For adapters whose reward only ranks responses against each other (a pairwise judge):
+        P(``responses[i]`` is better than ``baselines[i]``) for each held-out item, in [0, 1].
+
+        Overriding it changes held-out evaluation from accuracy/pass@k to the win rate of the
+        current policy's greedy answers against the base model's (``eval/win_rate``); see
+        grpo/evaluation.py. Not overridden: accuracy and pass@k from ``compute_reward``.
+        """
+        raise NotImplementedError
+
     def compute_group_rewards(self, responses: Sequence[str], sample: Any) -> list[float]:
         """Rewards of a whole group at once, for judges that compare responses. By default each
         response is scored on its own with ``compute_reward`` (and the loop then isolates a

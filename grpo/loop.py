@@ -37,7 +37,8 @@ from grpo.advantages import (
 from grpo.client_api import SamplingClient, ServiceClient, TrainingClient
 from grpo.config import GRPOConfig
 from grpo.episodes import episode_metrics, sample_rollouts
-from grpo.evaluation import evaluate
+from grpo.evaluation import evaluate, summary
+from grpo.mint_compat import RLConfig, run_rlconfig
 from grpo.rollouts import Failure, Group, ScoredGroup, sampling_seed, score_group
 from grpo.runlog import RunLog
 from grpo.saturation import SolveHistory
@@ -54,6 +55,7 @@ class Run:
 
     adapter: RLAdapter
     cfg: GRPOConfig
+    service_client: ServiceClient
     training_client: TrainingClient
     reference: SamplingClient | None  # the base model, for the KL penalty
     tokenizer: Any
@@ -83,6 +85,10 @@ def run_grpo(adapter: RLAdapter, cfg: Any = None, *, service_client: ServiceClie
     ``cfg`` may be a GRPOConfig, a dict / OmegaConf mapping, or a MinT ``RLConfig``. Rerunning
     with the same ``run_dir`` resumes from its newest checkpoint.
     """
+    if isinstance(cfg, RLConfig) and service_client is None:  # a MinT demo's call: its backend rule
+        return run_rlconfig(adapter, cfg, run_dir=run_dir)
+    if isinstance(cfg, RLConfig) and service_client is None:  # a MinT demo's call: its backend rule
+        return run_rlconfig(adapter, cfg, run_dir=run_dir)
     cfg = GRPOConfig.from_any(cfg)
     run_dir = Path(run_dir) if run_dir is not None else Path("outputs") / time.strftime("%Y-%m-%d_%H-%M-%S")
     log = RunLog(run_dir, cfg.to_dict(), cfg.steps, progress=cfg.progress, wandb_cfg=cfg.wandb)
@@ -174,7 +180,8 @@ def open_run(adapter: RLAdapter, cfg: GRPOConfig, service_client: ServiceClient 
         train_mlp=cfg.train_mlp, train_attn=cfg.train_attn, train_unembed=cfg.train_unembed)
     tokenizer = training_client.get_tokenizer()
     reference = service_client.create_sampling_client(base_model=cfg.base_model) if cfg.kl_penalty_coef > 0 else None
-    return Run(adapter, cfg, training_client, reference, tokenizer, adapter.stop_sequences(tokenizer), log, run_dir)
+    return Run(adapter, cfg, service_client, training_client, reference, tokenizer, adapter.stop_sequences(tokenizer),
+               log, run_dir)
 
 
 def finish(run: Run, state: checkpoint.LoopState) -> str:
@@ -187,10 +194,9 @@ def finish(run: Run, state: checkpoint.LoopState) -> str:
 
 
 def print_summary(log: RunLog, evals: dict[int, dict[str, float]], n_items: int, final: str) -> None:
-    if len(evals) > 1:
-        first, last = min(evals), max(evals)
-        log.print(f"held-out accuracy {evals[first]['eval/accuracy']:.3f} (step {first}) -> "
-                  f"{evals[last]['eval/accuracy']:.3f} (step {last}), {n_items} items, greedy")
+    line = summary(evals, n_items)
+    if line:
+        log.print(line)
     log.print(f"final adapter: {final}")
 
 
@@ -250,7 +256,8 @@ def run_evaluation(run: Run, eval_items: list[Any], step: int) -> dict[str, floa
     sampler = run.training_client.save_weights_and_get_sampling_client(f"eval_{step}")
     metrics = evaluate(sampler, run.adapter, eval_items, run.tokenizer, seed=cfg.seed, step=step,
                        max_tokens=cfg.eval_max_tokens or cfg.max_tokens, num_samples=cfg.eval_samples,
-                       temperature=cfg.eval_temperature, stop=run.stop)
+                       temperature=cfg.eval_temperature, stop=run.stop, record_failures=run.log.log_failures,
+                       baseline_sampler=lambda: run.service_client.create_sampling_client(base_model=cfg.base_model))
     run.log.log_metrics(step, metrics)
     return metrics
 

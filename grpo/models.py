@@ -17,6 +17,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import re
+import socket
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -102,6 +103,58 @@ def resolve(name: str) -> ModelSpec:
     raise ModelNotFoundError(_not_found_message(name))
 
 
+def public_id(name: str) -> str:
+    """The id other libraries know ``name`` by, for ``adapter_config.json``'s
+    ``base_model_name_or_path``: the hub id of the packaged model, a local directory's absolute
+    path, a hub id as given; ``tiny`` has none and stays ``tiny``."""
+    spec = resolve(name)
+    if spec.kind == "packaged":
+        return SMOLLM2_HUB_ID
+    if spec.kind == "local":
+        return str(Path(spec.path).expanduser().resolve())
+    return spec.name
+
+
+def _hub_offline_reason(hub_id: str) -> str | None:
+    """Why ``hub_id`` cannot be fetched now, or None when the hub may be asked.
+
+    Without this, transformers retries an unreachable hub for most of a minute before failing;
+    one quick connection attempt tells the same in seconds.
+    """
+    from urllib.parse import urlparse
+
+    if os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on"):
+        return "HF_HUB_OFFLINE is set and it is not in the local Hugging Face cache"
+    endpoint = os.environ.get("HF_ENDPOINT") or "https://huggingface.co"
+    url = urlparse(endpoint)
+    try:
+        socket.create_connection((url.hostname or "huggingface.co", url.port or (443 if url.scheme == "https" else 80)),
+                                 timeout=5).close()
+    except OSError as err:
+        return f"it is not in the local Hugging Face cache and {endpoint} cannot be reached ({err})"
+    return None
+
+
+def _from_pretrained(loader: Any, name: str, spec: ModelSpec, **kwargs: Any) -> Any:
+    """``loader.from_pretrained`` for a local or hub model; for a hub id the local cache first,
+    then the hub only when it can be reached. Failures are one-line ModelNotFoundErrors."""
+    what = "tokenizer" if "Tokenizer" in getattr(loader, "__name__", "") else "model"
+    if spec.kind == "hub":
+        try:
+            return loader.from_pretrained(spec.path, local_files_only=True, **kwargs)
+        except OSError:
+            reason = _hub_offline_reason(spec.path)
+            if reason is not None:
+                raise ModelNotFoundError(f"base_model {name!r} cannot be loaded: {reason}. On machines without the "
+                                         "hub use base_model=smollm2 (the packaged SmolLM2-135M-Instruct) or a local "
+                                         "directory") from None
+    try:
+        return loader.from_pretrained(spec.path, **kwargs)
+    except OSError as err:
+        raise ModelNotFoundError(f"could not load a {what} for base_model {name!r} from {spec.path}: "
+                                 f"{' '.join(str(err).split())}. " + _not_found_message(name)) from err
+
+
 def _not_found_message(name: str) -> str:
     return (
         f"unknown base_model {name!r}. Looked for: the built-in names {sorted(TINY_NAMES | {'smollm2'})}, "
@@ -155,12 +208,10 @@ def load_tokenizer(name: str) -> Any:
     spec = resolve(name)
     from transformers import AutoTokenizer
 
-    path = _ensure_packaged_smollm2() if spec.kind in ("tiny", "packaged") else spec.path
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(path)
-    except OSError as err:
-        raise ModelNotFoundError(f"could not load a tokenizer for base_model {name!r} from {path}: {err}. "
-                                 + _not_found_message(name)) from err
+    if spec.kind in ("tiny", "packaged"):
+        tokenizer = AutoTokenizer.from_pretrained(_ensure_packaged_smollm2())
+    else:
+        tokenizer = _from_pretrained(AutoTokenizer, name, spec)
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
@@ -194,12 +245,10 @@ def load_model(name: str, device: torch.device | str | None = None, dtype: torch
             torch.manual_seed(seed)
             model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     else:
-        path = _ensure_packaged_smollm2() if spec.kind == "packaged" else spec.path
-        try:
-            model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
-        except OSError as err:
-            raise ModelNotFoundError(f"could not load base_model {name!r} from {path}: {err}. "
-                                     + _not_found_message(name)) from err
+        if spec.kind == "packaged":
+            model = AutoModelForCausalLM.from_pretrained(_ensure_packaged_smollm2(), dtype=dtype)
+        else:
+            model = _from_pretrained(AutoModelForCausalLM, name, spec, dtype=dtype)
     model.to(device)
     model.eval()
     return model

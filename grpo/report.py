@@ -62,7 +62,7 @@ class Panel:
 PANELS: tuple[Panel, ...] = (
     Panel("reward", "Reward (mean ± std over samples)", ("reward/mean",), band={"reward/mean": "reward/std"}),
     Panel("accuracy", "Accuracy on training samples", ("accuracy", "groups/mixed")),
-    Panel("eval", "Held-out evaluation", ("eval/accuracy", "eval/*"), exclude=("eval/items",),
+    Panel("eval", "Held-out evaluation", ("eval/accuracy", "eval/win_rate", "eval/*"), exclude=("eval/items", "eval/failures"),
           empty="no held-out evaluation (the adapter has no eval dataset)"),
     Panel("kl", "KL", ("kl/*",)),
     Panel("entropy", "Entropy (nats / token)", ("entropy",)),

@@ -160,12 +160,12 @@ class _Progress:
     def update(self, step: int, metrics: Mapping[str, float]) -> None:
         parts = []
         for key, label in (("reward/mean", "reward"), ("accuracy", "acc"), ("eval/accuracy", "eval acc"),
-                           ("time/step", "s/step")):
+                           ("eval/win_rate", "eval win rate vs base"), ("time/step", "s/step")):
             value = metrics.get(key)
             if isinstance(value, (int, float)) and math.isfinite(value):
                 parts.append(f"{label} {value:.3f}")
         status = "  ".join(parts)
-        if "eval/accuracy" in metrics or "eval/pass@1" in metrics:
+        if any(key.startswith("eval/") for key in metrics):
             self.console.print(f"step {step:>4}  {status}")
             return
         self.progress.update(self.task, completed=step + 1, status=status)

@@ -61,8 +61,6 @@ def test_bad_options_fail_before_any_model_loads():
         ChatAdapter(scorer="llm")
     with pytest.raises(ValueError, match="rules_weight"):
         ChatAdapter(scorer="judge+rules", rules_weight=1.5)
-    with pytest.raises(ValueError, match="eval_size=4 needs adapter.scorer=rules"):
-        ChatAdapter(eval_size=4)
     with pytest.raises(DataSourceError, match="eval_size=3"):
         ChatAdapter(prompts=[{"prompt": "a"}, {"prompt": "b"}], scorer="rules", eval_size=3).build_dataset()
     adapter = ChatAdapter(judge_model="no-such-model")  # loads lazily: the name is checked on first use
@@ -88,16 +86,49 @@ def test_rewards_rules_and_the_judge_rules_mix():
         judge_only.compute_reward("x", item)
 
 
+def test_held_out_comparison_uses_the_training_measure():
+    item = {"instruction": "What do bees make?"}
+    good, bad = REFERENCE_ANSWERS["What do bees make?"], "bees bees bees bees bees bees"
+    rules = ChatAdapter(scorer="rules")
+    assert rules.compare_responses([item] * 3, [good, bad, good], [bad, good, good]) == [1.0, 0.0, 0.5]
+    judge = ChatAdapter(scorer="judge", judge_model="tiny")
+    got = judge.compare_responses([item] * 3, [good, bad, good], [bad, good, good])
+    p = judge.judge.compare("What do bees make?", good, bad)
+    assert got[0] == pytest.approx(p.p_i_over_j, abs=1e-6)
+    assert got[0] + got[1] == pytest.approx(1.0, abs=1e-6)  # both orders: complementary
+    assert got[2] == pytest.approx(0.5, abs=1e-7)  # the same answer: a tie
+    mixed = ChatAdapter(scorer="judge+rules", judge_model="tiny", rules_weight=0.25)
+    assert mixed.compare_responses([item], [good], [bad]) == pytest.approx([0.75 * got[0] + 0.25], abs=1e-6)
+
+
+def test_training_metric_against_a_fixed_reference_answer():
+    rows = [{"prompt": "What do bees make?", "reference": REFERENCE_ANSWERS["What do bees make?"]},
+            {"prompt": "Name a colour.", "reference": ""}]
+    adapter = ChatAdapter(prompts=rows, judge_model="tiny")
+    with_ref, without = sorted(adapter.build_dataset(), key=lambda i: i["reference"] is None)
+    responses = ["Honey.", "", "Bees make honey and wax.", "bees bees bees"]
+    adapter.compute_group_rewards(responses, with_ref)
+    expected = adapter.judge.p_better([with_ref["instruction"]] * 4, responses, [with_ref["reference"]] * 4)
+    found = [adapter.sample_metrics(r, with_ref)["judge_vs_reference"] for r in responses]
+    assert found == pytest.approx(expected, abs=1e-9)
+    assert max(found) - min(found) > 1e-6  # an absolute score (tiny, random judge: small margins)
+    adapter.compute_group_rewards(responses, without)  # no reference: no metric
+    assert "judge_vs_reference" not in adapter.sample_metrics(responses[0], without)
+    builtin = ChatAdapter(scorer="rules").build_dataset() + ChatAdapter(scorer="rules").build_eval_dataset()
+    assert sum(i["reference"] is not None for i in builtin) == len(REFERENCE_ANSWERS)
+
+
 def test_hydra_group_file_instantiates_with_overrides():
     from hydra import compose, initialize_config_dir
 
     from grpo.__main__ import build_adapter
 
-    overrides = ["adapter=chat", "adapter.judge_model=tiny", "adapter.scorer=judge+rules", "adapter.limit=5"]
+    overrides = ["adapter=chat", "adapter.judge_model=tiny", "adapter.scorer=judge+rules", "adapter.limit=5",
+                 "adapter.eval_size=0"]  # the group's 12 held-out prompts would not fit in 5
     with initialize_config_dir(config_dir=str(CHAT_YAML.parent.parent), version_base="1.3"):
         cfg = compose(config_name="config", overrides=overrides)
     assert cfg.max_tokens == 64  # the group's own default for the loop
-    adapter = build_adapter(cfg.adapter, cli_keys={"judge_model", "scorer", "limit"})
+    adapter = build_adapter(cfg.adapter, cli_keys={"judge_model", "scorer", "limit", "eval_size"})
     assert isinstance(adapter, ChatAdapter)
     assert adapter.scorer == "judge+rules" and adapter.judge.model_name == "tiny"
     assert len(adapter.build_dataset()) == 5
@@ -133,6 +164,31 @@ def test_end_to_end_tiny_policy_tiny_judge(tmp_path):
     after = adapter.judge.model.state_dict()
     assert all(torch.equal(judge_weights[k], after[k]) for k in judge_weights)
     assert not any(p.requires_grad for p in adapter.judge.model.parameters())
+
+
+def test_held_out_win_rate_against_the_base_model(tmp_path, capsys):
+    from grpo.loop import run_grpo
+    from grpo.report import PANELS, build_payload, load_run, panel_keys
+
+    adapter = ChatAdapter(judge_model="tiny", limit=10, eval_size=4)
+    run_grpo(adapter, {"base_model": "tiny", "steps": 2, "batch_size": 2, "group_size": 4, "max_tokens": 8,
+                       "learning_rate": 5e-2, "save_every": 0, "progress": False, "report": False},
+             run_dir=tmp_path)
+    evals = {m["step"]: m for m in read_jsonl(tmp_path / "metrics.jsonl") if "eval/win_rate" in m}
+    assert sorted(evals) == [0, 2] and all(m["eval/items"] == 4 for m in evals.values())
+    # Step 0: the policy is the base model, so its greedy answers are the base's and every
+    # comparison is a tie, exactly.
+    assert evals[0]["eval/same_as_base"] == 1.0
+    assert evals[0]["eval/win_rate"] == pytest.approx(0.5, abs=1e-6) and evals[0]["eval/wins"] == 0.0
+    # A large learning rate on a random model changes the answers: the win rate moves off 0.5.
+    # (The tiny judge is random, its margins ~1e-5: the real judge's numbers are in the README.)
+    assert evals[2]["eval/same_as_base"] < 1.0 and abs(evals[2]["eval/win_rate"] - 0.5) > 1e-6
+    assert evals[2]["eval/failures"] == 0.0
+    assert "held-out win rate vs the base model 0.500 (step 0) ->" in capsys.readouterr().out
+    eval_panel = next(p for p in PANELS if p.id == "eval")
+    run = load_run(tmp_path)
+    assert "eval/win_rate" in panel_keys(eval_panel, set(run.metrics))  # drawn in the report
+    assert build_payload([run], "t")
 
 
 @pytest.mark.slow

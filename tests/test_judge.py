@@ -97,6 +97,28 @@ def test_batched_prefix_cached_probabilities_equal_plain_forwards(tiny_judge):
         assert got == pytest.approx(expected, abs=1e-5)
 
 
+def test_judge_unembeds_only_the_positions_it_reads(tiny_judge):
+    # Two batches (batch_size=3) of ragged queries: the unembedding sees one hidden row per
+    # comparison, never [rows, width, hidden]; the answer equals the full-logits path's.
+    cases = [("Name a fruit.", "Apple.", ""), ("Say hi.", "hi " * 30, "Hello there!"),
+             ("What is 7 plus 5?", "12", "It is twelve."), ("Name a fruit.", "", "Apple.")]
+    tiny_judge._prefix_cache = None  # the shared examples' pass is watched too: it needs no logits
+    head = tiny_judge.model.get_output_embeddings()
+    seen: list[tuple[int, ...]] = []
+    hook = head.register_forward_hook(lambda module, args, out: seen.append(tuple(args[0].shape)))
+    try:
+        lean = tiny_judge.prob_a(*zip(*cases, strict=True))
+        tiny_judge.read_only_needed_positions = False
+        full = tiny_judge.prob_a(*zip(*cases, strict=True))
+    finally:
+        tiny_judge.read_only_needed_positions = True
+        hook.remove()
+    hidden = tiny_judge.model.config.hidden_size
+    assert seen[:2] == [(3, hidden), (1, hidden)]  # the lean path: rows x hidden, nothing else
+    assert len(seen) == 4 and all(len(shape) == 3 and shape[1] > 20 for shape in seen[2:])  # old: every position
+    assert lean == pytest.approx(full, abs=1e-6)
+
+
 def test_win_rates_are_means_of_symmetrised_pair_probabilities(tiny_judge):
     responses = ["Apple.", "", "banana banana banana", "A red apple is a fruit."]
     judged = tiny_judge.judge_group("Name a fruit.", responses)

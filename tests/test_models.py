@@ -45,8 +45,37 @@ def test_unreachable_hub_id_fails_with_the_hub_named(monkeypatch) -> None:
     with pytest.raises(models.ModelNotFoundError) as err:
         models.load_tokenizer("nobody-here/no-such-model")
     message = str(err.value)
-    assert "could not load a tokenizer for base_model 'nobody-here/no-such-model'" in message
-    assert "Hub ids need the hub to be reachable" in message and "base_model=smollm2" in message
+    assert message.startswith("base_model 'nobody-here/no-such-model' cannot be loaded: HF_HUB_OFFLINE is set "
+                              "and it is not in the local Hugging Face cache")
+    assert "base_model=smollm2" in message and "\n" not in message
+
+
+def test_unreachable_hub_fails_in_seconds_naming_the_endpoint(monkeypatch) -> None:
+    # Without HF_HUB_OFFLINE transformers would retry for most of a minute; one connection
+    # attempt to a closed local port answers at once.
+    import socket
+    import time
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.setenv("HF_ENDPOINT", f"http://127.0.0.1:{port}")
+    t0 = time.perf_counter()
+    with pytest.raises(models.ModelNotFoundError) as err:
+        models.load_tokenizer("nobody-here/no-such-model")
+    assert time.perf_counter() - t0 < 10
+    assert f"http://127.0.0.1:{port} cannot be reached" in str(err.value) and "\n" not in str(err.value)
+
+
+def test_public_id_is_what_other_libraries_resolve(tmp_path) -> None:
+    for name in ("smollm2", "SmolLM2-135M-Instruct", "HuggingFaceTB/SmolLM2-135M-Instruct"):
+        assert models.public_id(name) == "HuggingFaceTB/SmolLM2-135M-Instruct"
+    assert models.public_id("Qwen/Qwen3-0.6B") == "Qwen/Qwen3-0.6B"
+    assert models.public_id("tiny") == "tiny"  # random weights: no id anywhere else
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "config.json").write_text("{}")
+    assert models.public_id(str(tmp_path / "m")) == str((tmp_path / "m").resolve())
 
 
 def test_service_client_rejects_unknown_base_model_before_loading(service) -> None:

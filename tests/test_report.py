@@ -342,7 +342,7 @@ def test_browser_shows_plots_and_rollouts_of_a_real_run(browser, real_run, tmp_p
     count = lambda *keys: sum(isinstance(r.get(k), (int, float)) for r in metrics for k in keys)  # noqa: E731
     assert points["reward"] == count("reward/mean") == 3
     assert points["entropy"] == count("entropy") == 3
-    eval_keys = [k for k in {k for r in metrics for k in r} if k.startswith("eval/") and k != "eval/items"]
+    eval_keys = [k for k in {k for r in metrics for k in r} if k.startswith("eval/") and k not in ("eval/items", "eval/failures")]
     assert points["eval"] == count(*eval_keys) == 2 * len(eval_keys)
     assert browser.find_elements(By.CSS_SELECTOR, ".chart[data-panel=reward] path.series")
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import copy
 import itertools
 import json
 import os
@@ -104,13 +105,15 @@ class ServiceClient:
         self._ids = itertools.count()
 
     def _engine(self, base_model: str) -> _EngineHandle:
-        models.resolve(base_model)  # fail fast on a bad name, before any thread starts
+        # public_id fails fast on a bad name, before any thread starts, and gives one key to the
+        # names of one model ("smollm2" and the id an exported adapter_config.json names)
+        key = models.public_id(base_model)
         with self._lock:
-            if base_model not in self._engines:
+            if key not in self._engines:
                 engine = Engine(base_model, self.device, self.dtype)
                 budget = memory.Budget.for_model(self.memory_budget_mb, engine.model, engine.device)
-                self._engines[base_model] = _EngineHandle(engine, budget)
-            return self._engines[base_model]
+                self._engines[key] = _EngineHandle(engine, budget)
+            return self._engines[key]
 
     # ------------------------------------------------------------------ session
 
@@ -374,8 +377,11 @@ class TrainingClient(_ClientFuture):
 
         tmp.mkdir(parents=True, exist_ok=True)
         peft_model = self.engine.peft_model
-        config = peft_model.peft_config[self.adapter]
-        config.base_model_name_or_path = self.engine.base_model
+        # What other tools need to load it: a base id they resolve, and the task type that
+        # AutoPeftModelForCausalLM picks its class by (a copy: the live adapter stays as it is).
+        config = copy.copy(peft_model.peft_config[self.adapter])
+        config.base_model_name_or_path = models.public_id(self.engine.base_model)
+        config.task_type = config.task_type or "CAUSAL_LM"
         config.save_pretrained(str(tmp))
         # The base weights never change (tied lm_head included), so only LoRA tensors are saved.
         state = get_peft_model_state_dict(peft_model, adapter_name=self.adapter, save_embedding_layers=False)

@@ -49,6 +49,18 @@ def save(training_client: TrainingClient, run_dir: Path, log: RunLog, state: Loo
     return str(path)
 
 
+def final_adapter_dir(run_dir: str | Path) -> Path:
+    """The directory of a finished run's final PEFT adapter (``PeftModel.from_pretrained`` loads
+    it), found through the ``tinker://`` path the run logged in checkpoints.jsonl."""
+    from grpo.checkpoint_store import CheckpointStore
+
+    run_dir = Path(run_dir)
+    finals = [row for row in read_jsonl(run_dir / "checkpoints.jsonl") if row.get("kind") == "final"]
+    if not finals:
+        raise FileNotFoundError(f"{run_dir} has no final adapter in checkpoints.jsonl (the run has not finished)")
+    return CheckpointStore(run_dir / "checkpoints").resolve(finals[-1]["path"])
+
+
 def resume(run_dir: Path, training_client: TrainingClient, log: RunLog) -> LoopState | None:
     """Restore the newest complete checkpoint of ``run_dir``; None when there is none."""
     import torch

@@ -21,6 +21,8 @@ from typing import Any
 from grpo.files import atomic_write_text
 
 LOG_FILES = ("metrics.jsonl", "rollouts.jsonl", "failures.jsonl")
+# Metrics measured in wall-clock time: the only ones that may differ between two runs of one seed.
+WALL_CLOCK_PREFIXES = ("time/", "throughput/")
 
 
 def read_jsonl(path: Path) -> list[dict[str, Any]]:

@@ -11,12 +11,12 @@ from pathlib import Path
 
 import pytest
 
-from grpo.checkpoint_store import CheckpointStore
+from grpo.checkpoint import final_adapter_dir
+from grpo.runlog import WALL_CLOCK_PREFIXES as TIMING_PREFIXES
 from grpo.runlog import read_jsonl
 
 TESTS = Path(__file__).parent
 ROOT = TESTS.parent
-TIMING_PREFIXES = ("time/", "throughput/")  # wall-clock metrics, which differ run to run
 TOY = ["adapter=custom", "adapter._target_=toy_adapter.ToyAdapter", "base_model=tiny", "batch_size=2",
        "group_size=4", "max_tokens=8", "report=false", "learning_rate=1e-3", "eval_samples=2"]
 
@@ -58,8 +58,7 @@ def test_sigkill_mid_step_then_resume_matches_an_uninterrupted_run(tmp_path):
 
 def final_adapter(run_dir: Path) -> bytes:
     """The final weights' bytes, found through the tinker:// path the run logged."""
-    final = [c for c in read_jsonl(run_dir / "checkpoints.jsonl") if c["kind"] == "final"][-1]
-    return (CheckpointStore(run_dir / "checkpoints").resolve(final["path"]) / "adapter_model.safetensors").read_bytes()
+    return (final_adapter_dir(run_dir) / "adapter_model.safetensors").read_bytes()
 
 
 def test_ctrl_c_checkpoints_the_last_whole_step_and_resume_matches(tmp_path):

@@ -49,7 +49,7 @@ def test_a_local_base_model_is_named_by_its_absolute_path(tmp_path, monkeypatch)
     monkeypatch.chdir(tmp_path)  # given relative, written absolute: the adapter may be read from anywhere
     service = ServiceClient(checkpoint_dir=tmp_path / "ckpt")
     client = service.create_lora_training_client("my-model", rank=2)
-    final = Path(client.save_weights_for_sampler("final").result().path)
+    final = service.store.resolve(client.save_weights_for_sampler("final").result().path)
     config = json.loads((final / "adapter_config.json").read_text())
     assert config["base_model_name_or_path"] == str(base.resolve())
     # Loading it back finds the same base: one model in memory, not two.
@@ -92,7 +92,7 @@ def test_auto_peft_loads_a_final_adapter_of_the_packaged_model(tmp_path) -> None
                         loss_fn_inputs={"target_tokens": ids[1:], "weights": [1.0] * (len(ids) - 1)})
     client.forward_backward([datum], "cross_entropy").result()
     client.optim_step(types.AdamParams(learning_rate=5e-3)).result()  # LoRA B leaves zero: a real adapter
-    final = Path(client.save_weights_for_sampler("final").result().path)
+    final = service.store.resolve(client.save_weights_for_sampler("final").result().path)
     assert json.loads((final / "adapter_config.json").read_text())["base_model_name_or_path"] == models.SMOLLM2_HUB_ID
     sampler = service.create_sampling_client(model_path=str(final))
     ours = sampler.compute_logprobs(types.ModelInput.from_ints(ids)).result()[1:]

@@ -16,8 +16,10 @@ import pytest
 import yaml
 
 from grpo import RLConfig
+from grpo.checkpoint import final_adapter_dir
 from grpo.config import ConfigError
 from grpo.mint_compat import ENV_VARS, load_env_file
+from grpo.runlog import read_jsonl
 
 DEMOS = Path(__file__).parent / "mint_demos"
 REPO = Path(__file__).resolve().parents[1]
@@ -154,8 +156,10 @@ def check_demo_run(done: subprocess.CompletedProcess, cwd: Path, steps: int, exp
     assert {k: config[k] for k in expect} == expect
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in metrics if "reward/mean" in m] == list(range(steps))
-    assert (run_dir / "checkpoints" / "final" / "adapter_config.json").exists()
-    assert f"final adapter: {Path('outputs') / run_dir.name / 'checkpoints' / 'final'}" in done.stdout
+    final = final_adapter_dir(run_dir)
+    assert (final / "adapter_config.json").exists()
+    logged = [r for r in read_jsonl(run_dir / "checkpoints.jsonl") if r["kind"] == "final"][-1]["path"]
+    assert f"final adapter: {logged}" in done.stdout
 
 
 def test_chat_shaped_demo_runs_as_written_on_the_tiny_model(tmp_path) -> None:

@@ -15,7 +15,9 @@ import pytest
 from toy_adapter import ToyAdapter
 
 from grpo.backends.local import clients
-from grpo.loop import TIMING_PREFIXES, run_grpo
+from grpo.checkpoint import final_adapter_dir
+from grpo.loop import run_grpo
+from grpo.runlog import WALL_CLOCK_PREFIXES as TIMING_PREFIXES
 from grpo.runlog import read_jsonl
 
 TINY = {"base_model": "tiny", "batch_size": 2, "group_size": 4, "max_tokens": 8, "report": False,
@@ -32,7 +34,7 @@ def outcome(run_dir: Path) -> dict:
         return [{k: v for k, v in r.items() if not k.startswith(TIMING_PREFIXES)} for r in read_jsonl(run_dir / name)]
 
     return {"metrics": comparable("metrics.jsonl"), "rollouts": comparable("rollouts.jsonl"),
-            "adapter": (run_dir / "checkpoints" / "final" / "adapter_model.safetensors").read_bytes()}
+            "adapter": (final_adapter_dir(run_dir) / "adapter_model.safetensors").read_bytes()}
 
 
 def slow_submissions(monkeypatch, delay_s: float) -> None:

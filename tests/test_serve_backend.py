@@ -11,13 +11,12 @@ from pathlib import Path
 import pytest
 from serve_helpers import API_KEY, REPO, Server, sdk_overlay
 
+from grpo.runlog import WALL_CLOCK_PREFIXES as TIMING_PREFIXES
 from grpo.runlog import read_jsonl
 
 NEWEST_SDK = "0.38.0"
 TOY = ["adapter=custom", "adapter._target_=toy_adapter.ToyAdapter", "base_model=tiny", "batch_size=2",
        "group_size=4", "max_tokens=8", "report=false", "learning_rate=1e-3", "eval_samples=2", "steps=2", "seed=3"]
-from grpo.runlog import WALL_CLOCK_PREFIXES as TIMING_PREFIXES
-
 pytest.importorskip("fastapi")
 
 

@@ -22,6 +22,7 @@ from adapters.chat_prompts import REFERENCE_ANSWERS, builtin_prompts
 from adapters.data import DataSourceError, load_rows, require_columns
 from adapters.judge import PairwiseJudge, rule_checks, rule_score
 from grpo.adapter import RLAdapter, chat_prompt_tokens
+from grpo.checks import check, check_choice, is_int
 
 SCORERS = ("judge", "rules", "judge+rules")
 
@@ -33,12 +34,10 @@ class ChatAdapter(RLAdapter):
                  judge_model: str = "smollm2", judge_device: str | None = None, judge_dtype: str | None = "float32",
                  judge_max_response_tokens: int = 96, judge_batch_size: int = 32,
                  rules_weight: float = 0.5, seed: int = 0, reference_column: str | None = "reference"):
-        if scorer not in SCORERS:
-            raise ValueError(f"adapter.scorer={scorer!r} is not valid; choose one of {', '.join(SCORERS)}")
-        if not 0.0 <= float(rules_weight) <= 1.0:
-            raise ValueError(f"adapter.rules_weight={rules_weight!r} must be between 0 and 1")
-        if eval_size < 0:
-            raise ValueError(f"adapter.eval_size={eval_size!r} must be >= 0")
+        check_choice("adapter.scorer", scorer, SCORERS)
+        check(isinstance(rules_weight, int | float) and 0.0 <= rules_weight <= 1.0, "adapter.rules_weight",
+              rules_weight, "must be between 0 and 1")
+        check(is_int(eval_size) and eval_size >= 0, "adapter.eval_size", eval_size, "must be an integer >= 0")
         self.prompts_source = prompts
         self.prompt_column = prompt_column
         self.split = split

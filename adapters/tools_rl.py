@@ -29,6 +29,7 @@ from typing import Any
 from adapters.answers import Grader, extract_answer
 from grpo.adapter import chat_prompt_tokens
 from grpo.agent import AgentAdapter, AgentConfigError, ToolError
+from grpo.checks import check, check_choice, is_int
 
 TOOLS = ("calc", "python", "none")
 OPS = {"+": operator.add, "-": operator.sub, "*": operator.mul}
@@ -56,12 +57,9 @@ class ToolsAdapter(AgentAdapter):
                  max_turns: int = 3, max_context_tokens: int = 1024, tool_timeout_s: float = 5.0,
                  observation_style: str = "inline", tool_errors: str = "observe", system_prompt: str | None = None,
                  python_timeout_s: float = 5.0, python_memory_mb: int = 256):
-        if tool not in TOOLS:
-            raise AgentConfigError(f"adapter.tool={tool!r} is invalid; valid values: {', '.join(TOOLS)}")
-        if not ops or any(op not in OPS for op in ops):
-            raise AgentConfigError(f"adapter.ops={ops!r} is invalid: one or more of {''.join(OPS)}")
-        if not (isinstance(digits, int) and 1 <= digits <= 6):
-            raise AgentConfigError(f"adapter.digits={digits!r} is invalid: an integer from 1 to 6")
+        check_choice("adapter.tool", tool, TOOLS)
+        check(bool(ops) and all(op in OPS for op in ops), "adapter.ops", ops, f"one or more of {''.join(OPS)}")
+        check(is_int(digits) and 1 <= digits <= 6, "adapter.digits", digits, "must be an integer from 1 to 6")
         self.tool, self.ops, self.digits, self.seed, self.example = tool, ops, digits, seed, example
         self.system_prompt = system_prompt
         self.max_turns, self.max_context_tokens, self.tool_timeout_s = max_turns, max_context_tokens, tool_timeout_s

@@ -34,6 +34,7 @@ from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from grpo.adapter import RLAdapter
+from grpo.checks import ConfigError, check, check_choice
 
 if TYPE_CHECKING:
     from grpo.episodes import Episode
@@ -42,8 +43,7 @@ OBSERVATION_STYLES = ("inline", "chat")
 TOOL_ERROR_POLICIES = ("observe", "end")
 
 
-class AgentConfigError(ValueError):
-    pass
+AgentConfigError = ConfigError  # the one error class of grpo.checks, under the name agents import
 
 
 class ToolError(Exception):
@@ -123,8 +123,7 @@ class AgentAdapter(RLAdapter):
     def check_agent_config(self) -> None:
         """Raise AgentConfigError naming the attribute when a limit is out of range."""
         def need(ok: bool, key: str, valid: str) -> None:
-            if not ok:
-                raise AgentConfigError(f"adapter.{key}={getattr(self, key)!r} is invalid: {valid}")
+            check(ok, f"adapter.{key}", getattr(self, key), valid)
 
         need(isinstance(self.max_turns, int) and self.max_turns >= 1, "max_turns", "must be an integer >= 1")
         need(isinstance(self.max_context_tokens, int) and self.max_context_tokens > 0, "max_context_tokens",
@@ -133,9 +132,8 @@ class AgentAdapter(RLAdapter):
              "must be a positive number of seconds")
         need(self.tool_call_cost >= 0, "tool_call_cost", "must be >= 0")
         need(self.max_observation_chars > 0, "max_observation_chars", "must be a positive integer")
-        need(self.observation_style in OBSERVATION_STYLES, "observation_style",
-             f"valid: {', '.join(OBSERVATION_STYLES)}")
-        need(self.tool_errors in TOOL_ERROR_POLICIES, "tool_errors", f"valid: {', '.join(TOOL_ERROR_POLICIES)}")
+        check_choice("adapter.observation_style", self.observation_style, OBSERVATION_STYLES)
+        check_choice("adapter.tool_errors", self.tool_errors, TOOL_ERROR_POLICIES)
 
 
 def chat_observation_tokens(tokenizer: Any, text: str, role: str = "tool") -> list[int]:

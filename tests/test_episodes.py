@@ -219,7 +219,7 @@ def test_single_turn_adapters_still_sample_single_completions(service, tokenizer
 def test_bad_limits_name_the_attribute():
     with pytest.raises(ValueError, match=r"adapter.max_turns=0 is invalid"):
         ToyAgent(max_turns=0).check_agent_config()
-    with pytest.raises(ValueError, match=r"adapter.observation_style='xml' is invalid: valid: inline, chat"):
+    with pytest.raises(ValueError, match=r"adapter.observation_style='xml' is invalid: valid values: inline, chat"):
         ToyAgent(observation_style="xml").check_agent_config()
 
 

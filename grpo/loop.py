@@ -87,23 +87,13 @@ def run_grpo(adapter: RLAdapter, cfg: Any = None, *, service_client: ServiceClie
     """
     if isinstance(cfg, RLConfig) and service_client is None:  # a MinT demo's call: its backend rule
         return run_rlconfig(adapter, cfg, run_dir=run_dir)
-    if isinstance(cfg, RLConfig) and service_client is None:  # a MinT demo's call: its backend rule
-        return run_rlconfig(adapter, cfg, run_dir=run_dir)
     cfg = GRPOConfig.from_any(cfg)
     run_dir = Path(run_dir) if run_dir is not None else Path("outputs") / time.strftime("%Y-%m-%d_%H-%M-%S")
     log = RunLog(run_dir, cfg.to_dict(), cfg.steps, progress=cfg.progress, wandb_cfg=cfg.wandb)
     log.write_config(resolved_config or cfg.to_dict())
     train_items, eval_items = load_items(adapter, cfg)  # before the model: bad data fails in a blink
     run = open_run(adapter, cfg, service_client, run_dir, log)
-
-    state = checkpoint.resume(run_dir, run.training_client, log)
-    if state is None:
-        state = checkpoint.LoopState()
-        random.seed(cfg.seed)
-    else:
-        log.print(f"resumed {run_dir} at step {state.step}")
-    state.wandb_id = log.start_wandb(state.wandb_id)
-    history = SolveHistory.from_json(state.solve_history)
+    state, history = resume_or_start(run)
     stream = ItemStream(train_items, cfg.seed, state.cursor, skip=history.retired)
     evals: dict[int, dict[str, float]] = {}  # step -> held-out metrics, for the closing summary
     # True from submitting a step's update until the step is recorded in `state`: the weights
@@ -128,14 +118,7 @@ def run_grpo(adapter: RLAdapter, cfg: Any = None, *, service_client: ServiceClie
             history.record(batch.groups, adapter.is_correct, cfg.retire_solved_after, cfg.retire_unsolved_after)
             metrics.update(history.metrics(len(train_items)))
             metrics["time/step"] = time.perf_counter() - t_step
-            metrics["throughput/tokens_per_s"] = (
-                metrics["tokens/sampled"] + metrics["tokens/trained"]) / metrics["time/step"]
-            log.log_metrics(step, metrics)
-            log.log_rollouts(rows := rollout_rows(batch, run.cfg, run.tokenizer, step))
-            if cfg.show_sample_every and step % cfg.show_sample_every == 0 and rows:
-                log.show_sample(step, rows[0])
-            adapter.evaluate(step, [x for g in batch.first_wave for x in g.rewards if math.isfinite(x)],
-                             int(metrics["datums"]))
+            log_step(run, batch, metrics, step)
             state.step, state.cursor, state.solve_history = step + 1, stream.cursor, history.to_json()
             updating = False
             if cfg.save_due(step) and step + 1 < cfg.steps:
@@ -159,6 +142,18 @@ def run_grpo(adapter: RLAdapter, cfg: Any = None, *, service_client: ServiceClie
 
 
 # --------------------------------------------------------------------------- setup and teardown
+
+
+def resume_or_start(run: Run) -> tuple[checkpoint.LoopState, SolveHistory]:
+    """The newest checkpoint's loop state (weights, optimizer and RNGs restored), or a fresh one."""
+    state = checkpoint.resume(run.run_dir, run.training_client, run.log)
+    if state is None:
+        state = checkpoint.LoopState()
+        random.seed(run.cfg.seed)
+    else:
+        run.log.print(f"resumed {run.run_dir} at step {state.step}")
+    state.wandb_id = run.log.start_wandb(state.wandb_id)
+    return state, SolveHistory.from_json(state.solve_history)
 
 
 def load_items(adapter: RLAdapter, cfg: GRPOConfig) -> tuple[list[Any], list[Any]]:
@@ -403,6 +398,18 @@ def rollout_metrics(run: Run, batch: Batch, samples: list[TrainSample]) -> dict[
     metrics.update({f"adapter/{k}": sum(v) / len(v) for k, v in sums.items()})
     metrics.update(episode_metrics(rollouts))  # turns, tool calls, tool errors (AgentAdapter only)
     return metrics
+
+
+def log_step(run: Run, batch: Batch, metrics: dict[str, float], step: int) -> None:
+    """metrics.jsonl, rollouts.jsonl, the console sample, and the adapter's own evaluate() hook."""
+    metrics["throughput/tokens_per_s"] = (metrics["tokens/sampled"] + metrics["tokens/trained"]) / metrics["time/step"]
+    run.log.log_metrics(step, metrics)
+    rows = rollout_rows(batch, run.cfg, run.tokenizer, step)
+    run.log.log_rollouts(rows)
+    if run.cfg.show_sample_every and step % run.cfg.show_sample_every == 0 and rows:
+        run.log.show_sample(step, rows[0])
+    run.adapter.evaluate(step, [x for g in batch.first_wave for x in g.rewards if math.isfinite(x)],
+                         int(metrics["datums"]))
 
 
 def rollout_rows(batch: Batch, cfg: GRPOConfig, tokenizer: Any, step: int) -> list[dict[str, Any]]:

@@ -560,7 +560,7 @@ class SamplingClient(_ClientFuture):
 
         def work():
             with self.engine.sampling_model(self.adapter, self.snapshot) as model, torch.no_grad():
-                out = sampler.prompt_logprobs(model, [tokens], 0, self.engine.device)[0]
+                out = sampler.prompt_logprobs(model, [tokens], self.engine.device)[0]
             return out if last_n is None else _last_n(out, last_n)
 
         return APIFuture(self.handle.train_executor.submit(work))

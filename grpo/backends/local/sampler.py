@@ -68,7 +68,7 @@ def waves(requests: list[GenerationRequest], row_bytes, budget: int | None) -> l
 
 
 @torch.no_grad()
-def prompt_logprobs(model, prompts: list[list[int]], pad_id: int, device: torch.device) -> list[list[float | None]]:
+def prompt_logprobs(model, prompts: list[list[int]], device: torch.device) -> list[list[float | None]]:
     """Logprob of every prompt token given the ones before it (None for the first)."""
     out: list[list[float | None]] = []
     for prompt in prompts:
@@ -95,7 +95,7 @@ def generate(model, requests: list[GenerationRequest], tokenizer, device: torch.
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     for req in requests:
         if req.include_prompt_logprobs:
-            req.prompt_logprobs = prompt_logprobs(model, [req.prompt], pad_id, device)[0]
+            req.prompt_logprobs = prompt_logprobs(model, [req.prompt], device)[0]
 
     # ---- prefill each distinct prompt once, left-padded into one batch
     prompts = [req.prompt for req in requests]

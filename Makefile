@@ -26,7 +26,7 @@ test-slow: venv
 
 # The end-to-end runs CI affords on 2 cores: the MinT quick-start loop and one short training run
 # per adapter on the packaged SmolLM2; the Tinker server against the newest SDK (own venv, built once).
-CI_SLOW ?= tests/test_serve_sdk038.py tests/test_mint_quickstart.py tests/test_math_adapter.py tests/test_code_adapter.py tests/test_chat_adapter.py tests/test_tools_adapter.py tests/test_tinker_tour.py tests/test_mint_compat.py tests/test_exported_adapter.py
+CI_SLOW ?= tests/test_serve_sdk038.py tests/test_mint_quickstart.py tests/test_math_adapter.py tests/test_code_adapter.py tests/test_chat_adapter.py tests/test_tools_adapter.py tests/test_tinker_tour.py tests/test_mint_compat.py tests/test_exported_adapter.py tests/test_reproducibility.py
 test-ci-slow: venv
 	$(BIN)/python -m pytest -q -m slow $(CI_SLOW)
 

@@ -95,10 +95,6 @@ def test_tiny_runs_are_bit_identical_however_sampling_is_timed_and_when_resumed(
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=False, reason=(
-    "open (#16): on the packaged model two runs still part at step 1 -- step 0 has the same datums, "
-    "weights, loss and entropy but gradients that differ in the last bits; not reproduced with random "
-    "weights of the same architecture, loaded the same way, with the same adapter"))
 def test_packaged_model_math_runs_are_bit_identical_and_resume_identically(tmp_path, monkeypatch):
     from adapters.math_rl import MathAdapter
 

@@ -366,6 +366,27 @@ def _prefix_logprobs(lm_head, hidden: torch.Tensor, targets: list[list[int]]) ->
     return list(torch.cat(pieces, dim=1).unbind(0))
 
 
+def _fan_out(cache: DynamicCache, counts: list[int], owner: torch.Tensor) -> None:
+    """Repeat each unit's cached K/V once per member (a unit's members are contiguous), so that
+    autograd sums the members' gradients back into the one prefix pass.
+
+    Done with expand + cat, not by indexing with ``owner``: indexing with repeated indices has a
+    scatter-add for its gradient, whose float sums on a multi-threaded CPU depend on thread timing,
+    so two runs of one seed parted in the last bits (issue #16). expand's gradient is a plain sum.
+    """
+    layers = getattr(cache, "layers", None)
+    if layers is None:  # a Cache without per-layer tensors (older transformers): index as before
+        cache.batch_select_indices(owner)
+        return
+
+    def repeat(t: torch.Tensor) -> torch.Tensor:
+        return torch.cat([t[k:k + 1].expand(n, *t.shape[1:]) for k, n in enumerate(counts)], dim=0)
+
+    for layer in layers:
+        if getattr(layer, "keys", None) is not None and layer.keys.numel():
+            layer.keys, layer.values = repeat(layer.keys), repeat(layer.values)
+
+
 def run_decoder_shared(model, units: list[SharedGroup], device: torch.device) -> DecoderOutput:
     """``run_decoder`` for the members of ``units`` (in unit, then member order), with each
     unit's prefix run once and its KV cache fanned out to the unit's suffixes.
@@ -390,7 +411,7 @@ def run_decoder_shared(model, units: list[SharedGroup], device: torch.device) ->
     cache = DynamicCache(config=model.config)
     prefix_hidden = decoder(input_ids=ids, attention_mask=pmask, past_key_values=cache,
                             use_cache=True).last_hidden_state
-    cache.batch_select_indices(owner)  # indexing, so autograd sums the fan-out's gradient back
+    _fan_out(cache, [len(u.members) for u in units], owner)
 
     # ---- suffixes, right padded, batch = number of members
     swidth = max(len(d.input_ids) - len(u.prefix) for u in units for d in u.members)

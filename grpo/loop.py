@@ -114,11 +114,12 @@ def run_grpo(adapter: RLAdapter, cfg: Any = None, *, service_client: ServiceClie
             batch = collect_batch(run, stream, step)
             stop_if_rewards_fail(run, batch, step, state_at_start)
             updating = True
-            metrics = learn(run, batch, step)
+            advantages = compute_advantages(batch.groups, cfg.advantage_norm, cfg.overlong)
+            metrics = learn(run, batch, advantages, step)
             history.record(batch.groups, adapter.is_correct, cfg.retire_solved_after, cfg.retire_unsolved_after)
             metrics.update(history.metrics(len(train_items)))
             metrics["time/step"] = time.perf_counter() - t_step
-            log_step(run, batch, metrics, step)
+            log_step(run, batch, advantages, metrics, step)
             state.step, state.cursor, state.solve_history = step + 1, stream.cursor, history.to_json()
             updating = False
             if cfg.save_due(step) and step + 1 < cfg.steps:
@@ -306,12 +307,11 @@ def stop_if_rewards_fail(run: Run, batch: Batch, step: int, state_at_start: chec
             f"Checkpoint saved at {path}: fix the reward and rerun the same command to resume.")
 
 
-def learn(run: Run, batch: Batch, step: int) -> dict[str, float]:
-    """Advantages -> chosen samples -> (reference logprobs) -> Datums -> one optimizer step.
-    Returns the step's metrics."""
+def learn(run: Run, batch: Batch, advantages: list[list[float]], step: int) -> dict[str, float]:
+    """Chosen samples -> (reference logprobs) -> Datums -> one optimizer step, from the batch and
+    its per-group advantages. Returns the step's metrics."""
     cfg = run.cfg
     t_train = time.perf_counter()
-    advantages = compute_advantages(batch.groups, cfg.advantage_norm, cfg.overlong)
     samples = select_for_training(batch.groups, advantages, cfg.skip_flat_groups, cfg.overlong)
     ref_logprobs = reference_logprobs(run.reference, samples) if run.reference is not None and samples else None
     datums, kl_metrics = build_datums(samples, cfg.loss_fn, cfg.loss_agg, cfg.kl_penalty_coef, ref_logprobs)
@@ -400,11 +400,11 @@ def rollout_metrics(run: Run, batch: Batch, samples: list[TrainSample]) -> dict[
     return metrics
 
 
-def log_step(run: Run, batch: Batch, metrics: dict[str, float], step: int) -> None:
+def log_step(run: Run, batch: Batch, advantages: list[list[float]], metrics: dict[str, float], step: int) -> None:
     """metrics.jsonl, rollouts.jsonl, the console sample, and the adapter's own evaluate() hook."""
     metrics["throughput/tokens_per_s"] = (metrics["tokens/sampled"] + metrics["tokens/trained"]) / metrics["time/step"]
     run.log.log_metrics(step, metrics)
-    rows = rollout_rows(batch, run.cfg, run.tokenizer, step)
+    rows = rollout_rows(batch, advantages, run.cfg, run.tokenizer, step)
     run.log.log_rollouts(rows)
     if run.cfg.show_sample_every and step % run.cfg.show_sample_every == 0 and rows:
         run.log.show_sample(step, rows[0])
@@ -412,9 +412,9 @@ def log_step(run: Run, batch: Batch, metrics: dict[str, float], step: int) -> No
                          int(metrics["datums"]))
 
 
-def rollout_rows(batch: Batch, cfg: GRPOConfig, tokenizer: Any, step: int) -> list[dict[str, Any]]:
+def rollout_rows(batch: Batch, advantages: list[list[float]], cfg: GRPOConfig, tokenizer: Any,
+                 step: int) -> list[dict[str, Any]]:
     """rollouts.jsonl lines: the adapter's reward and, beside it, the advantage training used."""
-    advantages = compute_advantages(batch.groups, cfg.advantage_norm, cfg.overlong)
     rows: list[dict[str, Any]] = []
     for gi, (scored, group_adv) in enumerate(zip(batch.groups, advantages, strict=True)):
         prompt = tokenizer.decode(scored.group.prompt_tokens, skip_special_tokens=False)

@@ -126,20 +126,19 @@ def worker(row: dict[str, Any]) -> None:
         sampler = tc.save_weights_and_get_sampling_client()
         responses = rollouts.sample_groups(sampler, prompt_ids, group, lambda _: params, tokenizer)
         t1 = time.perf_counter()
-        groups = [rollouts.Group(i, p, ids, rs) for i, (p, ids, rs) in enumerate(zip(problems, prompt_ids, responses,
-                                                                                        strict=True))]
-        for g in groups:
-            for k, r in enumerate(g.responses):
-                # exact match rarely fires on a random model; a fixed spread keeps every group trainable
-                r.reward = exact_match(r.text, g.item.answer) + 0.1 * k
-        advantages.assign_advantages(groups, "std", "keep")
-        pairs = advantages.trainable_responses(groups, skip_flat_groups=False, overlong="keep")
-        datums, _ = advantages.build_datums(pairs, "ppo", "token_mean")
+        # exact match rarely fires on a random model; a fixed spread keeps every group trainable
+        groups = [rollouts.ScoredGroup(rollouts.Group(i, p, ids, rs),
+                                       [exact_match(r.text, p.answer) + 0.1 * k for k, r in enumerate(rs)],
+                                       [{} for _ in rs], [])
+                  for i, (p, ids, rs) in enumerate(zip(problems, prompt_ids, responses, strict=True))]
+        group_adv = advantages.compute_advantages(groups, "std", "keep")
+        samples = advantages.select_for_training(groups, group_adv, skip_flat_groups=False, overlong="keep")
+        datums, _ = advantages.build_datums(samples, "ppo", "token_mean")
         t2 = time.perf_counter()
         tc.forward_backward(datums, "ppo").result()
         tc.optim_step(adam).result()
         t3 = time.perf_counter()
-        sampled = sum(len(r.tokens) for g in groups for r in g.responses)
+        sampled = sum(len(r.tokens) for g in groups for r in g.group.rollouts)
         prompt_tokens = sum(len(ids) for ids in prompt_ids)
         # what the decoder processes in training: each group's prompt once (shared), every response
         processed = prompt_tokens + sampled

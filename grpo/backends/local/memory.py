@@ -70,9 +70,9 @@ def train_bytes_per_token(config: Any, dtype: torch.dtype) -> int:
 
 
 def sample_bytes_per_row(config: Any, dtype: torch.dtype, length: int) -> int:
-    """A sampling row of ``length`` positions: its KV cache (plus the grouped-query expansion of
-    one layer's K and V that attention makes each step) and its float32 logits, softmax and
-    float64 CDF over the vocabulary."""
+    """A sampling row of ``length`` positions: its KV cache (allocated whole when the wave starts,
+    kv_cache.py), the grouped-query expansion of one layer's K and V that attention makes in the
+    prefill, and its float32 logits, softmax and float64 CDF over the vocabulary."""
     hidden, _, q_dim, kv_dim, layers = _dims(config)
     kv = 2 * kv_dim * layers * length * dtype.itemsize
     expanded = 2 * q_dim * length * dtype.itemsize

@@ -11,8 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
-from transformers import DynamicCache
 
+from grpo.backends.local.kv_cache import preallocated_cache
 from grpo.types import SampledSequence, SamplingParams
 
 # Stop strings are matched on the decoded tail of a row; this many tokens is plenty for any
@@ -105,7 +105,8 @@ def generate(model, requests: list[GenerationRequest], tokenizer, device: torch.
     for i, p in enumerate(prompts):
         input_ids[i, width - len(p):] = torch.tensor(p, device=device)
         attention[i, width - len(p):] = 1
-    cache = DynamicCache(config=model.config)
+    longest = max(_max_tokens(req, max_context) for req in requests)
+    cache = preallocated_cache(model.config, capacity=width + longest)
     # Only the last position's logits are needed: the unembedding over every prompt position
     # would cost a quarter of the prefill on a small model with a large vocabulary.
     out = model(input_ids=input_ids, attention_mask=attention, position_ids=_position_ids(attention),
@@ -117,7 +118,7 @@ def generate(model, requests: list[GenerationRequest], tokenizer, device: torch.
     owner: list[int] = []
     for i, req in enumerate(requests):
         stop_strings, stop_ids = req.params.stop_strings_and_ids()
-        max_tokens = req.params.max_tokens or (max_context - len(req.prompt) if max_context else 256)
+        max_tokens = _max_tokens(req, max_context)
         generator = None
         if req.params.seed is not None:
             generator = torch.Generator(device=device)
@@ -167,6 +168,10 @@ def generate(model, requests: list[GenerationRequest], tokenizer, device: torch.
         req.sequences = []
     for row in rows:
         row.request.sequences.append(SampledSequence(tokens=row.tokens, logprobs=row.logprobs, stop_reason=row.stop_reason))
+
+
+def _max_tokens(req: GenerationRequest, max_context: int | None) -> int:
+    return req.params.max_tokens or (max_context - len(req.prompt) if max_context else 256)
 
 
 def _choose_tokens(logits: torch.Tensor, rows: list[_Row], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:

@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from serve_helpers import API_KEY, REPO, Server, sdk_overlay
+from serve_helpers import API_KEY, REPO, Server, free_port, sdk_overlay
 
 from grpo.runlog import WALL_CLOCK_PREFIXES as TIMING_PREFIXES
 from grpo.runlog import read_jsonl
@@ -126,3 +126,78 @@ def tinker_version() -> str:
     import importlib.metadata
 
     return importlib.metadata.version("tinker")
+
+
+SKYRL_OPENAPI = REPO / "tests" / "skyrl_0.4.0_openapi.json"  # recorded from the live server, trimmed
+
+
+def test_startup_check_reads_from_the_published_api_that_asample_answers_carry_no_sequence_ids():
+    """SkyRL 0.4.0 declares asample's answer as {future_id, status, request_id}: SDKs from 0.26
+    assert on the missing sample_sequence_ids at the first sample(), so they are refused at
+    start-up, naming the SDK that fits; 0.25 is not refused."""
+    import json
+
+    from grpo.backends.remote.compat import asample_fields, judge
+
+    document = json.loads(SKYRL_OPENAPI.read_text())
+    fields = asample_fields(document)
+    assert fields == {"future_id", "status", "request_id"}
+    for version in ("0.26.0", "0.38.0"):
+        verdict = judge(version, None, *SKYRL_04.values(), "http://h:1", fields)
+        assert verdict.fits is False, version
+        assert f"tinker SDK {version} does not fit" in verdict.line and "no sample_sequence_ids" in verdict.line
+        assert "pip install 'tinker==0.25.0'" in verdict.line
+    assert judge("0.25.0", None, *SKYRL_04.values(), "http://h:1", fields).fits is None
+    # 0.22 is still refused for the JSON routes, whatever asample answers.
+    assert "no /forward" in judge("0.22.0", None, *SKYRL_04.values(), "http://h:1", fields).line
+    # A server that declares the field, or declares nothing, is not refused on this ground.
+    document["components"]["schemas"]["FutureResponse"]["properties"]["sample_sequence_ids"] = {"type": "array"}
+    declared = asample_fields(document)
+    assert "sample_sequence_ids" in declared
+    assert judge("0.38.0", None, *SKYRL_04.values(), "http://h:1", declared).fits is None
+    assert asample_fields(None) is None and asample_fields({"paths": {}}) is None
+    assert judge("0.38.0", None, *SKYRL_04.values(), "http://h:1", None).fits is None
+
+
+def test_startup_probe_reads_asample_fields_from_a_real_fastapi_server():
+    """Over real HTTP: a FastAPI server declaring asample's answer the way SkyRL 0.4.0 does sends
+    only the declared fields (so the declaration is what the SDK will get), and the probe reads them."""
+    import threading
+
+    import httpx
+    import uvicorn
+    from fastapi import FastAPI
+    from pydantic import BaseModel
+
+    from grpo.backends.remote.compat import probe
+
+    class FutureResponse(BaseModel):
+        future_id: str
+        status: str = "pending"
+        request_id: str
+
+    app = FastAPI()
+
+    @app.post("/api/v1/asample", response_model=FutureResponse)
+    async def asample() -> dict:
+        return {"future_id": "1", "request_id": "1", "sample_sequence_ids": ["1:0"]}
+
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    try:
+        url = f"http://127.0.0.1:{port}"
+        for _ in range(200):
+            if server.started:
+                break
+            threading.Event().wait(0.05)
+        answer = httpx.post(url + "/api/v1/asample", json={}).json()
+        _, forward, _, fields = probe(url, None, 10.0)
+    finally:
+        server.should_exit = True
+        thread.join(10)
+    assert answer == {"future_id": "1", "status": "pending", "request_id": "1"}  # the extra field is dropped
+    assert fields == {"future_id", "status", "request_id"}
+    assert forward == (404, {"detail": "Not Found"})
+

@@ -201,3 +201,19 @@ def test_startup_probe_reads_asample_fields_from_a_real_fastapi_server():
     assert fields == {"future_id", "status", "request_id"}
     assert forward == (404, {"detail": "Not Found"})
 
+
+
+def test_the_tinker_extra_admits_each_sdk_tested_and_none_newer():
+    """pyproject's bounds say what was run: 0.22 (JSON servers; MinT's pin), 0.25 (SkyRL 0.4.0,
+    docs/remote.md), the newest SDK this file runs against grpo serve; the next minor is untested."""
+    import tomllib
+
+    from packaging.requirements import Requirement
+
+    extras = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    (requirement,) = extras["tinker"]
+    bounds = Requirement(requirement).specifier
+    for version in ("0.22.0", "0.25.0", NEWEST_SDK):
+        assert bounds.contains(version), version
+    major, minor, _ = NEWEST_SDK.split(".")
+    assert not bounds.contains(f"{major}.{int(minor) + 1}.0")

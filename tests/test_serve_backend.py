@@ -77,6 +77,32 @@ def test_a_value_the_service_refuses_is_one_grpo_line_naming_the_config_key(tmp_
     assert last.startswith("grpo: ") and "lora_config.rank" in last and "1024" in last and "`rank`" in last, last
 
 
+def test_a_refusal_the_sdk_wraps_in_a_plain_error_is_still_one_line_naming_the_key():
+    """SDK 0.25 (the one SkyRL 0.4.0 fits) reports a future's 400 as a ValueError("Error retrieving
+    result ...") raised from its BadRequestError, as it did for SkyRL's refusal of rank 16."""
+    import httpx
+    import tinker
+
+    from grpo.backends.remote.resilience import RemoteRequestError, as_request_error
+
+    body = {"detail": "LoRA rank 16 must be between 1 and 8"}
+    response = httpx.Response(400, json=body, request=httpx.Request("POST", "http://h:1/api/v1/retrieve_future"))
+    try:
+        try:
+            raise tinker.BadRequestError(f"Error code: 400 - {body}", response=response, body=body)
+        except tinker.BadRequestError as refused:
+            raise ValueError(f"Error retrieving result: {refused} (status 400) for self.request_id='1' "
+                             "— exceeded 3 retries") from refused
+    except ValueError as err:
+        wrapped = err
+    line = as_request_error(wrapped, "create_lora_training_client", "http://h:1")
+    assert isinstance(line, RemoteRequestError)
+    assert str(line) == ("http://h:1 refused create_lora_training_client (400): LoRA rank 16 must be between 1 "
+                         "and 8; check the config key `rank`")
+    unrelated = ValueError("not a refusal")
+    assert as_request_error(unrelated, "sample", "http://h:1") is unrelated
+
+
 @pytest.mark.parametrize(("reason", "key"), [
     ("LoRA rank 16 must be between 1 and 8", "rank"),  # SkyRL's words for the same refusal
     ("lora_config.rank: Input should be less than or equal to 1024", "rank"),
@@ -148,8 +174,9 @@ def test_startup_check_reads_from_the_published_api_that_asample_answers_carry_n
         assert f"tinker SDK {version} does not fit" in verdict.line and "no sample_sequence_ids" in verdict.line
         assert "pip install 'tinker==0.25.0'" in verdict.line
     assert judge("0.25.0", None, *SKYRL_04.values(), "http://h:1", fields).fits is None
-    # 0.22 is still refused for the JSON routes, whatever asample answers.
-    assert "no /forward" in judge("0.22.0", None, *SKYRL_04.values(), "http://h:1", fields).line
+    # 0.22 is refused for the JSON routes, and pointed at the one SDK that fits both ways.
+    old_sdk = judge("0.22.0", None, *SKYRL_04.values(), "http://h:1", fields)
+    assert old_sdk.fits is False and "no /forward" in old_sdk.line and "pip install 'tinker==0.25.0'" in old_sdk.line
     # A server that declares the field, or declares nothing, is not refused on this ground.
     document["components"]["schemas"]["FutureResponse"]["properties"]["sample_sequence_ids"] = {"type": "array"}
     declared = asample_fields(document)

@@ -82,15 +82,15 @@ def judge(version: str, server: dict[str, Any] | None, forward: tuple[int, Any] 
         who = f" ({server['server']} {server.get('version', '')}".rstrip() + (
             f", tested with SDK {', '.join(tested)})" if tested else ")")
     json_sdk = bool(_version_tuple(version)) and _version_tuple(version) < PROTOBUF_SINCE
+    no_sequence_ids = sample_fields is not None and "sample_sequence_ids" not in sample_fields
     if json_sdk:
         missing = [what for what, probe in (("/forward", forward), ("JSON forward_backward", json_fwdbwd))
                    if probe is not None and (_route_missing(*probe) or probe[0] == 415)]
         if missing:
             return Compatibility(False, f"{name} does not fit the server at {endpoint}{who}: it has no "
                                  f"{' and no '.join(missing)}, which this SDK needs; it wants protobuf: "
-                                 "pip install 'tinker>=0.25' (with backend=tinker)")
-    if (sample_fields is not None and "sample_sequence_ids" not in sample_fields
-            and _version_tuple(version) >= SEQUENCE_IDS_SINCE):
+                                 f"pip install '{FITS_BOTH if no_sequence_ids else 'tinker>=0.25'}' (with backend=tinker)")
+    if no_sequence_ids and _version_tuple(version) >= SEQUENCE_IDS_SINCE:
         return Compatibility(False, f"{name} does not fit the server at {endpoint}{who}: its asample answer has "
                              f"no sample_sequence_ids (its /openapi.json declares only {', '.join(sorted(sample_fields))}"
                              f"), which SDKs from {'.'.join(map(str, SEQUENCE_IDS_SINCE))} require; "

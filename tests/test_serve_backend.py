@@ -186,6 +186,36 @@ def test_startup_check_reads_from_the_published_api_that_asample_answers_carry_n
     assert judge("0.38.0", None, *SKYRL_04.values(), "http://h:1", None).fits is None
 
 
+MISFIT_MID_RUN = """
+from tinker import types
+from tinker.lib.public_interfaces.sampling_client import _attach_sequence_ids
+from grpo.backends.remote.resilience import RemoteRequestError, RetryPolicy, retrying
+
+import numpy as np
+sequence = types.SampledSequence(stop_reason="length", sequence_id="", tokens_np=np.array([1], dtype=np.int32))
+answer = types.SampleResponse(sequences=[sequence])
+try:
+    retrying(lambda: _attach_sequence_ids(answer, None), lambda x: x, RetryPolicy(max_retries=2, backoff_s=0),
+             "sample", "http://h:1", print).result()
+except RemoteRequestError as err:
+    print("ONE LINE:", err)
+"""
+
+
+def test_a_server_that_publishes_no_api_and_omits_sequence_ids_still_ends_in_one_line():
+    """Where /openapi.json is missing the start-up check cannot tell; SDK 0.38's own assertion on
+    the answer (its real code, on an answer without ids, as SkyRL 0.4.0 gives) becomes one line
+    naming the SDK that fits, without retries."""
+    overlay = sdk_overlay(NEWEST_SDK)
+    run = subprocess.run([sys.executable, "-c", MISFIT_MID_RUN], cwd=REPO, capture_output=True, text=True,
+                         env={**os.environ, "PYTHONPATH": str(overlay)}, timeout=120)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.stdout.strip() == (
+        f"ONE LINE: sample: tinker SDK {NEWEST_SDK} does not fit the server at http://h:1: its asample answer has no "
+        "sample_sequence_ids (the SDK: asample promises always carry sample_sequence_ids), which SDKs from 0.26 "
+        "require; pip install 'tinker==0.25.0' (with backend=tinker)"), run.stdout
+
+
 def test_startup_probe_reads_asample_fields_from_a_real_fastapi_server():
     """Over real HTTP: a FastAPI server declaring asample's answer the way SkyRL 0.4.0 does sends
     only the declared fields (so the declaration is what the SDK will get), and the probe reads them."""

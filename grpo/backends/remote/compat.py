@@ -69,6 +69,20 @@ def asample_fields(openapi: Any) -> frozenset[str] | None:
     return frozenset(properties) if isinstance(properties, dict) else None
 
 
+def no_sequence_ids_line(version: str, server: str, evidence: str) -> str:
+    return (f"tinker SDK {version} does not fit the server at {server}: its asample answer has no "
+            f"sample_sequence_ids ({evidence}), which SDKs from {'.'.join(map(str, SEQUENCE_IDS_SINCE))} "
+            f"require; pip install '{FITS_BOTH}' (with backend=tinker)")
+
+
+def mid_run_misfit(err: BaseException, endpoint: str) -> str | None:
+    """The line for an SDK assertion that shows the server does not fit, where the start-up check
+    could not tell (a server that publishes no /openapi.json); None for anything else."""
+    if isinstance(err, AssertionError) and "sample_sequence_ids" in str(err):
+        return no_sequence_ids_line(sdk_version(), endpoint, f"the SDK: {err}")
+    return None
+
+
 def judge(version: str, server: dict[str, Any] | None, forward: tuple[int, Any] | None,
           json_fwdbwd: tuple[int, Any] | None, endpoint: str,
           sample_fields: frozenset[str] | None = None) -> Compatibility:
@@ -91,10 +105,8 @@ def judge(version: str, server: dict[str, Any] | None, forward: tuple[int, Any] 
                                  f"{' and no '.join(missing)}, which this SDK needs; it wants protobuf: "
                                  f"pip install '{FITS_BOTH if no_sequence_ids else 'tinker>=0.25'}' (with backend=tinker)")
     if no_sequence_ids and _version_tuple(version) >= SEQUENCE_IDS_SINCE:
-        return Compatibility(False, f"{name} does not fit the server at {endpoint}{who}: its asample answer has "
-                             f"no sample_sequence_ids (its /openapi.json declares only {', '.join(sorted(sample_fields))}"
-                             f"), which SDKs from {'.'.join(map(str, SEQUENCE_IDS_SINCE))} require; "
-                             f"pip install '{FITS_BOTH}' (with backend=tinker)")
+        evidence = f"its /openapi.json declares only {', '.join(sorted(sample_fields or ()))}"
+        return Compatibility(False, no_sequence_ids_line(version, endpoint + who, evidence))
     if server and server.get("tested_sdks"):
         newest = max(_version_tuple(v) for v in server["tested_sdks"])
         if _version_tuple(version) > newest:

@@ -88,11 +88,15 @@ def _refusal_in(err: BaseException) -> BaseException | None:
 
 def as_request_error(err: BaseException, what: str, endpoint: str) -> BaseException:
     """A 4xx refusal (or the SDK's RequestFailedError), itself or the error it caused, as one
-    RemoteRequestError line naming the reason and, where one fits, the config key to change;
-    anything else unchanged."""
+    RemoteRequestError line naming the reason and, where one fits, the config key to change; an
+    SDK assertion that the server does not fit it (compat.mid_run_misfit) as one line naming the SDK
+    that does; anything else unchanged."""
     refusal = _refusal_in(err)
     if refusal is None:
-        return err
+        from grpo.backends.remote.compat import mid_run_misfit
+
+        misfit = mid_run_misfit(err, endpoint)
+        return err if misfit is None else RemoteRequestError(f"{what}: {misfit}")
     status = getattr(refusal, "status_code", None)
     reason = refusal_reason(refusal)
     key = config_key_for(reason)

@@ -6,7 +6,8 @@
 #   scripts/skyrl_run.sh                    the recorded run (2 steps of the math adapter, rank 8)
 #   scripts/skyrl_run.sh run key=value ...  the same with more Hydra overrides (e.g. rank=16)
 #   scripts/skyrl_run.sh checks             the SDK combinations: tinker 0.38 and 0.22 against the
-#                                           same server, and the default rank=16 (over SkyRL's max 8)
+#                                           same server (0.38 also with the start-up check off), and
+#                                           the default rank=16 (over SkyRL's max 8)
 #
 # It builds two venvs once (both ignored by git; delete them to rebuild):
 #   .venv-skyrl         Python 3.12 (SkyRL needs >= 3.12): skyrl[tinker,jax]==0.4.0 + aiohttp,
@@ -105,6 +106,9 @@ case $MODE in
       grpo "$overlay" "$WORK/check-${overlay##*/}" rank=8 steps=1 batch_size=2 group_size=4 max_tokens=16 \
         && echo "exit code 0" || echo "exit code $?"
     done
+    echo "== tinker-0.38.0 with the start-up check off (backend.preflight=false): the SDK's own assertion"
+    grpo "$SDK038" "$WORK/check-preflight-off" backend.preflight=false rank=8 steps=1 batch_size=2 group_size=4 \
+      max_tokens=16 && echo "exit code 0" || echo "exit code $?"
     echo "== tinker 0.25.0, default rank=16 against max_lora_rank 8"
     grpo "" "$WORK/check-rank16" steps=1 batch_size=2 group_size=4 max_tokens=16 && echo "exit code 0" || echo "exit code $?"
     ;;

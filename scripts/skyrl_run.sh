@@ -5,6 +5,7 @@
 #
 #   scripts/skyrl_run.sh                    the recorded run (2 steps of the math adapter, rank 8)
 #   scripts/skyrl_run.sh run key=value ...  the same with more Hydra overrides (e.g. rank=16)
+#   scripts/skyrl_run.sh setup              only build the venvs and the HF cache entry (no server)
 #   scripts/skyrl_run.sh checks             the SDK combinations: tinker 0.38 and 0.22 against the
 #                                           same server (0.38 also with the start-up check off), and
 #                                           the default rank=16 (over SkyRL's max 8)
@@ -22,6 +23,7 @@ cd "$(dirname "$0")/.."
 
 MODE=${1:-run}
 [ $# -gt 0 ] && shift
+case $MODE in run|setup|checks) ;; *) echo "usage: $0 [run|setup|checks] [key=value ...]" >&2; exit 2 ;; esac
 WORK=${SKYRL_WORK:-$PWD/.skyrl}
 PORT=${SKYRL_PORT:-8765}
 MODEL=HuggingFaceTB/SmolLM2-135M-Instruct
@@ -71,6 +73,7 @@ fi
 
 export HF_HOME=$WORK/hf HF_HUB_OFFLINE=1 TINKER_API_KEY=tml-skyrl-local TINKER_TELEMETRY=0
 $CLIENT_VENV/bin/python -m grpo.hf_cache  # -> $HF_HOME/hub/models--HuggingFaceTB--SmolLM2-135M-Instruct
+[ "$MODE" = setup ] && exit 0
 
 # A fresh server state each time: its SQLite futures and checkpoints.
 rm -rf "$WORK/server" && mkdir -p "$WORK/server"
@@ -112,5 +115,4 @@ case $MODE in
     echo "== tinker 0.25.0, default rank=16 against max_lora_rank 8"
     grpo "" "$WORK/check-rank16" steps=1 batch_size=2 group_size=4 max_tokens=16 && echo "exit code 0" || echo "exit code $?"
     ;;
-  *) echo "usage: $0 [run|checks] [key=value ...]" >&2; exit 2 ;;
 esac

@@ -3,7 +3,7 @@
 Tinker SDKs changed wire format twice: up to 0.24 they send forward_backward as JSON (and
 forward to its own /forward route); from 0.25 as protobuf, reading sample and forward_backward
 results only as protobuf; from 0.26 they also require ``sample_sequence_ids`` in asample's answer
-(``assert sample_sequence_ids is not None`` in SamplingClient; 0.25.0's has no such field). A
+(``assert sample_sequence_ids is not None`` in SamplingClient; 0.25.0 has no such check). A
 server built for one generation fails the other mid-run with an opaque error (SkyRL 0.4's server
 answers SDK 0.22's /forward with 404 and its JSON forward_backward with 415, and SDK 0.38's first
 sample() ends in that AssertionError).

@@ -70,14 +70,35 @@ def config_key_for(reason: str) -> str | None:
     return None
 
 
+def _refusal_in(err: BaseException) -> BaseException | None:
+    """``err`` if it is a 4xx refusal (or the SDK's RequestFailedError), else the refusal it was
+    raised from: SDK 0.25 raises a plain ValueError("Error retrieving result ...") from the
+    BadRequestError a future's 400 came as (SkyRL's "LoRA rank 16 must be between 1 and 8")."""
+    seen: set[int] = set()
+    while err is not None and id(err) not in seen:
+        seen.add(id(err))
+        status = getattr(err, "status_code", None)
+        if isinstance(status, int) and 400 <= status < 500 and status not in (408, 429):
+            return err
+        if type(err).__name__ == "RequestFailedError":
+            return err
+        err = err.__cause__
+    return None
+
+
 def as_request_error(err: BaseException, what: str, endpoint: str) -> BaseException:
-    """A 4xx refusal (or the SDK's RequestFailedError) as one RemoteRequestError line naming the
-    reason and, where one fits, the config key to change; anything else unchanged."""
-    status = getattr(err, "status_code", None)
-    refused = isinstance(status, int) and 400 <= status < 500 and status not in (408, 429)
-    if not refused and type(err).__name__ != "RequestFailedError":
-        return err
-    reason = refusal_reason(err)
+    """A 4xx refusal (or the SDK's RequestFailedError), itself or the error it caused, as one
+    RemoteRequestError line naming the reason and, where one fits, the config key to change; an
+    SDK assertion that the server does not fit it (compat.mid_run_misfit) as one line naming the SDK
+    that does; anything else unchanged."""
+    refusal = _refusal_in(err)
+    if refusal is None:
+        from grpo.backends.remote.compat import mid_run_misfit
+
+        misfit = mid_run_misfit(err, endpoint)
+        return err if misfit is None else RemoteRequestError(f"{what}: {misfit}")
+    status = getattr(refusal, "status_code", None)
+    reason = refusal_reason(refusal)
     key = config_key_for(reason)
     code = f" ({status})" if isinstance(status, int) else ""
     return RemoteRequestError(f"{endpoint} refused {what}{code}: {reason}"

@@ -1,0 +1,27 @@
+"""scripts/scaling.py runs end to end (one row on the tiny model) and its numbers add up, so the
+benchmark that docs/benchmark.md's scaling table comes from cannot silently rot."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_smoke_row_measures_a_whole_step(tmp_path):
+    out = tmp_path / "rows.json"
+    proc = subprocess.run([sys.executable, "scripts/scaling.py", "--rows", "smoke", "--json", str(out)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    [row] = json.loads(out.read_text())
+    assert (row["model"], row["prompts"], row["group"], row["max_tokens"]) == ("tiny", 2, 2, 4)
+    assert 2 * 2 <= row["sampled"] <= 2 * 2 * 4
+    assert row["processed"] == row["prompt_tokens"] + row["sampled"]
+    # each sampled token was chosen in exactly one sampling step, as one of that step's rows
+    assert row["decode_rows"] == row["sampled"]
+    assert 1 <= row["decode_steps"] <= 4
+    assert row["sample_s"] > 0 and row["train_s"] > 0 and row["peak_rss_mb"] > 0
+    assert "| tiny | 2 x 2 x 4 |" in proc.stdout

@@ -6,6 +6,7 @@ Usage (from the repository root):
     .venv/bin/python scripts/scaling.py --rows shapes    # the packaged model's shape rows only
     .venv/bin/python scripts/scaling.py --rows models --json out.json
     .venv/bin/python scripts/scaling.py --unbounded      # the same rows with no memory budget
+    .venv/bin/python scripts/scaling.py --rows shapes --fixed-length   # no stop: every response max_tokens long
 
 Each row runs in a fresh child process (its peak RSS is its own): one small warm-up step (pays
 one-time costs: folding LoRA for sampling, the optimizer's state, the allocator's first pages),
@@ -125,7 +126,7 @@ def worker(row: dict[str, Any]) -> None:
         patch_random_model(ARCHITECTURES[model_name])
         base, stop = "tiny", False
     else:
-        base, stop = model_name, True
+        base, stop = model_name, not row.get("fixed_length", False)
     service = ServiceClient(device="cpu", dtype="float32", **row.get("service", {}))
     tc = service.create_lora_training_client(base, rank=16, seed=0, train_unembed=False)
     tokenizer = tc.get_tokenizer()
@@ -187,6 +188,10 @@ def run_row(row: dict[str, Any], timeout: float) -> dict[str, Any]:
     raise RuntimeError(f"row {row} failed:\n{proc.stderr[-3000:]}")
 
 
+def rows_per_step(r: dict[str, Any]) -> str:
+    return f"{r['decode_rows'] / r['decode_steps']:.1f}" if r.get("decode_steps") else "-"
+
+
 def table(results: list[dict[str, Any]]) -> str:
     head = ("| model | prompts x group x max_tokens | sampled tokens | step (sample + train) | sampled tok/s | "
             "sample ms/token | mean rows per decoding step | trained tok/s | train ms/token | train ms/processed token | "
@@ -197,9 +202,9 @@ def table(results: list[dict[str, Any]]) -> str:
         step = r["sample_s"] + r["train_s"]
         eff = r["flops"] / step / (r["matmul_gflops"] * 1e9)
         lines.append(
-            f"| {r['model']} | {r['prompts']} x {r['group']} x {r['max_tokens']} | {r['sampled']:,} | "
+            f"| {r['model']}{' (no stop)' if r.get('fixed_length') else ''} | {r['prompts']} x {r['group']} x {r['max_tokens']} | {r['sampled']:,} | "
             f"{step:.1f} s ({r['sample_s']:.1f} + {r['train_s']:.1f}) | {r['sampled'] / r['sample_s']:.0f} | "
-            f"{1000 * r['sample_s'] / r['sampled']:.2f} | {r['decode_rows'] / max(1, r['decode_steps']):.1f} | "
+            f"{1000 * r['sample_s'] / r['sampled']:.2f} | {rows_per_step(r)} | "
             f"{r['sampled'] / r['train_s']:.0f} | {1000 * r['train_s'] / r['sampled']:.2f} | "
             f"{1000 * r['train_s'] / r['processed']:.2f} | {100 * eff:.0f}% of {r['matmul_gflops']:.0f} GFLOP/s | "
             f"{r['peak_rss_mb'] / 1024:.2f} GB |")
@@ -211,6 +216,8 @@ def main() -> None:
     p.add_argument("--rows", choices=["all", "shapes", "models", "smoke"], default="all")
     p.add_argument("--only", help="comma-separated row numbers (0-based) of the chosen rows")
     p.add_argument("--unbounded", action="store_true", help="memory_budget_mb=0: one sampling wave, one micro-batch")
+    p.add_argument("--fixed-length", action="store_true",
+                   help="sample without stop, every response max_tokens long: every decoding step carries every row")
     p.add_argument("--timeout", type=float, default=900, help="seconds per row")
     p.add_argument("--json", type=Path, help="also write the rows' measurements here")
     p.add_argument("--from-json", type=Path, nargs="+", help="print the table of rows saved with --json")
@@ -231,7 +238,8 @@ def main() -> None:
     results = []
     t0 = time.perf_counter()
     for model, prompts, group, max_tokens in rows:
-        row = {"model": model, "prompts": prompts, "group": group, "max_tokens": max_tokens, "service": service}
+        row = {"model": model, "prompts": prompts, "group": group, "max_tokens": max_tokens, "service": service,
+               "fixed_length": args.fixed_length}
         results.append(run_row(row, args.timeout))
         print(f"# {model} {prompts}x{group}x{max_tokens}: {results[-1]['sample_s'] + results[-1]['train_s']:.1f} s, "
               f"peak {results[-1]['peak_rss_mb']:.0f} MB", file=sys.stderr, flush=True)
@@ -246,21 +254,27 @@ def main() -> None:
 
 
 def spread(results: list[dict[str, Any]]) -> str:
-    """Largest over smallest per-token cost and peak RSS among the packaged model's rows."""
-    rows = [r for r in results if r["model"] == "smollm2"]
-    if len(rows) < 2:
-        return ""
-    def ratio(key) -> float:
-        values = [key(r) for r in rows]
-        return max(values) / min(values)
+    """Largest over smallest per-token cost and peak RSS among the packaged model's rows (rows
+    sampled without stop are compared among themselves)."""
+    lines = []
+    for fixed in (False, True):
+        rows = [r for r in results if r["model"] == "smollm2" and bool(r.get("fixed_length")) == fixed]
+        if len(rows) < 2:
+            continue
 
-    first = next((r for r in rows if (r["prompts"], r["group"], r["max_tokens"]) == (8, 4, 32)), rows[0])
-    peak = max(r["peak_rss_mb"] for r in rows) / first["peak_rss_mb"]
-    return (f"\nAcross the SmolLM2-135M rows: train ms/processed token max/min "
-            f"{ratio(lambda r: r['train_s'] / r['processed']):.2f}x (per sampled token "
+        def ratio(key, rows=rows) -> float:
+            values = [key(r) for r in rows]
+            return max(values) / min(values)
+
+        first = next((r for r in rows if (r["prompts"], r["group"], r["max_tokens"]) == (8, 4, 32)), rows[0])
+        peak = max(r["peak_rss_mb"] for r in rows) / first["peak_rss_mb"]
+        lines.append(
+            f"Across the SmolLM2-135M rows{' sampled without stop' if fixed else ''}: train ms/processed token "
+            f"max/min {ratio(lambda r: r['train_s'] / r['processed']):.2f}x (per sampled token "
             f"{ratio(lambda r: r['train_s'] / r['sampled']):.2f}x), "
             f"sample ms/token max/min {ratio(lambda r: r['sample_s'] / r['sampled']):.2f}x, "
             f"largest peak RSS / the 8 x 4 x 32 row's {peak:.2f}x.")
+    return "\n" + "\n".join(lines) if lines else ""
 
 
 if __name__ == "__main__":

@@ -24,8 +24,11 @@ TOY = ["adapter=custom", "adapter._target_=toy_adapter.ToyAdapter", "base_model=
 def grpo(*args: str, cwd: Path | None = None, extra_env: dict | None = None, pythonpath=(TESTS,),
          timeout: float = 300) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(str(p) for p in pythonpath), **(extra_env or {})}
+    # A shell without job control starts background commands with SIGINT ignored, and Python keeps
+    # an ignored SIGINT ignored: the child gets Ctrl-C's default back, as from a terminal.
     return subprocess.run([sys.executable, "-m", "grpo", *args], cwd=cwd or ROOT, env=env, capture_output=True,
-                          text=True, timeout=timeout)
+                          text=True, timeout=timeout,
+                          preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
 
 
 def comparable(rows: list[dict]) -> list[dict]:

@@ -63,6 +63,16 @@ def exact_match(text: str, answer: str) -> float:
     return 1.0 if text.strip() == answer else 0.0
 
 
+def trl_default_datums(groups) -> list:
+    """Datums for ``forward_backward(ppo)`` with TRL's defaults: rewards scaled by the group std,
+    loss averaged over the batch's tokens, every group kept (scripts/scaling.py uses them too)."""
+    from grpo import advantages
+
+    group_adv = advantages.compute_advantages(groups, "std", "keep")
+    samples = advantages.select_for_training(groups, group_adv, skip_flat_groups=False, overlong="keep")
+    return advantages.build_datums(samples, "ppo", "token_mean")[0]
+
+
 def device_and_dtype(requested: str) -> tuple[str, str]:
     import torch
 
@@ -109,7 +119,7 @@ def sync(device: str) -> None:
 
 
 def worker_grpo(args: argparse.Namespace) -> None:
-    from grpo import advantages, rollouts
+    from grpo import rollouts
     from grpo.backends.local import ServiceClient
     from grpo.types import AdamParams, SamplingParams
 
@@ -136,10 +146,7 @@ def worker_grpo(args: argparse.Namespace) -> None:
                                        [exact_match(r.text, problems[i].answer) for r in rs], [{} for _ in rs], [])
                   for i, rs in zip(batch, responses, strict=True)]
         t1 = time.perf_counter()
-        # TRL's defaults: rewards scaled by the group std, loss averaged over the batch's tokens.
-        group_adv = advantages.compute_advantages(groups, "std", "keep")
-        samples = advantages.select_for_training(groups, group_adv, skip_flat_groups=False, overlong="keep")
-        datums, _ = advantages.build_datums(samples, "ppo", "token_mean")
+        datums = trl_default_datums(groups)
         fb = tc.forward_backward(datums, "ppo")
         opt = tc.optim_step(adam)
         fb.result()

@@ -115,9 +115,9 @@ def count_decode_steps() -> dict[str, int]:
 
 
 def worker(row: dict[str, Any]) -> None:
-    from bench import exact_match, make_problems
+    from bench import exact_match, make_problems, trl_default_datums
 
-    from grpo import advantages, rollouts
+    from grpo import rollouts
     from grpo.backends.local import ServiceClient
     from grpo.types import AdamParams, SamplingParams
 
@@ -153,9 +153,7 @@ def worker(row: dict[str, Any]) -> None:
                                        [exact_match(r.text, p.answer) + 0.1 * k for k, r in enumerate(rs)],
                                        [{} for _ in rs], [])
                   for i, (p, ids, rs) in enumerate(zip(problems, prompt_ids, responses, strict=True))]
-        group_adv = advantages.compute_advantages(groups, "std", "keep")
-        samples = advantages.select_for_training(groups, group_adv, skip_flat_groups=False, overlong="keep")
-        datums, _ = advantages.build_datums(samples, "ppo", "token_mean")
+        datums = trl_default_datums(groups)
         t2 = time.perf_counter()
         tc.forward_backward(datums, "ppo").result()
         tc.optim_step(adam).result()

@@ -1,12 +1,12 @@
 """A decode KV cache that is allocated once per sampling wave and written in place.
 
 transformers' ``DynamicCache`` grows each layer's keys and values by concatenation: every decode
-step allocates a block one position longer than the last and copies the whole cache into it.
-That copy is O(rows x length) per step, so a long response costs more per token than a short one,
-and the freed blocks, each a little smaller than the next request, fragment the heap (glibc
-cannot reuse them), so peak RSS grows with response length rather than with the rows' working
-set. Here each layer's buffer holds the wave's longest possible sequence from the start; a step
-writes one position, and attention reads a view of the filled part.
+step allocates a block one position longer than the last and copies the whole cache into it,
+leaving freed blocks a little smaller than the next request. Here each layer's buffer holds the
+wave's longest possible sequence from the start (what the memory budget counts for the wave
+anyway); a step writes one position, and attention reads a view of the filled part. Measured on
+SmolLM2-135M on a 2-core CPU: the same speed as DynamicCache (the copies are cheap next to the
+matmuls) and 2.5-4% lower peak RSS, with the same tokens and logprobs.
 
 Rows that finish leave by moving the survivors to the front of the same buffer.
 """
@@ -35,7 +35,7 @@ class PreallocatedLayer(DynamicLayer):
         self.is_initialized = True
 
     def _allocate(self, rows: int, like_keys: torch.Tensor, like_values: torch.Tensor) -> None:
-        batch, heads, _, dim = like_keys.shape
+        _, heads, _, dim = like_keys.shape
         self._keys = like_keys.new_empty((rows, heads, self.capacity, dim))
         self._values = like_values.new_empty((rows, like_values.shape[1], self.capacity, like_values.shape[-1]))
         self.rows = rows

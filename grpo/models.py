@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from grpo.cpu_linear import use_onednn_linears
 from grpo.files import replace_dir
 
 PACKAGED_NAMES = {"smollm2", "smollm2-135m-instruct", "huggingfacetb/smollm2-135m-instruct"}
@@ -251,6 +252,7 @@ def load_model(name: str, device: torch.device | str | None = None, dtype: torch
             model = _from_pretrained(AutoModelForCausalLM, name, spec, dtype=dtype)
     model.to(device)
     model.eval()
+    use_onednn_linears(model)  # float32 on the CPU: oneDNN's Linear kernel (cpu_linear.py)
     return model
 
 

@@ -21,6 +21,7 @@ from torch import nn
 from grpo import models
 from grpo.backends.local.folded_lora import FoldedAdapter, can_fold
 from grpo.checks import check_lora_targets
+from grpo.cpu_linear import use_onednn_linears
 
 ATTN_PARENTS = ("attn", "attention")
 MLP_PARENTS = ("mlp", "feed_forward", "ffn")
@@ -122,6 +123,7 @@ class Engine:
                     self.peft_model = get_peft_model(self.model, config, adapter_name=name)
                 else:
                     self.peft_model.add_adapter(name, config)
+            use_onednn_linears(self.peft_model)  # peft's new lora_A/lora_B Linears too
             self.specs[name] = spec
             self.versions[name] = 0
             self._activate(name)
@@ -136,6 +138,7 @@ class Engine:
                 self.peft_model = PeftModel.from_pretrained(self.model, str(path), adapter_name=name)
             else:
                 self.peft_model.load_adapter(str(path), adapter_name=name)
+            use_onednn_linears(self.peft_model)
             self.versions[name] = 0
             self._activate(name)
             for p in self.adapter_parameters(name).values():

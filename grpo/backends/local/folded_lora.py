@@ -20,6 +20,8 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
+from grpo.cpu_linear import OneDNNLinear
+
 
 class FoldedAdapter:
     """Plain Linears carrying one adapter's weights folded into the base weights."""
@@ -39,7 +41,8 @@ class FoldedAdapter:
                 base = module.base_layer
                 folded = old.get(name)
                 if folded is None or folded.weight.shape != base.weight.shape:
-                    folded = nn.Linear(base.in_features, base.out_features, bias=base.bias is not None, device="meta")
+                    # the base's own class: a OneDNNLinear stays one (cpu_linear.py)
+                    folded = type(base)(base.in_features, base.out_features, bias=base.bias is not None, device="meta")
                     folded.weight = nn.Parameter(torch.empty_like(base.weight), requires_grad=False)
                 # W + scaling * B @ A in one kernel, into the folded weight
                 torch.addmm(base.weight, b.to(base.weight.dtype), a.to(base.weight.dtype),
@@ -80,7 +83,7 @@ def can_fold(peft_model: nn.Module, adapter: str) -> bool:
     layers = lora_layers(peft_model, adapter)
     return bool(layers) and all(
         type(m) is LoraLinear
-        and type(m.base_layer) is nn.Linear
+        and type(m.base_layer) in (nn.Linear, OneDNNLinear)
         and m.base_layer.weight.dtype == torch.float32
         and not m.fan_in_fan_out
         and not m.use_dora.get(adapter, False)

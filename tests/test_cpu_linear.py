@@ -1,0 +1,145 @@
+"""oneDNN Linears (grpo/cpu_linear.py) compute what nn.Linear computes, forward and backward,
+and every CPU float32 model grpo loads uses them unless GRPO_CPU_LINEAR=torch."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from grpo import cpu_linear, models
+from grpo.advantages import build_datum
+from grpo.backends.local import ServiceClient
+from grpo.backends.local.engine import Engine, LoraSpec
+from grpo.cpu_linear import OneDNNLinear
+from grpo.rollouts import Rollout
+from grpo.types import Datum, ModelInput, SamplingParams
+
+pytestmark = pytest.mark.skipif(not cpu_linear.onednn_works(), reason="this torch build has no oneDNN linear kernel")
+
+
+def _pair(in_features: int, out_features: int, bias: bool, seed: int = 0) -> tuple[nn.Linear, OneDNNLinear]:
+    torch.manual_seed(seed)
+    plain = nn.Linear(in_features, out_features, bias=bias)
+    fast = OneDNNLinear(in_features, out_features, bias=bias)
+    fast.load_state_dict(plain.state_dict())
+    return plain, fast
+
+
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("shape", [(7, 48), (3, 5, 48), (0, 48)])
+def test_forward_equals_nn_linear(shape, bias):
+    plain, fast = _pair(48, 96, bias)
+    x = torch.randn(shape)
+    torch.testing.assert_close(fast(x), plain(x), rtol=1e-5, atol=1e-5)
+
+
+def test_non_contiguous_input():
+    plain, fast = _pair(48, 96, True)
+    x = torch.randn(48, 6).t()  # a transposed view, as attention outputs can be
+    assert not x.is_contiguous()
+    torch.testing.assert_close(fast(x), plain(x), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("train_weight", [True, False])
+def test_gradients_equal_nn_linear(train_weight):
+    """The input's gradient always (base weights are frozen); weight and bias gradients when the
+    layer trains (LoRA's A and B)."""
+    plain, fast = _pair(48, 96, True)
+    for m in (plain, fast):
+        m.requires_grad_(train_weight)
+    x = torch.randn(2, 5, 48)
+    upstream = torch.randn(2, 5, 96)
+    grads = []
+    for m in (plain, fast):
+        xi = x.clone().requires_grad_(True)
+        (m(xi) * upstream).sum().backward()
+        grads.append((xi.grad, m.weight.grad, m.bias.grad))
+    (gx_p, gw_p, gb_p), (gx_f, gw_f, gb_f) = grads
+    torch.testing.assert_close(gx_f, gx_p, rtol=1e-5, atol=1e-5)
+    if train_weight:
+        torch.testing.assert_close(gw_f, gw_p, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(gb_f, gb_p, rtol=1e-5, atol=1e-5)
+    else:
+        assert gw_f is None and gb_f is None
+
+
+def test_other_dtypes_take_nn_linears_path():
+    plain, fast = _pair(48, 96, True)
+    plain.to(torch.bfloat16)
+    fast.to(torch.bfloat16)
+    x = torch.randn(4, 48, dtype=torch.bfloat16)
+    assert torch.equal(fast(x), plain(x))
+
+
+def test_loaded_models_use_onednn_and_keep_their_state_dict():
+    model = models.load_model("tiny", device="cpu")
+    linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
+    assert linears and all(type(m) is OneDNNLinear for m in linears)
+    keys = set(model.state_dict())
+    assert cpu_linear.use_torch_linears(model) == len(linears)
+    assert set(model.state_dict()) == keys
+
+
+def test_env_switch(monkeypatch):
+    monkeypatch.setenv(cpu_linear.ENV_SWITCH, "torch")
+    model = models.load_model("tiny", device="cpu")
+    assert not any(type(m) is OneDNNLinear for m in model.modules())
+    monkeypatch.setenv(cpu_linear.ENV_SWITCH, "mkl")
+    with pytest.raises(ValueError, match="GRPO_CPU_LINEAR='mkl'.*'onednn'.*'torch'"):
+        models.load_model("tiny", device="cpu")
+
+
+def _datums(tokenizer) -> list[Datum]:
+    prompt = tokenizer.encode("What is 2 + 3?")
+    out = []
+    for k, response in enumerate([" 5", " It is five.", " 6, I think"]):
+        tokens = tokenizer.encode(response)
+        rollout = Rollout(tokens=tokens, logprobs=[-1.0] * len(tokens), stop_reason="stop", text=response)
+        out.append(build_datum(prompt, rollout, [0.5 - 0.4 * k] * len(tokens)))
+    return out
+
+
+def test_training_and_sampling_match_pytorch_kernels():
+    """A LoRA forward_backward and a seeded sample through the engine agree, to float rounding,
+    between oneDNN Linears (the default) and PyTorch's own: same loss, same gradients, and the
+    sampler's logprobs of the same tokens."""
+    service = ServiceClient(device="cpu")
+    tc = service.create_lora_training_client("tiny", rank=4, seed=0)
+    engine = tc.engine
+    model = engine.peft_model
+    assert all(type(m) is OneDNNLinear for m in model.modules() if isinstance(m, nn.Linear))
+    datums = _datums(tc.get_tokenizer())
+    params = SamplingParams(max_tokens=12, temperature=1.0, seed=3)
+    prompt = ModelInput.from_ints(tc.get_tokenizer().encode("Count: 1, 2,"))
+
+    def run() -> tuple[float, dict[str, torch.Tensor], list[int], list[float]]:
+        for p in engine.adapter_parameters(tc.adapter).values():
+            p.grad = None
+        out = tc.forward_backward(datums, "ppo").result()
+        grads = {n: p.grad.clone() for n, p in engine.adapter_parameters(tc.adapter).items()}
+        engine._folded = None  # fold afresh, with whichever Linear class is in place
+        seq = tc.save_weights_and_get_sampling_client().sample(prompt, 1, params).result().sequences[0]
+        return out.metrics["loss:sum"], grads, seq.tokens, seq.logprobs
+
+    loss_fast, grads_fast, tokens_fast, lp_fast = run()
+    assert cpu_linear.use_torch_linears(model) > 0
+    loss_torch, grads_torch, tokens_torch, lp_torch = run()
+    assert loss_fast == pytest.approx(loss_torch, rel=1e-5)
+    for name, g in grads_torch.items():
+        torch.testing.assert_close(grads_fast[name], g, rtol=1e-4, atol=1e-6, msg=name)
+    assert tokens_fast == tokens_torch
+    assert lp_fast == pytest.approx(lp_torch, abs=1e-5)
+
+
+def test_folding_keeps_onednn():
+    engine = Engine("tiny", device="cpu")
+    engine.add_adapter("policy", LoraSpec(rank=4))
+    with engine.sampling_model("policy") as model:
+        folded = [m for m in model.modules() if isinstance(m, nn.Linear) and not hasattr(m, "lora_A")]
+        assert engine._folded is not None  # can_fold accepted OneDNNLinear bases
+        assert all(type(m) is OneDNNLinear for m in folded)
+        x = torch.randn(2, 64)
+        q = model.get_submodule("base_model.model.model.layers.0.self_attn.q_proj")
+        torch.testing.assert_close(q(x), F.linear(x, q.weight), rtol=1e-5, atol=1e-5)

@@ -169,10 +169,13 @@ def worker_trl(args: argparse.Namespace) -> None:
     from transformers import TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from grpo import models
+    from grpo import cpu_linear, models
 
     device, dtype = device_and_dtype(args.device)
     model = models.load_model(args.model, device=device, dtype=dtype)
+    # TRL as its users run it: PyTorch's own Linear kernels, not the oneDNN ones grpo's model
+    # loader switches a CPU float32 model to (grpo/cpu_linear.py).
+    cpu_linear.use_torch_linears(model)
     tokenizer = models.load_tokenizer(args.model)
     n_steps = args.warmup + args.steps
     problems = make_problems(args.prompts * n_steps)

@@ -2,10 +2,10 @@
 
 PyTorch's CPU wheels send a float32 ``F.linear`` to MKL's sgemm, which on AMD CPUs (the
 reference machine is an EPYC) runs well below what the same cores reach through oneDNN, the
-library PyTorch already uses for bf16 on the CPU and for Linear layers under ``torch.compile``.
-Measured on the reference machine with SmolLM2-135M's shapes: the unembedding (49,152 x 576)
-takes 22 ms through MKL and 9 ms through oneDNN for 4 decoding rows, 95 and 43 ms for 128; one
-whole training forward and backward of 32 sequences is about 1.6x faster (scripts/bench.py).
+library PyTorch already uses for bf16 matmuls on the CPU. Measured on the reference machine with
+SmolLM2-135M's shapes: the unembedding (49,152 x 576) takes 22 ms through MKL and 9 ms through
+oneDNN for 4 decoding rows, 95 and 43 ms for 128; a sampling call and a forward_backward of 32
+sequences are each about 1.4x faster (alternating A/B, docs/benchmark.md).
 
 ``use_onednn_linears`` turns every plain float32 ``nn.Linear`` of a CPU model into a
 ``OneDNNLinear``: the same module with the same Parameters, whose forward calls oneDNN's linear
@@ -30,8 +30,8 @@ ENV_SWITCH = "GRPO_CPU_LINEAR"
 
 
 def _onednn(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    # The op torch.compile's CPU backend lowers Linear layers to; it reads a dense, even
-    # transposed, weight in place, so nothing is repacked or copied per call.
+    # oneDNN's Linear as PyTorch binds it for its own CPU compiler (inductor); it takes the dense
+    # weight as it is (a transposed view too, for the input gradient), nothing packed by us.
     return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
 
 

@@ -1,79 +1,143 @@
-"""The preallocated decode cache holds what transformers' DynamicCache holds, step for step,
-through the sampler's fan-out and compaction, and sampling with it draws the same tokens."""
+"""The sampler's slot cache: every row at its own position, rows admitted while others decode,
+finished rows replaced by moving only the rows that must move; and sampling through it draws
+what each request draws alone, with logprobs of a plain forward pass (sliding windows too)."""
 
 from __future__ import annotations
 
+import pytest
 import torch
-from transformers import DynamicCache
-from transformers.cache_utils import DynamicLayer
+from transformers import AutoModelForCausalLM, DynamicCache, LlamaConfig, Qwen2Config
 
 from grpo import models
 from grpo.backends.local import sampler
-from grpo.backends.local.kv_cache import PreallocatedLayer, preallocated_cache
+from grpo.backends.local.kv_cache import SlotCache
 from grpo.types import SamplingParams
 
 STOP_IDS = list(range(3000, 9000))
+CONFIG = LlamaConfig(num_hidden_layers=2, hidden_size=8, num_attention_heads=2, num_key_value_heads=1,
+                     intermediate_size=16, vocab_size=32)
 
 
-def test_layer_matches_dynamic_layer_through_fan_out_appends_and_compaction():
+def prefill(lengths: list[int], gen: torch.Generator) -> tuple[DynamicCache, list[torch.Tensor]]:
+    """A left-padded prefill cache of prompts of ``lengths`` (2 layers, 1 head, dim 4), and each
+    prompt's own keys of layer 0 ([1, length, 4])."""
+    width = max(lengths)
+    cache = DynamicCache()
+    for layer in range(2):
+        k = torch.randn(len(lengths), 1, width, 4, generator=gen)
+        cache.update(k, k + 100, layer)
+    return cache, [cache.layers[0].keys[i:i + 1, :, width - n:] for i, n in enumerate(lengths)]
+
+
+def decode(cache: SlotCache, rows: int, gen: torch.Generator) -> list[torch.Tensor]:
+    """One decode step: a new key per row in every layer; returns layer 0's new keys."""
+    cache.set_step()
+    new = torch.randn(rows, 1, 1, 4, generator=gen)
+    for layer in cache.layers:
+        keys, values = layer.update(new, new + 100)
+        assert keys.shape == (rows, 1, max(cache.lengths) + 1, 4)
+        assert all(torch.equal(values[r, :, :n + 1], keys[r, :, :n + 1] + 100) for r, n in enumerate(cache.lengths))
+    cache.lengths = [n + 1 for n in cache.lengths]
+    return list(new[:, :, 0])
+
+
+def test_rows_decode_at_their_own_positions_through_admission_and_finishing():
     gen = torch.Generator().manual_seed(0)
-    ours, theirs = PreallocatedLayer(capacity=12), DynamicLayer()
+    cache = SlotCache(CONFIG, slots=5, capacity=12, device=torch.device("cpu"))
+    first, (p0, p1) = prefill([5, 2], gen)
+    cache.write_prompt(0, 2, first, 0, 0)  # prompt 0 fanned out to two rows
+    cache.write_prompt(2, 1, first, 1, 3)  # prompt 1 without its 3 columns of padding
+    expected = [p0[0], p0[0], p1[0]]  # each row's keys so far, [1, length, 4]
+    for _ in range(2):
+        for r, k in enumerate(decode(cache, 3, gen)):
+            expected[r] = torch.cat([expected[r], k[:, None]], dim=1)
+    # a request admitted while the others are 2 tokens into their answers starts at its own length
+    second, (p2,) = prefill([3], gen)
+    cache.write_prompt(3, 2, second, 0, 0)
+    expected += [p2[0], p2[0]]
+    for r, k in enumerate(decode(cache, 5, gen)):
+        expected[r] = torch.cat([expected[r], k[:, None]], dim=1)
+    assert cache.lengths == [8, 8, 5, 4, 4]
 
-    def step(k_len: int, rows: int):
-        k = torch.randn(rows, 2, k_len, 4, generator=gen)
-        v = torch.randn(rows, 2, k_len, 4, generator=gen)
-        a, b = ours.update(k, v), theirs.update(k, v)
-        assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+    def held(r: int) -> torch.Tensor:
+        return cache.layers[0].keys[r, :, : cache.lengths[r]]
 
-    step(5, 2)  # prefill of two prompts
-    fan_out = torch.tensor([0, 0, 0, 1, 1])
-    ours.batch_select_indices(fan_out)
-    theirs.batch_select_indices(fan_out)
-    step(1, 5)
-    step(1, 5)
-    survivors = torch.tensor([1, 3, 4])  # rows 0 and 2 finished
-    ours.batch_select_indices(survivors)
-    theirs.batch_select_indices(survivors)
-    step(1, 3)
-    assert ours.get_seq_length() == theirs.get_seq_length() == 8
-    assert torch.equal(ours.keys, theirs.keys) and torch.equal(ours.values, theirs.values)
-
-
-def test_layer_refuses_to_outgrow_its_capacity():
-    layer = PreallocatedLayer(capacity=3)
-    layer.update(torch.zeros(1, 1, 3, 2), torch.zeros(1, 1, 3, 2))
-    try:
-        layer.update(torch.zeros(1, 1, 1, 2), torch.zeros(1, 1, 1, 2))
-    except ValueError as err:
-        assert "3 positions cannot hold 4" in str(err)
-    else:
-        raise AssertionError("a fourth position fit in a cache of three")
+    assert all(torch.equal(held(r), expected[r]) for r in range(5))
+    # rows 0 and 2 finish: row 3 moves into slot 0, row 4 into slot 2, row 1 stays where it is
+    untouched = cache.layers[0]._keys[1].clone()
+    order = cache.keep([1, 3, 4])
+    assert order == [3, 1, 4] and cache.lengths == [4, 8, 4]
+    assert torch.equal(cache.layers[0]._keys[1], untouched)
+    expected = [expected[r] for r in order]
+    for r, k in enumerate(decode(cache, 3, gen)):
+        expected[r] = torch.cat([expected[r], k[:, None]], dim=1)
+    assert all(torch.equal(held(r), expected[r]) for r in range(3))
 
 
-def test_sampling_draws_the_same_tokens_as_with_dynamic_cache(monkeypatch, tokenizer):
-    """Rows stop at different steps (stop token + max_tokens), so the wave compacts many times.
-    The tiny model's next token is near uniform: an eighth of the vocabulary stops a row."""
+def test_decode_mask_shows_each_row_its_own_columns_and_only_the_window_where_sliding():
+    cache = SlotCache(Qwen2Config(num_hidden_layers=2, hidden_size=8, num_attention_heads=2, num_key_value_heads=1,
+                                  intermediate_size=16, vocab_size=32, sliding_window=3, use_sliding_window=True,
+                                  layer_types=["sliding_attention", "full_attention"]),
+                      slots=2, capacity=8, device=torch.device("cpu"))
+    cache.lengths = [5, 2]
+    _, mask = cache.set_step()
+    assert mask["full_attention"][:, 0, 0].tolist() == [[True] * 6, [True] * 3 + [False] * 3]
+    assert mask["sliding_attention"][:, 0, 0].tolist() == [[False] * 3 + [True] * 3, [True] * 3 + [False] * 3]
+
+
+def test_models_with_other_layer_kinds_are_refused():
+    config = Qwen2Config(num_hidden_layers=2, layer_types=["linear_attention", "full_attention"])
+    with pytest.raises(ValueError, match=r"attention-only models .* has \['linear_attention'\] layers"):
+        SlotCache(config, slots=1, capacity=4, device=torch.device("cpu"))
+
+
+def requests(prompts, seed0=11) -> list[sampler.GenerationRequest]:
+    return [sampler.GenerationRequest(p, 4, SamplingParams(max_tokens=6 + 5 * i, temperature=1.0, seed=seed0 + i,
+                                                           stop=STOP_IDS))
+            for i, p in enumerate(prompts)]
+
+
+def test_continuous_batching_draws_what_each_request_draws_alone(tokenizer):
+    """Five rows at once for 16: requests are let in as rows finish (rows stop at scattered steps,
+    an eighth of the tiny model's vocabulary stops a row), and each request's samples are the
+    ones it gives alone."""
     model = models.load_model("tiny")
-    prompts = [[1, 504, 3458, 314, 253, 1345, 28], [1, 9906, 30], [1, 42, 43, 44, 45, 46, 47, 48, 49, 50, 51]]
+    prompts = [[1, 504, 3458, 314, 253, 1345, 28], [1, 9906, 30], [1, *range(42, 52)], [1, 5, 6]]
+    alone = []
+    for req in requests(prompts):
+        sampler.generate(model, [req], tokenizer, torch.device("cpu"))
+        alone += req.sequences
+    batched = requests(prompts)
+    stats = sampler.generate(model, batched, tokenizer, torch.device("cpu"), row_bytes=lambda n: 1, budget=5)
+    together = [s for req in batched for s in req.sequences]
+    assert [s.tokens for s in together] == [s.tokens for s in alone]
+    assert [s.stop_reason for s in together] == [s.stop_reason for s in alone]
+    assert {s.stop_reason for s in alone} == {"stop", "length"}, "the test needs rows that stop early"
+    for a, b in zip(together, alone, strict=True):
+        assert a.logprobs == pytest.approx(b.logprobs, abs=1e-5)
+    assert stats.admissions == 4 and stats.peak_rows == 5
+    # requests overlapped: fewer decoding steps than one request after another
+    assert stats.decode_steps < sum(max(len(s.tokens) for s in alone[4 * i:4 * i + 4]) for i in range(4))
+    assert stats.rows_decoded >= sum(len(s.tokens) for s in alone) - 16  # a row's first token needs no step
 
-    def run():
-        reqs = [sampler.GenerationRequest(p, 4, SamplingParams(max_tokens=6 + 5 * i, temperature=1.0, seed=11 + i,
-                                                                stop=STOP_IDS))
-                for i, p in enumerate(prompts)]
-        sampler.generate(model, reqs, tokenizer, torch.device("cpu"))
-        return [(s.tokens, s.logprobs, s.stop_reason) for r in reqs for s in r.sequences]
 
-    ours = run()
-    monkeypatch.setattr(sampler, "preallocated_cache", lambda config, capacity: DynamicCache(config=config))
-    theirs = run()
-    assert [t for t, _, _ in ours] == [t for t, _, _ in theirs]
-    assert {reason for _, _, reason in ours} == {"stop", "length"}, "the test needs rows that stop early"
-    for (_, a, _), (_, b, _) in zip(ours, theirs, strict=True):
-        assert torch.allclose(torch.tensor(a), torch.tensor(b), atol=1e-5)
-
-
-def test_cache_of_a_model_config_replaces_only_full_attention_layers():
-    model = models.load_model("tiny")
-    cache = preallocated_cache(model.config, capacity=16)
-    assert len(cache.layers) == model.config.num_hidden_layers
-    assert all(isinstance(layer, PreallocatedLayer) for layer in cache.layers)
+@pytest.mark.parametrize("layer_types", [["full_attention"] * 2, ["sliding_attention", "full_attention"]])
+def test_sampled_logprobs_equal_a_plain_forward(tokenizer, layer_types):
+    """Rows of different prompt lengths admitted at different times, decoding past a 3-token
+    sliding window: each sampled token's logprob equals the model's own full forward pass."""
+    config = Qwen2Config(num_hidden_layers=2, hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
+                         intermediate_size=64, vocab_size=tokenizer.vocab_size, sliding_window=3, use_sliding_window=True,
+                         layer_types=layer_types, max_window_layers=0)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval()
+    prompts = [[1, 504, 3458, 314, 253, 1345, 28], [1, 9906], [1, *range(42, 52)]]
+    batched = requests(prompts)
+    stats = sampler.generate(model, batched, tokenizer, torch.device("cpu"), row_bytes=lambda n: 1, budget=6)
+    assert stats.admissions >= 2
+    for req in batched:
+        for seq in req.sequences:
+            ids = torch.tensor([req.prompt + seq.tokens])
+            with torch.no_grad():
+                logits = model(input_ids=ids).logits[0, len(req.prompt) - 1:-1].float()
+            plain = torch.log_softmax(logits, -1).gather(-1, ids[0, len(req.prompt):, None])[:, 0]
+            assert seq.logprobs == pytest.approx(plain.tolist(), abs=1e-5)

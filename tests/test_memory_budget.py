@@ -1,7 +1,9 @@
-"""The memory budget: sampling in waves and training in budget-sized micro-batches change how the
-work is cut, never what it computes (tiny model)."""
+"""The memory budget: sampling a bounded number of rows at once (continuous batching) and training
+in budget-sized micro-batches change how the work is cut, never what it computes (tiny model)."""
 
 from __future__ import annotations
+
+from collections import deque
 
 import pytest
 import torch
@@ -12,7 +14,7 @@ from grpo.backends.local import ServiceClient, memory, sampler, trainer
 
 # 6 prompts of different lengths, 4 samples each: a GRPO step in miniature
 PROMPTS = [[1, *range(200 + 7 * k, 200 + 7 * k + 5 + 3 * k)] for k in range(6)]
-BUDGET_MB = 1.5  # tiny model: a request per sampling wave, ~180 tokens per micro-batch
+BUDGET_MB = 1.5  # tiny model: 5 rows sampled at once (one request and a bit), ~180 tokens per micro-batch
 
 
 def step(svc: ServiceClient, counts: dict) -> tuple[list, dict, float]:
@@ -34,13 +36,14 @@ def step(svc: ServiceClient, counts: dict) -> tuple[list, dict, float]:
 
 @pytest.fixture
 def counts(monkeypatch) -> dict:
-    """How many sampling waves and training micro-batches the real code ran."""
-    seen = {"waves": [], "micro_batches": []}
+    """What the real sampler (one GenerationStats per generation) and trainer did."""
+    seen = {"generations": [], "micro_batches": []}
     real_generate, real_partition = sampler.generate, trainer.partition
 
     def generate(model, requests, *args, **kwargs):
-        seen["waves"].append(len(requests))
-        return real_generate(model, requests, *args, **kwargs)
+        stats = real_generate(model, requests, *args, **kwargs)
+        seen["generations"].append((len(requests), stats))
+        return stats
 
     def partition(*args, **kwargs):
         batches = real_partition(*args, **kwargs)
@@ -54,13 +57,16 @@ def counts(monkeypatch) -> dict:
 
 def test_a_small_budget_gives_the_unbounded_samples_and_gradients(tmp_path, counts) -> None:
     unbounded = step(ServiceClient(checkpoint_dir=tmp_path, device="cpu", dtype="float32", memory_budget_mb=0), counts)
-    assert counts["waves"] == [6]
-    counts["waves"].clear()
+    [(requests, stats)] = counts["generations"]
+    assert (requests, stats.admissions, stats.peak_rows) == (6, 1, 24)
+    counts["generations"].clear()
     counts["micro_batches"].clear()
     bounded = step(ServiceClient(checkpoint_dir=tmp_path, device="cpu", dtype="float32", memory_budget_mb=BUDGET_MB),
                    counts)
-    # the budget really cut the work: several waves, and micro-batches in the order the trainer tried
-    assert len(counts["waves"]) >= 3 and sum(counts["waves"]) == 6
+    # the budget really cut the work: one generation whose requests were let in as rows finished,
+    # never more rows at once than the budget holds; micro-batches in the order the trainer tried
+    [(requests, stats)] = counts["generations"]
+    assert requests == 6 and stats.admissions >= 3 and 4 <= stats.peak_rows < 8
     assert max(counts["micro_batches"]) >= 3
 
     samples_u, grads_u, loss_u = unbounded
@@ -129,9 +135,16 @@ def test_partition_cuts_where_padding_costs_more_than_a_batch() -> None:
     assert [n for b in budgeted for n in b] == lengths
 
 
-def test_waves_hold_whole_requests_within_the_budget() -> None:
+def test_the_batch_holds_what_the_budget_allows_and_admits_whole_requests_in_order() -> None:
     params = types.SamplingParams(max_tokens=10)
     reqs = [sampler.GenerationRequest([1] * 5, n, params) for n in (2, 3, 1, 8, 2)]
-    waves = sampler.waves(reqs, lambda length: 100 * length, budget=6 * 1500)  # a row costs 1500
-    assert [[r.num_samples for r in w] for w in waves] == [[2, 3, 1], [8], [2]]  # 8 rows alone, over budget
-    assert sampler.waves(reqs, lambda length: 1, None) == [reqs]
+    assert sampler.row_capacity(reqs) == 15
+    row_bytes = lambda length: 100 * length  # noqa: E731  a row of 15 positions costs 1500
+    assert sampler.batch_rows(reqs, row_bytes, budget=6 * 1500) == 8  # 6 fit; the 8-row request runs whole
+    assert sampler.batch_rows(reqs, row_bytes, budget=10 * 1500) == 10
+    assert sampler.batch_rows(reqs, row_bytes, budget=None) == 16
+    pending = deque(reqs)
+    assert [r.num_samples for r in sampler._admissions(pending, 6, nothing_running=True)] == [2, 3, 1]
+    assert sampler._admissions(pending, 7, nothing_running=False) == []  # 8 rows wait, and so do the 2 behind
+    assert [r.num_samples for r in sampler._admissions(pending, 6, nothing_running=True)] == [8]  # alone
+    assert [r.num_samples for r in sampler._admissions(pending, 2, nothing_running=False)] == [2]

@@ -82,9 +82,9 @@ class ServiceClient:
     Args beyond the SDK's (all optional): ``checkpoint_dir`` where named states are written
     (default ``$GRPO_CACHE/checkpoints``), ``device`` and ``dtype`` ("auto": CUDA bf16 when
     available, else CPU fp32), ``memory_budget_mb`` (working memory of one training micro-batch
-    or one sampling wave; "auto": a share of the device's memory, 0: unbounded; see memory.py),
-    ``micro_batch_tokens`` (padded tokens per training micro-batch; overrides what the budget
-    gives).
+    or of the rows the sampler decodes at once; "auto": a share of the device's memory, 0:
+    unbounded; see memory.py), ``micro_batch_tokens`` (padded tokens per training micro-batch;
+    overrides what the budget gives).
     The SDK's own arguments (``api_key``, ``base_url``, ``project_id``...) are accepted and unused.
     """
 
@@ -697,9 +697,10 @@ class _SampleBatcher:
         requests = [it[0] for it in live]
         try:
             with self.engine.sampling_model(adapter, snapshot) as model:
-                # Whole requests per wave, so a seeded request draws as it would alone.
-                for wave in sampler.waves(requests, self.budget.row_bytes, self.budget.bytes):
-                    sampler.generate(model, wave, self.engine.tokenizer, self.engine.device)
+                # As many rows at once as the memory budget holds; the next requests take the
+                # places of rows that finish (continuous batching).
+                sampler.generate(model, requests, self.engine.tokenizer, self.engine.device,
+                                 row_bytes=self.budget.row_bytes, budget=self.budget.bytes)
         except Exception as err:  # delivered to every caller of this batch
             for it in live:
                 it[3].set_exception(err)

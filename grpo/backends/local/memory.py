@@ -1,13 +1,13 @@
-"""How much working memory a training micro-batch or a sampling wave may use, in model terms.
+"""How much working memory a training micro-batch or the sampler's batch may use, in model terms.
 
 A step's peak memory is the weights plus the largest working set the backend builds at once:
-the activations autograd keeps for one training micro-batch, or the KV cache and logits of one
-sampling wave. Both are bounded by one budget, turned here into tokens (training) and rows
+the activations autograd keeps for one training micro-batch, or the KV cache and logits of the
+rows the sampler decodes at once. Both are bounded by one budget, turned here into tokens (training) and rows
 (sampling) from the model's shapes, so peak memory follows the budget rather than the batch:
 eight prompts or 128, responses of 32 tokens or 256.
 
 The default budget is a fixed share of the device's total memory, not of what is free when the
-engine starts: micro-batch and wave boundaries change float summation order, so a budget that
+engine starts: micro-batch boundaries and the sampler's batch make-up change float summation order, so a budget that
 followed other programs' memory use would make two runs with the same seed differ.
 """
 
@@ -70,9 +70,9 @@ def train_bytes_per_token(config: Any, dtype: torch.dtype) -> int:
 
 
 def sample_bytes_per_row(config: Any, dtype: torch.dtype, length: int) -> int:
-    """A sampling row of ``length`` positions: its KV cache (allocated whole when the wave starts,
-    kv_cache.py), the grouped-query expansion of one layer's K and V that attention makes in the
-    prefill, and its float32 logits, softmax and float64 CDF over the vocabulary."""
+    """A sampling row of ``length`` positions: its KV cache slot (allocated whole when sampling
+    starts, kv_cache.py), the grouped-query expansion of one layer's K and V that attention
+    makes, and its float32 logits, softmax and float64 CDF over the vocabulary."""
     hidden, _, q_dim, kv_dim, layers = _dims(config)
     kv = 2 * kv_dim * layers * length * dtype.itemsize
     expanded = 2 * q_dim * length * dtype.itemsize

@@ -1,18 +1,24 @@
-"""Batched sampling: many prompts, many samples each, one decode loop.
+"""Batched sampling with continuous batching: many prompts, many samples each, one decode loop.
 
-Each distinct prompt is prefilled once; its KV cache is then fanned out to the rows of its
-group. Rows leave the batch as soon as they stop, so a group with one long answer does not keep
-the others decoding. Logprobs are those of the untempered policy (what the trainer computes);
-temperature, top-k and top-p shape only the choice of token.
+Requests are admitted in order while the memory budget has room for their rows; each new
+request's prompt is prefilled once and its KV cache fanned out to the rows of its group. Rows
+leave the batch as soon as they stop, and the next requests' rows take their slots at once, so
+a step with more rows than one batch holds keeps the batch full instead of waiting for each
+batch's longest answer (kv_cache.py keeps each row at its own position). Logprobs are those of
+the untempered policy (what the trainer computes); temperature, top-k and top-p shape only the
+choice of token.
 """
 
 from __future__ import annotations
 
+from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
+from transformers import DynamicCache
 
-from grpo.backends.local.kv_cache import preallocated_cache
+from grpo.backends.local.kv_cache import SlotCache
 from grpo.types import SampledSequence, SamplingParams
 
 # Stop strings are matched on the decoded tail of a row; this many tokens is plenty for any
@@ -33,6 +39,7 @@ class GenerationRequest:
 
 @dataclass
 class _Row:
+    index: int  # in the order of requests, then samples: the order a request's rows draw in
     request: GenerationRequest
     max_tokens: int
     stop_ids: frozenset[int]
@@ -41,30 +48,39 @@ class _Row:
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     stop_reason: str = "length"
+    done: bool = False
+
+
+@dataclass
+class GenerationStats:
+    """What one ``generate`` call did: prefills (admissions of requests), decoding steps, the
+    rows those steps carried, and the most rows in the batch at once."""
+
+    admissions: int = 0
+    decode_steps: int = 0
+    rows_decoded: int = 0
+    peak_rows: int = 0
 
 
 def _position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
     return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
 
 
-def waves(requests: list[GenerationRequest], row_bytes, budget: int | None) -> list[list[GenerationRequest]]:
-    """Consecutive runs of whole requests whose rows' working memory (``row_bytes(length)`` per
-    row, length = prompt + max_tokens) stays within ``budget`` bytes (None: all in one wave).
-    A request over the budget on its own still runs, alone: splitting its rows would change
-    what its seed draws."""
-    if budget is None:
-        return [requests]
-    out: list[list[GenerationRequest]] = []
-    used = 0
-    for req in requests:
-        need = req.num_samples * row_bytes(len(req.prompt) + (req.params.max_tokens or 0))
-        if out and used + need <= budget:
-            out[-1].append(req)
-            used += need
-        else:
-            out.append([req])
-            used = need
-    return out
+def row_capacity(requests: list[GenerationRequest], max_context: int | None = None) -> int:
+    """Positions a row slot must hold: the longest prompt plus max_tokens of any request."""
+    return max(len(req.prompt) + _max_tokens(req, max_context) for req in requests)
+
+
+def batch_rows(requests: list[GenerationRequest], row_bytes: Callable[[int], int] | None, budget: int | None,
+               max_context: int | None = None) -> int:
+    """Rows in flight at once: as many slots as ``budget`` bytes hold (``row_bytes(positions)``
+    each), all rows when unbounded. A request larger than that still runs, with no other rows
+    beside it: splitting its rows would change what its seed draws."""
+    total = sum(req.num_samples for req in requests)
+    if budget is None or row_bytes is None:
+        return total
+    fit = budget // row_bytes(row_capacity(requests, max_context))
+    return min(total, max(fit, max(req.num_samples for req in requests)))
 
 
 @torch.no_grad()
@@ -81,93 +97,129 @@ def prompt_logprobs(model, prompts: list[list[int]], device: torch.device) -> li
 
 @torch.no_grad()
 def generate(model, requests: list[GenerationRequest], tokenizer, device: torch.device, max_context: int | None = None,
-             compact: str | None = None) -> None:
+             compact: str | None = None, row_bytes: Callable[[int], int] | None = None,
+             budget: int | None = None) -> GenerationStats:
     """Sample every request's ``num_samples`` continuations; results go into the requests.
 
-    ``compact`` says when finished rows leave the batch: "eager" (as soon as one finishes) or
-    "half" (once half the batch has). Default: eager on CPU, where a dropped row is compute saved,
-    half on CUDA, where the decode step is launch-bound and each new batch shape costs more than a
-    row saves. Finished rows that stay draw no random numbers, so samples do not depend on it.
+    At most ``batch_rows(requests, row_bytes, budget)`` rows decode at once; requests are
+    admitted in order as rows leave. ``compact`` says when finished rows leave the batch:
+    "eager" (as soon as one finishes) or "half" (once half the batch has, or when leaving lets
+    the next request in). Default: eager on CPU, where a dropped row is compute saved, half on
+    CUDA, where the decode step is launch-bound and each new batch shape costs more than a row
+    saves. Finished rows that stay draw no random numbers, and a request's rows draw in their
+    own order wherever they sit in the batch, so seeded samples depend on neither.
     """
     compact = compact or ("half" if device.type == "cuda" else "eager")
     if compact not in ("eager", "half"):
         raise ValueError(f"compact must be 'eager' or 'half', got {compact!r}")
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     for req in requests:
         if req.include_prompt_logprobs:
             req.prompt_logprobs = prompt_logprobs(model, [req.prompt], device)[0]
+        req.sequences = []
+    slots = batch_rows(requests, row_bytes, budget, max_context)
+    cache = SlotCache(model.config, slots, row_capacity(requests, max_context), device)
+    stats = GenerationStats()
+    pending = deque(requests)
+    rows: list[_Row] = []
+    batch: list[_Row] = []  # rows in slot order
+    logits = None  # next-token logits of the batch's rows
 
-    # ---- prefill each distinct prompt once, left-padded into one batch
+    while True:
+        admitted = _admissions(pending, slots - len(batch), nothing_running=not batch)
+        if admitted:
+            new_rows, new_logits = _admit(model, admitted, cache, len(batch), len(rows), max_context, tokenizer,
+                                          device)
+            rows += new_rows
+            batch += new_rows
+            logits = new_logits if logits is None else torch.cat([logits, new_logits])
+            stats.admissions += 1
+            stats.peak_rows = max(stats.peak_rows, len(batch))
+        if not batch:
+            break
+        live = [b for b, row in enumerate(batch) if not row.done]
+        live_logits = logits if len(live) == len(batch) else logits[torch.tensor(live, device=device)]
+        chosen, logprobs = _choose_tokens(live_logits, [batch[b] for b in live], device)
+        # One device-to-host copy per step, not two per row (each a sync on a GPU).
+        for token, logprob, b in zip(chosen.tolist(), logprobs.tolist(), live, strict=True):
+            row = batch[b]
+            row.tokens.append(token)
+            row.logprobs.append(logprob)
+            if token in row.stop_ids or _hits_stop_string(row, tokenizer):
+                row.stop_reason, row.done = "stop", True
+            elif len(row.tokens) >= row.max_tokens:
+                row.stop_reason, row.done = "length", True
+        still = [b for b in live if not batch[b].done]
+        tokens = torch.full((len(batch),), _pad_id(tokenizer), dtype=torch.long, device=device)
+        tokens[torch.tensor(live, device=device)] = chosen  # finished rows ride along on padding
+        finished = len(batch) - len(still)
+        room_for_next = bool(pending) and slots - len(still) >= pending[0].num_samples
+        if finished and (compact == "eager" or 2 * finished >= len(batch) or room_for_next or not still):
+            order = cache.keep(still)
+            keep = torch.tensor(order, dtype=torch.long, device=device)
+            batch, logits, tokens = [batch[b] for b in order], logits[keep], tokens[keep]
+        if not still:
+            logits = None
+            continue  # admit what is pending, or end
+        positions, mask = cache.set_step()
+        out = model(input_ids=tokens[:, None], attention_mask=mask, position_ids=positions, past_key_values=cache,
+                    use_cache=True)
+        logits = out.logits[:, -1].float()
+        # a finished row riding along keeps its length: its slot never outgrows the capacity
+        cache.lengths = [n + (not row.done) for n, row in zip(cache.lengths, batch, strict=True)]
+        stats.decode_steps += 1
+        stats.rows_decoded += len(batch)
+
+    for row in rows:
+        row.request.sequences.append(SampledSequence(tokens=row.tokens, logprobs=row.logprobs, stop_reason=row.stop_reason))
+    return stats
+
+
+def _pad_id(tokenizer) -> int:
+    return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+
+
+def _admissions(pending: deque, free: int, nothing_running: bool) -> list[GenerationRequest]:
+    """The next requests, in order, whose rows fit in ``free`` slots; a request larger than the
+    whole batch is admitted alone once nothing else runs."""
+    admitted: list[GenerationRequest] = []
+    while pending and (pending[0].num_samples <= free or (nothing_running and not admitted)):
+        free -= pending[0].num_samples
+        admitted.append(pending.popleft())
+    return admitted
+
+
+def _admit(model, requests: list[GenerationRequest], cache: SlotCache, first_slot: int, first_index: int,
+           max_context: int | None, tokenizer, device: torch.device) -> tuple[list[_Row], torch.Tensor]:
+    """Prefill each request's prompt once (left-padded into one batch), write its KV cache into
+    the slots of its rows from ``first_slot`` on; the new rows and their next-token logits."""
     prompts = [req.prompt for req in requests]
     width = max(len(p) for p in prompts)
-    input_ids = torch.full((len(prompts), width), pad_id, dtype=torch.long, device=device)
+    input_ids = torch.full((len(prompts), width), _pad_id(tokenizer), dtype=torch.long, device=device)
     attention = torch.zeros((len(prompts), width), dtype=torch.long, device=device)
     for i, p in enumerate(prompts):
         input_ids[i, width - len(p):] = torch.tensor(p, device=device)
         attention[i, width - len(p):] = 1
-    longest = max(_max_tokens(req, max_context) for req in requests)
-    cache = preallocated_cache(model.config, capacity=width + longest)
+    prefill = DynamicCache()
     # Only the last position's logits are needed: the unembedding over every prompt position
     # would cost a quarter of the prefill on a small model with a large vocabulary.
     out = model(input_ids=input_ids, attention_mask=attention, position_ids=_position_ids(attention),
-                past_key_values=cache, use_cache=True, logits_to_keep=1)
+                past_key_values=prefill, use_cache=True, logits_to_keep=1)
     last_logits = out.logits[:, -1].float()
 
-    # ---- fan each prompt out to its rows
     rows: list[_Row] = []
     owner: list[int] = []
     for i, req in enumerate(requests):
+        cache.write_prompt(first_slot + len(rows), req.num_samples, prefill, i, width - len(req.prompt))
         stop_strings, stop_ids = req.params.stop_strings_and_ids()
-        max_tokens = _max_tokens(req, max_context)
         generator = None
         if req.params.seed is not None:
             generator = torch.Generator(device=device)
             generator.manual_seed(int(req.params.seed))
         for _ in range(req.num_samples):
-            rows.append(_Row(req, max_tokens, frozenset(stop_ids), stop_strings, generator))
+            rows.append(_Row(first_index + len(rows), req, _max_tokens(req, max_context), frozenset(stop_ids),
+                             stop_strings, generator))
             owner.append(i)
-    index = torch.tensor(owner, device=device)
-    cache.batch_select_indices(index)
-    attention = attention[index]
-    logits = last_logits[index]
-    positions = attention.sum(-1, keepdim=True) - 1
-    batch = list(range(len(rows)))  # row ids in the batch, in batch order
-    done = [False] * len(rows)
-
-    while True:
-        live = [b for b, r in enumerate(batch) if not done[r]]
-        live_logits = logits if len(live) == len(batch) else logits[torch.tensor(live, device=device)]
-        chosen, logprobs = _choose_tokens(live_logits, [rows[batch[b]] for b in live], device)
-        # One device-to-host copy per step, not two per row (each a sync on a GPU).
-        for token, logprob, b in zip(chosen.tolist(), logprobs.tolist(), live, strict=True):
-            row = rows[batch[b]]
-            row.tokens.append(token)
-            row.logprobs.append(logprob)
-            if token in row.stop_ids or _hits_stop_string(row, tokenizer):
-                row.stop_reason, done[batch[b]] = "stop", True
-            elif len(row.tokens) >= row.max_tokens:
-                row.stop_reason, done[batch[b]] = "length", True
-        still = [b for b in live if not done[batch[b]]]
-        if not still:
-            break
-        tokens = torch.full((len(batch),), pad_id, dtype=torch.long, device=device)
-        tokens[torch.tensor(live, device=device)] = chosen  # finished rows ride along on padding
-        finished = len(batch) - len(still)
-        if finished and (compact == "eager" or 2 * finished >= len(batch)):
-            sel = torch.tensor(still, device=device)
-            cache.batch_select_indices(sel)
-            attention, positions, tokens = attention[sel], positions[sel], tokens[sel]
-            batch = [batch[b] for b in still]
-        attention = torch.cat([attention, attention.new_ones((len(batch), 1))], dim=1)
-        positions = positions + 1
-        out = model(input_ids=tokens[:, None], attention_mask=attention, position_ids=positions,
-                    past_key_values=cache, use_cache=True)
-        logits = out.logits[:, -1].float()
-
-    for req in requests:
-        req.sequences = []
-    for row in rows:
-        row.request.sequences.append(SampledSequence(tokens=row.tokens, logprobs=row.logprobs, stop_reason=row.stop_reason))
+    return rows, last_logits[torch.tensor(owner, device=device)]
 
 
 def _max_tokens(req: GenerationRequest, max_context: int | None) -> int:
@@ -180,13 +232,16 @@ def _choose_tokens(logits: torch.Tensor, rows: list[_Row], device: torch.device)
     chosen = torch.empty(len(rows), dtype=torch.long, device=device)
     # Rows sharing sampling settings are drawn together; a row with its own seed draws from its
     # own generator so that a seeded request reproduces whatever else is in the batch.
+    # Members of a group are taken in row order, not batch order: a seeded request's rows then
+    # draw the same numbers wherever continuous batching has put them.
     groups: dict[tuple, list[int]] = {}
-    for b, row in enumerate(rows):
+    for b, row in sorted(enumerate(rows), key=lambda item: item[1].index):
         p = row.request.params
         groups.setdefault((p.temperature, p.top_k, p.top_p, id(row.generator)), []).append(b)
     for (temperature, top_k, top_p, _), members in groups.items():
         idx = torch.tensor(members, device=device)
-        mine = logits if len(members) == len(rows) else logits[idx]  # as a rule, one group: no copy
+        in_place = members == list(range(len(rows)))  # as a rule, one group in batch order: no copy
+        mine = logits if in_place else logits[idx]
         if temperature == 0:
             chosen[idx] = mine.argmax(-1)
             continue

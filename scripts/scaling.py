@@ -8,8 +8,10 @@ Usage (from the repository root):
     .venv/bin/python scripts/scaling.py --unbounded      # the same rows with no memory budget
     .venv/bin/python scripts/scaling.py --rows shapes --fixed-length   # no stop: every response max_tokens long
 
-Each row runs in a fresh child process (its peak RSS is its own): one small warm-up step (pays
-one-time costs: folding LoRA for sampling, the optimizer's state, the allocator's first pages),
+Each row runs in a fresh child process (its peak RSS is its own): one warm-up step of the row's
+own shape on other problems (pays one-time costs: folding LoRA for sampling, the optimizer's
+state, the allocator's first pages of a step that size, about 2.5 s on 8 x 4 x 32, a third of
+its training time; ``--cold`` warms up with a 1 x 2 x 4 step instead, as the 2026-11-23 rows did),
 then one timed GRPO step through the client API: ``save_weights_and_get_sampling_client``, one
 ``sample`` call per prompt, the package's advantages and datums, ``forward_backward(ppo)`` +
 ``optim_step``. The packaged SmolLM2-135M rows stop at end of turn, as a real run does; the
@@ -165,9 +167,12 @@ def worker(row: dict[str, Any]) -> None:
         return {"sample_s": t1 - t0, "train_s": t3 - t2, "sampled": sampled, "prompt_tokens": prompt_tokens,
                 "processed": processed, "decode_steps": decode["steps"], "decode_rows": decode["rows"]}
 
-    problems = make_problems(row["prompts"] + 1, seed=7)
-    step(problems[:1], 2, 4)  # warm-up
-    timed = step(problems[1:], row["group"], row["max_tokens"])
+    problems = make_problems(2 * row["prompts"], seed=7)
+    if row.get("cold"):
+        step(problems[:1], 2, 4)
+    else:
+        step(problems[:row["prompts"]], row["group"], row["max_tokens"])
+    timed = step(problems[row["prompts"]:], row["group"], row["max_tokens"])
     flops = 2 * params_matmul * (timed["prompt_tokens"] + timed["sampled"]) + 4 * params_matmul * timed["processed"]
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     gflops = matmul_gflops(config.hidden_size, config.intermediate_size)
@@ -216,6 +221,8 @@ def main() -> None:
     p.add_argument("--unbounded", action="store_true", help="memory_budget_mb=0: one sampling wave, one micro-batch")
     p.add_argument("--fixed-length", action="store_true",
                    help="sample without stop, every response max_tokens long: every decoding step carries every row")
+    p.add_argument("--cold", action="store_true",
+                   help="warm up with a 1 x 2 x 4 step, not one of the row's shape: the timed step pays first-size costs")
     p.add_argument("--timeout", type=float, default=900, help="seconds per row")
     p.add_argument("--json", type=Path, help="also write the rows' measurements here")
     p.add_argument("--from-json", type=Path, nargs="+", help="print the table of rows saved with --json")
@@ -237,7 +244,7 @@ def main() -> None:
     t0 = time.perf_counter()
     for model, prompts, group, max_tokens in rows:
         row = {"model": model, "prompts": prompts, "group": group, "max_tokens": max_tokens, "service": service,
-               "fixed_length": args.fixed_length}
+               "fixed_length": args.fixed_length, "cold": args.cold}
         results.append(run_row(row, args.timeout))
         print(f"# {model} {prompts}x{group}x{max_tokens}: {results[-1]['sample_s'] + results[-1]['train_s']:.1f} s, "
               f"peak {results[-1]['peak_rss_mb']:.0f} MB", file=sys.stderr, flush=True)

@@ -9,7 +9,7 @@ import pytest
 import torch
 from backend_helpers import adapter_tensors, perturb_adapter, rl_datum
 
-from grpo import types
+from grpo import models, types
 from grpo.backends.local import ServiceClient, memory, sampler, trainer
 
 # 6 prompts of different lengths, 4 samples each: a GRPO step in miniature
@@ -140,7 +140,7 @@ def test_the_batch_holds_what_the_budget_allows_and_admits_whole_requests_in_ord
     reqs = [sampler.GenerationRequest([1] * 5, n, params) for n in (2, 3, 1, 8, 2)]
     assert sampler.row_capacity(reqs) == 15
     row_bytes = lambda length: 100 * length  # noqa: E731  a row of 15 positions costs 1500
-    assert sampler.batch_rows(reqs, row_bytes, budget=6 * 1500) == 8  # 6 fit; the 8-row request runs whole
+    assert sampler.batch_rows(reqs, row_bytes, budget=6 * 1500) == 6  # the 8-row request runs whole, alone
     assert sampler.batch_rows(reqs, row_bytes, budget=10 * 1500) == 10
     assert sampler.batch_rows(reqs, row_bytes, budget=None) == 16
     pending = deque(reqs)
@@ -148,3 +148,26 @@ def test_the_batch_holds_what_the_budget_allows_and_admits_whole_requests_in_ord
     assert sampler._admissions(pending, 7, nothing_running=False) == []  # 8 rows wait, and so do the 2 behind
     assert [r.num_samples for r in sampler._admissions(pending, 6, nothing_running=True)] == [8]  # alone
     assert [r.num_samples for r in sampler._admissions(pending, 2, nothing_running=False)] == [2]
+
+
+def test_rows_beside_others_stay_within_the_budget_and_an_oversized_request_runs_alone(tokenizer) -> None:
+    """Room for 6 rows: the small requests never decode more than 6 rows at once, although the
+    8-row request (alone) makes the cache hold 8."""
+    model = models.load_model("tiny")
+    sizes = [2, 3, 1, 2, 8, 2]
+    reqs = [sampler.GenerationRequest([1, 40 + i, 7], n, types.SamplingParams(max_tokens=3 + i, temperature=1.0, seed=i))
+            for i, n in enumerate(sizes)]
+    steps: list[list] = []
+    real_choose = sampler._choose_tokens
+
+    def choose(logits, rows, device):
+        steps.append([row.request for row in rows])
+        return real_choose(logits, rows, device)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(sampler, "_choose_tokens", choose)
+        stats = sampler.generate(model, reqs, tokenizer, torch.device("cpu"), row_bytes=lambda n: 1, budget=6)
+    big = reqs[4]
+    assert all(len(rows) <= 6 or all(r is big for r in rows) for rows in steps)
+    assert any(len(rows) == 8 for rows in steps) and stats.peak_rows == 8
+    assert [len(r.sequences) for r in reqs] == sizes

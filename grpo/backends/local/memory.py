@@ -2,13 +2,14 @@
 
 A step's peak memory is the weights plus the largest working set the backend builds at once:
 the activations autograd keeps for one training micro-batch, or the KV cache and logits of the
-rows the sampler decodes at once. Both are bounded by one budget, turned here into tokens (training) and rows
-(sampling) from the model's shapes, so peak memory follows the budget rather than the batch:
-eight prompts or 128, responses of 32 tokens or 256.
+rows the sampler decodes at once. Both are bounded by one budget, turned here into tokens
+(training) and rows (sampling) from the model's shapes, so peak memory follows the budget rather
+than the batch: eight prompts or 128, responses of 32 tokens or 256.
 
 The default budget is a fixed share of the device's total memory, not of what is free when the
-engine starts: micro-batch boundaries and the sampler's batch make-up change float summation order, so a budget that
-followed other programs' memory use would make two runs with the same seed differ.
+engine starts: micro-batch boundaries and the sampler's batch make-up change float summation
+order, so a budget that followed other programs' memory use would make two runs with the same
+seed differ.
 """
 
 from __future__ import annotations

@@ -73,14 +73,13 @@ def row_capacity(requests: list[GenerationRequest], max_context: int | None = No
 
 def batch_rows(requests: list[GenerationRequest], row_bytes: Callable[[int], int] | None, budget: int | None,
                max_context: int | None = None) -> int:
-    """Rows in flight at once: as many slots as ``budget`` bytes hold (``row_bytes(positions)``
-    each), all rows when unbounded. A request larger than that still runs, with no other rows
-    beside it: splitting its rows would change what its seed draws."""
+    """Rows in flight at once: as many as ``budget`` bytes hold (``row_bytes(positions)`` each),
+    all rows when unbounded. A request larger than that still runs (``generate`` gives it the
+    slots), with no other rows beside it: splitting its rows would change what its seed draws."""
     total = sum(req.num_samples for req in requests)
     if budget is None or row_bytes is None:
         return total
-    fit = budget // row_bytes(row_capacity(requests, max_context))
-    return min(total, max(fit, max(req.num_samples for req in requests)))
+    return min(total, budget // row_bytes(row_capacity(requests, max_context)))
 
 
 @torch.no_grad()
@@ -116,7 +115,8 @@ def generate(model, requests: list[GenerationRequest], tokenizer, device: torch.
         if req.include_prompt_logprobs:
             req.prompt_logprobs = prompt_logprobs(model, [req.prompt], device)[0]
         req.sequences = []
-    slots = batch_rows(requests, row_bytes, budget, max_context)
+    limit = batch_rows(requests, row_bytes, budget, max_context)
+    slots = max(limit, max(req.num_samples for req in requests))  # an over-budget request, alone
     cache = SlotCache(model.config, slots, row_capacity(requests, max_context), device)
     stats = GenerationStats()
     pending = deque(requests)
@@ -125,7 +125,7 @@ def generate(model, requests: list[GenerationRequest], tokenizer, device: torch.
     logits = None  # next-token logits of the batch's rows
 
     while True:
-        admitted = _admissions(pending, slots - len(batch), nothing_running=not batch)
+        admitted = _admissions(pending, limit - len(batch), nothing_running=not batch)
         if admitted:
             new_rows, new_logits = _admit(model, admitted, cache, len(batch), len(rows), max_context, tokenizer,
                                           device)
@@ -152,7 +152,7 @@ def generate(model, requests: list[GenerationRequest], tokenizer, device: torch.
         tokens = torch.full((len(batch),), _pad_id(tokenizer), dtype=torch.long, device=device)
         tokens[torch.tensor(live, device=device)] = chosen  # finished rows ride along on padding
         finished = len(batch) - len(still)
-        room_for_next = bool(pending) and slots - len(still) >= pending[0].num_samples
+        room_for_next = bool(pending) and limit - len(still) >= pending[0].num_samples
         if finished and (compact == "eager" or 2 * finished >= len(batch) or room_for_next or not still):
             order = cache.keep(still)
             keep = torch.tensor(order, dtype=torch.long, device=device)

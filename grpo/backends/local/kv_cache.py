@@ -36,19 +36,35 @@ def attention_layers(config) -> tuple[list[str], int | None]:
     return list(kinds), next(iter(windows), None)
 
 
+class StepState:
+    """What every layer of one cache reads during a decode step, set by ``SlotCache.set_step``.
+
+    Layers hold this, not their cache: a layer pointing back at the cache that lists it would be
+    a reference cycle, and the slot buffers (a gigabyte or more at a full budget) would outlive
+    ``generate`` until Python's cycle collector happened to run -- into the training step that
+    follows, on top of its own working set.
+    """
+
+    def __init__(self, slots: int, capacity: int, device: torch.device):
+        self.slots, self.capacity = slots, capacity
+        self.row_index = torch.arange(slots, device=device)
+        self.lengths_tensor = self.row_index[:0]
+        self.width = 0
+
+
 class SlotLayer(DynamicLayer):
     """One attention layer's keys and values, ``[slots, heads, capacity, head_dim]``."""
 
-    def __init__(self, cache: SlotCache):
+    def __init__(self, step: StepState):
         super().__init__()
-        self.cache = cache
+        self.step = step
         self._keys: torch.Tensor | None = None
         self._values: torch.Tensor | None = None
 
     def _allocate(self, like_keys: torch.Tensor, like_values: torch.Tensor) -> None:
         # Zeros, not empty memory: attention weighs a masked column by 0, and 0 * NaN left over
         # in an unwritten column would still be NaN.
-        slots, capacity = self.cache.slots, self.cache.capacity
+        slots, capacity = self.step.slots, self.step.capacity
         self._keys = like_keys.new_zeros((slots, like_keys.shape[1], capacity, like_keys.shape[-1]))
         self._values = like_values.new_zeros((slots, like_values.shape[1], capacity, like_values.shape[-1]))
         self.dtype, self.device = like_keys.dtype, like_keys.device
@@ -69,11 +85,11 @@ class SlotLayer(DynamicLayer):
         if key_states.shape[-2] != 1:
             raise ValueError("a slot cache takes one new position per row; prompts are written with write_prompt")
         rows = key_states.shape[0]
-        index = self.cache.row_index[:rows]
-        at = self.cache.lengths_tensor
+        index = self.step.row_index[:rows]
+        at = self.step.lengths_tensor
         self._keys[index, :, at] = key_states[:, :, 0]
         self._values[index, :, at] = value_states[:, :, 0]
-        width = self.cache.width
+        width = self.step.width
         self.keys, self.values = self._keys[:rows, :, :width], self._values[:rows, :, :width]
         return self.keys, self.values
 
@@ -83,10 +99,10 @@ class SlotLayer(DynamicLayer):
             self._values[targets, :, :width] = self._values[sources, :, :width]
 
     def get_seq_length(self) -> int:
-        return self.cache.width
+        return self.step.width
 
     def get_max_cache_shape(self) -> int:
-        return self.cache.capacity
+        return self.step.capacity
 
 
 class SlotCache(Cache):
@@ -99,12 +115,10 @@ class SlotCache(Cache):
     def __init__(self, config, slots: int, capacity: int, device: torch.device):
         self.kinds, self.window = attention_layers(config)
         self.slots, self.capacity, self.device = slots, capacity, device
-        super().__init__(layers=[SlotLayer(self) for _ in self.kinds])
+        self.step = StepState(slots, capacity, device)
+        super().__init__(layers=[SlotLayer(self.step) for _ in self.kinds])
         self.lengths: list[int] = []
-        self.row_index = torch.arange(slots, device=device)
         self._columns = torch.arange(capacity, device=device)
-        self.lengths_tensor = self._columns[:0]
-        self.width = 0
 
     def write_prompt(self, first: int, count: int, prompt_cache: Cache, source_row: int, start: int) -> None:
         """Rows ``first .. first+count-1`` take row ``source_row`` of a prefill cache, from column
@@ -136,16 +150,16 @@ class SlotCache(Cache):
 
     def set_step(self) -> tuple[torch.Tensor, torch.Tensor | dict[str, torch.Tensor]]:
         """Prepare a decode step of the rows in ``lengths``: their position ids and attention mask."""
-        self.lengths_tensor = torch.tensor(self.lengths, device=self.device)
-        self.width = max(self.lengths) + 1
-        return self.lengths_tensor[:, None], self.decode_mask()
+        self.step.lengths_tensor = torch.tensor(self.lengths, device=self.device)
+        self.step.width = max(self.lengths) + 1
+        return self.step.lengths_tensor[:, None], self.decode_mask()
 
     def decode_mask(self) -> torch.Tensor | dict[str, torch.Tensor]:
         """``[rows, 1, 1, width]`` booleans: row r's query (at column ``lengths[r]``) sees columns
         ``0 .. lengths[r]``, and a sliding-window layer only the last ``window`` of them. Models
         with both kinds of layer take a mask per kind (transformers' ``causal_mask_mapping``)."""
-        columns = self._columns[None, : self.width]
-        at = self.lengths_tensor[:, None]
+        columns = self._columns[None, : self.step.width]
+        at = self.step.lengths_tensor[:, None]
         full = (columns <= at)[:, None, None, :]
         if "sliding_attention" not in self.kinds:
             return full

@@ -3,6 +3,8 @@ in budget-sized micro-batches change how the work is cut, never what it computes
 
 from __future__ import annotations
 
+import os
+import threading
 from collections import deque
 
 import pytest
@@ -10,7 +12,7 @@ import torch
 from backend_helpers import adapter_tensors, perturb_adapter, rl_datum
 
 from grpo import models, types
-from grpo.backends.local import ServiceClient, memory, sampler, trainer
+from grpo.backends.local import ServiceClient, heap, memory, sampler, trainer
 
 # 6 prompts of different lengths, 4 samples each: a GRPO step in miniature
 PROMPTS = [[1, *range(200 + 7 * k, 200 + 7 * k + 5 + 3 * k)] for k in range(6)]
@@ -37,8 +39,8 @@ def step(svc: ServiceClient, counts: dict) -> tuple[list, dict, float]:
 @pytest.fixture
 def counts(monkeypatch) -> dict:
     """What the real sampler (one GenerationStats per generation) and trainer did."""
-    seen = {"generations": [], "micro_batches": []}
-    real_generate, real_partition = sampler.generate, trainer.partition
+    seen = {"generations": [], "micro_batches": [], "released": []}
+    real_generate, real_partition, real_release = sampler.generate, trainer.partition, heap.release_free_memory
 
     def generate(model, requests, *args, **kwargs):
         stats = real_generate(model, requests, *args, **kwargs)
@@ -50,8 +52,13 @@ def counts(monkeypatch) -> dict:
         seen["micro_batches"].append(len(batches))
         return batches
 
+    def release(device):
+        seen["released"].append((len(seen["generations"]), sum(seen["micro_batches"])))
+        return real_release(device)
+
     monkeypatch.setattr(sampler, "generate", generate)
     monkeypatch.setattr(trainer, "partition", partition)
+    monkeypatch.setattr(heap, "release_free_memory", release)
     return seen
 
 
@@ -61,6 +68,7 @@ def test_a_small_budget_gives_the_unbounded_samples_and_gradients(tmp_path, coun
     assert (requests, stats.admissions, stats.peak_rows) == (6, 1, 24)
     counts["generations"].clear()
     counts["micro_batches"].clear()
+    counts["released"].clear()
     bounded = step(ServiceClient(checkpoint_dir=tmp_path, device="cpu", dtype="float32", memory_budget_mb=BUDGET_MB),
                    counts)
     # the budget really cut the work: one generation whose requests were let in as rows finished,
@@ -68,6 +76,8 @@ def test_a_small_budget_gives_the_unbounded_samples_and_gradients(tmp_path, coun
     [(requests, stats)] = counts["generations"]
     assert requests == 6 and stats.admissions >= 3 and 4 <= stats.peak_rows < 8
     assert max(counts["micro_batches"]) >= 3
+    # what sampling freed went back to the OS before training, and what training freed after it
+    assert (1, 0) in counts["released"] and counts["released"][-1] == (1, sum(counts["micro_batches"]))
 
     samples_u, grads_u, loss_u = unbounded
     samples_b, grads_b, loss_b = bounded
@@ -171,3 +181,32 @@ def test_rows_beside_others_stay_within_the_budget_and_an_oversized_request_runs
     assert all(len(rows) <= 6 or all(r is big for r in rows) for rows in steps)
     assert any(len(rows) == 8 for rows in steps) and stats.peak_rows == 8
     assert [len(r.sequences) for r in reqs] == sizes
+
+
+def rss_bytes() -> int:
+    return int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+@pytest.mark.skipif(heap._malloc_trim() is None, reason="needs glibc's malloc_trim")
+def test_memory_another_thread_freed_goes_back_to_the_os() -> None:
+    """What a worker thread frees below a live tensor stays in its malloc arena (the process
+    keeps it) until ``release_free_memory`` hands it back."""
+    measured: dict[str, int] = {}
+
+    def work() -> None:
+        tensors = [torch.ones(25_000) for _ in range(2_000)]  # 100 KB each: malloc's heap, not mmap
+        last = tensors[-1]
+        measured["full"] = rss_bytes()
+        del tensors
+        measured["freed"] = rss_bytes()
+        assert heap.release_free_memory(torch.device("cpu"))
+        measured["released"] = rss_bytes()
+        del last
+
+    thread = threading.Thread(target=work)
+    thread.start()
+    thread.join()
+    mb = 2**20
+    assert measured["full"] - measured["freed"] < 50 * mb, measured  # freed, yet still held
+    assert measured["freed"] - measured["released"] > 150 * mb, measured
+    assert not heap.release_free_memory(torch.device("meta"))  # only the CPU's heap is trimmed

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from grpo import models
-from grpo.backends.local import custom_loss, memory, sampler, trainer
+from grpo.backends.local import custom_loss, heap, memory, sampler, trainer
 from grpo.backends.local.engine import Engine, LoraSpec
 from grpo.checkpoint_store import CheckpointStore
 from grpo.files import replace_dir
@@ -252,8 +252,12 @@ class TrainingClient(_ClientFuture):
         return APIFuture(self.handle.train_executor.submit(fn, *args))
 
     def _run_in_engine(self, fn):
-        with self.engine.use(self.adapter) as _:
-            return fn(self.engine.causal_lm())
+        try:
+            with self.engine.use(self.adapter) as _:
+                return fn(self.engine.causal_lm())
+        finally:
+            # what the call freed goes back to the OS, not kept for this thread alone (heap.py)
+            heap.release_free_memory(self.engine.device)
 
     # ------------------------------------------------------------------ forward / backward
 
@@ -705,6 +709,8 @@ class _SampleBatcher:
             for it in live:
                 it[3].set_exception(err)
             return
+        finally:
+            heap.release_free_memory(self.engine.device)  # before the callers go on to train
         for request, _, _, future in live:
             future.set_result(SampleResponse(sequences=request.sequences, prompt_logprobs=request.prompt_logprobs))
 

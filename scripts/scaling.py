@@ -7,12 +7,14 @@ Usage (from the repository root):
     .venv/bin/python scripts/scaling.py --rows models --json out.json
     .venv/bin/python scripts/scaling.py --unbounded      # the same rows with no memory budget
     .venv/bin/python scripts/scaling.py --rows shapes --fixed-length   # no stop: every response max_tokens long
+    .venv/bin/python scripts/scaling.py --rows shapes --steps 4        # memory over a longer run
 
 Each row runs in a fresh child process (its peak RSS is its own): one warm-up step of the row's
 own shape on other problems (pays one-time costs: folding LoRA for sampling, the optimizer's
 state, the allocator's first pages of a step that size, about 2.5 s on 8 x 4 x 32, a third of
-its training time; ``--cold`` warms up with a 1 x 2 x 4 step instead, as the 2026-11-23 rows did),
-then one timed GRPO step through the client API: ``save_weights_and_get_sampling_client``, one
+its training time; ``--cold`` warms up with a 1 x 2 x 4 step instead, as the 2026-11-23 rows did;
+``--steps N`` runs N - 1 warm-up steps, each on new problems, and reports each step's peak RSS:
+what a longer run holds shows there, not in one step), then one timed GRPO step through the client API: ``save_weights_and_get_sampling_client``, one
 ``sample`` call per prompt, the package's advantages and datums, ``forward_backward(ppo)`` +
 ``optim_step``. The packaged SmolLM2-135M rows stop at end of turn, as a real run does; the
 larger models are built from their architectures with random weights (no hub needed) and sample
@@ -98,6 +100,25 @@ def matmul_gflops(hidden: int, intermediate: int, tokens: int = 512, seconds: fl
     return 2 * tokens * hidden * intermediate * n / (time.perf_counter() - t0) / 1e9
 
 
+def reset_peak() -> None:
+    """Start a new peak-RSS window (Linux: writing 5 to clear_refs resets VmHWM)."""
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+    except OSError:
+        pass
+
+
+def current_peak_mb() -> float | None:
+    """Peak RSS since the last ``reset_peak``, in MB; None where /proc has no VmHWM."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return None
+
+
 def count_decode_steps() -> dict[str, int]:
     """Count the sampler's decode steps and the rows they carried (it picks tokens once a step).
     Rows per step is what sets sampling's cost per token on a CPU: a matmul over 4 rows reaches a
@@ -167,16 +188,21 @@ def worker(row: dict[str, Any]) -> None:
         return {"sample_s": t1 - t0, "train_s": t3 - t2, "sampled": sampled, "prompt_tokens": prompt_tokens,
                 "processed": processed, "decode_steps": decode["steps"], "decode_rows": decode["rows"]}
 
-    problems = make_problems(2 * row["prompts"], seed=7)
-    if row.get("cold"):
-        step(problems[:1], 2, 4)
-    else:
-        step(problems[:row["prompts"]], row["group"], row["max_tokens"])
-    timed = step(problems[row["prompts"]:], row["group"], row["max_tokens"])
+    steps, prompts = row.get("steps", 2), row["prompts"]
+    problems = make_problems(steps * prompts, seed=7)
+    step_peaks = []
+    for k in range(steps):
+        reset_peak()
+        if k == 0 and row.get("cold"):
+            step(problems[:1], 2, 4)
+        else:
+            timed = step(problems[k * prompts:(k + 1) * prompts], row["group"], row["max_tokens"])
+        step_peaks.append(current_peak_mb())
     flops = 2 * params_matmul * (timed["prompt_tokens"] + timed["sampled"]) + 4 * params_matmul * timed["processed"]
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     gflops = matmul_gflops(config.hidden_size, config.intermediate_size)
-    emit(**row, **timed, flops=flops, peak_rss_mb=peak, matmul_gflops=gflops, params=params_matmul)
+    emit(**row, **timed, flops=flops, peak_rss_mb=peak, step_peaks_mb=step_peaks, matmul_gflops=gflops,
+         params=params_matmul)
 
 
 # --------------------------------------------------------------------------- parent
@@ -223,6 +249,8 @@ def main() -> None:
                    help="sample without stop, every response max_tokens long: every decoding step carries every row")
     p.add_argument("--cold", action="store_true",
                    help="warm up with a 1 x 2 x 4 step, not one of the row's shape: the timed step pays first-size costs")
+    p.add_argument("--steps", type=int, default=2,
+                   help="steps per row, on different problems; the last is timed, peak RSS covers them all (>= 2)")
     p.add_argument("--timeout", type=float, default=900, help="seconds per row")
     p.add_argument("--json", type=Path, help="also write the rows' measurements here")
     p.add_argument("--from-json", type=Path, nargs="+", help="print the table of rows saved with --json")
@@ -236,6 +264,8 @@ def main() -> None:
         print(table(results))
         print(spread(results))
         return
+    if args.steps < 2:
+        p.error(f"--steps must be at least 2 (a warm-up and the timed step), got {args.steps}")
     rows = {"all": SHAPE_ROWS + MODEL_ROWS, "shapes": SHAPE_ROWS, "models": MODEL_ROWS, "smoke": SMOKE_ROWS}[args.rows]
     if args.only:
         rows = [rows[int(i)] for i in args.only.split(",")]
@@ -244,7 +274,7 @@ def main() -> None:
     t0 = time.perf_counter()
     for model, prompts, group, max_tokens in rows:
         row = {"model": model, "prompts": prompts, "group": group, "max_tokens": max_tokens, "service": service,
-               "fixed_length": args.fixed_length, "cold": args.cold}
+               "fixed_length": args.fixed_length, "cold": args.cold, "steps": args.steps}
         results.append(run_row(row, args.timeout))
         print(f"# {model} {prompts}x{group}x{max_tokens}: {results[-1]['sample_s'] + results[-1]['train_s']:.1f} s, "
               f"peak {results[-1]['peak_rss_mb']:.0f} MB", file=sys.stderr, flush=True)
@@ -279,6 +309,10 @@ def spread(results: list[dict[str, Any]]) -> str:
             f"{ratio(lambda r: r['train_s'] / r['sampled']):.2f}x), "
             f"sample ms/token max/min {ratio(lambda r: r['sample_s'] / r['sampled']):.2f}x, "
             f"largest peak RSS / the 8 x 4 x 32 row's {peak:.2f}x.")
+    for r in results:
+        if len([p for p in r.get("step_peaks_mb") or [] if p]) > 2:
+            lines.append(f"Peak RSS by step, {r['model']} {r['prompts']} x {r['group']} x {r['max_tokens']}: "
+                         + ", ".join(f"{p / 1024:.2f}" for p in r["step_peaks_mb"]) + " GB")
     return "\n" + "\n".join(lines) if lines else ""
 
 

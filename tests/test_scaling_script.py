@@ -13,7 +13,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def test_smoke_row_measures_a_whole_step(tmp_path):
     out = tmp_path / "rows.json"
-    proc = subprocess.run([sys.executable, "scripts/scaling.py", "--rows", "smoke", "--json", str(out)],
+    proc = subprocess.run([sys.executable, "scripts/scaling.py", "--rows", "smoke", "--steps", "3", "--json", str(out)],
                           cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     [row] = json.loads(out.read_text())
@@ -25,3 +25,7 @@ def test_smoke_row_measures_a_whole_step(tmp_path):
     assert 1 <= row["decode_steps"] <= 4
     assert row["sample_s"] > 0 and row["train_s"] > 0 and row["peak_rss_mb"] > 0
     assert "| tiny | 2 x 2 x 4 |" in proc.stdout
+    # three steps, each with its own peak (a window of /proc's VmHWM), none above the run's peak
+    assert row["steps"] == 3 and len(row["step_peaks_mb"]) == 3
+    assert all(0 < p <= row["peak_rss_mb"] for p in row["step_peaks_mb"])
+    assert "Peak RSS by step, tiny 2 x 2 x 4:" in proc.stdout

@@ -190,6 +190,7 @@ def worker(row: dict[str, Any]) -> None:
 
     steps, prompts = row.get("steps", 2), row["prompts"]
     problems = make_problems(steps * prompts, seed=7)
+    load_peak = current_peak_mb()  # the peak windows below reset what ru_maxrss reads too
     step_peaks = []
     for k in range(steps):
         reset_peak()
@@ -199,7 +200,8 @@ def worker(row: dict[str, Any]) -> None:
             timed = step(problems[k * prompts:(k + 1) * prompts], row["group"], row["max_tokens"])
         step_peaks.append(current_peak_mb())
     flops = 2 * params_matmul * (timed["prompt_tokens"] + timed["sampled"]) + 4 * params_matmul * timed["processed"]
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    peaks = [p for p in (load_peak, *step_peaks) if p is not None]
+    peak = max(peaks) if peaks else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     gflops = matmul_gflops(config.hidden_size, config.intermediate_size)
     emit(**row, **timed, flops=flops, peak_rss_mb=peak, step_peaks_mb=step_peaks, matmul_gflops=gflops,
          params=params_matmul)

@@ -114,7 +114,7 @@ class SlotCache(Cache):
 
     def __init__(self, config, slots: int, capacity: int, device: torch.device):
         self.kinds, self.window = attention_layers(config)
-        self.slots, self.capacity, self.device = slots, capacity, device
+        self.device = device
         self.step = StepState(slots, capacity, device)
         super().__init__(layers=[SlotLayer(self.step) for _ in self.kinds])
         self.lengths: list[int] = []

@@ -14,11 +14,12 @@ own shape on other problems (pays one-time costs: folding LoRA for sampling, the
 state, the allocator's first pages of a step that size, about 2.5 s on 8 x 4 x 32, a third of
 its training time; ``--cold`` warms up with a 1 x 2 x 4 step instead, as the 2026-11-23 rows did;
 ``--steps N`` runs N - 1 warm-up steps, each on new problems, and reports each step's peak RSS:
-what a longer run holds shows there, not in one step), then one timed GRPO step through the client API: ``save_weights_and_get_sampling_client``, one
-``sample`` call per prompt, the package's advantages and datums, ``forward_backward(ppo)`` +
-``optim_step``. The packaged SmolLM2-135M rows stop at end of turn, as a real run does; the
-larger models are built from their architectures with random weights (no hub needed) and sample
-without stop, so every response is exactly ``max_tokens`` long.
+what a longer run holds shows there, not in one step), then one timed GRPO step through the
+client API: ``save_weights_and_get_sampling_client``, one ``sample`` call per prompt, the
+package's advantages and datums, ``forward_backward(ppo)`` + ``optim_step``. The packaged
+SmolLM2-135M rows stop at end of turn, as a real run does; the larger models are built from their
+architectures with random weights (no hub needed) and sample without stop, so every response is
+exactly ``max_tokens`` long.
 
 Efficiency: the matmul FLOPs the step had to do (2 x parameters per token forward; training adds
 the backward through the inputs, 2x more, for every token the decoder processed) divided by the
@@ -312,9 +313,10 @@ def spread(results: list[dict[str, Any]]) -> str:
             f"sample ms/token max/min {ratio(lambda r: r['sample_s'] / r['sampled']):.2f}x, "
             f"largest peak RSS / the 8 x 4 x 32 row's {peak:.2f}x.")
     for r in results:
-        if len([p for p in r.get("step_peaks_mb") or [] if p]) > 2:
+        peaks = r.get("step_peaks_mb") or []
+        if len(peaks) > 2 and all(peaks):  # None where /proc has no VmHWM
             lines.append(f"Peak RSS by step, {r['model']} {r['prompts']} x {r['group']} x {r['max_tokens']}: "
-                         + ", ".join(f"{p / 1024:.2f}" for p in r["step_peaks_mb"]) + " GB")
+                         + ", ".join(f"{p / 1024:.2f}" for p in peaks) + " GB")
     return "\n" + "\n".join(lines) if lines else ""
 
 

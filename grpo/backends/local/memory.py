@@ -96,7 +96,8 @@ class Budget:
         return cls(resolve_budget(setting, device), train_bytes_per_token(model.config, dtype), model.config, dtype)
 
     def train_tokens(self) -> int | None:
-        """Processed tokens (padding included) per training micro-batch; None: no limit."""
+        """Processed tokens (padding included, where micro-batches are padded) per training
+        micro-batch; None: no limit."""
         if self.bytes is None:
             return None
         return max(1, self.bytes // self.train_token_bytes)

@@ -6,6 +6,10 @@ time. In training, each chunk's share of the loss is backpropagated through the 
 soon as it is computed (``unembed_counted``), so only one chunk of logits ever exists and none is
 recomputed; the decoder then runs one backward for the whole micro-batch.
 
+Packing: where the model allows (packed_attention.py), a micro-batch's datums run back to back
+in one row, so no position is padding; the padded path (``packed=False``) is the fallback and the
+reference.
+
 Prefix sharing: datums whose leading positions the loss does not count are the same tokens (a
 GRPO group: one prompt, several responses) run that prefix through the decoder once; its KV cache
 is fanned out to the group, so the prompt's forward and backward are paid once per group instead
@@ -22,6 +26,7 @@ import torch
 from transformers import DynamicCache
 
 from grpo import losses
+from grpo.backends.local import packed_attention
 from grpo.types import Datum, ForwardBackwardOutput, TensorData
 
 LOGIT_CHUNK_POSITIONS = 256
@@ -81,29 +86,35 @@ MICRO_BATCH_OVERHEAD_TOKENS = 32
 PARTITION_LOOKBACK = 512
 
 
-def partition(items: list, prefix_of, prefix_len, length, max_tokens: int | None) -> list[list]:
+def partition(items: list, prefix_of, prefix_len, length, max_tokens: int | None, packed: bool = False) -> list[list]:
     """Cut ``items`` (in this order) into consecutive micro-batches, minimising the tokens the
-    decoder processes -- padding included -- plus a fixed cost per batch, with every batch's
-    tokens within ``max_tokens`` (None: no limit; an item too big for any batch gets its own).
+    decoder processes plus a fixed cost per batch, with every batch's tokens within
+    ``max_tokens`` (None: no limit; an item too big for any batch gets its own).
 
-    A batch's tokens: each distinct prefix (``prefix_of(item)``, None for none) once, padded to
-    the batch's longest prefix, plus every item's own ``length`` padded to the batch's longest.
-    Items sorted by length make a batch's padding small; this picks the cuts.
+    A batch's tokens: each distinct prefix (``prefix_of(item)``, None for none) once plus every
+    item's own ``length``. Padded (``packed=False``), each prefix counts as the batch's longest
+    and each item as its longest, so items sorted by length keep padding small and this picks
+    the cuts; packed, tokens are what they are and only the budget and the per-batch cost cut.
     """
     n = len(items)
     best = [0.0] + [float("inf")] * n
     start = [0] * (n + 1)
     for j in range(1, n + 1):
         prefixes: set = set()
-        longest_prefix = longest = 0
+        longest_prefix = longest = prefix_sum = length_sum = 0
         for i in range(j - 1, max(-1, j - 1 - PARTITION_LOOKBACK), -1):
             item = items[i]
             key = prefix_of(item)
-            if key is not None:
+            if key is not None and key not in prefixes:
                 prefixes.add(key)
                 longest_prefix = max(longest_prefix, prefix_len(item))
+                prefix_sum += prefix_len(item)
             longest = max(longest, length(item))
-            tokens = len(prefixes) * longest_prefix + (j - i) * longest
+            length_sum += length(item)
+            if packed:
+                tokens = prefix_sum + length_sum
+            else:
+                tokens = len(prefixes) * longest_prefix + (j - i) * longest
             if max_tokens is not None and tokens > max_tokens and i < j - 1:
                 break
             cost = best[i] + tokens + MICRO_BATCH_OVERHEAD_TOKENS
@@ -117,10 +128,10 @@ def partition(items: list, prefix_of, prefix_len, length, max_tokens: int | None
     return batches[::-1]
 
 
-def micro_batches(data: list[PreparedDatum], max_tokens: int | None) -> list[list[PreparedDatum]]:
+def micro_batches(data: list[PreparedDatum], max_tokens: int | None, packed: bool = False) -> list[list[PreparedDatum]]:
     """Datums sorted by length, cut where padding or the budget says (``partition``)."""
     ordered = sorted(data, key=lambda d: len(d.input_ids))
-    return partition(ordered, lambda d: None, lambda d: 0, lambda d: len(d.input_ids), max_tokens)
+    return partition(ordered, lambda d: None, lambda d: 0, lambda d: len(d.input_ids), max_tokens, packed)
 
 
 @dataclass
@@ -230,6 +241,21 @@ def run_decoder(model, batch: list[PreparedDatum], device: torch.device, counted
                           torch.arange(n, device=device), n, mask.sum(-1))
 
 
+def run_decoder_packed(model, batch: list[PreparedDatum], device: torch.device, counted_mask: torch.Tensor | None,
+                       grad: bool) -> DecoderOutput:
+    """``run_decoder`` on the datums packed in one row: no position is padding."""
+    lengths = [len(d.input_ids) for d in batch]
+    ids = torch.tensor([t for d in batch for t in d.input_ids], dtype=torch.long, device=device)
+    flat_targets = torch.tensor([t for d in batch for t in d.targets], dtype=torch.long, device=device)
+    flat_hidden = packed_attention.PackedPass(lengths, device).run(model.get_decoder(), ids)
+    n = flat_hidden.shape[0]
+    counted = torch.ones(n, dtype=torch.bool, device=device) if counted_mask is None else counted_mask.to(device)
+    if grad and not bool(counted.any()):
+        counted = torch.ones_like(counted)  # as in run_decoder: the loss must still reach the parameters
+    return _split_counted(model.get_output_embeddings(), flat_hidden, flat_targets, counted,
+                          torch.arange(n, device=device), n, torch.tensor(lengths))
+
+
 def unembed_counted(lm_head, dec_out: DecoderOutput, chunk_loss=None) -> float | None:
     """Logprobs and entropies of the counted positions, a chunk of positions at a time.
 
@@ -313,26 +339,30 @@ def plan_sharing(data: list[PreparedDatum], min_prefix: int = MIN_SHARED_PREFIX,
     return groups, alone
 
 
-def _shared_cost(units: list[SharedGroup]) -> int:
-    """Padded tokens of a shared micro-batch: each prefix once, each suffix once per datum."""
+def _shared_cost(units: list[SharedGroup], packed: bool = False) -> int:
+    """Tokens of a shared micro-batch: each prefix once, each suffix once per datum; padded to
+    the batch's longest prefix and suffix unless ``packed``."""
+    if packed:
+        return sum(len(u.prefix) + sum(len(d.input_ids) - len(u.prefix) for d in u.members) for u in units)
     rows = sum(len(u.members) for u in units)
     return (len(units) * max(len(u.prefix) for u in units)
             + rows * max(u.suffix_width() for u in units))
 
 
-def shared_micro_batches(groups: list[SharedGroup], max_tokens: int | None) -> list[list[SharedGroup]]:
+def shared_micro_batches(groups: list[SharedGroup], max_tokens: int | None,
+                         packed: bool = False) -> list[list[SharedGroup]]:
     """Micro-batches of group members, each batch running the prefixes of its members once.
 
     Members are ordered by the length of their own part (the suffix after the prefix), so that
     long and short responses are not padded to each other; a group whose members land in
     several batches pays its prefix pass in each (still exact). The other order -- group by
-    group -- is kept when it costs fewer tokens (few groups, similar lengths).
+    group -- is kept when it costs fewer tokens (few groups, similar lengths; as a rule, packed).
     """
     members = [(g.prefix, d) for g in groups for d in g.members]
 
     def cut(order: list) -> list[list]:
         return partition(order, lambda m: id(m[0]), lambda m: len(m[0]), lambda m: len(m[1].input_ids) - len(m[0]),
-                         max_tokens)
+                         max_tokens, packed)
 
     def as_units(batches: list[list]) -> list[list[SharedGroup]]:
         out = []
@@ -344,7 +374,7 @@ def shared_micro_batches(groups: list[SharedGroup], max_tokens: int | None) -> l
         return out
 
     def cost(batches: list[list[SharedGroup]]) -> int:
-        return sum(_shared_cost(b) + MICRO_BATCH_OVERHEAD_TOKENS for b in batches)
+        return sum(_shared_cost(b, packed) + MICRO_BATCH_OVERHEAD_TOKENS for b in batches)
 
     by_suffix = as_units(cut(sorted(members, key=lambda m: len(m[1].input_ids) - len(m[0]))))
     group_of = {id(g.prefix): k for k, g in enumerate(groups)}
@@ -448,19 +478,62 @@ def run_decoder_shared(model, units: list[SharedGroup], device: torch.device) ->
     return dec_out
 
 
+def run_decoder_shared_packed(model, units: list[SharedGroup], device: torch.device) -> DecoderOutput:
+    """``run_decoder_shared`` with both passes packed: the prefixes in one row, recording their
+    keys and values; the members' suffixes in another, each attending to its unit's prefix."""
+    decoder = model.get_decoder()
+    lm_head = model.get_output_embeddings()
+    members = [d for u in units for d in u.members]
+    owner = [k for k, u in enumerate(units) for _ in u.members]
+    prefixes = packed_attention.PackedPass([len(u.prefix) for u in units], device, record=True)
+    prefix_hidden = prefixes.run(decoder, torch.tensor([t for u in units for t in u.prefix], dtype=torch.long,
+                                                       device=device))
+
+    plens = [len(units[k].prefix) for k in owner]
+    suffix_lengths = [len(d.input_ids) - p for d, p in zip(members, plens, strict=True)]
+    suffixes = packed_attention.PackedPass(suffix_lengths, device, prefix=prefixes, prefix_of=owner)
+    ids = torch.tensor([t for d, p in zip(members, plens, strict=True) for t in d.input_ids[p:]],
+                       dtype=torch.long, device=device)
+    targets = torch.tensor([t for d, p in zip(members, plens, strict=True) for t in d.targets[p:]],
+                           dtype=torch.long, device=device)
+    counted = torch.cat([losses.token_mask({k: v[p:] for k, v in d.inputs.items()})
+                         for d, p in zip(members, plens, strict=True)]).to(device)
+    lengths = torch.tensor([len(d.input_ids) for d in members])
+    starts = torch.cumsum(lengths, 0) - lengths
+    where = torch.cat([torch.arange(int(s) + p, int(s) + p + m) for s, p, m in zip(starts, plens, suffix_lengths,
+                                                                                    strict=True)]).to(device)
+    hidden = suffixes.run(decoder, ids)
+    dec_out = _split_counted(lm_head, hidden, targets, counted, where, int(lengths.sum()), lengths)
+
+    # prefix logprobs: each member's own targets over its unit's one prefix pass
+    i = 0
+    for k, u in enumerate(units):
+        p, first = len(u.prefix), prefixes.starts[k]
+        for lp in _prefix_logprobs(lm_head, prefix_hidden[first:first + p].detach(), [d.targets[:p] for d in u.members]):
+            dec_out.logprobs[int(starts[i]):int(starts[i]) + p] = lp
+            i += 1
+    return dec_out
+
+
 def run(model, data: list[PreparedDatum], loss_fn: str, loss_fn_config: Mapping[str, float] | None,
         device: torch.device, max_tokens: int | None, backward: bool,
-        share_prefixes: bool = True) -> ForwardBackwardOutput:
+        share_prefixes: bool = True, packed: bool | None = None) -> ForwardBackwardOutput:
     """Compute (and optionally backpropagate) the summed loss over ``data``.
 
     ``share_prefixes=False`` runs every datum in full (the reference the shared path must equal).
+    ``packed`` (default: wherever packed_attention supports the model) runs micro-batches as
+    packed sequences; ``packed=False`` pads them (the reference the packed path must equal).
     """
     params = losses.resolve_config(loss_fn, loss_fn_config)
+    if packed is None:
+        packed = packed_attention.supports(model.config)
     groups, alone = plan_sharing(data) if share_prefixes else ([], list(data))
     work: list[tuple[list[PreparedDatum], list[SharedGroup] | None]] = [
-        (batch, None) for batch in micro_batches(alone, max_tokens)]
+        (batch, None) for batch in micro_batches(alone, max_tokens, packed)]
     work += [([d for u in units for d in u.members], units)
-             for units in shared_micro_batches(groups, max_tokens)]
+             for units in shared_micro_batches(groups, max_tokens, packed)]
+    decode_shared = run_decoder_shared_packed if packed else run_decoder_shared
+    decode = run_decoder_packed if packed else run_decoder
     outputs: list[dict[str, TensorData] | None] = [None] * len(data)
     lm_head = model.get_output_embeddings()
     total_loss = 0.0
@@ -470,10 +543,10 @@ def run(model, data: list[PreparedDatum], loss_fn: str, loss_fn_config: Mapping[
         inputs = {key: torch.cat([d.inputs[key] for d in batch]).to(device) for key in batch[0].inputs}
         with torch.set_grad_enabled(backward):
             if units is not None:
-                dec_out = run_decoder_shared(model, units, device)
+                dec_out = decode_shared(model, units, device)
             else:
                 counted = losses.token_mask(inputs) if ("weights" in inputs or "advantages" in inputs) else None
-                dec_out = run_decoder(model, batch, device, counted, grad=backward)
+                dec_out = decode(model, batch, device, counted, grad=backward)
         if backward:
             def chunk_loss(lp: torch.Tensor, positions: torch.Tensor, inputs=inputs) -> torch.Tensor:
                 return losses.LOSSES[loss_fn](lp, {k: v[positions] for k, v in inputs.items()}, params)

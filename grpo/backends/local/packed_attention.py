@@ -1,0 +1,211 @@
+"""Training micro-batches as packed sequences: every sequence's real tokens in one row, no padding.
+
+Padding a micro-batch to its longest sequence makes every projection and MLP -- nearly all of a
+step's FLOPs -- run on positions nobody reads: 8-32% of the processed tokens on the scaling rows
+of docs/benchmark.md (GRPO groups of short answers beside a few long ones). Here the decoder runs on
+one row holding every sequence's tokens back to back, each at its own positions (``position_ids``),
+so the per-token layers see real tokens only. Attention is the one place sequences meet; it is done
+by ``packed_attention``, registered with transformers as an attention implementation, which
+gathers each sequence's queries and keys into small blocks of similar lengths, runs SDPA on them
+with a causal mask, and puts the outputs back in packed order. Attention is a small share of the
+work on these models, so the padding inside those blocks costs little.
+
+A pass can record every layer's keys and values (a GRPO group's shared prompt) for the sequences
+of a later pass to attend to as their prefix: gradients flow back into the recording pass through
+autograd, as through a KV cache.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from transformers import AttentionInterface
+
+IMPLEMENTATION = "grpo_packed"
+# A block of sequences pads each to the block's longest; a new block starts once a sequence's
+# keys are this many times the block's first's, so a long answer is not padded onto short ones.
+BLOCK_GROWTH = 1.5
+
+
+def supports(config) -> bool:
+    """Whether packing serves this model: attention-only decoders without logit soft-capping
+    (its kernels are not reimplemented here). Others train on padded micro-batches."""
+    from grpo.backends.local.kv_cache import attention_layers
+
+    text = config.get_text_config(decoder=True)
+    if getattr(text, "attn_logit_softcapping", None):
+        return False
+    try:
+        attention_layers(config)
+    except ValueError:
+        return False
+    return True
+
+
+@dataclass
+class _Block:
+    """Sequences attended together: gather indices for their queries and keys, and the mask."""
+
+    count: int
+    q_len: int
+    k_len: int
+    q_index: torch.Tensor  # (count * q_len,) rows of the packed queries, padding -> the zero row
+    k_index: torch.Tensor  # (count * k_len,) rows of [prefix keys; own keys; zero row]
+    q_pos: torch.Tensor  # (count, q_len) absolute positions of the queries
+    k_pos: torch.Tensor  # (count, k_len)
+    mask: torch.Tensor  # (count, 1, q_len, k_len) causal, within each sequence (and its prefix)
+
+
+class PackedPass:
+    """One decoder call over sequences packed in one row.
+
+    ``lengths[i]`` tokens of sequence i, in order. With ``prefix`` (a recorded earlier pass) and
+    ``prefix_of[i]`` (a sequence of that pass), sequence i continues that sequence: its
+    positions start after it and its attention sees all of it.
+    """
+
+    def __init__(self, lengths: Sequence[int], device: torch.device, *, record: bool = False,
+                 prefix: PackedPass | None = None, prefix_of: Sequence[int] | None = None):
+        if (prefix is None) != (prefix_of is None):
+            raise ValueError("prefix and prefix_of go together")
+        self.lengths = [int(n) for n in lengths]
+        self.record = record
+        self.prefix = prefix
+        self.recorded: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.calls = 0
+        n = sum(self.lengths)
+        starts = [sum(self.lengths[:i]) for i in range(len(self.lengths))]
+        if prefix is not None:
+            p_lens = [prefix.lengths[j] for j in prefix_of]
+            p_starts = [prefix.starts[j] for j in prefix_of]
+        else:
+            p_lens = p_starts = [0] * len(self.lengths)
+        self.starts = starts
+        self.tokens = n
+        self.position_ids = torch.cat([torch.arange(p, p + m) for p, m in zip(p_lens, self.lengths, strict=True)]
+                                      ).to(device)[None] if n else torch.zeros((1, 0), dtype=torch.long, device=device)
+        prefix_rows = prefix.tokens if prefix is not None else 0
+        q_zero, k_zero = n, prefix_rows + n  # index of the zero row appended to queries and keys
+        order = sorted(range(len(self.lengths)), key=lambda i: (p_lens[i] + self.lengths[i], i))
+        self.blocks: list[_Block] = []
+        out_rows: list[torch.Tensor] = []
+        done = 0
+        blocks = _split(order, [p_lens[i] + self.lengths[i] for i in range(len(self.lengths))])
+        for members in blocks:
+            q_len = max(self.lengths[i] for i in members)
+            k_len = max(p_lens[i] + self.lengths[i] for i in members)
+            q_index = torch.full((len(members), q_len), q_zero, dtype=torch.long)
+            k_index = torch.full((len(members), k_len), k_zero, dtype=torch.long)
+            q_pos = torch.zeros((len(members), q_len), dtype=torch.long)
+            k_pos = torch.arange(k_len).expand(len(members), k_len)
+            q_valid = torch.zeros((len(members), q_len), dtype=torch.bool)
+            k_valid = torch.zeros((len(members), k_len), dtype=torch.bool)
+            for s, i in enumerate(members):
+                m, p = self.lengths[i], p_lens[i]
+                q_index[s, :m] = torch.arange(starts[i], starts[i] + m)
+                q_pos[s] = torch.arange(p, p + q_len)
+                k_index[s, :p] = torch.arange(p_starts[i], p_starts[i] + p)
+                k_index[s, p:p + m] = torch.arange(prefix_rows + starts[i], prefix_rows + starts[i] + m)
+                q_valid[s, :m] = True
+                k_valid[s, :p + m] = True
+                out_rows.append(torch.arange(done + s * q_len, done + s * q_len + m))
+            mask = k_valid[:, None, :] & (k_pos[:, None, :] <= q_pos[:, :, None]) & q_valid[:, :, None]
+            mask[:, :, 0] |= ~q_valid  # padded queries look at one key: no empty softmax, output unused
+            self.blocks.append(_Block(len(members), q_len, k_len, q_index.reshape(-1).to(device),
+                                      k_index.reshape(-1).to(device), q_pos.to(device), k_pos.to(device),
+                                      mask[:, None].to(device)))
+            done += len(members) * q_len
+        # packed position of each block output row -> where it goes: invert the members' order
+        flat = torch.cat(out_rows) if out_rows else torch.zeros(0, dtype=torch.long)
+        by_sequence = [i for members in blocks for i in members]
+        packed_of = torch.cat([torch.arange(starts[i], starts[i] + self.lengths[i]) for i in by_sequence]) \
+            if by_sequence else torch.zeros(0, dtype=torch.long)
+        out_index = torch.empty(n, dtype=torch.long)
+        out_index[packed_of] = flat
+        self.out_index = out_index.to(device)
+
+    def attend(self, module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float | None,
+               dropout: float, sliding_window: int | None) -> torch.Tensor:
+        """Attention of this pass's queries ``(1, heads, n, dim)`` over its keys and values (and
+        the recorded prefix's); returns ``(1, n, heads, dim)`` as transformers' kernels do."""
+        self.calls += 1
+        layer = module.layer_idx
+        if self.record:
+            self.recorded[layer] = (key, value)
+        heads, dim = query.shape[1], query.shape[3]
+        q = query[0].transpose(0, 1)  # (n, heads, dim)
+        k, v = key[0].transpose(0, 1), value[0].transpose(0, 1)  # (n, kv_heads, dim)
+        if self.prefix is not None:
+            pk, pv = self.prefix.recorded[layer]
+            k, v = torch.cat([pk[0].transpose(0, 1), k]), torch.cat([pv[0].transpose(0, 1), v])
+        q = torch.cat([q, q.new_zeros(1, *q.shape[1:])])
+        k = torch.cat([k, k.new_zeros(1, *k.shape[1:])])
+        v = torch.cat([v, v.new_zeros(1, *v.shape[1:])])
+        groups = heads // k.shape[1]
+        outputs = []
+        for b in self.blocks:
+            qb = q.index_select(0, b.q_index).view(b.count, b.q_len, heads, dim).transpose(1, 2)
+            kb = k.index_select(0, b.k_index).view(b.count, b.k_len, -1, dim).transpose(1, 2)
+            vb = v.index_select(0, b.k_index).view(b.count, b.k_len, -1, dim).transpose(1, 2)
+            if groups > 1:  # query head h reads key head h // groups, as transformers' repeat_kv
+                kb, vb = kb.repeat_interleave(groups, dim=1), vb.repeat_interleave(groups, dim=1)
+            mask = b.mask
+            if sliding_window is not None:
+                near = (b.q_pos[:, :, None] - b.k_pos[:, None, :]) < sliding_window
+                mask = mask & near[:, None]
+                mask[..., 0] |= ~mask.any(-1)
+            out = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=mask, dropout_p=dropout, scale=scaling)
+            outputs.append(out.transpose(1, 2).reshape(b.count * b.q_len, heads, dim))
+        return torch.cat(outputs).index_select(0, self.out_index)[None]
+
+    @contextmanager
+    def running(self, decoder) -> Iterator[None]:
+        """``decoder``'s attention layers use this pass while the block runs; afterwards, checks that
+        every one of them did (a model whose attention ignores transformers' attention interface
+        would otherwise mix sequences silently)."""
+        config = decoder.config
+        before = config._attn_implementation
+        config._attn_implementation = IMPLEMENTATION
+        try:
+            yield
+        finally:
+            config._attn_implementation = before
+        layers = int(config.get_text_config(decoder=True).num_hidden_layers)
+        if self.tokens and self.calls != layers:
+            raise RuntimeError(f"packed attention ran in {self.calls} of {layers} layers: this model's attention does "
+                               "not go through transformers' attention interface; train it with packing off")
+
+    def run(self, decoder, input_ids: torch.Tensor) -> torch.Tensor:
+        """The decoder's last hidden states ``(n, hidden)`` for ``input_ids`` ``(n,)``."""
+        with self.running(decoder):
+            out = decoder(input_ids=input_ids[None], position_ids=self.position_ids, use_cache=False,
+                          grpo_packed=self)
+        return out.last_hidden_state[0]
+
+
+def _split(order: list[int], key_lengths: list[int]) -> list[list[int]]:
+    """``order`` (sorted by key length) cut into blocks whose longest is at most BLOCK_GROWTH
+    times their first's."""
+    blocks: list[list[int]] = []
+    for i in order:
+        if blocks and key_lengths[i] <= BLOCK_GROWTH * max(1, key_lengths[blocks[-1][0]]):
+            blocks[-1].append(i)
+        else:
+            blocks.append([i])
+    return blocks
+
+
+def packed_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling: float | None = None,
+                     grpo_packed: PackedPass | None = None, sliding_window: int | None = None, **kwargs):
+    if grpo_packed is None:
+        raise RuntimeError(f"the {IMPLEMENTATION!r} attention runs only inside PackedPass.run")
+    if kwargs.get("softcap") is not None:
+        raise ValueError("packed attention does not implement logit soft-capping")
+    return grpo_packed.attend(module, query, key, value, scaling, dropout, sliding_window), None
+
+
+AttentionInterface.register(IMPLEMENTATION, packed_attention)

@@ -1,0 +1,165 @@
+"""Packed training micro-batches: sequences back to back in one row, attention kept apart.
+
+References: each sequence run alone through the same decoder (transformers' own attention), and
+the trainer's padded path (``packed=False``), which test_local_backend and test_prefix_sharing
+check against plain forward passes.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from backend_helpers import adapter_tensors, perturb_adapter
+from test_prefix_sharing import grpo_batch
+from transformers import MistralConfig, MistralForCausalLM
+
+from grpo import models
+from grpo.backends.local import ServiceClient, packed_attention, trainer
+
+CPU = torch.device("cpu")
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    torch.manual_seed(0)
+    return models.load_model("tiny", CPU, torch.float32)
+
+
+def _random_ids(gen: torch.Generator, lengths: list[int], vocab: int) -> list[torch.Tensor]:
+    return [torch.randint(3, vocab, (n,), generator=gen) for n in lengths]
+
+
+def _alone(decoder, ids: torch.Tensor) -> torch.Tensor:
+    return decoder(input_ids=ids[None]).last_hidden_state[0]
+
+
+def test_packed_sequences_equal_each_sequence_run_alone(tiny) -> None:
+    decoder = tiny.get_decoder()
+    gen = torch.Generator().manual_seed(1)
+    lengths = [5, 17, 1, 30, 9, 12, 2]  # unsorted, a single token, blocks of several sizes
+    seqs = _random_ids(gen, lengths, 4000)
+    packed = packed_attention.PackedPass(lengths, CPU)
+    assert len(packed.blocks) > 1
+    with torch.no_grad():
+        got = torch.split(packed.run(decoder, torch.cat(seqs)), lengths)
+        for ids, hidden in zip(seqs, got, strict=True):
+            torch.testing.assert_close(hidden, _alone(decoder, ids), atol=1e-5, rtol=1e-4)
+    # the model's own attention is back once the pass is over
+    assert decoder.config._attn_implementation != packed_attention.IMPLEMENTATION
+
+
+def test_a_recorded_prefix_continues_like_the_whole_sequence_and_gets_its_gradient(tiny) -> None:
+    decoder = tiny.get_decoder()
+    gen = torch.Generator().manual_seed(2)
+    prompts = _random_ids(gen, [7, 11], 4000)
+    owners, suffix_lengths = [0, 1, 0, 1, 0], [4, 3, 9, 1, 6]
+    suffixes = _random_ids(gen, suffix_lengths, 4000)
+    params = [p for p in tiny.parameters() if p.requires_grad]
+
+    prefix_pass = packed_attention.PackedPass([7, 11], CPU, record=True)
+    prefix_hidden = prefix_pass.run(decoder, torch.cat(prompts))
+    suffix_pass = packed_attention.PackedPass(suffix_lengths, CPU, prefix=prefix_pass, prefix_of=owners)
+    suffix_hidden = suffix_pass.run(decoder, torch.cat(suffixes))
+    loss = suffix_hidden.square().sum() + prefix_hidden.sum()
+    got_grads = torch.autograd.grad(loss, params)
+
+    want = [_alone(decoder, torch.cat([prompts[u], s]))[len(prompts[u]):] for u, s in zip(owners, suffixes, strict=True)]
+    for hidden, ref in zip(torch.split(suffix_hidden, suffix_lengths), want, strict=True):
+        torch.testing.assert_close(hidden, ref, atol=1e-5, rtol=1e-4)
+    ref_loss = sum(h.square().sum() for h in want) + sum(_alone(decoder, p).sum() for p in prompts)
+    want_grads = torch.autograd.grad(ref_loss, params)
+    scale = max(float(g.abs().max()) for g in want_grads)
+    assert scale > 0.1
+    # a square-sum loss makes large gradients: the float32 rounding allowed scales with them
+    for g, w in zip(got_grads, want_grads, strict=True):
+        torch.testing.assert_close(g, w, atol=1e-5 * scale, rtol=1e-4)
+
+
+def test_sliding_window_attention_is_windowed_as_transformers_does() -> None:
+    config = MistralConfig(vocab_size=500, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=2, sliding_window=5,
+                           attn_implementation="sdpa")
+    torch.manual_seed(0)
+    model = MistralForCausalLM(config).eval()
+    assert packed_attention.supports(model.config)
+    decoder = model.get_decoder()
+    gen = torch.Generator().manual_seed(3)
+    lengths = [12, 3, 20]  # longer than the window
+    seqs = _random_ids(gen, lengths, 500)
+    with torch.no_grad():
+        got = torch.split(packed_attention.PackedPass(lengths, CPU).run(decoder, torch.cat(seqs)), lengths)
+        for ids, hidden in zip(seqs, got, strict=True):
+            torch.testing.assert_close(hidden, _alone(decoder, ids), atol=1e-5, rtol=1e-4)
+        # the window matters here: without it the long sequences' last positions differ
+        config.sliding_window = None
+        assert not torch.allclose(got[2][-1], _alone(decoder, seqs[2])[-1], atol=1e-3)
+
+
+def test_attention_that_bypasses_the_interface_is_an_error_not_mixed_sequences(tiny) -> None:
+    decoder = tiny.get_decoder()
+    layer = decoder.layers[0].self_attn
+    original = layer.forward
+
+    def plain_forward(hidden_states, position_embeddings=None, attention_mask=None, **kwargs):
+        kwargs.pop("grpo_packed")
+        before = layer.config._attn_implementation
+        layer.config._attn_implementation = "sdpa"
+        try:
+            return original(hidden_states, position_embeddings, attention_mask, **kwargs)
+        finally:
+            layer.config._attn_implementation = before
+
+    layer.forward = plain_forward  # as a model with its own attention code would behave
+    try:
+        with torch.no_grad(), pytest.raises(RuntimeError, match="1 of|attention interface"):
+            packed_attention.PackedPass([3, 4], CPU).run(decoder, torch.arange(3, 10))
+    finally:
+        del layer.forward
+
+
+def test_packed_partition_fills_the_budget_whatever_the_lengths() -> None:
+    lengths = [1, 1, 1, 1, 40, 40]
+    padded = trainer.partition(lengths, lambda n: None, lambda n: 0, lambda n: n, 90)
+    packed = trainer.partition(lengths, lambda n: None, lambda n: 0, lambda n: n, 90, packed=True)
+    assert [len(b) for b in padded] == [4, 2]  # the short ones are not padded to 40
+    assert packed == [lengths]  # 84 real tokens: one batch
+    assert [len(b) for b in trainer.partition(lengths, lambda n: None, lambda n: 0, lambda n: n, 60, packed=True)] \
+        == [5, 1]  # the budget still cuts
+
+
+# --------------------------------------------------------------------------- the trainer, packed vs padded
+
+
+@pytest.fixture(scope="module")
+def client(tmp_path_factory):
+    svc = ServiceClient(checkpoint_dir=tmp_path_factory.mktemp("ckpt"), device="cpu", dtype="float32")
+    c = svc.create_lora_training_client("tiny", seed=0)
+    perturb_adapter(c, 4)
+    return c
+
+
+def _run(client, prepared, loss_fn: str, max_tokens: int | None, share: bool, packed: bool):
+    for p in client.engine.adapter_parameters(client.adapter).values():
+        p.grad = None
+    with client.engine.use(client.adapter):
+        out = trainer.run(client.engine.causal_lm(), prepared, loss_fn, None, client.engine.device, max_tokens,
+                          True, share_prefixes=share, packed=packed)
+    return out, {k: v for k, v in adapter_tensors(client, "grad").items() if v is not None}
+
+
+@pytest.mark.parametrize("loss_fn", ["ppo", "importance_sampling"])
+@pytest.mark.parametrize("share", [True, False])
+@pytest.mark.parametrize("max_tokens", [None, 60])
+def test_packed_micro_batches_equal_padded_ones(client, loss_fn, share, max_tokens) -> None:
+    data = grpo_batch(seed=5)
+    prepared = trainer.prepare(data, loss_fn, client.engine.vocab_size, client.engine.check_tokens)
+    ref, ref_grads = _run(client, prepared, loss_fn, max_tokens, share, packed=False)
+    got, grads = _run(client, prepared, loss_fn, max_tokens, share, packed=True)
+    for a, b in zip(got.loss_fn_outputs, ref.loss_fn_outputs, strict=True):
+        torch.testing.assert_close(a["logprobs"].to_torch(), b["logprobs"].to_torch(), atol=1e-5, rtol=0)
+    assert got.metrics["loss:sum"] == pytest.approx(ref.metrics["loss:sum"], rel=1e-5)
+    assert got.metrics["entropy:mean"] == pytest.approx(ref.metrics["entropy:mean"], rel=1e-5)
+    assert ref_grads and set(grads) == set(ref_grads)
+    assert max(float(g.abs().max()) for g in ref_grads.values()) > 0.1
+    for name, g in ref_grads.items():
+        torch.testing.assert_close(grads[name], g, atol=1e-5, rtol=1e-4, msg=name)

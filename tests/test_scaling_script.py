@@ -29,3 +29,18 @@ def test_smoke_row_measures_a_whole_step(tmp_path):
     assert row["steps"] == 3 and len(row["step_peaks_mb"]) == 3
     assert all(0 < p <= row["peak_rss_mb"] for p in row["step_peaks_mb"])
     assert "Peak RSS by step, tiny 2 x 2 x 4:" in proc.stdout
+
+
+def test_decode_step_cost_prints_every_batch_size():
+    proc = subprocess.run([sys.executable, "scripts/decode_step_cost.py", "--model", "tiny", "--rows", "1,2,4",
+                           "--context", "8"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    table = [line for line in proc.stdout.splitlines() if line.startswith("| ")][2:]  # past header and rule
+    rows = [line.split("|")[1:-1] for line in table]
+    assert [int(r[0]) for r in rows] == [1, 2, 4]
+    for rows_, per_step, per_token, _ in rows:
+        assert float(per_step) > 0
+        # ms per step is printed to 0.1 ms, per token to 0.01 ms
+        assert abs(float(per_token) - float(per_step) / int(rows_)) <= 0.06 + 0.01 * float(per_token)
+    assert rows[-1][3].strip() == "1.00x"  # the largest batch against itself
+    assert "Fit over 2-4 rows:" in proc.stdout

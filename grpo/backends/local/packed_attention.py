@@ -19,7 +19,8 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from itertools import accumulate
 
 import torch
 import torch.nn.functional as F
@@ -58,6 +59,19 @@ class _Block:
     q_pos: torch.Tensor  # (count, q_len) absolute positions of the queries
     k_pos: torch.Tensor  # (count, k_len)
     mask: torch.Tensor  # (count, 1, q_len, k_len) causal, within each sequence (and its prefix)
+    _windowed: dict[int, torch.Tensor] = field(default_factory=dict)
+
+    def mask_for(self, sliding_window: int | None) -> torch.Tensor:
+        """The mask, restricted to the last ``sliding_window`` keys of each query where the layer
+        has one; made once per window and pass, not once per layer."""
+        if sliding_window is None:
+            return self.mask
+        if sliding_window not in self._windowed:
+            near = (self.q_pos[:, :, None] - self.k_pos[:, None, :]) < sliding_window
+            mask = self.mask & near[:, None]
+            mask[..., 0] |= ~mask.any(-1)  # as for padded queries: never an empty softmax
+            self._windowed[sliding_window] = mask
+        return self._windowed[sliding_window]
 
 
 class PackedPass:
@@ -78,7 +92,7 @@ class PackedPass:
         self.recorded: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.calls = 0
         n = sum(self.lengths)
-        starts = [sum(self.lengths[:i]) for i in range(len(self.lengths))]
+        starts = [0, *accumulate(self.lengths)][:-1]
         if prefix is not None:
             p_lens = [prefix.lengths[j] for j in prefix_of]
             p_starts = [prefix.starts[j] for j in prefix_of]
@@ -153,12 +167,8 @@ class PackedPass:
             vb = v.index_select(0, b.k_index).view(b.count, b.k_len, -1, dim).transpose(1, 2)
             if groups > 1:  # query head h reads key head h // groups, as transformers' repeat_kv
                 kb, vb = kb.repeat_interleave(groups, dim=1), vb.repeat_interleave(groups, dim=1)
-            mask = b.mask
-            if sliding_window is not None:
-                near = (b.q_pos[:, :, None] - b.k_pos[:, None, :]) < sliding_window
-                mask = mask & near[:, None]
-                mask[..., 0] |= ~mask.any(-1)
-            out = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=mask, dropout_p=dropout, scale=scaling)
+            out = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=b.mask_for(sliding_window), dropout_p=dropout,
+                                                 scale=scaling)
             outputs.append(out.transpose(1, 2).reshape(b.count * b.q_len, heads, dim))
         return torch.cat(outputs).index_select(0, self.out_index)[None]
 

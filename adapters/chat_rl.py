@@ -21,8 +21,8 @@ from typing import Any
 from adapters.chat_prompts import REFERENCE_ANSWERS, builtin_prompts
 from adapters.data import DataSourceError, load_rows, require_columns
 from adapters.judge import PairwiseJudge, rule_checks, rule_score
-from grpo.adapter import RLAdapter, chat_prompt_tokens
 from grpo.checks import check, check_choice, is_int
+from grpo.rl.adapter import RLAdapter, chat_prompt_tokens
 
 SCORERS = ("judge", "rules", "judge+rules")
 

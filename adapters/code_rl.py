@@ -24,8 +24,8 @@ from adapters.code_problems import (
     load_humaneval,
 )
 from adapters.sandbox import Job, RunResult, Sandbox, SandboxLimits
-from grpo.adapter import RLAdapter, chat_prompt_tokens
 from grpo.checks import check, check_choice, is_int
+from grpo.rl.adapter import RLAdapter, chat_prompt_tokens
 
 REWARDS = ("fraction", "all_or_nothing")
 BUILTIN_SOURCES = ("builtin", "humaneval", "all")

@@ -32,8 +32,8 @@ from typing import Any
 
 from adapters.answers import EXTRACTIONS, Grader, extract_answer, gold_answer
 from adapters.data import DataSourceError, load_rows, require_columns
-from grpo.adapter import RLAdapter, chat_prompt_tokens
 from grpo.checks import ConfigError, check, check_choice, is_int
+from grpo.rl.adapter import RLAdapter, chat_prompt_tokens
 
 TASKS = ("addition", "arithmetic", "gsm8k", "dataset")
 PROMPT_STYLES = ("chat", "fewshot")

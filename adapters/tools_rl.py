@@ -27,9 +27,9 @@ from fractions import Fraction
 from typing import Any
 
 from adapters.answers import Grader, extract_answer
-from grpo.adapter import chat_prompt_tokens
-from grpo.agent import AgentAdapter, AgentConfigError, ToolError
 from grpo.checks import check, check_choice, is_int
+from grpo.rl.adapter import chat_prompt_tokens
+from grpo.rl.agent import AgentAdapter, AgentConfigError, ToolError
 
 TOOLS = ("calc", "python", "none")
 OPS = {"+": operator.add, "-": operator.sub, "*": operator.mul}

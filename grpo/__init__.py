@@ -4,12 +4,12 @@
 process: the clients (``ServiceClient``, ``TrainingClient``, ``SamplingClient``, ``RestClient``),
 the types a program builds or reads (``Datum``, ``ModelInput``, ``TensorData``, ``AdamParams``...)
 and ``grpo.types`` mirror the SDK's top level. What of the SDK has no local meaning is listed,
-with the reason, in grpo/sdk_parity.py.
+with the reason, in grpo/api/sdk_parity.py.
 """
 
 from grpo import types
-from grpo.adapter import RLAdapter
-from grpo.mint_compat import RLConfig
+from grpo.api.mint_compat import RLConfig
+from grpo.rl.adapter import RLAdapter
 from grpo.types import (
     AdamOptimizerConfig,
     AdamParams,
@@ -43,9 +43,9 @@ _CLIENTS = {
     # The SDK's creation calls return these "client futures"; a local client is its own future.
     "BackcompatTrainingClientFuture": "grpo.backends.local.clients:TrainingClient",
     "BackcompatSamplingClientFuture": "grpo.backends.local.clients:SamplingClient",
-    "RestClient": "grpo.rest_client",
-    "run_grpo": "grpo.loop",
-    "AgentAdapter": "grpo.agent",
+    "RestClient": "grpo.api.rest_client",
+    "run_grpo": "grpo.api.mint_compat",  # the loop, plus MinT demos' run_grpo(adapter, RLConfig)
+    "AgentAdapter": "grpo.rl.agent",
 }
 
 __all__ = [

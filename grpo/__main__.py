@@ -20,9 +20,9 @@ from typing import Any
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
-from grpo import sweep
-from grpo.config import ConfigError, GRPOConfig
-from grpo.config_docs import config_dir
+from grpo.record import sweep
+from grpo.rl.config import ConfigError, GRPOConfig
+from grpo.rl.config_docs import config_dir
 
 NON_LOOP_KEYS = ("adapter", "backend")
 
@@ -113,8 +113,8 @@ def main(composed: DictConfig) -> float | None:
             print(f"grpo: cannot reach the backend: {err}", file=sys.stderr)
             sys.exit(3)
         from grpo.backends.remote.resilience import RemoteRequestError
-        from grpo.loop import run_grpo
         from grpo.models import ModelNotFoundError
+        from grpo.rl.loop import run_grpo
 
         try:
             run_grpo(adapter, loop_cfg, service_client=service_client, run_dir=run_dir, resolved_config=resolved)

@@ -20,7 +20,7 @@ if TYPE_CHECKING:  # torch is imported lazily so that config validation starts i
 
 T = TypeVar("T")
 
-# The SDK's type for the built-in losses; grpo.losses.LOSSES is the registry (tests hold them equal).
+# The SDK's type for the built-in losses; grpo.api.losses.LOSSES is the registry (tests hold them equal).
 LossFnType = Literal["cross_entropy", "importance_sampling", "ppo", "cispo", "dro"]
 StopReason = Literal["stop", "length"]
 
@@ -420,7 +420,7 @@ def async_twin(name: str, *, awaited: bool = False) -> Any:
 
 # --------------------------------------------------------------------------- server, runs and checkpoints
 # What ServiceClient.get_server_capabilities and the RestClient return, field for field as the
-# Tinker SDK (0.38) names them. grpo.checkpoint_store builds the checkpoint records.
+# Tinker SDK (0.38) names them. grpo.api.checkpoint_store builds the checkpoint records.
 
 CheckpointType = Literal["training", "sampler", "external"]
 TensorDtype = Literal["int64", "float32"]

@@ -66,7 +66,7 @@ def exact_match(text: str, answer: str) -> float:
 def trl_default_datums(groups) -> list:
     """Datums for ``forward_backward(ppo)`` with TRL's defaults: rewards scaled by the group std,
     loss averaged over the batch's tokens, every group kept (scripts/scaling.py uses them too)."""
-    from grpo import advantages
+    from grpo.rl import advantages
 
     group_adv = advantages.compute_advantages(groups, "std", "keep")
     samples = advantages.select_for_training(groups, group_adv, skip_flat_groups=False, overlong="keep")
@@ -119,8 +119,8 @@ def sync(device: str) -> None:
 
 
 def worker_grpo(args: argparse.Namespace) -> None:
-    from grpo import rollouts
     from grpo.backends.local import ServiceClient
+    from grpo.rl import rollouts
     from grpo.types import AdamParams, SamplingParams
 
     device, dtype = device_and_dtype(args.device)
@@ -169,12 +169,13 @@ def worker_trl(args: argparse.Namespace) -> None:
     from transformers import TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from grpo import cpu_linear, models
+    from grpo import models
+    from grpo.models import cpu_linear
 
     device, dtype = device_and_dtype(args.device)
     model = models.load_model(args.model, device=device, dtype=dtype)
     # TRL as its users run it: PyTorch's own Linear kernels, not the oneDNN ones grpo's model
-    # loader switches a CPU float32 model to (grpo/cpu_linear.py).
+    # loader switches a CPU float32 model to (grpo/models/cpu_linear.py).
     cpu_linear.use_torch_linears(model)
     tokenizer = models.load_tokenizer(args.model)
     n_steps = args.warmup + args.steps
@@ -253,9 +254,9 @@ def worker_micro(args: argparse.Namespace) -> None:
     import torch
     from transformers import GenerationConfig
 
-    from grpo.advantages import build_datum
     from grpo.backends.local import ServiceClient
-    from grpo.rollouts import Rollout
+    from grpo.rl.advantages import build_datum
+    from grpo.rl.rollouts import Rollout
     from grpo.types import AdamParams, ModelInput, SamplingParams
 
     device, dtype = device_and_dtype(args.device)

@@ -16,7 +16,7 @@ import torch
 
 import grpo as mint
 from grpo import types
-from grpo.adapter import chat_prompt_tokens
+from grpo.rl.adapter import chat_prompt_tokens
 
 QUESTIONS = [f"What is {a} + {b}? Give only the answer." for a, b in
              [(3, 4), (12, 9), (7, 8), (25, 17), (6, 6), (40, 2), (9, 1), (33, 33)]]

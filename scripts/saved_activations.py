@@ -24,9 +24,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench import make_problems  # noqa: E402
 
-from grpo.advantages import build_datum  # noqa: E402
 from grpo.backends.local import ServiceClient, trainer  # noqa: E402
-from grpo.rollouts import Rollout  # noqa: E402
+from grpo.rl.advantages import build_datum  # noqa: E402
+from grpo.rl.rollouts import Rollout  # noqa: E402
 
 
 class SavedBytes:

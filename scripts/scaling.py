@@ -141,8 +141,8 @@ def count_decode_steps() -> dict[str, int]:
 def worker(row: dict[str, Any]) -> None:
     from bench import exact_match, make_problems, trl_default_datums
 
-    from grpo import rollouts
     from grpo.backends.local import ServiceClient
+    from grpo.rl import rollouts
     from grpo.types import AdamParams, SamplingParams
 
     model_name = row["model"]

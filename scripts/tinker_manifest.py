@@ -7,7 +7,7 @@ older tinker through mindlab-toolkit)::
     /tmp/tinker038/bin/python scripts/tinker_manifest.py > tests/tinker_manifest.json
 
 tests/test_sdk_parity.py reads the output: every entry must be implemented by grpo with the same
-parameter names / fields, or listed in grpo/sdk_parity.py as unsupported with a reason.
+parameter names / fields, or listed in grpo/api/sdk_parity.py as unsupported with a reason.
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from grpo.advantages import (
+from grpo.rl.advantages import (
     build_datum,
     build_datums,
     compute_advantages,
@@ -17,7 +17,7 @@ from grpo.advantages import (
     select_for_training,
     training_rewards,
 )
-from grpo.rollouts import Group, Rollout, ScoredGroup
+from grpo.rl.rollouts import Group, Rollout, ScoredGroup
 
 
 def rollout(tokens, stop="stop", logprobs=None):

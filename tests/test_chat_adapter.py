@@ -12,9 +12,9 @@ from adapters.chat_prompts import PROMPTS, REFERENCE_ANSWERS
 from adapters.chat_rl import ChatAdapter
 from adapters.data import DataSourceError
 from adapters.judge import rule_score
-from grpo.adapter import chat_prompt_tokens
-from grpo.checkpoint_store import CheckpointStore
-from grpo.runlog import read_jsonl
+from grpo.api.checkpoint_store import CheckpointStore
+from grpo.record.runlog import read_jsonl
+from grpo.rl.adapter import chat_prompt_tokens
 
 CHAT_YAML = Path(__file__).resolve().parents[1] / "conf" / "adapter" / "chat.yaml"
 
@@ -151,7 +151,7 @@ def _check_run(run_dir: Path, adapter: ChatAdapter, steps: int, group_size: int)
 
 
 def test_end_to_end_tiny_policy_tiny_judge(tmp_path):
-    from grpo.loop import run_grpo
+    from grpo.rl.loop import run_grpo
 
     adapter = ChatAdapter(judge_model="tiny", limit=6)
     judge_weights = {k: v.clone() for k, v in adapter.judge.model.state_dict().items()}
@@ -167,8 +167,8 @@ def test_end_to_end_tiny_policy_tiny_judge(tmp_path):
 
 
 def test_held_out_win_rate_against_the_base_model(tmp_path, capsys):
-    from grpo.loop import run_grpo
-    from grpo.report import PANELS, build_payload, load_run, panel_keys
+    from grpo.record.report import PANELS, build_payload, load_run, panel_keys
+    from grpo.rl.loop import run_grpo
 
     adapter = ChatAdapter(judge_model="tiny", limit=10, eval_size=4)
     run_grpo(adapter, {"base_model": "tiny", "steps": 2, "batch_size": 2, "group_size": 4, "max_tokens": 8,
@@ -193,7 +193,7 @@ def test_held_out_win_rate_against_the_base_model(tmp_path, capsys):
 
 @pytest.mark.slow
 def test_end_to_end_smollm2_policy_and_judge(tmp_path):
-    from grpo.loop import run_grpo
+    from grpo.rl.loop import run_grpo
 
     adapter = ChatAdapter(judge_model="smollm2", scorer="judge", limit=8)
     run_grpo(adapter, {"base_model": "smollm2", "steps": 2, "batch_size": 2, "group_size": 4, "max_tokens": 32,

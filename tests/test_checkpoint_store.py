@@ -1,4 +1,4 @@
-"""grpo.checkpoint_store on a temporary directory: paths, listings, TTLs, publish, delete, downloads."""
+"""grpo.api.checkpoint_store on a temporary directory: paths, listings, TTLs, publish, delete, downloads."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import time
 import pytest
 
 from grpo import types
-from grpo.checkpoint_store import CheckpointStore, tinker_path
+from grpo.api.checkpoint_store import CheckpointStore, tinker_path
 
 
 def writer(files: dict[str, bytes]):

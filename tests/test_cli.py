@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from grpo.checkpoint import final_adapter_dir
-from grpo.runlog import WALL_CLOCK_PREFIXES as TIMING_PREFIXES
-from grpo.runlog import read_jsonl
+from grpo.record.checkpoint import final_adapter_dir
+from grpo.record.runlog import WALL_CLOCK_PREFIXES as TIMING_PREFIXES
+from grpo.record.runlog import read_jsonl
 
 TESTS = Path(__file__).parent
 ROOT = TESTS.parent
@@ -111,7 +111,7 @@ def test_a_users_adapter_from_outside_the_repository(tmp_path):
     (pkg / "__init__.py").write_text("")
     (pkg / "rewards.py").write_text(textwrap.dedent("""
         from grpo import RLAdapter
-        from grpo.adapter import chat_prompt_tokens
+        from grpo.rl.adapter import chat_prompt_tokens
 
         class LengthAdapter(RLAdapter):
             def __init__(self, target: int = 10, bonus: float = 0.0):

@@ -1,4 +1,4 @@
-"""Both backends against grpo.client_api: signatures, then the same short run with the same numbers.
+"""Both backends against grpo.api.protocols: signatures, then the same short run with the same numbers.
 
 The remote backend runs against ``LocalService`` (tests/test_remote_backend.py): the SDK's
 ServiceClient API, in the installed SDK's types, served by a local backend in this process, so
@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 from backend_helpers import rl_datum
 
-from grpo import client_api
 from grpo import types as g
+from grpo.api import protocols as client_api
 from grpo.backends.local import ServiceClient
 from grpo.backends.local.clients import SamplingClient, TrainingClient
 from grpo.backends.remote.clients import (

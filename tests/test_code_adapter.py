@@ -10,8 +10,8 @@ import pytest
 
 from adapters.code_problems import BUILTIN, load_humaneval, split_check
 from adapters.code_rl import CodeAdapter, build_program, extract_code
-from grpo.checkpoint_store import CheckpointStore
-from grpo.runlog import read_jsonl
+from grpo.api.checkpoint_store import CheckpointStore
+from grpo.record.runlog import read_jsonl
 
 FENCE = "```"
 
@@ -174,7 +174,7 @@ def test_hydra_group_builds_the_adapter():
     from hydra import compose, initialize_config_dir
 
     from grpo.__main__ import build_adapter
-    from grpo.config_docs import config_dir
+    from grpo.rl.config_docs import config_dir
 
     conf = config_dir()
     with initialize_config_dir(config_dir=str(conf), version_base="1.3"):
@@ -203,7 +203,7 @@ def _check_run(run_dir: Path, adapter: CodeAdapter, steps: int) -> list[dict]:
 
 
 def test_grpo_runs_end_to_end_on_tiny_model(tmp_path):
-    from grpo.loop import run_grpo
+    from grpo.rl.loop import run_grpo
 
     a = CodeAdapter(problems="builtin", workers=2, timeout_s=5.0)
     final = run_grpo(a, {"base_model": "tiny", "steps": 2, "batch_size": 2, "group_size": 2, "max_tokens": 24,
@@ -217,7 +217,7 @@ def test_grpo_runs_end_to_end_on_tiny_model(tmp_path):
 
 @pytest.mark.slow
 def test_grpo_on_smollm2_writes_scored_code(tmp_path):
-    from grpo.loop import run_grpo
+    from grpo.rl.loop import run_grpo
 
     a = CodeAdapter(problems="builtin", workers=2)
     run_grpo(a, {"base_model": "smollm2", "steps": 2, "batch_size": 2, "group_size": 4, "max_tokens": 96,

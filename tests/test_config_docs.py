@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 from hydra import compose, initialize_config_dir
 
-from grpo import config_docs
-from grpo.config import GRPOConfig
+from grpo.rl import config_docs
+from grpo.rl.config import GRPOConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -22,7 +22,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_conf_help_and_readme_are_rendered_from_the_dataclass():
     stale = [str(p.relative_to(ROOT)) for p, text in config_docs.targets(ROOT).items()
              if not p.is_file() or p.read_text() != text]
-    assert not stale, f"{stale} drifted from grpo/config.py: run python -m grpo.config_docs --write"
+    assert not stale, f"{stale} drifted from grpo/rl/config.py: run python -m grpo.rl.config_docs --write"
 
 
 def test_every_key_says_what_it_means_and_the_yaml_composes_to_the_defaults():

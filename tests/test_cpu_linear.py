@@ -1,4 +1,4 @@
-"""oneDNN Linears (grpo/cpu_linear.py) compute what nn.Linear computes, forward and backward,
+"""oneDNN Linears (grpo/models/cpu_linear.py) compute what nn.Linear computes, forward and backward,
 and every CPU float32 model grpo loads uses them unless GRPO_CPU_LINEAR=torch."""
 
 from __future__ import annotations
@@ -8,12 +8,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from grpo import cpu_linear, models
-from grpo.advantages import build_datum
+from grpo import models
 from grpo.backends.local import ServiceClient
 from grpo.backends.local.engine import Engine, LoraSpec
-from grpo.cpu_linear import OneDNNLinear
-from grpo.rollouts import Rollout
+from grpo.models import cpu_linear
+from grpo.models.cpu_linear import OneDNNLinear
+from grpo.rl.advantages import build_datum
+from grpo.rl.rollouts import Rollout
 from grpo.types import Datum, ModelInput, SamplingParams
 
 pytestmark = pytest.mark.skipif(not cpu_linear.onednn_works(), reason="this torch build has no oneDNN linear kernel")

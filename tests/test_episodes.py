@@ -1,4 +1,4 @@
-"""Multi-turn episodes (grpo.agent, grpo.episodes) on the tiny model: the tokens the sampler saw
+"""Multi-turn episodes (grpo.rl.agent, grpo.rl.episodes) on the tiny model: the tokens the sampler saw
 become the Datum, observation and prompt tokens carry weight 0, the trainer's logprobs of the
 model-written tokens equal the sampler's, limits end episodes, and faulty tools never stop training."""
 
@@ -12,10 +12,11 @@ from backend_helpers import perturb_adapter
 from toy_agent import ToyAgent
 
 from grpo import types
-from grpo.advantages import build_datum
-from grpo.episodes import Episode, episode_metrics, run_episodes, sample_rollouts
-from grpo.loop import run_grpo
-from grpo.runlog import read_jsonl
+from grpo.record.runlog import read_jsonl
+from grpo.rl.advantages import build_datum
+from grpo.rl.agent import Episode
+from grpo.rl.episodes import episode_metrics, run_episodes, sample_rollouts
+from grpo.rl.loop import run_grpo
 
 BASE = {"base_model": "tiny", "batch_size": 2, "group_size": 2, "max_tokens": 16, "report": False,
         "progress": False, "learning_rate": 1e-3, "eval_samples": 2}
@@ -287,8 +288,8 @@ class Summarising(ToyAgent):
 
 
 def test_an_environment_that_breaks_the_prefix_splits_the_episode_into_datums(perturbed, tokenizer):
-    from grpo.advantages import select_for_training
-    from grpo.rollouts import Group, ScoredGroup
+    from grpo.rl.advantages import select_for_training
+    from grpo.rl.rollouts import Group, ScoredGroup
 
     client, sampler = perturbed
     _, prompts, groups = run(sampler, Summarising(max_turns=3), tokenizer)

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from toy_adapter import ToyAdapter
 
-from grpo.loop import run_grpo
-from grpo.runlog import read_jsonl
+from grpo.record.runlog import read_jsonl
+from grpo.rl.loop import run_grpo
 
 
 def test_reward_failures_during_evaluation_are_recorded(tmp_path) -> None:

@@ -59,7 +59,7 @@ def test_a_local_base_model_is_named_by_its_absolute_path(tmp_path, monkeypatch)
 
 def test_hf_cache_makes_the_packaged_id_resolve_offline(tmp_path) -> None:
     # Config and tokenizer only (no weights load): the layout is what huggingface_hub reads.
-    from grpo import hf_cache
+    from grpo.models import hf_cache
 
     snapshot = hf_cache.install(tmp_path / "hub")
     assert hf_cache.install(tmp_path / "hub") == snapshot  # idempotent
@@ -80,9 +80,9 @@ def test_hf_cache_makes_the_packaged_id_resolve_offline(tmp_path) -> None:
 def test_auto_peft_loads_a_final_adapter_of_the_packaged_model(tmp_path) -> None:
     """AutoPeftModelForCausalLM.from_pretrained(final) resolves the id the adapter names, in a
     process that sees only a Hugging Face cache holding the packaged model under that id
-    (``python -m grpo.hf_cache``), and computes the logprobs grpo's sampler computes."""
-    from grpo import hf_cache
+    (``python -m grpo.models.hf_cache``), and computes the logprobs grpo's sampler computes."""
     from grpo.backends.local import ServiceClient
+    from grpo.models import hf_cache
 
     service = ServiceClient(checkpoint_dir=tmp_path / "ckpt")
     client = service.create_lora_training_client("smollm2", rank=4, seed=1)

@@ -132,7 +132,7 @@ def test_gradients_equal_plain_autograd_through_full_logits(svc, loss_fn, monkey
     """The trainer never holds a batch's logits and backpropagates the unembedding chunk by chunk;
     its gradients must be those of the textbook computation: full-vocabulary logits of one plain
     forward, log_softmax, the loss formula, backward. LoRA sits on lm_head too (train_unembed)."""
-    from grpo import losses
+    from grpo.api import losses
 
     client = new_client(svc, seed=4)
     gen = torch.Generator().manual_seed(2)

@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 from toy_adapter import ToyAdapter
 
-from grpo.checkpoint_store import CheckpointStore
-from grpo.config import GRPOConfig
-from grpo.loop import RewardFailureError, run_grpo
-from grpo.runlog import read_jsonl
+from grpo.api.checkpoint_store import CheckpointStore
+from grpo.record.runlog import read_jsonl
+from grpo.rl.config import GRPOConfig
+from grpo.rl.loop import RewardFailureError, run_grpo
 
 BASE = {"base_model": "tiny", "batch_size": 2, "group_size": 4, "max_tokens": 8, "report": False,
         "progress": False, "learning_rate": 1e-3, "eval_samples": 2}
@@ -195,20 +195,20 @@ def test_saturated_items_are_counted_and_retired_and_the_history_survives_resume
            "save_every": 2, "seed": 5}
     adapter = EvenItemsAlwaysRight(num_items=12, eval_items=0)
     seen: list[int] = []
-    original_take = __import__("grpo.loop", fromlist=["ItemStream"]).ItemStream.take
+    original_take = __import__("grpo.rl.loop", fromlist=["ItemStream"]).ItemStream.take
 
     def spy(self, n):
         out = original_take(self, n)
         seen.extend(i for i, _ in out)
         return out
 
-    import grpo.loop
+    import grpo.rl.loop
 
-    grpo.loop.ItemStream.take = spy
+    grpo.rl.loop.ItemStream.take = spy
     try:
         run_grpo(adapter, cfg, run_dir=tmp_path / "a")
     finally:
-        grpo.loop.ItemStream.take = original_take
+        grpo.rl.loop.ItemStream.take = original_take
     rows = train_rows(tmp_path / "a")
     # an even item is all-correct on its first group and retired: it is never drawn again
     evens = [i for i in seen if i % 2 == 0]

@@ -1,7 +1,7 @@
 """Each loss against its formula written out by hand, value and gradient, on small tensors.
 
 The reference implementations below loop over positions in plain Python floats so they share
-no code (and no masking trick) with grpo.losses; gradients are checked against the analytic
+no code (and no masking trick) with grpo.api.losses; gradients are checked against the analytic
 derivative of each formula.
 """
 
@@ -12,7 +12,7 @@ import math
 import pytest
 import torch
 
-from grpo import losses
+from grpo.api import losses
 
 LP = [-1.2, -0.3, -2.5, -0.7, -4.0, -0.05]
 Q = [-1.0, -0.9, -2.0, -0.7, -1.0, -0.5]
@@ -175,7 +175,7 @@ def test_the_registry_is_the_one_list_of_losses() -> None:
     trainer's input check all follow it."""
     from typing import get_args
 
-    from grpo.config import GRPOConfig
+    from grpo.rl.config import GRPOConfig
     from grpo.types import LossFnType
 
     assert tuple(losses.LOSSES) == get_args(LossFnType)

@@ -12,8 +12,8 @@ import pytest
 import yaml
 
 from adapters.math_rl import MathAdapter, MathConfigError
-from grpo.loop import run_grpo
-from grpo.runlog import read_jsonl
+from grpo.record.runlog import read_jsonl
+from grpo.rl.loop import run_grpo
 
 CONF = Path(__file__).resolve().parent.parent / "conf" / "adapter" / "math.yaml"
 

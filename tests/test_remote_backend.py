@@ -431,8 +431,8 @@ def test_a_step_that_half_ran_is_not_replayed(local_service, tokenizer):
 
 
 def test_run_grpo_on_the_remote_client_checkpoints_with_the_scheme_and_resumes(local_service, tmp_path):
-    from grpo.loop import run_grpo
-    from grpo.runlog import read_jsonl
+    from grpo.record.runlog import read_jsonl
+    from grpo.rl.loop import run_grpo
 
     cfg = {"base_model": "tiny", "rank": 4, "batch_size": 2, "group_size": 2, "max_tokens": 6, "report": False,
            "progress": False, "learning_rate": 1e-3, "save_every": 1, "steps": 2}
@@ -458,8 +458,8 @@ def test_run_grpo_on_the_remote_client_checkpoints_with_the_scheme_and_resumes(l
 
 
 def test_multi_turn_datum_keeps_its_observation_mask_through_conversion():
-    from grpo.advantages import build_datum
-    from grpo.rollouts import Rollout
+    from grpo.rl.advantages import build_datum
+    from grpo.rl.rollouts import Rollout
 
     # prompt 5 6 7 ▸ model 8 9 ▸ observation 10 11 ▸ model 12
     episode = Rollout(tokens=[8, 9, 10, 11, 12], logprobs=[-0.5, -1.0, 0.0, 0.0, -0.25], stop_reason="stop",
@@ -476,8 +476,8 @@ def test_multi_turn_datum_keeps_its_observation_mask_through_conversion():
 def test_run_grpo_runs_multi_turn_episodes_through_the_sdk_unchanged(local_service, tmp_path):
     from toy_agent import ToyAgent
 
-    from grpo.loop import run_grpo
-    from grpo.runlog import read_jsonl
+    from grpo.record.runlog import read_jsonl
+    from grpo.rl.loop import run_grpo
 
     cfg = {"base_model": "tiny", "rank": 4, "batch_size": 2, "group_size": 2, "max_tokens": 16, "report": False,
            "progress": False, "learning_rate": 1e-3, "steps": 1}

@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from grpo import report
-from grpo.adapter import RLAdapter
-from grpo.runlog import read_jsonl
+from grpo.record import report
+from grpo.record.runlog import read_jsonl
+from grpo.rl.adapter import RLAdapter
 
 CHROMIUM = "/usr/bin/chromium"
 CHROMEDRIVER = "/usr/bin/chromedriver"
@@ -45,7 +45,7 @@ class LetterAdapter(RLAdapter):
 @pytest.fixture(scope="module")
 def real_run(tmp_path_factory) -> Path:
     """3 real GRPO steps of the tiny model (about 10 s), with held-out eval at steps 0 and 3."""
-    from grpo.loop import run_grpo
+    from grpo.rl.loop import run_grpo
 
     run_dir = tmp_path_factory.mktemp("real_run")
     run_grpo(LetterAdapter(), {"base_model": "tiny", "steps": 3, "batch_size": 2, "group_size": 4,
@@ -136,8 +136,8 @@ def test_report_of_real_run_matches_its_logs(real_run):
 
 
 def test_the_loops_hook_writes_the_report_and_never_raises(real_run, tmp_path, capsys):
-    from grpo.config import GRPOConfig
-    from grpo.loop import refresh_report as loop_write_report
+    from grpo.rl.config import GRPOConfig
+    from grpo.rl.loop import refresh_report as loop_write_report
 
     cfg = GRPOConfig.from_any({"base_model": "tiny", "report": True})
     copy = tmp_path / "run"
@@ -264,7 +264,7 @@ def test_command_line_overlays_runs_and_reports_bad_paths(tmp_path):
     b = make_run(tmp_path / "b", [{"step": s, "reward/mean": s / 5} for s in range(6)])
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     out = tmp_path / "sweep.html"
-    done = subprocess.run([sys.executable, "-m", "grpo.report", str(a), str(b), "-o", str(out)],
+    done = subprocess.run([sys.executable, "-m", "grpo.record.report", str(a), str(b), "-o", str(out)],
                           capture_output=True, text=True, env=env, timeout=60)
     assert done.returncode == 0, done.stderr
     assert f"wrote {out}" in done.stdout
@@ -272,7 +272,7 @@ def test_command_line_overlays_runs_and_reports_bad_paths(tmp_path):
     assert [r["label"] for r in data["runs"]] == ["a", "b"] and data["title"] == "grpo: 2 runs"
     assert [len(r["metrics"]["reward/mean"]) for r in data["runs"]] == [4, 6]
 
-    done = subprocess.run([sys.executable, "-m", "grpo.report", str(tmp_path / "nope")],
+    done = subprocess.run([sys.executable, "-m", "grpo.record.report", str(tmp_path / "nope")],
                           capture_output=True, text=True, env=env, timeout=60)
     assert done.returncode == 2
     assert "error:" in done.stderr and "does not exist" in done.stderr and "Traceback" not in done.stderr
@@ -424,7 +424,7 @@ def agent_run(tmp_path_factory) -> Path:
     """2 real GRPO steps of the tiny model on 3-turn episodes whose tool fails for one item."""
     from toy_agent import ToyAgent
 
-    from grpo.loop import run_grpo
+    from grpo.rl.loop import run_grpo
 
     run_dir = tmp_path_factory.mktemp("agent_run")
     run_grpo(ToyAgent(num_items=4, max_turns=3, behaviour={1: "raise"}),

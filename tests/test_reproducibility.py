@@ -15,10 +15,10 @@ import pytest
 from toy_adapter import ToyAdapter
 
 from grpo.backends.local import clients
-from grpo.checkpoint import final_adapter_dir
-from grpo.loop import run_grpo
-from grpo.runlog import WALL_CLOCK_PREFIXES as TIMING_PREFIXES
-from grpo.runlog import read_jsonl
+from grpo.record.checkpoint import final_adapter_dir
+from grpo.record.runlog import WALL_CLOCK_PREFIXES as TIMING_PREFIXES
+from grpo.record.runlog import read_jsonl
+from grpo.rl.loop import run_grpo
 
 TINY = {"base_model": "tiny", "batch_size": 2, "group_size": 4, "max_tokens": 8, "report": False,
         "progress": False, "learning_rate": 1e-3, "eval_samples": 2, "seed": 11}

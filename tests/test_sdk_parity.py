@@ -1,7 +1,7 @@
 """grpo's in-process API against the Tinker SDK's public surface (tests/tinker_manifest.json).
 
 Every name, method and field of the manifest is implemented by grpo under the SDK's name, with
-the SDK's parameter names in the SDK's order, or listed in grpo/sdk_parity.py with the reason.
+the SDK's parameter names in the SDK's order, or listed in grpo/api/sdk_parity.py with the reason.
 An entry listed as unsupported that grpo does implement fails too, so the lists stay true.
 """
 
@@ -16,9 +16,10 @@ from pathlib import Path
 import pytest
 
 import grpo
-from grpo import sdk_parity, types
+from grpo import types
+from grpo.api import sdk_parity
+from grpo.api.rest_client import RestClient
 from grpo.backends.local.clients import SamplingClient, ServiceClient, TrainingClient
-from grpo.rest_client import RestClient
 
 MANIFEST = json.loads(sdk_parity.MANIFEST.read_text())
 CLIENTS = {"ServiceClient": ServiceClient, "TrainingClient": TrainingClient, "SamplingClient": SamplingClient,

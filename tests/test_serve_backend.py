@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 from serve_helpers import API_KEY, REPO, Server, free_port, sdk_overlay
 
-from grpo.runlog import WALL_CLOCK_PREFIXES as TIMING_PREFIXES
-from grpo.runlog import read_jsonl
+from grpo.record.runlog import WALL_CLOCK_PREFIXES as TIMING_PREFIXES
+from grpo.record.runlog import read_jsonl
 
 NEWEST_SDK = "0.38.0"
 TOY = ["adapter=custom", "adapter._target_=toy_adapter.ToyAdapter", "base_model=tiny", "batch_size=2",

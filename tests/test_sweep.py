@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from grpo import report, sweep
-from grpo.config import ConfigError, GRPOConfig
-from grpo.runlog import read_jsonl
+from grpo.record import report, sweep
+from grpo.record.runlog import read_jsonl
+from grpo.rl.config import ConfigError, GRPOConfig
 
 TESTS = Path(__file__).parent
 sys.path.insert(0, str(TESTS))
@@ -123,7 +123,7 @@ def test_parallel_jobs_claim_different_gpus_and_queue_when_all_are_busy(tmp_path
 def test_a_gpu_held_by_another_process_is_skipped_and_freed_when_it_dies(tmp_path):
     locks = tmp_path / "locks"
     holder = subprocess.Popen(
-        [sys.executable, "-c", "import sys, time; from pathlib import Path; from grpo import sweep\n"
+        [sys.executable, "-c", "import sys, time; from pathlib import Path; from grpo.record import sweep\n"
          f"with sweep.claimed_gpu(0, 2, Path({str(locks)!r})) as d:\n"
          "    print(d, flush=True); time.sleep(60)"],
         stdout=subprocess.PIPE, text=True)

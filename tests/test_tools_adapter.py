@@ -5,8 +5,7 @@ from __future__ import annotations
 import pytest
 
 from adapters.tools_rl import ToolsAdapter, calculate
-from grpo.agent import AgentConfigError, ToolError
-from grpo.episodes import Episode, Turn
+from grpo.rl.agent import AgentConfigError, Episode, ToolError, Turn
 
 
 @pytest.mark.parametrize(("expression", "value"), [
@@ -98,8 +97,8 @@ def test_python_tool_runs_code_in_the_sandbox():
 def test_grpo_on_smollm2_calls_the_calculator(tmp_path):
     """Two steps of `adapter=tools` on the packaged model: it does call the tool, the calls are
     answered, and the traces reach rollouts.jsonl and the report."""
-    from grpo.loop import run_grpo
-    from grpo.runlog import read_jsonl
+    from grpo.record.runlog import read_jsonl
+    from grpo.rl.loop import run_grpo
 
     adapter = ToolsAdapter(num_train=64, num_eval=8)
     run_grpo(adapter, {"base_model": "smollm2", "steps": 2, "batch_size": 4, "group_size": 4, "max_tokens": 24,

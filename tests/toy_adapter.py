@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 import signal
 
-from grpo.adapter import RLAdapter, chat_prompt_tokens
+from grpo.rl.adapter import RLAdapter, chat_prompt_tokens
 
 VOWELS = set("aeiouAEIOU")
 

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import threading
 
-from grpo.adapter import chat_prompt_tokens
-from grpo.agent import AgentAdapter
+from grpo.rl.adapter import chat_prompt_tokens
+from grpo.rl.agent import AgentAdapter
 
 VOCAB = 49152
 STOP_IDS = list(range(0, VOCAB, 3))

@@ -6,8 +6,8 @@ Sampling calls go to a batcher that runs the requests a caller issued before wai
 generation (the same one on every run, see _SampleBatcher).
 
 Every method of the Tinker SDK (0.38) that has a local meaning is here under the SDK's name and
-parameter names, with its ``_async`` twin; grpo/sdk_parity.py lists the rest and why. Saved
-states live in a grpo.checkpoint_store.CheckpointStore under ``checkpoint_dir`` and are named by
+parameter names, with its ``_async`` twin; grpo/api/sdk_parity.py lists the rest and why. Saved
+states live in a grpo.api.checkpoint_store.CheckpointStore under ``checkpoint_dir`` and are named by
 ``tinker://`` paths; every loader takes those or a plain directory.
 """
 
@@ -29,11 +29,11 @@ from typing import Any
 import torch
 
 from grpo import models
+from grpo.api.checkpoint_store import CheckpointStore
+from grpo.api.rest_client import RestClient
 from grpo.backends.local import custom_loss, heap, memory, sampler, trainer
 from grpo.backends.local.engine import Engine, LoraSpec
-from grpo.checkpoint_store import CheckpointStore
 from grpo.files import replace_dir
-from grpo.rest_client import RestClient
 from grpo.types import (
     AdamParams,
     APIFuture,
@@ -529,7 +529,7 @@ class SamplingClient(_ClientFuture):
                topk_sample_logprobs: int = 0, target_prompt_logprobs: Any = None, prompt_alt_tokens_k: int = 0,
                prompt_logprobs_last_n: int | None = None) -> APIFuture[SampleResponse]:
         """``num_samples`` completions of ``prompt``. The top-k and alternative-token options of the
-        SDK are not implemented locally: leave them at their defaults (grpo/sdk_parity.py)."""
+        SDK are not implemented locally: leave them at their defaults (grpo/api/sdk_parity.py)."""
         for key, value in (("topk_prompt_logprobs", topk_prompt_logprobs), ("topk_sample_logprobs", topk_sample_logprobs),
                            ("target_prompt_logprobs", target_prompt_logprobs), ("prompt_alt_tokens_k", prompt_alt_tokens_k)):
             if value:

@@ -21,7 +21,7 @@ from torch import nn
 from grpo import models
 from grpo.backends.local.folded_lora import FoldedAdapter, can_fold
 from grpo.checks import check_lora_targets
-from grpo.cpu_linear import use_onednn_linears
+from grpo.models.cpu_linear import use_onednn_linears
 
 ATTN_PARENTS = ("attn", "attention")
 MLP_PARENTS = ("mlp", "feed_forward", "ffn")

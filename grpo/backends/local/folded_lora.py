@@ -20,7 +20,7 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
-from grpo.cpu_linear import OneDNNLinear
+from grpo.models.cpu_linear import OneDNNLinear
 
 
 class FoldedAdapter:

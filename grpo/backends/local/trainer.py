@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 from transformers import DynamicCache
 
-from grpo import losses
+from grpo.api import losses
 from grpo.backends.local import packed_attention
 from grpo.types import Datum, ForwardBackwardOutput, TensorData
 

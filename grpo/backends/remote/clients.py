@@ -17,6 +17,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from grpo import types as g
+from grpo.api.losses import check_loss_fn
 from grpo.backends.remote import compat, convert
 from grpo.backends.remote.resilience import (
     LazyFuture,
@@ -33,7 +34,6 @@ from grpo.backends.remote.resilience import (
 )
 from grpo.backends.remote.sdk import RemoteConfigError, SdkSpec, get_spec
 from grpo.checks import check_lora_targets
-from grpo.losses import check_loss_fn
 from grpo.types import async_twin
 
 logger = logging.getLogger("grpo.remote")

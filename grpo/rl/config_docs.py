@@ -1,10 +1,10 @@
 """conf/config.yaml's loop keys, ``--help`` and the README's table, rendered from GRPOConfig.
 
-GRPOConfig (grpo/config.py) is the one declaration of every loop key: its default and meaning.
+GRPOConfig (grpo/rl/config.py) is the one declaration of every loop key: its default and meaning.
 This module renders the three places a user reads them; tests/test_config_docs.py fails when a
 file drifts from the dataclass, and in a source checkout
 
-    python -m grpo.config_docs --write
+    python -m grpo.rl.config_docs --write
 
 rewrites them. Free of torch and Hydra, like the config itself.
 """
@@ -18,12 +18,12 @@ import re
 from pathlib import Path
 from typing import Any
 
-from grpo.config import GRPOConfig, WandbConfig
-from grpo.losses import LOSSES
+from grpo.api.losses import LOSSES
+from grpo.rl.config import GRPOConfig, WandbConfig
 
-YAML_BEGIN = "# >>> loop keys: rendered from GRPOConfig in grpo/config.py (python -m grpo.config_docs --write)"
+YAML_BEGIN = "# >>> loop keys: rendered from GRPOConfig in grpo/rl/config.py (python -m grpo.rl.config_docs --write)"
 YAML_END = "# <<< loop keys"
-README_BEGIN = "<!-- config table: rendered from GRPOConfig in grpo/config.py (python -m grpo.config_docs --write) -->"
+README_BEGIN = "<!-- config table: rendered from GRPOConfig in grpo/rl/config.py (python -m grpo.rl.config_docs --write) -->"
 README_END = "<!-- end of config table -->"
 COMMENT_COLUMN = 27
 
@@ -32,7 +32,7 @@ def config_dir() -> Path:
     """The Hydra config tree: shipped inside the installed package (grpo/conf), or the source
     checkout's top-level conf/. The installed copy is looked for first, so a stray conf/ next to
     site-packages can never shadow it."""
-    here = Path(__file__).resolve().parent
+    here = Path(__file__).resolve().parent.parent  # grpo/
     for candidate in (here / "conf", here.parent / "conf"):
         if (candidate / "config.yaml").is_file():
             return candidate
@@ -142,7 +142,7 @@ def render_help() -> str:
         "Hydra's own flags: python -m grpo --hydra-help",
     ])
     body = "\n".join("    " + line if line else "" for line in template.splitlines())
-    return ("# Rendered from GRPOConfig in grpo/config.py by python -m grpo.config_docs --write; do not edit.\n"
+    return ("# Rendered from GRPOConfig in grpo/rl/config.py by python -m grpo.rl.config_docs --write; do not edit.\n"
             "app_name: grpo\nheader: ''\nfooter: ''\ntemplate: |-\n" + body + "\n")
 
 
@@ -171,7 +171,7 @@ def targets(root: Path) -> dict[Path, str]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--write", action="store_true", help="rewrite the files (default: list the stale ones)")
-    parser.add_argument("--root", type=Path, default=Path(__file__).resolve().parent.parent)
+    parser.add_argument("--root", type=Path, default=Path(__file__).resolve().parents[2])
     args = parser.parse_args()
     wanted = targets(args.root)
     stale = [path for path, text in wanted.items() if not path.is_file() or path.read_text() != text]

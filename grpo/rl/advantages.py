@@ -10,7 +10,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from grpo.rollouts import Group, Rollout, ScoredGroup
+from grpo.rl.rollouts import Group, Rollout, ScoredGroup
 from grpo.types import Datum, ModelInput
 
 STD_EPS = 1e-6

@@ -21,10 +21,10 @@ from collections.abc import Callable, Iterable, Sequence
 from math import comb
 from typing import Any
 
-from grpo.adapter import RLAdapter
-from grpo.client_api import SamplingClient
-from grpo.episodes import sample_rollouts
-from grpo.rollouts import Failure, Group, ScoredGroup, sampling_seed, score_group
+from grpo.api.protocols import SamplingClient
+from grpo.rl.adapter import RLAdapter
+from grpo.rl.episodes import sample_rollouts
+from grpo.rl.rollouts import Failure, Group, ScoredGroup, sampling_seed, score_group
 from grpo.types import SamplingParams
 
 EVAL_WAVE = 99_991  # keeps eval seeds apart from training seeds

@@ -29,21 +29,77 @@ episode; the loop's ``max_tokens`` per model turn; ``max_context_tokens`` for pr
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass
+from typing import Any
 
-from grpo.adapter import RLAdapter
 from grpo.checks import ConfigError, check, check_choice
-
-if TYPE_CHECKING:
-    from grpo.episodes import Episode
+from grpo.rl.adapter import RLAdapter
 
 OBSERVATION_STYLES = ("inline", "chat")
 TOOL_ERROR_POLICIES = ("observe", "end")
 
 
 AgentConfigError = ConfigError  # the one error class of grpo.checks, under the name agents import
+
+
+# --------------------------------------------------------------------------- what an episode was
+# The trace an AgentAdapter is handed (episode_reward) and rollouts.jsonl records; grpo/rl/episodes.py
+# builds it.
+
+
+@dataclass(frozen=True)
+class Turn:
+    """One step of an episode's trace: a model turn or an observation."""
+
+    role: str  # "model" | "observation"
+    text: str
+    num_tokens: int
+    seconds: float  # model: the turn's batched sampling call; observation: the environment call
+    stop_reason: str | None = None  # model turns: "stop" | "length"
+    tool: str | None = None  # observation: the tool the model called (None: another environment reply)
+    tool_input: str | None = None
+    error: str | None = None  # observation: why the environment call failed, if it did
+
+    def to_json(self) -> dict[str, Any]:
+        return {k: v for k, v in dataclasses.asdict(self).items() if v is not None}
+
+
+@dataclass(frozen=True)
+class Episode:
+    """The trace of one episode, what ``episode_reward`` reads and rollouts.jsonl records."""
+
+    turns: tuple[Turn, ...]
+    end_reason: str
+    prompt_tokens: int
+    context_tokens: int  # prompt + every turn and observation at the end
+
+    @property
+    def model_turns(self) -> int:
+        return sum(t.role == "model" for t in self.turns)
+
+    @property
+    def tool_calls(self) -> int:
+        return sum(t.role == "observation" for t in self.turns)
+
+    @property
+    def tool_errors(self) -> int:
+        return sum(t.error is not None for t in self.turns)
+
+    @property
+    def final_text(self) -> str:
+        """The last model turn's text: the answer ``compute_reward`` scores."""
+        return next((t.text for t in reversed(self.turns) if t.role == "model"), "")
+
+    @property
+    def transcript(self) -> str:
+        return "".join(t.text for t in self.turns)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"end_reason": self.end_reason, "prompt_tokens": self.prompt_tokens,
+                "context_tokens": self.context_tokens, "turns": [t.to_json() for t in self.turns]}
 
 
 class ToolError(Exception):

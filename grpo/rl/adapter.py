@@ -47,7 +47,7 @@ class RLAdapter(ABC):
 
         Overriding it changes held-out evaluation from accuracy/pass@k to the win rate of the
         current policy's greedy answers against the base model's (``eval/win_rate``); see
-        grpo/evaluation.py. Not overridden: accuracy and pass@k from ``compute_reward``.
+        grpo/rl/evaluation.py. Not overridden: accuracy and pass@k from ``compute_reward``.
         """
         raise NotImplementedError
 

@@ -24,9 +24,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from grpo import checkpoint
-from grpo.adapter import RLAdapter
-from grpo.advantages import (
+from grpo.api.protocols import SamplingClient, ServiceClient, TrainingClient
+from grpo.record import checkpoint
+from grpo.record.runlog import RunLog
+from grpo.rl.adapter import RLAdapter
+from grpo.rl.advantages import (
     TrainSample,
     build_datums,
     compute_advantages,
@@ -34,14 +36,11 @@ from grpo.advantages import (
     select_for_training,
     training_rewards,
 )
-from grpo.client_api import SamplingClient, ServiceClient, TrainingClient
-from grpo.config import GRPOConfig
-from grpo.episodes import episode_metrics, sample_rollouts
-from grpo.evaluation import evaluate, summary
-from grpo.mint_compat import RLConfig, run_rlconfig
-from grpo.rollouts import Failure, Group, ScoredGroup, sampling_seed, score_group
-from grpo.runlog import RunLog
-from grpo.saturation import SolveHistory
+from grpo.rl.config import GRPOConfig
+from grpo.rl.episodes import episode_metrics, sample_rollouts
+from grpo.rl.evaluation import evaluate, summary
+from grpo.rl.rollouts import Failure, Group, ScoredGroup, sampling_seed, score_group
+from grpo.rl.saturation import SolveHistory
 from grpo.types import AdamParams, Datum, ModelInput, SamplingParams
 
 
@@ -82,11 +81,10 @@ def run_grpo(adapter: RLAdapter, cfg: Any = None, *, service_client: ServiceClie
              run_dir: str | Path | None = None, resolved_config: dict | None = None) -> str:
     """Train a LoRA adapter with GRPO on ``adapter``'s task; return the final weights' path.
 
-    ``cfg`` may be a GRPOConfig, a dict / OmegaConf mapping, or a MinT ``RLConfig``. Rerunning
-    with the same ``run_dir`` resumes from its newest checkpoint.
+    ``cfg`` may be a GRPOConfig, a dict / OmegaConf mapping, or any object with those attributes.
+    Rerunning with the same ``run_dir`` resumes from its newest checkpoint. (``grpo.run_grpo`` is
+    this function behind MinT's call shape: see grpo/api/mint_compat.py.)
     """
-    if isinstance(cfg, RLConfig) and service_client is None:  # a MinT demo's call: its backend rule
-        return run_rlconfig(adapter, cfg, run_dir=run_dir)
     cfg = GRPOConfig.from_any(cfg)
     run_dir = Path(run_dir) if run_dir is not None else Path("outputs") / time.strftime("%Y-%m-%d_%H-%M-%S")
     log = RunLog(run_dir, cfg.to_dict(), cfg.steps, progress=cfg.progress, wandb_cfg=cfg.wandb)
@@ -201,7 +199,7 @@ def refresh_report(run_dir: Path, cfg: GRPOConfig) -> None:
     if not cfg.report:
         return
     try:
-        from grpo.report import write_report
+        from grpo.record.report import write_report
 
         write_report(run_dir, png=False)
     except Exception as err:

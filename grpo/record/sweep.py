@@ -23,8 +23,8 @@ from typing import IO, Any
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
-from grpo.config import ConfigError, GRPOConfig
-from grpo.runlog import read_jsonl
+from grpo.record.runlog import read_jsonl
+from grpo.rl.config import ConfigError, GRPOConfig
 
 GPU_LOCK_DIR = Path(tempfile.gettempdir()) / "grpo-gpu-locks"
 _PASS_AT = re.compile(r"eval/pass@(\d+)")
@@ -222,7 +222,7 @@ class SweepReport(Callback):
         (sweep_dir / SWEPT_KEYS_FILE).write_text(json.dumps(keys))
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
-        from grpo.report import ReportError, build_report, find_runs, load_run, rank_runs
+        from grpo.record.report import ReportError, build_report, find_runs, load_run, rank_runs
 
         sweep_dir = Path(str(config.hydra.sweep.dir))
         try:

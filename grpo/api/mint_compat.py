@@ -80,7 +80,7 @@ class RLConfig:
             try:
                 values[name] = kind(raw.strip()) if kind is not str else raw.strip()
             except ValueError:
-                from grpo.config import ConfigError
+                from grpo.rl.config import ConfigError
 
                 raise ConfigError(f"{var}={raw!r} is invalid: must be {_KIND_NAMES[kind]} "
                                   f"(RLConfig.{name}, default {getattr(cls, name)!r})") from None
@@ -89,7 +89,7 @@ class RLConfig:
     def to_grpo_config(self) -> Any:
         """The same run as grpo's ``GRPOConfig`` (validated: a bad value is a ``ConfigError``
         naming the RLConfig field and its variable)."""
-        from grpo.config import ConfigError, GRPOConfig
+        from grpo.rl.config import ConfigError, GRPOConfig
 
         try:
             return GRPOConfig.from_any(dataclasses.asdict(self))
@@ -130,12 +130,27 @@ def uses_mint_service() -> bool:
     return bool(os.environ.get(API_KEY_VAR, "").strip())
 
 
+def run_grpo(adapter: Any, cfg: Any = None, *, service_client: Any = None, run_dir: str | Path | None = None,
+             resolved_config: dict | None = None) -> str:
+    """``grpo.run_grpo``: the loop (grpo/rl/loop.py), and MinT's ``run_grpo(adapter, RLConfig)``.
+
+    An RLConfig without a service client is a MinT demo's call and follows its backend rule
+    (run_rlconfig); anything else goes to the loop as it is. The dispatch lives here, so the
+    loop knows nothing of MinT."""
+    if isinstance(cfg, RLConfig) and service_client is None:
+        return run_rlconfig(adapter, cfg, run_dir=run_dir)
+    from grpo.rl import loop
+
+    return loop.run_grpo(adapter, cfg, service_client=service_client, run_dir=run_dir,
+                         resolved_config=resolved_config)
+
+
 def run_rlconfig(adapter: Any, cfg: RLConfig, *, run_dir: str | Path | None = None) -> str:
     """``run_grpo(adapter, RLConfig)``: pick the backend, check the model, then run grpo's loop.
     User errors end the process with one ``grpo:`` line (see the module docstring)."""
     from grpo.backends.remote import RemoteConfigError
-    from grpo.config import ConfigError
-    from grpo.loop import run_grpo
+    from grpo.rl.config import ConfigError
+    from grpo.rl.loop import run_grpo
 
     load_env_file(Path(ENV_FILE))
     try:

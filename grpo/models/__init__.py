@@ -25,8 +25,8 @@ from typing import Any
 
 import torch
 
-from grpo.cpu_linear import use_onednn_linears
 from grpo.files import replace_dir
+from grpo.models.cpu_linear import use_onednn_linears
 
 PACKAGED_NAMES = {"smollm2", "smollm2-135m-instruct", "huggingfacetb/smollm2-135m-instruct"}
 TINY_NAMES = {"tiny", "tiny-random"}

@@ -16,8 +16,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from grpo.adapter import RLAdapter
-from grpo.client_api import SamplingClient
+from grpo.api.protocols import SamplingClient
+from grpo.rl.adapter import RLAdapter
 from grpo.types import ModelInput, SamplingParams
 
 
@@ -26,7 +26,7 @@ class Rollout:
     """One sampled response: its tokens (after the prompt), the sampler's logprobs of them, why
     sampling stopped, and the decoded text the adapter scores.
 
-    A multi-turn episode (grpo.episodes) is a Rollout too: its tokens interleave model turns and
+    A multi-turn episode (grpo.rl.episodes) is a Rollout too: its tokens interleave model turns and
     observations, ``mask`` marks each token 1 (model-written) or 0 (observation; its logprob is
     0), and ``episode`` holds the trace. Single-turn rollouts leave both None: all model tokens.
     """
@@ -36,7 +36,7 @@ class Rollout:
     stop_reason: str
     text: str
     mask: tuple[int, ...] | None = None
-    episode: Any = None  # grpo.episodes.Episode for an episode
+    episode: Any = None  # grpo.rl.episodes.Episode for an episode
     # An episode whose environment rebuilt the context (breaking the token prefix) trains as
     # several Datums: (the context the sampler continued, the part sampled after it) each.
     segments: tuple[tuple[list[int], Rollout], ...] | None = None

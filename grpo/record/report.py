@@ -1,9 +1,9 @@
 """One self-contained HTML report of a run (or of several runs overlaid), and PNG plots.
 
-    python -m grpo.report RUN_DIR                      # writes RUN_DIR/report.html
-    python -m grpo.report RUN_A RUN_B -o sweep.html    # runs overlaid in one page
-    python -m grpo.report multirun/2025-01-01/12-00-00 # every run under a sweep's directory
-    python -m grpo.report RUN_DIR --png                # also RUN_DIR/report_plots/overview.png
+    python -m grpo.record.report RUN_DIR                      # writes RUN_DIR/report.html
+    python -m grpo.record.report RUN_A RUN_B -o sweep.html    # runs overlaid in one page
+    python -m grpo.record.report multirun/2025-01-01/12-00-00 # every run under a sweep's directory
+    python -m grpo.record.report RUN_DIR --png                # also RUN_DIR/report_plots/overview.png
 
 The page opens offline: no CDN, the data is embedded as JSON and drawn by the small script in
 report_assets/report.js. It shows the training curves and a rollout browser (pick a step, read
@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from grpo.files import atomic_write_text
-from grpo.runlog import read_jsonl
+from grpo.record.runlog import read_jsonl
 
 REPORT_NAME = "report.html"
 MAX_ROLLOUTS_PER_STEP = 64
@@ -96,7 +96,7 @@ class Run:
     def objective(self) -> tuple[str, float | None]:
         """(key, last value) of the metric the run reports to a sweeper: its config's ``objective``
         (eval/accuracy by default), as python -m grpo returns it; None if never logged or NaN."""
-        from grpo.config import GRPOConfig
+        from grpo.rl.config import GRPOConfig
 
         key = self.config.get("objective") or GRPOConfig.objective  # runs from before the key: default
         series = self.metrics.get(str(key), [])
@@ -323,7 +323,7 @@ def rollouts_by_step(rows: list[dict[str, Any]], per_step: int = MAX_ROLLOUTS_PE
 
 
 def _episode(row: dict[str, Any]) -> dict[str, Any]:
-    """A multi-turn rollout's trace (grpo.episodes): each turn's role, text, tool call and error."""
+    """A multi-turn rollout's trace (grpo.rl.episodes): each turn's role, text, tool call and error."""
     turns = row.get("turns")
     if not isinstance(turns, list):
         return {}
@@ -401,7 +401,7 @@ def embed_json(data: Any) -> str:
 
 
 def _asset(name: str) -> str:
-    return resources.files("grpo").joinpath("report_assets", name).read_text(encoding="utf-8")
+    return resources.files("grpo.record").joinpath("report_assets", name).read_text(encoding="utf-8")
 
 
 def render_html(payload: dict[str, Any]) -> str:
@@ -502,7 +502,7 @@ def _draw_panel(ax: Any, panel: Panel, keys: list[str], runs: list[Run]) -> None
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m grpo.report",
+        prog="python -m grpo.record.report",
         description="Write a self-contained HTML report (plots + rollout browser) of one or more runs.")
     parser.add_argument("runs", nargs="+", metavar="RUN_DIR",
                         help="run directories (holding metrics.jsonl) or sweep directories with runs below")

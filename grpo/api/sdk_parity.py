@@ -106,7 +106,7 @@ UNSUPPORTED_FIELDS: dict[str, str] = {
     "TensorData.sparse_crow_indices": "sparse tensors are not used by any local loss",
 }
 
-MANIFEST = Path(__file__).resolve().parent.parent / "tests" / "tinker_manifest.json"
+MANIFEST = Path(__file__).resolve().parents[2] / "tests" / "tinker_manifest.json"
 
 
 def counts(manifest: dict | None = None) -> dict[str, tuple[int, int]]:

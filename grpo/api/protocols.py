@@ -7,7 +7,7 @@ to them: the in-process clients (grpo.backends.local) and the service clients
 ``signature_mismatches``, then one short training run on each backend with the same numbers).
 
 The contract is the core of the SDK that both backends offer; the local backend implements
-much more of the SDK (forward_backward_custom, the RestClient...: see grpo/sdk_parity.py).
+much more of the SDK (forward_backward_custom, the RestClient...: see grpo/api/sdk_parity.py).
 Every call returns at once with a ``Future`` (``.result()`` blocks, ``await`` does not); each
 has an ``_async`` twin.
 """

@@ -14,9 +14,9 @@ from pathlib import Path
 
 import numpy as np
 
-from grpo.client_api import TrainingClient
+from grpo.api.protocols import TrainingClient
 from grpo.files import atomic_write_text
-from grpo.runlog import RunLog, read_jsonl
+from grpo.record.runlog import RunLog, read_jsonl
 
 LOOP_STATE = "loop_state.json"
 RNG_STATE = "rng.pt"
@@ -52,7 +52,7 @@ def save(training_client: TrainingClient, run_dir: Path, log: RunLog, state: Loo
 def final_adapter_dir(run_dir: str | Path) -> Path:
     """The directory of a finished run's final PEFT adapter (``PeftModel.from_pretrained`` loads
     it), found through the ``tinker://`` path the run logged in checkpoints.jsonl."""
-    from grpo.checkpoint_store import CheckpointStore
+    from grpo.api.checkpoint_store import CheckpointStore
 
     run_dir = Path(run_dir)
     finals = [row for row in read_jsonl(run_dir / "checkpoints.jsonl") if row.get("kind") == "final"]

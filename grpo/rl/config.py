@@ -1,8 +1,8 @@
 """The loop's hyperparameters, declared once: this dataclass.
 
 Each field carries its meaning (``help``) beside its default. conf/config.yaml's keys, the CLI's
-``--help`` and the README's table are rendered from it (grpo.config_docs; ``python -m
-grpo.config_docs --write`` refreshes the files, tests/test_config_docs.py fails when they drift),
+``--help`` and the README's table are rendered from it (grpo.rl.config_docs; ``python -m
+grpo.rl.config_docs --write`` refreshes the files, tests/test_config_docs.py fails when they drift),
 and ``validate`` checks every value before anything heavy loads.
 
 Names follow the MinT parameter table (loss_fn, group_size, batch_size, max_tokens,
@@ -18,8 +18,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from grpo.api.losses import LOSSES, resolve_config
 from grpo.checks import ConfigError, check, check_choice, check_lora_targets, is_int
-from grpo.losses import LOSSES, resolve_config
 
 __all__ = ["ConfigError", "GRPOConfig", "WandbConfig", "setting"]
 

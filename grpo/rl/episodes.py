@@ -11,7 +11,7 @@ thread under ``tool_timeout_s``: a hanging tool costs its time limit, never the 
 The context only ever grows by appending tokens (model tokens as sampled, observation tokens as
 rendered), so turn k's context is a token prefix of turn k+1's and one Datum covers the whole
 episode: observation tokens are marked 0 in ``Rollout.mask`` and carry weight 0, logprob 0 and
-advantage 0 (grpo.advantages.build_datum).
+advantage 0 (grpo.rl.advantages.build_datum).
 
 How an episode ends (``Episode.end_reason``):
   done        the environment returned None (the model answered without calling a tool)
@@ -31,67 +31,15 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from grpo.adapter import RLAdapter
-from grpo.agent import AgentAdapter, ToolError
-from grpo.client_api import SamplingClient
-from grpo.rollouts import Rollout, sample_groups
+from grpo.api.protocols import SamplingClient
+from grpo.rl.adapter import RLAdapter
+from grpo.rl.agent import AgentAdapter, Episode, ToolError, Turn
+from grpo.rl.rollouts import Rollout, sample_groups
 from grpo.types import ModelInput, SamplingParams
 
 DEFAULT_TURN_TOKENS = 256  # a turn's max_tokens when the loop's SamplingParams leave it unset
 END_REASONS = ("done", "max_turns", "length", "context", "tool_error")
 TRUNCATING_ENDS = ("length", "context")  # the episode was cut, as a single-turn "length" stop
-
-
-@dataclass(frozen=True)
-class Turn:
-    """One step of an episode's trace: a model turn or an observation."""
-
-    role: str  # "model" | "observation"
-    text: str
-    num_tokens: int
-    seconds: float  # model: the turn's batched sampling call; observation: the environment call
-    stop_reason: str | None = None  # model turns: "stop" | "length"
-    tool: str | None = None  # observation: the tool the model called (None: another environment reply)
-    tool_input: str | None = None
-    error: str | None = None  # observation: why the environment call failed, if it did
-
-    def to_json(self) -> dict[str, Any]:
-        return {k: v for k, v in dataclasses.asdict(self).items() if v is not None}
-
-
-@dataclass(frozen=True)
-class Episode:
-    """The trace of one episode, what ``episode_reward`` reads and rollouts.jsonl records."""
-
-    turns: tuple[Turn, ...]
-    end_reason: str
-    prompt_tokens: int
-    context_tokens: int  # prompt + every turn and observation at the end
-
-    @property
-    def model_turns(self) -> int:
-        return sum(t.role == "model" for t in self.turns)
-
-    @property
-    def tool_calls(self) -> int:
-        return sum(t.role == "observation" for t in self.turns)
-
-    @property
-    def tool_errors(self) -> int:
-        return sum(t.error is not None for t in self.turns)
-
-    @property
-    def final_text(self) -> str:
-        """The last model turn's text: the answer ``compute_reward`` scores."""
-        return next((t.text for t in reversed(self.turns) if t.role == "model"), "")
-
-    @property
-    def transcript(self) -> str:
-        return "".join(t.text for t in self.turns)
-
-    def to_json(self) -> dict[str, Any]:
-        return {"end_reason": self.end_reason, "prompt_tokens": self.prompt_tokens,
-                "context_tokens": self.context_tokens, "turns": [t.to_json() for t in self.turns]}
 
 
 @dataclass
@@ -149,7 +97,7 @@ def sample_rollouts(sampling_client: SamplingClient, adapter: RLAdapter, items: 
                     prompts: Sequence[list[int]], num_samples: int, params_for: Callable[[int], SamplingParams],
                     tokenizer: Any) -> list[list[Rollout]]:
     """``num_samples`` rollouts per prompt: episodes for an AgentAdapter, single completions
-    (grpo.rollouts.sample_groups) for any other adapter."""
+    (grpo.rl.rollouts.sample_groups) for any other adapter."""
     if isinstance(adapter, AgentAdapter):
         return run_episodes(sampling_client, adapter, items, prompts, num_samples, params_for, tokenizer)
     return sample_groups(sampling_client, prompts, num_samples, params_for, tokenizer)

@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from grpo.rollouts import ScoredGroup
+from grpo.rl.rollouts import ScoredGroup
 
 
 @dataclass

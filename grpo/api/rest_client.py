@@ -1,11 +1,11 @@
-"""RestClient of the Tinker SDK over a grpo.checkpoint_store.CheckpointStore.
+"""RestClient of the Tinker SDK over a grpo.api.checkpoint_store.CheckpointStore.
 
 ``ServiceClient().create_rest_client()`` gives one. Every call returns a completed future (an
 error is raised by ``.result()``, as the SDK's are), and each has its ``_async`` twin. Downloads
 are ``file://`` URLs of this machine: ``get_checkpoint_archive_url_from_tinker_path`` (earlier
 SDKs; tinker_cookbook.weights.download calls it) gives one tar archive, ``get_external_weights_urls``
 (0.38) one URL per file. Session, billing, audit-log and project calls have no local meaning and
-are listed in grpo/sdk_parity.py instead.
+are listed in grpo/api/sdk_parity.py instead.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import datetime
 from collections.abc import Callable
 from typing import Any
 
-from grpo.checkpoint_store import CheckpointStore, now
+from grpo.api.checkpoint_store import CheckpointStore, now
 from grpo.types import (
     APIFuture,
     CheckpointArchiveUrlResponse,

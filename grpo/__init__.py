@@ -17,6 +17,7 @@ from grpo.types import (
     Checkpoint,
     CheckpointType,
     Datum,
+    DmelChunk,
     EncodedTextChunk,
     ForwardBackwardOutput,
     LoraConfig,
@@ -51,7 +52,7 @@ _CLIENTS = {
 __all__ = [
     "RLAdapter", "RLConfig", "AgentAdapter", "types", "run_grpo", "ServiceClient", "TrainingClient", "SamplingClient", "RestClient",
     "BackcompatTrainingClientFuture", "BackcompatSamplingClientFuture", "APIFuture",
-    "AdamOptimizerConfig", "AdamParams", "Checkpoint", "CheckpointType", "Datum", "EncodedTextChunk",
+    "AdamOptimizerConfig", "AdamParams", "Checkpoint", "CheckpointType", "Datum", "DmelChunk", "EncodedTextChunk",
     "ForwardBackwardOutput", "LoraConfig", "ModelID", "ModelInput", "ModelInputChunk", "OptimParams",
     "OptimStepResponse", "ParsedCheckpointTinkerPath", "SampledSequence", "SampleResponse", "SamplingParams",
     "StopReason", "TensorData", "TensorDtype", "TrainingRun",

@@ -15,6 +15,21 @@ from typing import TYPE_CHECKING, Any, Generic, Literal, TypeVar
 
 import numpy as np
 
+# The SDK's types that grpo carries but does not compute with (non-text chunks, records of
+# service calls); re-exported here so that ``grpo.types`` has every name ``tinker.types`` has.
+from grpo.type_records import (  # noqa: F401  (re-exports)
+    AuditLogEntry,
+    AuditLogResponse,
+    CopyWeightsResponse,
+    DmelChunk,
+    ImageAssetPointerChunk,
+    ImageChunk,
+    RequestErrorCategory,
+    RequestID,
+    SamplingClientKind,
+    SaveWeightsExternalResponse,
+)
+
 if TYPE_CHECKING:  # torch is imported lazily so that config validation starts in a blink
     import torch
 
@@ -42,7 +57,7 @@ class EncodedTextChunk:
 class ModelInput:
     """A token sequence, stored as chunks (only text chunks are supported locally)."""
 
-    chunks: list[EncodedTextChunk] = field(default_factory=list)
+    chunks: list[ModelInputChunk] = field(default_factory=list)
 
     @classmethod
     def from_ints(cls, tokens: Sequence[int] | Any) -> ModelInput:
@@ -58,14 +73,9 @@ class ModelInput:
         return cls(chunks=[])
 
     def to_ints(self) -> list[int]:
-        out: list[int] = []
-        for chunk in self.chunks:
-            if not isinstance(chunk, EncodedTextChunk):
-                raise TypeError(f"only encoded_text chunks can be turned into ints, got {type(chunk).__name__}")
-            out.extend(chunk.tokens)
-        return out
+        return text_tokens(self, "ModelInput")
 
-    def append(self, chunk: EncodedTextChunk) -> ModelInput:
+    def append(self, chunk: ModelInputChunk) -> ModelInput:
         return ModelInput(chunks=[*self.chunks, chunk])
 
     def append_int(self, token: int) -> ModelInput:
@@ -74,6 +84,23 @@ class ModelInput:
     @property
     def length(self) -> int:
         return sum(c.length for c in self.chunks)
+
+
+# Every chunk kind a ModelInput may hold; only encoded_text runs on grpo's text-only models.
+ModelInputChunk = EncodedTextChunk | ImageChunk | ImageAssetPointerChunk | DmelChunk
+
+
+def text_tokens(model_input: ModelInput, where: str) -> list[int]:
+    """The token ids of a text-only input; ``where`` names it (``datum 3``, ``prompt``) in the one-line
+    error a non-text chunk gets, since the local models read text only."""
+    out: list[int] = []
+    for i, chunk in enumerate(model_input.chunks):
+        if not isinstance(chunk, EncodedTextChunk):
+            kind = getattr(chunk, "type", type(chunk).__name__)
+            raise ValueError(f"{where}: chunk {i} is a {kind!r} chunk ({type(chunk).__name__}); grpo's local "
+                             "models read text only, so send encoded_text chunks (tokens)")
+        out.extend(chunk.tokens)
+    return out
 
 
 def _token_list(tokens: Any) -> list[int]:
@@ -306,6 +333,15 @@ ForwardOutput = ForwardBackwardOutput
 
 
 @dataclass
+class ForwardBackwardInput:
+    """A forward_backward call's arguments as one value (the HTTP API's body, grpo.serve reads it)."""
+
+    data: list[Datum]
+    loss_fn: str
+    loss_fn_config: dict[str, float] | None = None
+
+
+@dataclass
 class OptimStepResponse:
     metrics: dict[str, float] = field(default_factory=dict)
 
@@ -424,9 +460,11 @@ def async_twin(name: str, *, awaited: bool = False) -> Any:
 
 CheckpointType = Literal["training", "sampler", "external"]
 TensorDtype = Literal["int64", "float32"]
-ModelID = str  # a training run's id
-ModelInputChunk = EncodedTextChunk  # the only chunk kind run locally (no image / audio chunks)
+ModelID = str  # a training run's id: the model id a client gets is the one in its tinker:// paths
 OptimParams = AdamParams  # the only optimizer run locally
+OptimizerConfig = AdamOptimizerConfig  # likewise
+LossFnInputs = dict[str, TensorData]  # a Datum's loss_fn_inputs
+LossFnOutput = dict[str, TensorData]  # one datum's entry of ForwardBackwardOutput.loss_fn_outputs
 
 
 @dataclass

@@ -13,21 +13,14 @@ parameter names / fields, or listed in grpo/api/sdk_parity.py as unsupported wit
 from __future__ import annotations
 
 import dataclasses
+import enum
 import functools
 import inspect
 import json
 import sys
+import typing
 
 CLIENTS = ("ServiceClient", "TrainingClient", "SamplingClient", "RestClient")
-# The types a user builds (inputs) or reads (results) in ordinary SDK programs.
-TYPES = (
-    "ModelInput", "EncodedTextChunk", "TensorData", "Datum", "SamplingParams", "AdamParams",
-    "SampleResponse", "SampledSequence", "ForwardBackwardOutput", "OptimStepResponse",
-    "SaveWeightsResponse", "SaveWeightsForSamplerResponse", "LoadWeightsResponse", "GetInfoResponse",
-    "ModelData", "GetServerCapabilitiesResponse", "SupportedModel", "Checkpoint", "CheckpointsListResponse",
-    "Cursor", "TrainingRun", "TrainingRunsResponse", "WeightsInfoResponse", "ExternalWeightsUrlsResponse",
-    "ParsedCheckpointTinkerPath",
-)
 
 
 def method_entry(fn) -> dict:
@@ -39,6 +32,14 @@ def method_entry(fn) -> dict:
         "required": [p.name for p in params if p.default is p.empty
                      and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)],
     }
+
+
+def constructor_entry(cls) -> dict:
+    """``__init__``'s parameters plus their defaults (as repr), which a program relies on when it
+    calls ``RestClient()`` or ``ServiceClient(base_url=...)`` with few arguments."""
+    params = list(inspect.signature(cls.__init__).parameters.values())[1:]
+    return {**method_entry(cls.__init__),
+            "defaults": {p.name: repr(p.default) for p in params if p.default is not p.empty}}
 
 
 def client_methods(cls) -> dict:
@@ -72,15 +73,38 @@ def type_fields(cls) -> list[str]:
     return sorted(n for n in fields | props - inherited if not n.startswith("_"))
 
 
+def types_module(types_mod) -> tuple[dict, dict]:
+    """Every public name of ``tinker.types``: data types with their fields, and the other names
+    (type aliases, ``Literal`` sets, enums) with their values where they have any. Submodules
+    (``tinker.types.datum``...) are the SDK's file layout, not names a program uses, so they are left out."""
+    classes, aliases = {}, {}
+    for name in sorted(n for n in dir(types_mod) if not n.startswith("_")):
+        obj = getattr(types_mod, name)
+        if inspect.ismodule(obj) or name == "annotations":  # `from __future__ import annotations`
+            continue
+        if inspect.isclass(obj) and issubclass(obj, enum.Enum):
+            aliases[name] = sorted(str(m.value) for m in obj)
+        elif inspect.isclass(obj) and obj.__module__ != "builtins":
+            classes[name] = type_fields(obj)
+        else:  # ModelID = str, Literal[...], Union[...], Dict[str, TensorData]
+            args = typing.get_args(obj)
+            aliases[name] = sorted(map(str, args)) if typing.get_origin(obj) is typing.Literal else None
+    return classes, aliases
+
+
 def main() -> None:
     import tinker
 
+    classes, aliases = types_module(tinker.types)
     manifest = {
         "sdk": "tinker",
         "version": tinker.__version__,
         "top_level": sorted(n for n in tinker.__all__ if not n.startswith("__")),
         "clients": {name: client_methods(getattr(tinker, name)) for name in CLIENTS},
-        "types": {name: type_fields(getattr(tinker.types, name)) for name in TYPES},
+        # Constructors are part of what a program calls (``RestClient()``, ``ServiceClient(base_url=...)``).
+        "constructors": {name: constructor_entry(getattr(tinker, name)) for name in CLIENTS},
+        "types": classes,
+        "type_aliases": aliases,
     }
     json.dump(manifest, sys.stdout, indent=1, sort_keys=True)
     sys.stdout.write("\n")

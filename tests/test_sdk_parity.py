@@ -8,9 +8,11 @@ An entry listed as unsupported that grpo does implement fails too, so the lists 
 from __future__ import annotations
 
 import dataclasses
+import enum
 import inspect
 import json
 import re
+import typing
 from pathlib import Path
 
 import pytest
@@ -79,12 +81,52 @@ def test_client_method_has_the_sdk_signature_or_is_declared_unsupported(client: 
     assert not _signature_problems(client, method, sdk, fn), f"{client}.{method}: {_signature_problems(client, method, sdk, fn)}"
 
 
+@pytest.mark.parametrize("client", sorted(MANIFEST["constructors"]))
+def test_constructor_takes_the_sdk_parameters(client: str) -> None:
+    """``RestClient()``, ``ServiceClient(base_url=..., api_key=...)``: the calls a program makes to
+    build a client work with the SDK's parameter names, positions and defaults."""
+    reason = sdk_parity.UNSUPPORTED_CONSTRUCTORS.get(client)
+    if reason:
+        return
+    sdk = MANIFEST["constructors"][client]
+    init = CLIENTS[client].__init__
+    problems = [p for p in _signature_problems(client, "__init__", {**sdk, "async": False}, init)
+                if "unsupported parameter" not in p]
+    params = inspect.signature(init).parameters
+    problems += [f"{name} defaults to {params[name].default!r}, the SDK's to {default}"
+                 for name, default in sdk["defaults"].items()
+                 if name in params and repr(params[name].default) != default]
+    assert not problems, f"{client}(): {problems}"
+
+
 def _readable(cls: type) -> set[str]:
     fields = {f.name for f in dataclasses.fields(cls)} if dataclasses.is_dataclass(cls) else set()
     return fields | {n for n in dir(cls) if not n.startswith("_")}
 
 
-@pytest.mark.parametrize("type_name", sorted(MANIFEST["types"]))
+@pytest.mark.parametrize("name", sorted([*MANIFEST["types"], *MANIFEST["type_aliases"]]))
+def test_types_module_name_exists_or_is_declared_unsupported(name: str) -> None:
+    """Every public name of ``tinker.types`` (its submodules aside) is in ``grpo.types``, or is
+    listed with its reason: a program that names one must not fail at import."""
+    has = hasattr(types, name)
+    reason = sdk_parity.UNSUPPORTED_TYPES.get(name)
+    assert has != bool(reason), (f"grpo.types.{name}: " + ("present but listed as unsupported" if has else
+                                                             "missing and not listed in sdk_parity.UNSUPPORTED_TYPES"))
+
+
+@pytest.mark.parametrize("name", sorted(n for n, values in MANIFEST["type_aliases"].items()
+                                        if values and n not in sdk_parity.UNSUPPORTED_TYPES))
+def test_literal_sets_hold_the_sdk_values(name: str) -> None:
+    alias = getattr(types, name)
+    values = ([str(m.value) for m in alias] if isinstance(alias, type) and issubclass(alias, enum.Enum)
+              else [str(v) for v in typing.get_args(alias)])
+    if name == "LossFnType":  # grpo's are the losses it runs; the rest are declared unsupported
+        assert set(values) <= set(MANIFEST["type_aliases"][name]), values
+        return
+    assert sorted(values) == MANIFEST["type_aliases"][name]
+
+
+@pytest.mark.parametrize("type_name", sorted(n for n in MANIFEST["types"] if n not in sdk_parity.UNSUPPORTED_TYPES))
 def test_type_has_the_sdk_fields_or_declares_them_unsupported(type_name: str) -> None:
     cls = getattr(types, type_name)
     for field in MANIFEST["types"][type_name]:
@@ -100,11 +142,14 @@ def test_unsupported_lists_name_only_what_the_sdk_has() -> None:
     assert set(sdk_parity.UNSUPPORTED_TOP_LEVEL) <= set(MANIFEST["top_level"])
     fields = {f"{t}.{f}" for t, fs in MANIFEST["types"].items() for f in fs}
     assert set(sdk_parity.UNSUPPORTED_FIELDS) <= fields
+    assert set(sdk_parity.UNSUPPORTED_TYPES) <= {*MANIFEST["types"], *MANIFEST["type_aliases"]}
+    assert set(sdk_parity.UNSUPPORTED_CONSTRUCTORS) <= set(MANIFEST["constructors"])
     for key in sdk_parity.UNSUPPORTED_PARAMS:
         client, method, param = key.split(".")
         assert param in MANIFEST["clients"][client][method]["params"], key
     reasons = [*sdk_parity.UNSUPPORTED_TOP_LEVEL.values(), *sdk_parity.UNSUPPORTED_METHODS.values(),
-               *sdk_parity.UNSUPPORTED_PARAMS.values(), *sdk_parity.UNSUPPORTED_FIELDS.values()]
+               *sdk_parity.UNSUPPORTED_PARAMS.values(), *sdk_parity.UNSUPPORTED_FIELDS.values(),
+               *sdk_parity.UNSUPPORTED_TYPES.values(), *sdk_parity.UNSUPPORTED_CONSTRUCTORS.values()]
     assert all(len(r) > 20 for r in reasons)  # a reason, not a placeholder
 
 

@@ -223,3 +223,20 @@ def test_binding_beyond_loopback_is_warned_about():
     assert parse_args([]).host == "127.0.0.1"
     assert exposure_warning("127.0.0.1") is None and exposure_warning("localhost") is None
     assert "WARNING" in exposure_warning("0.0.0.0") and "network" in exposure_warning("0.0.0.0")
+
+
+def test_model_id_is_the_training_run_id_of_its_checkpoints(server):
+    """One id per training run: the model id the SDK holds is the one in its checkpoints' tinker://
+    paths, and the RestClient calls and the resume calls all accept it."""
+    service = tinker.ServiceClient(base_url=server.url, api_key=API_KEY)
+    training = service.create_lora_training_client(base_model="tiny", rank=2)
+    state = training.save_state("first").result().path
+    assert state == f"tinker://{training.model_id}/weights/first"
+    rest = service.create_rest_client()
+    assert [c.tinker_path for c in rest.list_checkpoints(training.model_id).result().checkpoints] == [state]
+    assert rest.get_training_run(training.model_id).result().training_run_id == training.model_id
+
+    resumed = service.create_training_client_from_state(state)
+    again = resumed.save_state("second").result().path
+    assert again == f"tinker://{resumed.model_id}/weights/second" and resumed.model_id != training.model_id
+    assert rest.get_training_run_by_tinker_path(again).result().training_run_id == resumed.model_id

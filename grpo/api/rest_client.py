@@ -54,8 +54,20 @@ def _path(training_run_id: str, checkpoint_id: str) -> str:
 class RestClient:
     """Runs and checkpoints of one checkpoint store, under the SDK's method names."""
 
-    def __init__(self, store: CheckpointStore,
+    def __init__(self, _holder: Any = None, *, base_url: str | None = None, api_key: str | None = None,
+                 store: CheckpointStore | None = None,
                  capabilities: Callable[[], GetServerCapabilitiesResponse] | None = None):
+        """``RestClient()`` as the SDK's: the store a default ``ServiceClient()`` writes to
+        ($GRPO_CACHE/checkpoints). ``store`` (or a CheckpointStore as the first argument) names
+        another; ``base_url`` and ``api_key`` are the SDK's connection settings, unused in-process."""
+        if isinstance(_holder, CheckpointStore):
+            store = _holder
+        elif _holder is not None:
+            raise TypeError(f"RestClient's first argument is a CheckpointStore or None, got {type(_holder).__name__}")
+        if store is None:
+            from grpo import models  # lazily: models pulls in transformers' config machinery
+
+            store = CheckpointStore(models.cache_dir() / "checkpoints")
         self.store = store
         self._capabilities = capabilities
 

@@ -34,7 +34,6 @@ UNSUPPORTED_TOP_LEVEL: dict[str, str] = {
                       "forward_backward_custom instead",
     "DimuonOptimizerConfig": "only Adam(W) is implemented locally; use AdamParams",
     "DimuonParams": "only Adam(W) is implemented locally; use AdamParams",
-    "DmelChunk": "audio (dMel) input chunks are not supported; only encoded text",
     "PromptProvenanceSpan": "provenance spans of the service's sampler are not tracked locally",
     "SampledProvenanceSpan": "provenance spans of the service's sampler are not tracked locally",
     "SampleRequest": "a wire request type of the HTTP API; call SamplingClient.sample",
@@ -106,6 +105,63 @@ UNSUPPORTED_FIELDS: dict[str, str] = {
     "TensorData.sparse_crow_indices": "sparse tensors are not used by any local loss",
 }
 
+_WIRE = ("a message of the HTTP protocol between the SDK and the service: grpo.serve reads and writes it "
+         "(grpo/serve/bodies.py); in-process calls take arguments and return the result types directly")
+_BILLING = "billing and storage quotas have no local meaning"
+_TELEMETRY = "the SDK's telemetry events to the service; nothing leaves this machine (grpo.serve accepts and drops them)"
+_CUSTOM_LOSS = ("server-compiled custom losses (create_custom_loss); pass a Python function to "
+                "forward_backward_custom instead")
+
+# Names of ``tinker.types`` (data types and type aliases) that ``grpo.types`` does not have.
+UNSUPPORTED_TYPES: dict[str, str] = {
+    **{name: _WIRE for name in (
+        "AuthTokenResponse", "ClientConfigRequest", "ClientConfigResponse", "ClientDynamicConfigResponse",
+        "CopyWeightsRequest", "CreateModelRequest", "CreateModelResponse", "CreateSamplingSessionRequest",
+        "CreateSamplingSessionResponse", "CreateSessionRequest", "CreateSessionResponse", "ForwardBackwardRequest",
+        "ForwardRequest", "FutureCompletion", "FutureFailed", "FutureFinished", "FutureRetrieveRequest",
+        "FutureRetrieveResponse", "FuturesRetrieveRequest", "FuturesRetrieveResponse", "GetInfoRequest",
+        "HealthResponse", "JoinSamplingSessionRequest", "JoinSamplingSessionResponse", "LoadWeightsRequest",
+        "OptimStepRequest", "RequestFailedResponse", "SampleRequest", "SamplingSessionFuturesTarget",
+        "SaveWeightsExternalRequest", "SaveWeightsExternalResponseInternal", "SaveWeightsForSamplerRequest",
+        "SaveWeightsForSamplerResponseInternal", "SaveWeightsRequest", "SessionHeartbeatRequest",
+        "SessionHeartbeatResponse", "UnloadModelRequest", "UnloadModelResponse", "UntypedAPIFuture",
+        "GetBillingUsageRequest", "GetCurrentCheckpointStorageUsageRequest")},
+    **{name: _NO_SESSIONS for name in (
+        "AccessibleSearchOwner", "ActiveSessionStatusQuery", "CancelledSessionStatusQuery",
+        "ClientFinishedSessionStatusQuery", "ClientSessionFinishErrored", "ClientSessionFinishInterrupted",
+        "ClientSessionFinishReason", "ClientSessionFinishReasonType", "ClientSessionFinishSuccess",
+        "ClientSessionFinished", "FailedSessionStatusQuery", "GetSessionResponse", "ListSessionsResponse",
+        "OwnSearchOwner", "SearchOwner", "SessionActive", "SessionCancelled", "SessionFailed",
+        "SessionFailedReason", "SessionFailedRequestReason", "SessionFailedSamplingSessionReason",
+        "SessionFailedTrainingRunReason", "SessionSearchCursor", "SessionSearchRequest", "SessionSearchResponse",
+        "SessionStatus", "SessionStatusQuery", "SessionSummary", "UserSearchOwner", "WhoamiResponse")},
+    **{name: _BILLING for name in (
+        "BillingEventInfo", "BillingUsageEvent", "BillingUsageResponse", "BillingUsageSession",
+        "CheckpointBillingEvent", "CurrentCheckpointStorageUsageItem", "CurrentCheckpointStorageUsageResponse",
+        "SamplingPrefillBillingEvent", "SamplingSampleBillingEvent", "StorageBillingEvent", "TrainingBillingEvent")},
+    **{name: _TELEMETRY for name in (
+        "EventType", "SessionEndEvent", "SessionStartEvent", "Severity", "TelemetryBatch", "TelemetryEvent",
+        "TelemetryResponse", "TelemetrySendRequest", "UnhandledExceptionEvent")},
+    **{name: _CUSTOM_LOSS for name in (
+        "CreateCustomLossRequest", "CreateCustomLossResponse", "CustomLossGraph", "CustomLossInput",
+        "CustomLossInputRank", "CustomLossNode")},
+    "DimuonOptimizerConfig": "only Adam(W) is implemented locally; use AdamParams",
+    "DimuonParams": "only Adam(W) is implemented locally; use AdamParams",
+    "GetSamplerResponse": "sampler sessions belong to the service; a SamplingClient is a local object",
+    "PromptAltTokens": "alternative prompt tokens are not computed locally",
+    "PromptProvenanceSpan": "provenance spans of the service's sampler are not tracked locally",
+    "SampledProvenanceSpan": "provenance spans of the service's sampler are not tracked locally",
+    "ProvenanceSpans": "provenance spans of the service's sampler are not tracked locally",
+}
+
+# Constructors a program does not call: the SDK builds these clients from its internal holder.
+UNSUPPORTED_CONSTRUCTORS: dict[str, str] = {
+    "TrainingClient": "built by the SDK from its connection holder; get one from "
+                      "ServiceClient.create_lora_training_client or create_training_client_from_state",
+    "SamplingClient": "built by the SDK from its connection holder; get one from "
+                      "ServiceClient.create_sampling_client or TrainingClient.save_weights_and_get_sampling_client",
+}
+
 MANIFEST = Path(__file__).resolve().parents[2] / "tests" / "tinker_manifest.json"
 
 
@@ -116,6 +172,8 @@ def counts(manifest: dict | None = None) -> dict[str, tuple[int, int]]:
     for client, methods in m["clients"].items():
         missing = sum(1 for name in methods if f"{client}.{name}" in UNSUPPORTED_METHODS)
         out[f"{client} methods"] = (len(methods) - missing, len(methods))
-    fields = [f"{t}.{f}" for t, fs in m["types"].items() for f in fs]
+    names = [*m["types"], *m["type_aliases"]]
+    out["`tinker.types` names"] = (len(names) - sum(1 for n in names if n in UNSUPPORTED_TYPES), len(names))
+    fields = [f"{t}.{f}" for t, fs in m["types"].items() if t not in UNSUPPORTED_TYPES for f in fs]
     out["type fields"] = (len(fields) - sum(1 for f in fields if f in UNSUPPORTED_FIELDS), len(fields))
     return out

@@ -247,7 +247,8 @@ def create_app(api_key: str, service: ServiceClient | None = None, long_poll_s: 
         def work() -> dict[str, Any]:
             client = state.service.create_lora_training_client(
                 body.base_model, rank=lora.rank, seed=lora.seed, train_mlp=lora.train_mlp,
-                train_attn=lora.train_attn, train_unembed=lora.train_unembed, user_metadata=metadata)
+                train_attn=lora.train_attn, train_unembed=lora.train_unembed, user_metadata=metadata,
+                training_run_id=model_id)  # one id: the model's is its run's, as on the service
             register(model_id, body.base_model, client)
             return {"type": "create_model", "model_id": model_id}
 
@@ -372,7 +373,7 @@ def create_app(api_key: str, service: ServiceClient | None = None, long_poll_s: 
         def work() -> dict[str, Any]:
             resume = (state.service.create_training_client_from_state_with_optimizer if body.optimizer
                       else state.service.create_training_client_from_state)
-            register(model_id, info.base_model, resume(body.path))
+            register(model_id, info.base_model, resume(body.path, training_run_id=model_id))
             return {"type": "load_weights", "path": body.path, "model_id": model_id}
 
         return {"request_id": state.submit(work), "model_id": model_id}

@@ -47,10 +47,12 @@ from grpo.types import (
     OptimStepResponse,
     SampleResponse,
     SamplingParams,
+    SaveWeightsExternalResponse,
     SaveWeightsForSamplerResponse,
     SaveWeightsResponse,
     SupportedModel,
     async_twin,
+    text_tokens,
 )
 
 STATE_FILE = "grpo_state.json"
@@ -85,10 +87,15 @@ class ServiceClient:
     or of the rows the sampler decodes at once; "auto": a share of the device's memory, 0:
     unbounded; see memory.py), ``micro_batch_tokens`` (padded tokens per training micro-batch;
     overrides what the budget gives).
-    The SDK's own arguments (``api_key``, ``base_url``, ``project_id``...) are accepted and unused.
+    The SDK's own arguments come first, in its order (``user_metadata``, ``project_id``, then
+    keyword-only ``display_name``, ``base_url``, ``api_key``...); they are accepted and unused, so
+    ``ServiceClient(base_url=...)`` written for the service runs unchanged. grpo's are keyword-only.
     """
 
-    def __init__(self, checkpoint_dir: str | os.PathLike | None = None, device: str | None = None,
+    def __init__(self, user_metadata: dict[str, str] | None = None, project_id: str | None = None, *,
+                 display_name: str | None = None, base_url: str | None = None, api_key: str | None = None,
+                 default_headers_overrides: Any = None,
+                 checkpoint_dir: str | os.PathLike | None = None, device: str | None = None,
                  dtype: str | None = None, micro_batch_tokens: int | None = None,
                  memory_budget_mb: int | float | str | None = "auto", **_sdk_kwargs: Any):
         self.checkpoint_dir = Path(checkpoint_dir) if checkpoint_dir else models.cache_dir() / "checkpoints"
@@ -147,44 +154,49 @@ class ServiceClient:
 
     def create_rest_client(self) -> RestClient:
         """Checkpoint and run management over this client's checkpoint store."""
-        return RestClient(self.store, capabilities=self.get_server_capabilities)
+        return RestClient(store=self.store, capabilities=self.get_server_capabilities)
 
     # ------------------------------------------------------------------ training clients
 
     def create_lora_training_client(self, base_model: str, rank: int = 16, seed: int | None = None,
                                     train_mlp: bool = True, train_attn: bool = True, train_unembed: bool = True,
                                     user_metadata: dict[str, str] | None = None, optimizer: Any = None,
-                                    **_sdk_kwargs: Any) -> TrainingClient:
+                                    *, training_run_id: str | None = None, **_sdk_kwargs: Any) -> TrainingClient:
+        """A new LoRA training run. ``training_run_id`` (grpo's own, optional) names it; grpo.serve
+        passes the model id the SDK derives from its session, so that the id a client holds is the
+        one in its checkpoints' tinker:// paths. By default a fresh ``run-...`` id."""
         _check_optimizer(optimizer)
         spec = LoraSpec(rank=rank, train_attn=train_attn, train_mlp=train_mlp, train_unembed=train_unembed)
         handle = self._engine(base_model)
         run = self.store.create_run(base_model, lora_rank=rank, train_mlp=train_mlp, train_attn=train_attn,
-                                    train_unembed=train_unembed, user_metadata=user_metadata)
+                                    train_unembed=train_unembed, user_metadata=user_metadata,
+                                    run_id=training_run_id)
         name = f"lora{next(self._ids)}"
         handle.engine.add_adapter(name, spec, seed=seed)
         return TrainingClient(self, handle, name, spec, run.training_run_id)
 
     def create_training_client_from_state(self, path: str, base_model: str | None = None,
                                           user_metadata: dict[str, str] | None = None,
-                                          weights_access_token: str | None = None, optimizer: Any = None
-                                          ) -> TrainingClient:
+                                          weights_access_token: str | None = None, optimizer: Any = None,
+                                          *, training_run_id: str | None = None) -> TrainingClient:
         """A new training client with the weights saved at ``path`` and a fresh optimizer."""
-        return self._from_state(path, base_model, user_metadata, optimizer, with_optimizer=False)
+        return self._from_state(path, base_model, user_metadata, optimizer, False, training_run_id)
 
     def create_training_client_from_state_with_optimizer(self, path: str, base_model: str | None = None,
                                                          user_metadata: dict[str, str] | None = None,
-                                                         weights_access_token: str | None = None
-                                                         ) -> TrainingClient:
+                                                         weights_access_token: str | None = None,
+                                                         *, training_run_id: str | None = None) -> TrainingClient:
         """Resume: a new training client with the weights and the optimizer state saved at ``path``."""
-        return self._from_state(path, base_model, user_metadata, None, with_optimizer=True)
+        return self._from_state(path, base_model, user_metadata, None, True, training_run_id)
 
     def _from_state(self, path: str, base_model: str | None, user_metadata: dict[str, str] | None,
-                    optimizer: Any, with_optimizer: bool) -> TrainingClient:
+                    optimizer: Any, with_optimizer: bool, training_run_id: str | None) -> TrainingClient:
         state = _read_state(self.store.resolve(path), path)
         if base_model is not None and base_model != state["base_model"]:
             raise ValueError(f"{path} was trained from base model {state['base_model']!r}, not {base_model!r}")
         client = self.create_lora_training_client(state["base_model"], **state["lora"],
-                                                  user_metadata=user_metadata, optimizer=optimizer)
+                                                  user_metadata=user_metadata, optimizer=optimizer,
+                                                  training_run_id=training_run_id)
         client._submit(lambda: client._load(path, with_optimizer=with_optimizer)).result()
         return client
 
@@ -243,6 +255,7 @@ class TrainingClient(_ClientFuture):
         self.adapter = adapter
         self.spec = spec
         self.training_run_id = training_run_id
+        self.model_id = training_run_id  # the SDK's name: one id per run, the one in its tinker:// paths
         self.optimizer: torch.optim.Optimizer | None = None
         self._sampler_ids = itertools.count()
 
@@ -417,14 +430,14 @@ class TrainingClient(_ClientFuture):
 
     def save_weights_external(self, name: str, ttl_seconds: int | None = None,
                               age_encryption_recipients: list[str] | None = None
-                              ) -> APIFuture[SaveWeightsForSamplerResponse]:
+                              ) -> APIFuture[SaveWeightsExternalResponse]:
         """The PEFT adapter as an ``external_weights`` checkpoint, for download through the
         RestClient's get_external_weights_urls. Encryption is not implemented locally."""
         if age_encryption_recipients:
             raise ValueError("age_encryption_recipients is not supported by the local backend: the files stay "
                              "on this machine; leave it None")
         fut = self._save(name, "external", False, ttl_seconds)
-        return _then(fut, lambda path: SaveWeightsForSamplerResponse(path=path))
+        return _then(fut, lambda path: SaveWeightsExternalResponse(path=path))
 
     def load_state(self, path: str, weights_access_token: str | None = None) -> APIFuture[LoadWeightsResponse]:
         """Load the weights saved at ``path`` (tinker:// or a directory); the optimizer starts fresh."""
@@ -586,7 +599,7 @@ class SamplingClient(_ClientFuture):
 def _prompt_tokens(prompt: ModelInput, engine: Engine) -> list[int]:
     if not isinstance(prompt, ModelInput):
         raise TypeError(f"prompt must be a grpo.types.ModelInput, got {type(prompt).__name__}")
-    tokens = prompt.to_ints()
+    tokens = text_tokens(prompt, "prompt")
     if not tokens:
         raise ValueError("prompt is empty: sampling needs at least one prompt token")
     engine.check_tokens(tokens, "prompt")

@@ -27,7 +27,7 @@ from transformers import DynamicCache
 
 from grpo.api import losses
 from grpo.backends.local import packed_attention
-from grpo.types import Datum, ForwardBackwardOutput, TensorData
+from grpo.types import Datum, ForwardBackwardOutput, TensorData, text_tokens
 
 LOGIT_CHUNK_POSITIONS = 256
 # Shorter common prefixes are not worth the extra decoder call a shared group costs.
@@ -52,7 +52,7 @@ def prepare(data: Sequence[Datum], loss_fn: str, vocab_size: int, check_tokens) 
     for i, datum in enumerate(data):
         if not isinstance(datum, Datum):
             raise TypeError(f"data[{i}] is a {type(datum).__name__}, expected grpo.types.Datum")
-        tokens = datum.model_input.to_ints()
+        tokens = text_tokens(datum.model_input, f"data[{i}]")
         if not tokens:
             raise ValueError(f"data[{i}] has an empty model_input")
         missing = [k for k in required if k not in datum.loss_fn_inputs]

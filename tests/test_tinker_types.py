@@ -1,0 +1,68 @@
+"""What a program meets of tinker.types and the client constructors in-process: non-text chunks
+are values it can build, refused in one line (naming the datum and the chunk) by the call that
+meets them; ``RestClient()`` and ``ServiceClient(...)`` take the SDK's arguments; a training
+client's model id is the run id in its checkpoints' tinker:// paths."""
+
+from __future__ import annotations
+
+import pytest
+
+import grpo
+from grpo import types
+from grpo.api.rest_client import RestClient
+
+IMAGE = types.ImageChunk(data=b"\x89PNG", format="png", expected_tokens=3)
+
+
+def _datum(model_input: types.ModelInput) -> types.Datum:
+    n = model_input.length
+    return types.Datum(model_input=model_input, loss_fn_inputs={
+        "target_tokens": types.TensorData(data=[1] * n, dtype="int64", shape=[n]),
+        "weights": types.TensorData(data=[1.0] * n, dtype="float32", shape=[n])})
+
+
+def test_non_text_chunks_are_values_with_the_sdk_lengths() -> None:
+    mixed = types.ModelInput(chunks=[types.EncodedTextChunk(tokens=[1, 2]), IMAGE])
+    assert mixed.length == 5 and isinstance(IMAGE, types.ModelInputChunk)
+    pointer = types.ImageAssetPointerChunk(format="jpeg", location="s3://bucket/cat.jpg")
+    with pytest.raises(ValueError, match="image_asset_pointer chunk has no expected_tokens"):
+        _ = pointer.length
+    with pytest.raises(ValueError, match="chunk 1 is a 'image' chunk"):
+        mixed.to_ints()
+
+
+def test_the_call_that_meets_an_image_chunk_refuses_it_in_one_line(service) -> None:
+    training = service.create_lora_training_client(base_model="tiny", rank=2)
+    text = _datum(types.ModelInput.from_ints([1, 2, 3]))
+    image = _datum(types.ModelInput(chunks=[types.EncodedTextChunk(tokens=[1, 2]), IMAGE]))
+    with pytest.raises(ValueError) as err:
+        training.forward_backward([text, image], "cross_entropy").result()
+    assert str(err.value).startswith("data[1]: chunk 1 is a 'image' chunk (ImageChunk)")
+    assert "\n" not in str(err.value)
+    sampler = training.save_weights_and_get_sampling_client()
+    with pytest.raises(ValueError, match="^prompt: chunk 0 is a 'image' chunk"):
+        sampler.sample(types.ModelInput(chunks=[IMAGE]), num_samples=1).result()
+    # the client trains on after the refusal
+    assert training.forward_backward([text], "cross_entropy").result().metrics["loss:sum"] > 0
+
+
+def test_model_id_is_the_run_id_in_its_paths_and_every_call_takes_it(service) -> None:
+    training = service.create_lora_training_client(base_model="tiny", rank=2)
+    path = training.save_state("one").result().path
+    assert path == f"tinker://{training.model_id}/weights/one"
+    rest = service.create_rest_client()
+    assert [c.tinker_path for c in rest.list_checkpoints(training.model_id).result().checkpoints] == [path]
+    assert rest.get_training_run(training.model_id).result().base_model == "tiny"
+    resumed = service.create_training_client_from_state(path)
+    assert resumed.save_state("two").result().path == f"tinker://{resumed.model_id}/weights/two"
+
+
+def test_constructors_take_the_sdk_arguments(tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("GRPO_CACHE", str(tmp_path))
+    service = grpo.ServiceClient({"owner": "me"}, None, base_url="http://unused", api_key="tml-x")
+    assert service.checkpoint_dir == tmp_path / "checkpoints"
+    # RestClient() reads the store a default ServiceClient writes to
+    assert RestClient(base_url=None, api_key=None).store.root == tmp_path / "checkpoints"
+    assert RestClient().list_training_runs().result().training_runs == []
+    with pytest.raises(TypeError, match="CheckpointStore or None"):
+        RestClient("http://somewhere")

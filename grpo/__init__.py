@@ -50,7 +50,7 @@ _CLIENTS = {
 }
 
 __all__ = [
-    "RLAdapter", "RLConfig", "AgentAdapter", "types", "run_grpo", "ServiceClient", "TrainingClient", "SamplingClient", "RestClient",
+    "as_tinker", "RLAdapter", "RLConfig", "AgentAdapter", "types", "run_grpo", "ServiceClient", "TrainingClient", "SamplingClient", "RestClient",
     "BackcompatTrainingClientFuture", "BackcompatSamplingClientFuture", "APIFuture",
     "AdamOptimizerConfig", "AdamParams", "Checkpoint", "CheckpointType", "Datum", "DmelChunk", "EncodedTextChunk",
     "ForwardBackwardOutput", "LoraConfig", "ModelID", "ModelInput", "ModelInputChunk", "OptimParams",
@@ -58,6 +58,19 @@ __all__ = [
     "StopReason", "TensorData", "TensorDtype", "TrainingRun",
 ]
 __version__ = "0.1.0"
+
+
+def as_tinker():
+    """Make ``import tinker`` give grpo in this process, submodules included, so a program or a
+    library written for the Tinker SDK (the tinker-cookbook) runs in-process unchanged::
+
+        import grpo; grpo.as_tinker()
+        from tinker_cookbook.supervised import train   # its `import tinker` is grpo now
+
+    Returns grpo. See grpo/api/tinker_alias.py for what is routed where."""
+    from grpo.api import tinker_alias
+
+    return tinker_alias.install()
 
 
 def __getattr__(name: str):

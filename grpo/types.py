@@ -48,6 +48,11 @@ class EncodedTextChunk:
     tokens: list[int]
     type: Literal["encoded_text"] = "encoded_text"
 
+    def __post_init__(self) -> None:
+        # A copy, as the SDK's (pydantic) model makes: the cookbook builds a chunk from a list it
+        # then clears and refills for the next chunk (rl/data_processing.py).
+        self.tokens = list(self.tokens)
+
     @property
     def length(self) -> int:
         return len(self.tokens)
@@ -58,6 +63,9 @@ class ModelInput:
     """A token sequence, stored as chunks (only text chunks are supported locally)."""
 
     chunks: list[ModelInputChunk] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.chunks = list(self.chunks)  # a copy, as the SDK's model makes (see EncodedTextChunk)
 
     @classmethod
     def from_ints(cls, tokens: Sequence[int] | Any) -> ModelInput:

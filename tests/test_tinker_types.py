@@ -66,3 +66,27 @@ def test_constructors_take_the_sdk_arguments(tmp_path, monkeypatch) -> None:
     assert RestClient().list_training_runs().result().training_runs == []
     with pytest.raises(TypeError, match="CheckpointStore or None"):
         RestClient("http://somewhere")
+
+
+def test_chunks_and_inputs_copy_the_lists_they_are_given() -> None:
+    """As the SDK's models do: the cookbook builds a chunk from a list it then clears."""
+    tokens = [1, 2, 3]
+    chunk = types.EncodedTextChunk(tokens=tokens)
+    chunks = [chunk]
+    model_input = types.ModelInput(chunks=chunks)
+    tokens.clear()
+    chunks.clear()
+    assert model_input.to_ints() == [1, 2, 3] and model_input.length == 3
+
+
+def test_encrypted_export_without_pyrage_fails_in_one_line(service) -> None:
+    try:
+        import pyrage  # noqa: F401
+        pytest.skip("pyrage is installed here; the encrypted export runs in test_cookbook_*.py's download")
+    except ImportError:
+        pass
+    training = service.create_lora_training_client(base_model="tiny", rank=2)
+    with pytest.raises(ValueError, match=r"needs the 'pyrage' package \(pip install pyrage\)"):
+        training.save_weights_external("x", age_encryption_recipients=["age1qqq"]).result()
+    with pytest.raises(ValueError, match="must be a list of age public keys"):
+        training.save_weights_external("x", age_encryption_recipients="age1qqq")

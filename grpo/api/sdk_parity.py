@@ -84,7 +84,6 @@ UNSUPPORTED_PARAMS: dict[str, str] = {
     "SamplingClient.sample.topk_sample_logprobs": "top-k logprobs are not computed locally",
     "SamplingClient.sample.target_prompt_logprobs": "target logprobs of alternative tokens are not computed locally",
     "SamplingClient.sample.prompt_alt_tokens_k": "alternative prompt tokens are not computed locally",
-    "TrainingClient.save_weights_external.age_encryption_recipients": "files stay on this machine, unencrypted",
     "TrainingClient.save_weights_and_get_sampling_client.kind": "only 'snapshot' samplers; 'inflight' weights "
                                                                 "shared with training are not implemented",
     "ServiceClient.create_lora_training_client.optimizer": "only Adam(W); any other optimizer config is refused",

@@ -31,7 +31,7 @@ import torch
 from grpo import models
 from grpo.api.checkpoint_store import CheckpointStore
 from grpo.api.rest_client import RestClient
-from grpo.backends.local import custom_loss, heap, memory, sampler, trainer
+from grpo.backends.local import age_export, custom_loss, heap, memory, sampler, trainer
 from grpo.backends.local.engine import Engine, LoraSpec
 from grpo.files import replace_dir
 from grpo.types import (
@@ -363,7 +363,8 @@ class TrainingClient(_ClientFuture):
     # ------------------------------------------------------------------ state
 
     def _save(self, name: str, kind: str, with_optimizer: bool, ttl_seconds: int | None = None,
-              user_metadata: dict[str, str] | None = None, overwrite: bool = True) -> APIFuture[str]:
+              user_metadata: dict[str, str] | None = None, overwrite: bool = True,
+              encrypt_to: list[str] | None = None) -> APIFuture[str]:
         """Write the adapter (and optimizer) as checkpoint ``name`` of this run; the future's value
         is its tinker:// path. A name holding a path separator is a plain directory instead
         (written there and returned as given; not in the store, so no TTL, metadata or listing,
@@ -384,6 +385,8 @@ class TrainingClient(_ClientFuture):
             def write(staging: Path) -> None:
                 with self.engine.use(self.adapter):
                     self._write_adapter(staging, with_optimizer)
+                if encrypt_to:
+                    age_export.encrypt_dir(staging, encrypt_to)
             return self.service.store.save(self.training_run_id, kind, name, write, ttl_seconds=ttl_seconds,
                                            user_metadata=user_metadata, overwrite=overwrite).tinker_path
         return self._submit(to_store)
@@ -432,11 +435,13 @@ class TrainingClient(_ClientFuture):
                               age_encryption_recipients: list[str] | None = None
                               ) -> APIFuture[SaveWeightsExternalResponse]:
         """The PEFT adapter as an ``external_weights`` checkpoint, for download through the
-        RestClient's get_external_weights_urls. Encryption is not implemented locally."""
-        if age_encryption_recipients:
-            raise ValueError("age_encryption_recipients is not supported by the local backend: the files stay "
-                             "on this machine; leave it None")
-        fut = self._save(name, "external", False, ttl_seconds)
+        RestClient's get_external_weights_urls. With ``age_encryption_recipients`` each file is
+        ``<name>.age``, encrypted to those age keys (needs the pyrage package; see age_export.py)."""
+        if age_encryption_recipients is not None and (isinstance(age_encryption_recipients, str)
+                                                      or not all(age_encryption_recipients)):
+            raise ValueError(f"age_encryption_recipients must be a list of age public keys, got "
+                             f"{age_encryption_recipients!r}")
+        fut = self._save(name, "external", False, ttl_seconds, encrypt_to=age_encryption_recipients or None)
         return _then(fut, lambda path: SaveWeightsExternalResponse(path=path))
 
     def load_state(self, path: str, weights_access_token: str | None = None) -> APIFuture[LoadWeightsResponse]:

@@ -86,7 +86,7 @@ def free_port() -> int:
 
 class Server:
     def __init__(self, checkpoint_dir: Path, long_poll_s: float = 30.0, cwd: Path = REPO,
-                 extra_args: tuple[str, ...] = ()):
+                 extra_args: tuple[str, ...] = (), env: dict[str, str] | None = None):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = checkpoint_dir.parent / "server.log"
@@ -94,7 +94,7 @@ class Server:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "grpo.serve", "--port", str(self.port), "--api-key", API_KEY,
              "--checkpoint-dir", str(checkpoint_dir), "--long-poll", str(long_poll_s), *extra_args],
-            stdout=self._log_file, stderr=subprocess.STDOUT, cwd=cwd)
+            stdout=self._log_file, stderr=subprocess.STDOUT, cwd=cwd, env=env)
         deadline = time.monotonic() + 120
         while True:
             try:

@@ -46,22 +46,46 @@ def test_every_cookbook_module_imports_in_process(run_env) -> None:
     assert unexpected == [], unexpected
 
 
-def test_supervised_train_on_the_example_conversations_loss_falls(run_env, tmp_path) -> None:
+def test_supervised_train_loss_falls_and_its_checkpoint_downloads_as_peft(run_env, tmp_path) -> None:
+    run_env = {**run_env, "GRPO_CHECKPOINT_DIR": str(tmp_path / "checkpoints")}
     tinker_run([str(PROGRAMS / "sl_conversations.py"), str(tmp_path / "sl"), MODEL, "6"], run_env)
     nll = [m["train_mean_nll"] for m in metrics(tmp_path / "sl") if "train_mean_nll" in m]
+    print("supervised.train nll per step:", [round(x, 3) for x in nll])
     assert len(nll) == 6
     assert sum(nll[-3:]) / 3 < 0.75 * sum(nll[:2]) / 2, nll
-    checkpoints = (tmp_path / "sl" / "checkpoints.jsonl").read_text()
-    assert "tinker://" in checkpoints and "sampler_weights/final" in checkpoints
+
+    # weights.download of the training checkpoint (weights/final): the cookbook resumes it,
+    # exports it age-encrypted to a key it makes, downloads, decrypts; then build_lora_adapter.
+    final = [json.loads(line) for line in (tmp_path / "sl" / "checkpoints.jsonl").read_text().splitlines()][-1]
+    assert final["state_path"].startswith("tinker://") and "/weights/final" in final["state_path"]
+    out = tinker_run([str(PROGRAMS / "download.py"), final["state_path"], str(tmp_path / "dl"), MODEL], run_env)
+    files = json.loads(out.stdout.strip().splitlines()[-1])
+    assert {"adapter_config.json", "adapter_model.safetensors"} <= set(files["downloaded"])
+    assert files["peft"] == ["adapter_config.json", "adapter_model.safetensors"]
+    from safetensors.torch import load_file
+
+    saved = load_file(str(tmp_path / "checkpoints" / final["state_path"].removeprefix("tinker://")
+                          / "adapter_model.safetensors"))
+    peft = load_file(str(tmp_path / "dl" / "peft" / "adapter_model.safetensors"))
+    assert saved.keys() == peft.keys() and all(saved[k].equal(peft[k]) for k in saved)
+    # the temporary encrypted export was deleted again, as the cookbook does
+    assert not list((tmp_path / "checkpoints").glob("*/external_weights/download"))
 
 
 def test_math_rl_arithmetic_reward_rises(run_env, tmp_path) -> None:
-    steps = 12
+    """The recipe's offline arithmetic environment; its reward is -0.1 for an answer not in the
+    format (a number, then the end of the turn), +1 for a right one. Step 0 samples the base model,
+    so the first row is the untrained policy; SmolLM2-135M learns the format within a few steps."""
+    steps = 6
     tinker_run(["tinker_cookbook.recipes.math_rl.train", f"model_name={MODEL}", f"renderer_name={RENDERER}",
-                "env=arithmetic", "group_size=4", "groups_per_batch=8", "learning_rate=1e-4", "max_tokens=5",
+                "env=arithmetic", "group_size=4", "groups_per_batch=4", "learning_rate=1e-3", "max_tokens=5",
                 "lora_rank=8", f"log_path={tmp_path / 'rl'}", f"max_steps={steps}", "eval_every=0", "save_every=0",
-                "behavior_if_log_dir_exists=delete"], run_env, timeout=900)
-    reward = [m["env/all/reward/total"] for m in metrics(tmp_path / "rl") if "env/all/reward/total" in m]
-    print("math_rl reward per step:", [round(r, 3) for r in reward])
+                "behavior_if_log_dir_exists=delete"], {**run_env, "GRPO_CHECKPOINT_DIR": str(tmp_path / "ckpt")},
+               timeout=900)
+    rows = [m for m in metrics(tmp_path / "rl") if "env/all/reward/total" in m]
+    reward = [m["env/all/reward/total"] for m in rows]
+    in_format = [m["env/all/format"] for m in rows]
+    print("math_rl reward per step:", [round(r, 3) for r in reward], "format:", [round(f, 2) for f in in_format])
     assert len(reward) == steps
-    assert sum(reward[-4:]) / 4 > sum(reward[:4]) / 4 + 0.1, reward
+    assert sum(in_format[-3:]) / 3 > in_format[0] + 0.2, in_format
+    assert sum(reward[-3:]) / 3 > reward[0] + 0.02, reward

@@ -59,6 +59,7 @@ def test_model_id_is_the_run_id_in_its_paths_and_every_call_takes_it(service) ->
 
 def test_constructors_take_the_sdk_arguments(tmp_path, monkeypatch) -> None:
     monkeypatch.setenv("GRPO_CACHE", str(tmp_path))
+    monkeypatch.delenv("GRPO_CHECKPOINT_DIR", raising=False)
     service = grpo.ServiceClient({"owner": "me"}, None, base_url="http://unused", api_key="tml-x")
     assert service.checkpoint_dir == tmp_path / "checkpoints"
     # RestClient() reads the store a default ServiceClient writes to
@@ -66,6 +67,9 @@ def test_constructors_take_the_sdk_arguments(tmp_path, monkeypatch) -> None:
     assert RestClient().list_training_runs().result().training_runs == []
     with pytest.raises(TypeError, match="CheckpointStore or None"):
         RestClient("http://somewhere")
+    # a program that names no directory (the cookbook's) is placed by the variable
+    monkeypatch.setenv("GRPO_CHECKPOINT_DIR", str(tmp_path / "elsewhere"))
+    assert grpo.ServiceClient().checkpoint_dir == RestClient().store.root == tmp_path / "elsewhere"
 
 
 def test_chunks_and_inputs_copy_the_lists_they_are_given() -> None:

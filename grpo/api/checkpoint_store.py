@@ -339,3 +339,15 @@ def _write_json(path: Path, value: Any) -> None:
 def checkpoint_dict(checkpoint: Checkpoint) -> dict[str, Any]:
     """A Checkpoint as JSON-ready data (datetimes as ISO strings), e.g. for an HTTP response."""
     return json.loads(json.dumps(asdict(checkpoint), default=str))
+
+
+def default_root() -> Path:
+    """Where a ``ServiceClient()`` / ``RestClient()`` made without a directory keeps checkpoints:
+    $GRPO_CHECKPOINT_DIR, else $GRPO_CACHE/checkpoints. A program written for the SDK (the cookbook)
+    names no directory, so the variable is how its checkpoints are placed."""
+    explicit = os.environ.get("GRPO_CHECKPOINT_DIR")
+    if explicit:
+        return Path(explicit)
+    from grpo import models  # lazily: the store itself needs no model code
+
+    return models.cache_dir() / "checkpoints"

@@ -15,7 +15,7 @@ import datetime
 from collections.abc import Callable
 from typing import Any
 
-from grpo.api.checkpoint_store import CheckpointStore, now
+from grpo.api.checkpoint_store import CheckpointStore, default_root, now
 from grpo.types import (
     APIFuture,
     CheckpointArchiveUrlResponse,
@@ -58,16 +58,14 @@ class RestClient:
                  store: CheckpointStore | None = None,
                  capabilities: Callable[[], GetServerCapabilitiesResponse] | None = None):
         """``RestClient()`` as the SDK's: the store a default ``ServiceClient()`` writes to
-        ($GRPO_CACHE/checkpoints). ``store`` (or a CheckpointStore as the first argument) names
+        ($GRPO_CHECKPOINT_DIR, else $GRPO_CACHE/checkpoints). ``store`` (or a CheckpointStore as the first argument) names
         another; ``base_url`` and ``api_key`` are the SDK's connection settings, unused in-process."""
         if isinstance(_holder, CheckpointStore):
             store = _holder
         elif _holder is not None:
             raise TypeError(f"RestClient's first argument is a CheckpointStore or None, got {type(_holder).__name__}")
         if store is None:
-            from grpo import models  # lazily: models pulls in transformers' config machinery
-
-            store = CheckpointStore(models.cache_dir() / "checkpoints")
+            store = CheckpointStore(default_root())
         self.store = store
         self._capabilities = capabilities
 

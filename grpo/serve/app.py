@@ -65,6 +65,7 @@ class ServerState:
     def __init__(self, service: ServiceClient, long_poll_s: float):
         self.service = service
         self.store = service.store  # the in-process clients save into it; listings read it
+        self.rest = service.create_rest_client()  # the same store, under the RestClient's calls
         self.futures = FutureStore(long_poll_s)
         self.sessions: dict[str, dict[str, Any]] = {}
         self.models: dict[str, Model] = {}
@@ -353,6 +354,21 @@ def create_app(api_key: str, service: ServiceClient | None = None, long_poll_s: 
         return {"request_id": state.futures.add(
             _api_future(future), lambda r, _p: {"type": "save_weights_for_sampler", "path": r.path})}
 
+    @api.post("/save_weights_external")
+    async def save_weights_external(body: bodies.SaveWeightsExternal) -> dict[str, Any]:
+        # tinker_cookbook.weights.download exports a training checkpoint this way (age-encrypted
+        # to a key it makes), then fetches the files through external_weights_urls below.
+        model = state.model(body.model_id)
+        async with model.gate.turn(body.seq_id):
+            try:
+                future = model.client.save_weights_external(
+                    body.path or f"external-{body.seq_id}", ttl_seconds=body.ttl_seconds,
+                    age_encryption_recipients=body.age_encryption_recipients)
+            except ValueError as err:
+                raise _fail(422, "age_encryption_recipients", str(err)) from err
+        return {"request_id": state.futures.add(
+            _api_future(future), lambda r, _p: {"type": "save_weights_external", "path": r.path})}
+
     @api.post("/load_weights")
     async def load_weights(body: bodies.LoadWeights) -> dict[str, Any]:
         state.local_path(body.path)  # 404 or 422 now, rather than a failed future later
@@ -413,6 +429,13 @@ def create_app(api_key: str, service: ServiceClient | None = None, long_poll_s: 
     @api.get("/checkpoints")
     async def list_user_checkpoints(limit: int = 100, offset: int = 0) -> dict[str, Any]:
         return _record(store_call(state.store.list_user_checkpoints, limit, offset))
+
+    @api.get("/training_runs/{run_id}/checkpoints/{checkpoint_id:path}/external_weights_urls")
+    async def external_weights_urls(run_id: str, checkpoint_id: str) -> dict[str, Any]:
+        # file:// URLs, as in-process: the files are on the server's machine, and grpo.serve binds
+        # to loopback unless told otherwise (so the client is on that machine too).
+        return _record(store_call(lambda p: state.rest.get_external_weights_urls(p).result(),
+                                  ckpt_path(run_id, checkpoint_id)))
 
     @api.post("/training_runs/{run_id}/checkpoints/{checkpoint_id:path}/publish")
     async def publish_checkpoint(run_id: str, checkpoint_id: str) -> Response:

@@ -115,6 +115,10 @@ class SaveWeights(Body):
     overwrite: bool = True
 
 
+class SaveWeightsExternal(SaveWeights):
+    age_encryption_recipients: list[str] | None = None
+
+
 class LoadWeights(Body):
     path: str
     model_id: str | None = None  # load into an existing model

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from grpo import models
-from grpo.api.checkpoint_store import CheckpointStore
+from grpo.api.checkpoint_store import CheckpointStore, default_root
 from grpo.api.rest_client import RestClient
 from grpo.backends.local import age_export, custom_loss, heap, memory, sampler, trainer
 from grpo.backends.local.engine import Engine, LoraSpec
@@ -82,7 +82,7 @@ class ServiceClient:
     """Entry point, as ``tinker.ServiceClient`` / ``mint.ServiceClient``.
 
     Args beyond the SDK's (all optional): ``checkpoint_dir`` where named states are written
-    (default ``$GRPO_CACHE/checkpoints``), ``device`` and ``dtype`` ("auto": CUDA bf16 when
+    (default ``$GRPO_CHECKPOINT_DIR``, else ``$GRPO_CACHE/checkpoints``), ``device`` and ``dtype`` ("auto": CUDA bf16 when
     available, else CPU fp32), ``memory_budget_mb`` (working memory of one training micro-batch
     or of the rows the sampler decodes at once; "auto": a share of the device's memory, 0:
     unbounded; see memory.py), ``micro_batch_tokens`` (padded tokens per training micro-batch;
@@ -98,7 +98,7 @@ class ServiceClient:
                  checkpoint_dir: str | os.PathLike | None = None, device: str | None = None,
                  dtype: str | None = None, micro_batch_tokens: int | None = None,
                  memory_budget_mb: int | float | str | None = "auto", **_sdk_kwargs: Any):
-        self.checkpoint_dir = Path(checkpoint_dir) if checkpoint_dir else models.cache_dir() / "checkpoints"
+        self.checkpoint_dir = Path(checkpoint_dir) if checkpoint_dir else default_root()
         self.device = device
         self.dtype = dtype
         if micro_batch_tokens is not None and (not isinstance(micro_batch_tokens, int) or micro_batch_tokens <= 0):

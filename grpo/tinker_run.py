@@ -12,8 +12,14 @@ math RL recipe on the packaged SmolLM2::
 
 from __future__ import annotations
 
+import os
 import runpy
 import sys
+from pathlib import Path
+
+GRPO_DIR = Path(__file__).resolve().parent
+# The errors grpo raises for what a user can get wrong (a model name, a chunk, a checkpoint path).
+USER_ERRORS = (ValueError, TypeError, FileNotFoundError, KeyError)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -24,10 +30,40 @@ def main(argv: list[str] | None = None) -> None:
 
     grpo.as_tinker()
     sys.argv = [args[0], *args[1:]]
-    if args[0].endswith(".py"):
-        runpy.run_path(args[0], run_name="__main__")
-    else:
-        runpy.run_module(args[0], run_name="__main__", alter_sys=True)
+    try:
+        if args[0].endswith(".py"):
+            runpy.run_path(args[0], run_name="__main__")
+        else:
+            runpy.run_module(args[0], run_name="__main__", alter_sys=True)
+    except Exception as err:
+        line = one_line(err)
+        if line is None or os.environ.get("GRPO_TRACEBACK"):
+            raise
+        sys.exit(f"{line}\n(raised by grpo; GRPO_TRACEBACK=1 shows the traceback)")
+
+
+def one_line(err: BaseException) -> str | None:
+    """``Outer: msg <- Inner: msg`` when grpo raised a user error somewhere in ``err``'s chain of
+    causes (the program may wrap it, as the cookbook wraps download failures); else None, and
+    the program's own error keeps its traceback."""
+    chain: list[BaseException] = []
+    while err is not None and err not in chain:
+        chain.append(err)
+        err = err.__cause__ or err.__context__
+    ours = [i for i, e in enumerate(chain) if isinstance(e, USER_ERRORS) and _raised_in_grpo(e)]
+    if not ours:
+        return None
+    # the program's wrappers, then grpo's own message; what grpo's error wraps is detail
+    return " <- ".join(f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+                       for e in chain[:ours[0] + 1])
+
+
+def _raised_in_grpo(err: BaseException) -> bool:
+    tb = err.__traceback__
+    last = None
+    while tb is not None:
+        last, tb = tb, tb.tb_next
+    return last is not None and Path(last.tb_frame.f_code.co_filename).resolve().is_relative_to(GRPO_DIR)
 
 
 if __name__ == "__main__":

@@ -94,3 +94,34 @@ def test_encrypted_export_without_pyrage_fails_in_one_line(service) -> None:
         training.save_weights_external("x", age_encryption_recipients=["age1qqq"]).result()
     with pytest.raises(ValueError, match="must be a list of age public keys"):
         training.save_weights_external("x", age_encryption_recipients="age1qqq")
+
+
+PROGRAM = """
+import sys, tinker
+training = tinker.ServiceClient().create_lora_training_client(base_model=sys.argv[1], rank=2)
+chunks = [tinker.types.EncodedTextChunk(tokens=[1, 2]), tinker.types.ImageChunk(data=b"", format="png", expected_tokens=2)]
+datum = tinker.Datum(model_input=tinker.ModelInput(chunks=chunks), loss_fn_inputs={
+    "target_tokens": tinker.TensorData(data=[1] * 4, dtype="int64", shape=[4])})
+training.forward_backward([datum], "cross_entropy").result()
+"""
+
+
+@pytest.mark.parametrize(("model", "expected"), [
+    ("no-such/model", "ModelNotFoundError: base_model 'no-such/model' cannot be loaded"),
+    ("tiny", "ValueError: data[0]: chunk 1 is a 'image' chunk (ImageChunk)"),
+])
+def test_tinker_run_reports_a_user_error_in_one_line(tmp_path, model: str, expected: str) -> None:
+    """A program run by ``python -m grpo.tinker_run`` that grpo refuses (a model it cannot load,
+    an image for a text model) ends with grpo's one-line message, not a traceback."""
+    import os
+    import subprocess
+    import sys
+
+    (tmp_path / "program.py").write_text(PROGRAM)
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "GRPO_CHECKPOINT_DIR": str(tmp_path / "ckpt")}
+    env.pop("GRPO_TRACEBACK", None)
+    done = subprocess.run([sys.executable, "-m", "grpo.tinker_run", str(tmp_path / "program.py"), model],
+                          capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 1
+    assert done.stderr.startswith(expected) and "Traceback" not in done.stderr, done.stderr[-2000:]
+    assert len(done.stderr.strip().splitlines()) == 2  # the message, and how to see the traceback

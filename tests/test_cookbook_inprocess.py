@@ -87,5 +87,6 @@ def test_math_rl_arithmetic_reward_rises(run_env, tmp_path) -> None:
     in_format = [m["env/all/format"] for m in rows]
     print("math_rl reward per step:", [round(r, 3) for r in reward], "format:", [round(f, 2) for f in in_format])
     assert len(reward) == steps
-    assert sum(in_format[-3:]) / 3 > in_format[0] + 0.2, in_format
-    assert sum(reward[-3:]) / 3 > reward[0] + 0.02, reward
+    # The untrained model answers in format about 30-50 % of the time (measured: 0.28, 0.38, 0.50).
+    assert sum(in_format[-3:]) / 3 >= 0.85 and sum(in_format[-3:]) / 3 > in_format[0], in_format
+    assert sum(reward[-3:]) / 3 > reward[0], reward

@@ -8,6 +8,24 @@ with the reason, in grpo/api/sdk_parity.py.
 """
 
 from grpo import types
+from grpo.api.errors import (
+    APIConnectionError,
+    APIError,
+    APIResponseValidationError,
+    APIStatusError,
+    APITimeoutError,
+    AuthenticationError,
+    BadRequestError,
+    BillingError,
+    ConflictError,
+    InternalServerError,
+    NotFoundError,
+    PermissionDeniedError,
+    RateLimitError,
+    RequestFailedError,
+    TinkerError,
+    UnprocessableEntityError,
+)
 from grpo.api.mint_compat import RLConfig
 from grpo.rl.adapter import RLAdapter
 from grpo.types import (
@@ -56,6 +74,11 @@ __all__ = [
     "ForwardBackwardOutput", "LoraConfig", "ModelID", "ModelInput", "ModelInputChunk", "OptimParams",
     "OptimStepResponse", "ParsedCheckpointTinkerPath", "SampledSequence", "SampleResponse", "SamplingParams",
     "StopReason", "TensorData", "TensorDtype", "TrainingRun",
+    # the SDK's error classes (grpo/api/errors.py)
+    "APIConnectionError", "APIError", "APIResponseValidationError", "APIStatusError", "APITimeoutError",
+    "AuthenticationError", "BadRequestError", "BillingError", "ConflictError", "InternalServerError",
+    "NotFoundError", "PermissionDeniedError", "RateLimitError", "RequestFailedError", "TinkerError",
+    "UnprocessableEntityError",
 ]
 __version__ = "0.1.0"
 

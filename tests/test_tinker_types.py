@@ -125,3 +125,16 @@ def test_tinker_run_reports_a_user_error_in_one_line(tmp_path, model: str, expec
     assert done.returncode == 1
     assert done.stderr.startswith(expected) and "Traceback" not in done.stderr, done.stderr[-2000:]
     assert len(done.stderr.strip().splitlines()) == 2  # the message, and how to see the traceback
+
+
+def test_a_missing_run_is_the_sdks_not_found_error_and_still_a_file_not_found(service) -> None:
+    """The cookbook catches ``(tinker.TinkerError, ValueError)`` around run lookups; the SDK's
+    classes exist and grpo's lookups raise them, without breaking ``except FileNotFoundError``."""
+    rest = service.create_rest_client()
+    with pytest.raises(grpo.NotFoundError) as err:
+        rest.get_training_run("run-nope").result()
+    assert isinstance(err.value, grpo.TinkerError) and isinstance(err.value, FileNotFoundError)
+    assert err.value.status_code == 404 and "run-nope" in str(err.value)
+    with pytest.raises(grpo.BadRequestError):
+        rest.get_training_run_by_tinker_path("not-a-tinker-path").result()
+    assert issubclass(grpo.APITimeoutError, grpo.APIConnectionError) and grpo.RequestFailedError("x").category

@@ -16,6 +16,7 @@ from collections.abc import Callable
 from typing import Any
 
 from grpo.api.checkpoint_store import CheckpointStore, default_root, now
+from grpo.api.errors import as_sdk_error
 from grpo.types import (
     APIFuture,
     CheckpointArchiveUrlResponse,
@@ -38,7 +39,7 @@ def _future(fn: Callable[[], Any]) -> APIFuture:
     try:
         out.set_result(fn())
     except Exception as err:
-        out.set_exception(err)
+        out.set_exception(as_sdk_error(err))  # a missing run is the SDK's NotFoundError (a FileNotFoundError)
     return APIFuture(out)
 
 

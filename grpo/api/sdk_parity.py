@@ -17,12 +17,6 @@ _TELEMETRY_URL = "no web console exists for local runs: the run directory (metri
 
 # Top-level names (``tinker.X``) not offered as ``grpo.X``.
 UNSUPPORTED_TOP_LEVEL: dict[str, str] = {
-    **{name: "local calls raise Python's own errors (ValueError, TypeError, FileNotFoundError) naming the "
-             "problem; there is no HTTP status to wrap"
-       for name in ("APIConnectionError", "APIError", "APIResponseValidationError", "APIStatusError",
-                    "APITimeoutError", "AuthenticationError", "BadRequestError", "BillingError", "ConflictError",
-                    "InternalServerError", "NotFoundError", "PermissionDeniedError", "RateLimitError",
-                    "RequestFailedError", "TinkerError", "UnprocessableEntityError")},
     "AdminClient": "administration of the hosted service's organisations; nothing to administer locally",
     "auth": "API keys and tokens: the local backend needs no authentication",
     "Timeout": "HTTP request options; local calls make no HTTP requests",

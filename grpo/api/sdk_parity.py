@@ -1,8 +1,8 @@
 """What of the Tinker SDK's public surface grpo does not implement in-process, and why.
 
 tests/tinker_manifest.json (written by scripts/tinker_manifest.py from the SDK itself) lists the
-SDK's top-level names, client methods with their parameters, and the fields of the types users
-build or read. tests/test_sdk_parity.py holds grpo to it: every entry is implemented under the
+SDK's top-level names, client constructors and methods with their parameters, and every public
+name of ``tinker.types`` (the fields of each data type, the values of each literal set). tests/test_sdk_parity.py holds grpo to it: every entry is implemented under the
 same name with the same parameter names, or it is listed here with the reason and what to do
 instead. ``counts()`` gives the numbers the README shows.
 """

@@ -138,3 +138,35 @@ def test_a_missing_run_is_the_sdks_not_found_error_and_still_a_file_not_found(se
     with pytest.raises(grpo.BadRequestError):
         rest.get_training_run_by_tinker_path("not-a-tinker-path").result()
     assert issubclass(grpo.APITimeoutError, grpo.APIConnectionError) and grpo.RequestFailedError("x").category
+
+
+ALIAS_PROGRAM = """
+import json, sys
+import grpo
+assert grpo.as_tinker() is grpo
+import tinker
+from tinker import types
+from tinker.types.tensor_data import TensorData
+from tinker.lib.public_interfaces import APIFuture
+from tinker.lib.public_interfaces.rest_client import RestClient
+out = {"same": [tinker is grpo, types is grpo.types, TensorData is grpo.types.TensorData,
+                APIFuture is grpo.APIFuture, RestClient is grpo.RestClient, tinker.types.ImageChunk is grpo.types.ImageChunk]}
+try:
+    import tinker.proto.tinker_public_pb2  # noqa: F401
+except ModuleNotFoundError as err:
+    out["internal"] = str(err)
+print(json.dumps(out))
+"""
+
+
+def test_as_tinker_routes_the_sdk_modules_programs_import() -> None:
+    """In a subprocess: the dev venv holds the real SDK, which the rest of this session uses."""
+    import json
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", ALIAS_PROGRAM], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    assert out["same"] == [True] * 6
+    assert "grpo stands in for the tinker SDK's public API" in out["internal"]

@@ -67,5 +67,9 @@ def install() -> pytypes.ModuleType:
     if _HOOK not in sys.meta_path:
         sys.meta_path.insert(0, _HOOK)
     sys.modules["tinker"] = importlib.import_module("grpo")
-    sys.modules["tinker.types"] = importlib.import_module("grpo.types")
+    types_module = sys.modules["tinker.types"] = importlib.import_module("grpo.types")
+    # `import tinker.types.tensor_data` asks the parent for __path__ before any finder runs
+    # ("'tinker.types' is not a package" otherwise); an empty one sends the name to the hook above.
+    if not hasattr(types_module, "__path__"):
+        types_module.__path__ = []
     return sys.modules["tinker"]

@@ -60,7 +60,7 @@ class EncodedTextChunk:
 
 @dataclass
 class ModelInput:
-    """A token sequence, stored as chunks (only text chunks are supported locally)."""
+    """A token sequence, stored as chunks of any of the SDK's kinds; grpo's models read text chunks only."""
 
     chunks: list[ModelInputChunk] = field(default_factory=list)
 

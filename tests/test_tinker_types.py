@@ -170,3 +170,14 @@ def test_as_tinker_routes_the_sdk_modules_programs_import() -> None:
     out = json.loads(done.stdout.strip().splitlines()[-1])
     assert out["same"] == [True] * 6
     assert "grpo stands in for the tinker SDK's public API" in out["internal"]
+
+
+def test_the_remote_backend_sends_image_chunks_as_the_sdks_own() -> None:
+    """What grpo's local models cannot run, a service can: the remote backend hands it over."""
+    sdk_types = pytest.importorskip("tinker").types
+    from grpo.backends.remote import convert
+
+    mixed = types.ModelInput(chunks=[types.EncodedTextChunk(tokens=[1, 2]), IMAGE])
+    out = convert.model_input(sdk_types, mixed)
+    assert isinstance(out.chunks[1], sdk_types.ImageChunk) and out.chunks[1].data == IMAGE.data
+    assert out.length == mixed.length == 5

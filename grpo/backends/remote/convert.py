@@ -7,6 +7,7 @@ MinT) and 0.38 share.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Mapping
 from types import ModuleType
 from typing import Any
@@ -18,10 +19,15 @@ def model_input(sdk_types: ModuleType, value: g.ModelInput) -> Any:
     if not isinstance(value, g.ModelInput):
         raise TypeError(f"expected a grpo.types.ModelInput, got {type(value).__name__}")
     chunks = []
-    for chunk in value.chunks:
-        if not isinstance(chunk, g.EncodedTextChunk):
-            raise TypeError(f"only encoded_text chunks can be sent to the service, got {type(chunk).__name__}")
-        chunks.append(sdk_types.EncodedTextChunk(tokens=[int(t) for t in chunk.tokens]))
+    for i, chunk in enumerate(value.chunks):
+        if isinstance(chunk, g.EncodedTextChunk):
+            chunks.append(sdk_types.EncodedTextChunk(tokens=[int(t) for t in chunk.tokens]))
+            continue
+        # Image and audio chunks: the service runs them (grpo's local models do not); same fields.
+        sdk_class = getattr(sdk_types, type(chunk).__name__, None)
+        if sdk_class is None or not dataclasses.is_dataclass(chunk):
+            raise TypeError(f"chunk {i} ({type(chunk).__name__}) has no counterpart in this SDK's types")
+        chunks.append(sdk_class(**{f.name: getattr(chunk, f.name) for f in dataclasses.fields(chunk)}))
     return sdk_types.ModelInput(chunks=chunks)
 
 

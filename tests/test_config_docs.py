@@ -19,7 +19,7 @@ from grpo.rl.config import GRPOConfig
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_conf_help_and_readme_are_rendered_from_the_dataclass():
+def test_conf_help_and_the_docs_table_are_rendered_from_the_dataclass():
     stale = [str(p.relative_to(ROOT)) for p, text in config_docs.targets(ROOT).items()
              if not p.is_file() or p.read_text() != text]
     assert not stale, f"{stale} drifted from grpo/rl/config.py: run python -m grpo.rl.config_docs --write"
@@ -41,7 +41,7 @@ def test_every_setting_is_read_somewhere():
                      if p.name not in ("config.py", "config_docs.py"))
     # config.py's own schedule methods (lr_at, eval_due, ...) read keys too; its declarations and
     # validate() do not count as reading.
-    own = (ROOT / "grpo" / "config.py").read_text()
+    own = (ROOT / "grpo" / "rl" / "config.py").read_text()
     code += own[own.index("# ------------------------------------------------------------------ construction"):]
     unread = [f.name for f in dataclasses.fields(GRPOConfig) if not re.search(rf"\.{f.name}\b", code)]
     assert not unread, f"GRPOConfig fields nothing reads: {unread}"

@@ -1,7 +1,7 @@
 """The loop's hyperparameters, declared once: this dataclass.
 
 Each field carries its meaning (``help``) beside its default. conf/config.yaml's keys, the CLI's
-``--help`` and the README's table are rendered from it (grpo.rl.config_docs; ``python -m
+``--help`` and docs/configuration.md's table are rendered from it (grpo.rl.config_docs; ``python -m
 grpo.rl.config_docs --write`` refreshes the files, tests/test_config_docs.py fails when they drift),
 and ``validate`` checks every value before anything heavy loads.
 
@@ -35,7 +35,7 @@ ALIASES = {"model": "base_model", "batch": "batch_size", "group": "group_size", 
 
 def setting(default: Any, help: str, *, section: str | None = None) -> Any:
     """A config field: its default, what it means, and (on a section's first field) the heading
-    it starts in conf/config.yaml and the README."""
+    it starts in conf/config.yaml and docs/configuration.md."""
     metadata = {"help": help, **({"section": section} if section else {})}
     if isinstance(default, list | dict):
         return field(default_factory=lambda: type(default)(default), metadata=metadata)

@@ -36,6 +36,7 @@ def comparable(rows: list[dict]) -> list[dict]:
     return [{k: v for k, v in r.items() if not k.startswith(TIMING_PREFIXES)} for r in rows]
 
 
+@pytest.mark.slow  # end to end, minutes on 2 cores: CI's slow stage runs it
 def test_sigkill_mid_step_then_resume_matches_an_uninterrupted_run(tmp_path):
     args = [*TOY, "steps=6", "save_every=2", "seed=3"]
     straight = grpo(*args, f"hydra.run.dir={tmp_path / 'straight'}")
@@ -64,6 +65,7 @@ def final_adapter(run_dir: Path) -> bytes:
     return (final_adapter_dir(run_dir) / "adapter_model.safetensors").read_bytes()
 
 
+@pytest.mark.slow  # end to end, minutes on 2 cores: CI's slow stage runs it
 def test_ctrl_c_checkpoints_the_last_whole_step_and_resume_matches(tmp_path):
     args = [*TOY, "steps=4", "save_every=0", "seed=5", "eval_size=0"]
     straight = grpo(*args, f"hydra.run.dir={tmp_path / 'straight'}")
@@ -82,6 +84,7 @@ def test_ctrl_c_checkpoints_the_last_whole_step_and_resume_matches(tmp_path):
         assert comparable(read_jsonl(run_dir / name)) == comparable(read_jsonl(tmp_path / "straight" / name)), name
 
 
+@pytest.mark.slow  # end to end, minutes on 2 cores: CI's slow stage runs it
 def test_rerunning_a_finished_run_changes_nothing(tmp_path):
     args = [*TOY, "steps=2", f"hydra.run.dir={tmp_path}"]
     assert grpo(*args).returncode == 0
@@ -92,6 +95,7 @@ def test_rerunning_a_finished_run_changes_nothing(tmp_path):
     assert (tmp_path / "metrics.jsonl").read_text() == before
 
 
+@pytest.mark.slow  # end to end, minutes on 2 cores: CI's slow stage runs it
 def test_sweep_runs_into_separate_directories(tmp_path):
     result = grpo("-m", *TOY, "steps=1", "eval_size=0", "learning_rate=1e-5,2e-5", f"hydra.sweep.dir={tmp_path}")
     assert result.returncode == 0, result.stderr[-3000:]
@@ -105,6 +109,7 @@ def test_sweep_runs_into_separate_directories(tmp_path):
         assert [m["lr"] for m in read_jsonl(r / "metrics.jsonl") if "lr" in m] in ([1e-5], [2e-5])
 
 
+@pytest.mark.slow  # end to end, minutes on 2 cores: CI's slow stage runs it
 def test_a_users_adapter_from_outside_the_repository(tmp_path):
     pkg = tmp_path / "my_pkg"
     pkg.mkdir()

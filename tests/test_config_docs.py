@@ -56,6 +56,7 @@ def test_help_lists_every_key_with_its_meaning():
         assert meaning[:30] in out
 
 
+@pytest.mark.slow  # end to end, minutes on 2 cores: CI's slow stage runs it
 def test_a_wheel_installed_outside_the_checkout_ships_the_config_tree(tmp_path):
     """`pip install .` (not editable) must carry conf/ and every module: build the wheel, install
     it into a fresh venv, and compose the config from a directory far from the checkout."""

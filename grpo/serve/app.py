@@ -26,6 +26,7 @@ from pydantic import ValidationError
 
 from grpo import models
 from grpo import types as g
+from grpo.api import names
 from grpo.backends.local.clients import SamplingClient, ServiceClient, TrainingClient
 from grpo.serve import bodies, wire
 from grpo.serve.futures import FutureStore, error_result
@@ -317,12 +318,19 @@ def create_app(api_key: str, service: ServiceClient | None = None, long_poll_s: 
 
     # ------------------------------------------------------------------ checkpoints
 
+    def checked_name(value: Any) -> str:
+        """A save's name: one component of the store, never a directory of the host."""
+        try:
+            return names.check_name(value, "path")
+        except names.UnsafeName as err:
+            raise _fail(422, "path", str(err)) from err
+
     @api.post("/save_weights")
     async def save_weights(body: bodies.SaveWeights) -> dict[str, Any]:
         model = state.model(body.model_id)
         async with model.gate.turn(body.seq_id):
             try:
-                future = model.client.save_state(body.path or f"state-{body.seq_id}", ttl_seconds=body.ttl_seconds,
+                future = model.client.save_state(checked_name(body.path), ttl_seconds=body.ttl_seconds,
                                                  overwrite=body.overwrite, user_metadata=body.user_metadata)
             except ValueError as err:
                 raise _fail(422, "path", str(err)) from err
@@ -345,7 +353,7 @@ def create_app(api_key: str, service: ServiceClient | None = None, long_poll_s: 
                 "type": "save_weights_for_sampler", "sampling_session_id": sampler_id}))}
         async with model.gate.turn(body.seq_id):
             try:
-                future = model.client.save_weights_for_sampler(body.path, ttl_seconds=body.ttl_seconds,
+                future = model.client.save_weights_for_sampler(checked_name(body.path), ttl_seconds=body.ttl_seconds,
                                                                user_metadata=body.user_metadata)
             except ValueError as err:
                 raise _fail(422, "path", str(err)) from err

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import hmac
 import itertools
 import json
 import secrets
@@ -19,7 +18,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from fastapi import APIRouter, Depends, FastAPI, HTTPException, Request
+from fastapi import APIRouter, FastAPI, HTTPException, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
@@ -30,6 +29,8 @@ from grpo.api import names
 from grpo.backends.local.clients import SamplingClient, ServiceClient, TrainingClient
 from grpo.serve import bodies, wire
 from grpo.serve.futures import FutureStore, error_result
+from grpo.serve.guard import Guard
+from grpo.serve.limits import LimitError, Limits
 from grpo.serve.ordering import SeqGate
 
 API_PREFIX = "/api/v1"
@@ -153,6 +154,18 @@ def _render_sample(value: g.SampleResponse, want_proto: bool) -> dict[str, Any] 
     return wire.sample_to_proto(value) if want_proto else wire.sample_to_json(value)
 
 
+def context_of(engine: Any) -> int | None:
+    """The model's context length in tokens, where its config states one."""
+    value = getattr(engine.model.config, "max_position_embeddings", None)
+    return int(value) if isinstance(value, int) and value > 0 else None
+
+
+def one_line(err: BaseException) -> str:
+    """An exception as one line of at most 300 characters, for an error body."""
+    text = " ".join(str(err).split()) or type(err).__name__
+    return text if len(text) <= 300 else text[:297] + "..."
+
+
 def _parse_json(raw: bytes, model: type[bodies.Body]) -> bodies.Body:
     try:
         return model.model_validate_json(raw or b"{}")
@@ -161,30 +174,29 @@ def _parse_json(raw: bytes, model: type[bodies.Body]) -> bodies.Body:
 
 
 def create_app(api_key: str, service: ServiceClient | None = None, long_poll_s: float = 30.0,
-               fwdbwd_chunk_len: int | None = None) -> FastAPI:
+               fwdbwd_chunk_len: int | None = None, limits: Limits | None = None) -> FastAPI:
     """The app; ``service`` (default: a ServiceClient on $GRPO_CACHE/checkpoints) holds the
     base models and the checkpoint store. ``fwdbwd_chunk_len``: datums per forward_backward
     request the SDK may send (its default 1024); smaller batches arrive as parallel chunks."""
     if not api_key.startswith("tml-"):
         raise ValueError("the API key must start with 'tml-' (the Tinker SDK refuses any other)")
     state = ServerState(service or ServiceClient(), long_poll_s)
+    limits = limits or Limits()
 
-    def require_key(request: Request) -> None:
-        given = request.headers.get("x-api-key", "")
-        if not hmac.compare_digest(given.encode(), api_key.encode()):
-            raise HTTPException(401, detail="missing or wrong X-API-Key (the key the server printed at start, "
-                                "or $GRPO_SERVE_API_KEY); set TINKER_API_KEY to it")
-
-    # No /docs or /openapi.json: nothing is served without the key but liveness.
+    # No /docs or /openapi.json: nothing is served without the key but liveness. The key and the
+    # body size are checked by Guard from the headers, before any body is read or parsed.
     app = FastAPI(title="grpo Tinker-compatible server", docs_url=None, redoc_url=None, openapi_url=None)
+    app.add_middleware(Guard, api_key=api_key, max_body_bytes=limits.max_body_bytes,
+                       open_paths=frozenset({API_PREFIX + "/healthz"}))
     app.state.grpo = state
+    app.state.limits = limits
 
     @app.get(API_PREFIX + "/healthz")
     async def healthz() -> dict[str, Any]:
         """Open without the key: liveness, and which server this is, for clients' start-up check."""
         return {"status": "ok", "server": "grpo serve", "version": _grpo_version(), "tested_sdks": list(TESTED_SDKS)}
 
-    api = APIRouter(prefix=API_PREFIX, dependencies=[Depends(require_key)])
+    api = APIRouter(prefix=API_PREFIX)
 
     # ------------------------------------------------------------------ client config and sessions
 
@@ -269,6 +281,10 @@ def create_app(api_key: str, service: ServiceClient | None = None, long_poll_s: 
         if loss_fn not in SUPPORTED_LOSSES:
             raise _fail(422, "loss_fn", f"loss_fn {loss_fn!r} is not supported locally; use one of "
                         f"{', '.join(SUPPORTED_LOSSES)} (stable_reinforce is server-defined and unpublished)")
+        try:
+            limits.check_datums((d.model_input.length for d in data), context_of(model.client.engine))
+        except LimitError as err:
+            raise _fail(err.status, err.field, str(err)) from err
         async with model.gate.turn(seq_id):
             try:
                 call = model.client.forward_backward if backward else model.client.forward
@@ -284,7 +300,7 @@ def create_app(api_key: str, service: ServiceClient | None = None, long_poll_s: 
             raise HTTPException(415, detail="compressed request bodies are not supported (proto_compress_fwdbwd is off)")
         if request.headers.get("content-type", "").startswith(PROTOBUF):
             try:
-                req = wire.forward_backward_from_proto(raw)
+                req = wire.forward_backward_from_proto(raw, limits)
             except wire.WireError as err:
                 raise _fail(422, err.field, str(err)) from err
             return await loss_call(req["model_id"], req["seq_id"], req["data"], req["loss_fn"] or "cross_entropy",
@@ -299,7 +315,7 @@ def create_app(api_key: str, service: ServiceClient | None = None, long_poll_s: 
     async def loss_json(model_id: str, seq_id: int | None, fb: bodies.ForwardBackwardInput,
                         backward: bool) -> dict[str, Any]:
         try:
-            data = wire.data_from_json([d.model_dump() for d in fb.data])
+            data = wire.data_from_json([d.model_dump() for d in fb.data], limits)
         except wire.WireError as err:
             raise _fail(422, f"forward_backward_input.{err.field}", str(err)) from err
         return await loss_call(model_id, seq_id, data, fb.loss_fn, fb.loss_fn_config, backward)
@@ -453,14 +469,10 @@ def create_app(api_key: str, service: ServiceClient | None = None, long_poll_s: 
             if not (local / "adapter_config.json").exists():
                 raise _fail(404, "model_path", f"no sampler weights at {body.model_path}")
             base = body.base_model or json.loads((local / "adapter_config.json").read_text())["base_model_name_or_path"]
-            client = await asyncio.to_thread(state.service.create_sampling_client, model_path=body.model_path)
+            client = await load_sampler(model_path=body.model_path)
         elif body.base_model:
-            try:
-                models.resolve(body.base_model)
-            except ValueError as err:
-                raise _fail(422, "base_model", str(err)) from err
             base = body.base_model
-            client = await asyncio.to_thread(state.service.create_sampling_client, base_model=base)
+            client = await load_sampler(base_model=base)
         else:
             raise _fail(422, "model_path", "create_sampling_session needs model_path or base_model")
         state.samplers[sampler_id] = Sampler(sampler_id, base, client, body.model_path)
@@ -473,26 +485,46 @@ def create_app(api_key: str, service: ServiceClient | None = None, long_poll_s: 
 
     @api.post("/asample")
     async def asample(body: bodies.Sample) -> dict[str, Any]:
+        tokens = [t for chunk in body.prompt.chunks for t in chunk.tokens]
+        max_tokens = body.sampling_params.max_tokens
+        try:  # the bounds that need no model first: nothing is loaded for a request refused anyway
+            limits.check_sample(len(tokens), max_tokens, body.num_samples, context=None)
+        except LimitError as err:
+            raise _fail(err.status, err.field, str(err)) from err
         if body.sampling_session_id:
             client = state.sampler(body.sampling_session_id).client
         elif body.base_model:
             if body.base_model not in state.base_samplers:
-                state.base_samplers[body.base_model] = await asyncio.to_thread(
-                    state.service.create_sampling_client, base_model=body.base_model)
+                state.base_samplers[body.base_model] = await load_sampler(base_model=body.base_model)
             client = state.base_samplers[body.base_model]
         else:
             raise _fail(422, "sampling_session_id", "asample needs a sampling_session_id")
-        tokens = [t for chunk in body.prompt.chunks for t in chunk.tokens]
         try:
+            limits.check_sample(len(tokens), max_tokens, body.num_samples, context_of(client.engine))
             params = wire.sampling_params_from_json(body.sampling_params.model_dump())
             future = client.sample(g.ModelInput.from_ints(tokens), body.num_samples, params,
                                    include_prompt_logprobs=body.prompt_logprobs)
+        except LimitError as err:
+            raise _fail(err.status, err.field, str(err)) from err
         except wire.WireError as err:
             raise _fail(422, err.field, str(err)) from err
         except (ValueError, TypeError) as err:
             raise _fail(422, "prompt", str(err)) from err
         request_id = state.futures.add(_api_future(future), _render_sample)
         return {"request_id": request_id, "sample_sequence_ids": [f"{request_id}:{i}" for i in range(body.num_samples)]}
+
+    async def load_sampler(**where: str) -> SamplingClient:
+        """A sampling client; a model that cannot be loaded is the client's mistake (a 422 naming
+        the field), never a 5xx the SDK would retry for a minute."""
+        field_name = next(iter(where))
+        try:
+            if "base_model" in where:
+                models.resolve(where["base_model"])
+            return await asyncio.to_thread(state.service.create_sampling_client, **where)
+        except FileNotFoundError as err:
+            raise _fail(404, field_name, one_line(err)) from err
+        except Exception as err:  # transformers raises OSError, ValueError, ... for a model it cannot load
+            raise _fail(422, field_name, f"{where[field_name]!r} could not be loaded: {one_line(err)}") from err
 
     # ------------------------------------------------------------------ futures
 

@@ -17,7 +17,7 @@ from serve_helpers import API_KEY, Server
 from grpo.serve import proto
 
 LIMITS = ("--max-body-mb", "1", "--max-prompt-tokens", "256", "--max-num-samples", "8",
-          "--max-tensor-elements", "100000")
+          "--max-tensor-elements", "100000", "--client-timeout-s", "4")
 
 
 def tree(root: Path) -> dict[str, bytes | None]:
@@ -237,3 +237,44 @@ def test_a_good_sparse_tensor_still_trains(env):
                                    content_type="application/x-protobuf")
     assert status == 200, body
     assert "loss:sum" in wait(env["srv"], body["request_id"])["metrics"]
+
+
+# ------------------------------------------------------------------ 7. what errors show
+
+def test_error_bodies_do_not_show_where_the_store_lies(env):
+    status, body = env["srv"].call("POST", "/api/v1/load_weights", {"model_id": env["model_id"],
+                                                                    "path": "tinker://run-nope/weights/gone"})
+    text = json.dumps(body)
+    assert status == 404 and "run-nope" in text
+    assert str(env["base"]) not in text and str(Path.home()) not in text, text
+
+
+# ------------------------------------------------------------------ a client that is gone
+
+def long_sample(env, sampler: str) -> str:
+    status, body = env["srv"].call("POST", "/api/v1/asample", {
+        "sampling_session_id": sampler, "num_samples": 8, "prompt": {"chunks": [{"tokens": [1, 2, 3]}]},
+        "sampling_params": {"max_tokens": 500, "temperature": 1.0}})
+    assert status == 200, body
+    return body["request_id"]
+
+
+def test_a_gone_clients_queued_sampling_is_dropped(env):
+    srv = env["srv"]
+    for gone in ("finish", "silent"):
+        session = srv.call("POST", "/api/v1/create_session", {})[1]["session_id"]
+        sampler = srv.call("POST", "/api/v1/create_sampling_session", {"session_id": session, "base_model": "tiny"}
+                           )[1]["sampling_session_id"]
+        running = long_sample(env, sampler)
+        time.sleep(0.3)  # the batcher has started on it; what follows queues behind it
+        queued = [long_sample(env, sampler) for _ in range(2)]
+        if gone == "finish":
+            assert srv.call("POST", f"/api/v1/sessions/{session}/finish", {})[0] == 200
+        else:
+            time.sleep(5)  # past --client-timeout-s 4 without a poll; another client's poll notices
+            srv.call("POST", "/api/v1/retrieve_future", {"request_id": "req-of-another-client"})
+        for request_id in queued:
+            status, body = srv.call("POST", "/api/v1/retrieve_future", {"request_id": request_id})
+            assert status == 200 and body["error"].startswith("CancelledError"), body
+        assert "sequences" in wait(srv, running)  # a started batch runs to its end
+    answers_normally(env)

@@ -28,7 +28,7 @@ from grpo import types as g
 from grpo.api import names
 from grpo.backends.local.clients import SamplingClient, ServiceClient, TrainingClient
 from grpo.serve import bodies, wire
-from grpo.serve.futures import FutureStore, error_result
+from grpo.serve.futures import FutureStore, cancelled_result, error_result
 from grpo.serve.guard import Guard
 from grpo.serve.limits import LimitError, Limits
 from grpo.serve.ordering import SeqGate
@@ -75,6 +75,11 @@ class ServerState:
         # Loading a base model takes seconds to minutes: done off the event loop.
         self.executor = concurrent.futures.ThreadPoolExecutor(max_workers=8, thread_name_prefix="grpo-serve")
 
+    def seen(self, session_id: str | None) -> None:
+        """The session's client is alive (it polls or sends heartbeats)."""
+        if session_id in self.sessions:
+            self.sessions[session_id]["heartbeat"] = time.time()
+
     def session(self, session_id: str) -> dict[str, Any]:
         if session_id not in self.sessions:
             raise _fail(404, "session_id", f"unknown session_id {session_id!r}; create_session first "
@@ -100,9 +105,19 @@ class ServerState:
         try:
             return self.store.resolve(path)
         except ValueError as err:
-            raise _fail(422, field_name, str(err)) from err
+            raise _fail(422, field_name, self.public(err)) from err
         except FileNotFoundError as err:
-            raise _fail(404, field_name, str(err)) from err
+            raise _fail(404, field_name, self.public(err)) from err
+
+    def public(self, err: BaseException | str) -> str:
+        """An error as one line for a client: where the store and the home directory lie on this
+        host is none of its business (and helps an attacker aim)."""
+        text = one_line(err) if isinstance(err, BaseException) else err
+        for place, shown in ((str(self.store.root.resolve()), "<checkpoint store>"),
+                             (str(self.store.root), "<checkpoint store>"), (str(Path.home()), "~")):
+            if len(place) > 1:
+                text = text.replace(place, shown)
+        return text
 
     def submit(self, fn, render=None) -> str:
         return self.futures.add(self.executor.submit(fn), render)
@@ -233,6 +248,7 @@ def create_app(api_key: str, service: ServiceClient | None = None, long_poll_s: 
     @api.post("/sessions/{session_id}/finish")
     async def finish_session(session_id: str) -> dict[str, Any]:
         state.sessions.pop(session_id, None)
+        state.futures.drop_session(session_id)
         return {"type": "finish_session"}
 
     @api.post("/telemetry")
@@ -414,9 +430,9 @@ def create_app(api_key: str, service: ServiceClient | None = None, long_poll_s: 
         try:
             return fn(*args)
         except FileNotFoundError as err:
-            raise HTTPException(404, detail=str(err)) from err
+            raise HTTPException(404, detail=state.public(err)) from err
         except ValueError as err:
-            raise HTTPException(422, detail=str(err)) from err
+            raise HTTPException(422, detail=state.public(err)) from err
 
     def ckpt_path(run_id: str, checkpoint_id: str) -> str:
         return f"tinker://{run_id}/{checkpoint_id}"
@@ -510,7 +526,10 @@ def create_app(api_key: str, service: ServiceClient | None = None, long_poll_s: 
             raise _fail(422, err.field, str(err)) from err
         except (ValueError, TypeError) as err:
             raise _fail(422, "prompt", str(err)) from err
-        request_id = state.futures.add(_api_future(future), _render_sample)
+        # Sampler ids start with their session's id ("sess-..:sample:N", "sess-..:train:M:sample:N").
+        session = body.sampling_session_id.split(":")[0] if body.sampling_session_id else None
+        state.seen(session)
+        request_id = state.futures.add(_api_future(future), _render_sample, session=session)
         return {"request_id": request_id, "sample_sequence_ids": [f"{request_id}:{i}" for i in range(body.num_samples)]}
 
     async def load_sampler(**where: str) -> SamplingClient:
@@ -522,29 +541,46 @@ def create_app(api_key: str, service: ServiceClient | None = None, long_poll_s: 
                 models.resolve(where["base_model"])
             return await asyncio.to_thread(state.service.create_sampling_client, **where)
         except FileNotFoundError as err:
-            raise _fail(404, field_name, one_line(err)) from err
+            raise _fail(404, field_name, state.public(err)) from err
         except Exception as err:  # transformers raises OSError, ValueError, ... for a model it cannot load
-            raise _fail(422, field_name, f"{where[field_name]!r} could not be loaded: {one_line(err)}") from err
+            raise _fail(422, field_name, f"{where[field_name]!r} could not be loaded: {state.public(err)}") from err
 
     # ------------------------------------------------------------------ futures
+
+    def drop_silent_sessions() -> None:
+        """A client that stopped polling is gone (killed, disconnected): its queued sampling would
+        only keep the others waiting. Checked on every poll, so no timer thread is needed."""
+        cutoff = time.time() - limits.client_timeout_s
+        for session_id, info in list(state.sessions.items()):
+            if info["heartbeat"] < cutoff and state.futures.drop_session(session_id):
+                info["heartbeat"] = time.time()  # dropped once; a later request of its own revives it
+
+    def public_error(err: BaseException) -> dict[str, Any]:
+        result = error_result(err)
+        return {**result, "error": state.public(result["error"])}
 
     @api.post("/retrieve_future")
     async def retrieve_future(body: bodies.RetrieveFuture, request: Request) -> Response:
         pending = state.futures.get(body.request_id)
+        if pending is not None:
+            state.seen(pending.session)
+        drop_silent_sessions()
         if pending is None:
             raise _fail(404, "request_id", f"unknown request_id {body.request_id!r} (results are kept "
                         "10 minutes, and not across a server restart)")
+        if pending.future.cancelled():
+            return JSONResponse(cancelled_result())
         if not await state.futures.wait(pending):
             return JSONResponse({"type": "try_again", "request_id": body.request_id, "queue_state": "active"})
         err = pending.future.exception()
         if err is not None:
-            return JSONResponse(error_result(err))
+            return JSONResponse(public_error(err))
         accept = request.headers.get("accept", "")
         want_proto = PROTOBUF in accept and "application/json" not in accept
         try:
             rendered = pending.render(pending.future.result(), want_proto)
         except Exception as render_err:  # never a 5xx: the SDK would retry it forever
-            return JSONResponse(error_result(render_err))
+            return JSONResponse(public_error(render_err))
         if isinstance(rendered, bytes):
             return Response(rendered, media_type=PROTOBUF)
         return JSONResponse(rendered)

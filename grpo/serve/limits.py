@@ -34,6 +34,7 @@ class Limits:
     max_num_samples: int = 128  # completions per sample request
     max_tensor_elements: int = 1 << 24  # declared elements of one loss_fn_inputs tensor, dense or sparse
     max_datums: int = 4096  # datums per forward / forward_backward request
+    client_timeout_s: float = 120.0  # a session silent this long has its queued sampling dropped
 
     @property
     def max_body_bytes(self) -> int:
@@ -81,6 +82,8 @@ _HELP = {
     "max_num_samples": "most completions one sample request may ask for",
     "max_tensor_elements": "most elements a loss_fn_inputs tensor may declare (dense or sparse)",
     "max_datums": "most datums in one forward / forward_backward request",
+    "client_timeout_s": "seconds a session may go without a request (a poll, a heartbeat) before its "
+                        "queued sampling work is dropped; finishing a session drops it at once",
 }
 
 

@@ -16,6 +16,8 @@ from grpo.checks import ConfigError
 def check_argv(argv: list[str], conf_dir: Path) -> None:
     """Raise ConfigError for the first problem in ``argv`` (the Hydra overrides) found here."""
     multirun = any(a in ("-m", "--multirun") for a in argv)
+    runs_a_job = not any(a.split("=")[0] in ("--cfg", "-c", "--help", "-h", "--hydra-help", "--info", "-i",
+                                              "--shell-completion", "-sc") for a in argv)
     for arg in argv:
         if arg.startswith("-") or "=" not in arg:
             continue
@@ -23,7 +25,8 @@ def check_argv(argv: list[str], conf_dir: Path) -> None:
         key = key.lstrip("+~")
         if (conf_dir / key).is_dir() and "/" not in key and "${" not in value:
             _check_group(key, value, conf_dir / key, multirun)
-        elif key == ("hydra.sweep.dir" if multirun else "hydra.run.dir") and value and "${" not in value:
+        elif (runs_a_job and key == ("hydra.sweep.dir" if multirun else "hydra.run.dir") and value
+              and "${" not in value):  # only a job creates it: --cfg / --help must not
             check_run_dir(key, Path(value))
 
 

@@ -278,3 +278,17 @@ def test_a_gone_clients_queued_sampling_is_dropped(env):
             assert status == 200 and body["error"].startswith("CancelledError"), body
         assert "sequences" in wait(srv, running)  # a started batch runs to its end
     answers_normally(env)
+
+
+def test_the_sdk_user_sees_the_clear_message_at_once(env, monkeypatch):
+    tinker = pytest.importorskip("tinker")
+    monkeypatch.setenv("TINKER_TELEMETRY", "0")
+    service = tinker.ServiceClient(base_url=env["srv"].url, api_key=API_KEY)
+    t0 = time.monotonic()
+    with pytest.raises(Exception, match="base_model") as bad_model:
+        service.create_sampling_client(base_model="no-such-model")
+    sampler = service.create_sampling_client(base_model="tiny")
+    with pytest.raises(Exception, match="--max-prompt-tokens") as too_long:
+        sampler.sample(tinker.ModelInput.from_ints([1] * 300), 1, tinker.SamplingParams(max_tokens=2)).result()
+    assert time.monotonic() - t0 < 20, "the SDK retried a 4xx"
+    assert "InternalServerError" not in repr(bad_model.value) + repr(too_long.value)

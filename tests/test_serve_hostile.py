@@ -292,3 +292,23 @@ def test_the_sdk_user_sees_the_clear_message_at_once(env, monkeypatch):
         sampler.sample(tinker.ModelInput.from_ints([1] * 300), 1, tinker.SamplingParams(max_tokens=2)).result()
     assert time.monotonic() - t0 < 20, "the SDK retried a 4xx"
     assert "InternalServerError" not in repr(bad_model.value) + repr(too_long.value)
+
+
+def test_a_restarted_server_removes_killed_saves_staging(env, tmp_path):
+    import subprocess
+    import sys
+
+    store = env["base"] / "checkpoints"
+    run = next(p for p in store.iterdir() if (p / "run.json").exists())
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True,
+                          check=True).stdout.strip()
+    staging = run / "weights" / f"killed.{dead}.tmp"  # what a server SIGKILLed mid-save leaves
+    staging.mkdir(parents=True)
+    (staging / "adapter_model.safetensors").write_bytes(b"0" * 4096)
+    restarted = Server(store, extra_args=LIMITS)
+    try:
+        assert not staging.exists()
+        status, body = restarted.call("GET", "/api/v1/checkpoints")
+        assert status == 200 and all("killed" not in c["tinker_path"] for c in body["checkpoints"])
+    finally:
+        restarted.stop()

@@ -67,7 +67,10 @@ def test_killed_saves_staging_is_removed_when_the_store_opens(tmp_path) -> None:
     (weights / f"lost.{dead}.tmp" / "big").write_bytes(b"0" * 1000)
     (weights / f"live.{os.getpid()}.tmp").mkdir()  # a save in flight in a live process: kept
     (weights / "kept.old").mkdir()  # replaced, old copy stranded
+    (store.root / ".archives" / run).mkdir(parents=True)
+    (store.root / ".archives" / run / f"kept-1.tar.ab12cd.{dead}.tmp").write_bytes(b"0" * 1000)  # a killed archive
     CheckpointStore(store.root)
+    assert list((store.root / ".archives" / run).iterdir()) == []
     assert sorted(p.name for p in weights.iterdir()) == ["kept", "kept.meta.json", f"live.{os.getpid()}.tmp"]
     assert store.resolve(tinker_path(run, "training", "kept"))
 

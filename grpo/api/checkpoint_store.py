@@ -96,6 +96,12 @@ class CheckpointStore:
         without one is restored). Runs when a store is opened, so a server restart or a resumed
         run reclaims the space; returns what was removed."""
         removed = []
+        archives = self.root / ".archives"
+        if archives.is_dir() and not archives.is_symlink():
+            for entry in archives.glob("*/*.tmp"):
+                if not _alive(entry.name.split(".")[-2]):
+                    entry.unlink(missing_ok=True)
+                    removed.append(entry)
         for run in self._run_dirs():
             for segment in CHECKPOINT_SEGMENTS.values():
                 folder = run / segment
@@ -316,7 +322,7 @@ class CheckpointStore:
         out = self.root / ".archives" / parsed.training_run_id / f"{parsed.checkpoint_id.replace('/', '__')}-{stamp}.tar"
         if not out.exists():
             out.parent.mkdir(parents=True, exist_ok=True)
-            tmp = out.with_name(out.name + f".{uuid.uuid4().hex[:6]}.tmp")
+            tmp = out.with_name(out.name + f".{uuid.uuid4().hex[:6]}.{os.getpid()}.tmp")  # pid: see clean_staging
             with tarfile.open(tmp, "w") as tar:
                 for rel, file in files.items():
                     tar.add(file, arcname=rel)

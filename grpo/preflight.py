@@ -23,7 +23,8 @@ def check_argv(argv: list[str], conf_dir: Path) -> None:
             continue
         key, value = arg.split("=", 1)
         key = key.lstrip("+~")
-        if (conf_dir / key).is_dir() and "/" not in key and "${" not in value:
+        # Hydra's sweep functions (choice(...), glob(...), range(...)) and lists are Hydra's to expand.
+        if (conf_dir / key).is_dir() and "/" not in key and not any(c in value for c in "${}()[]"):
             _check_group(key, value, conf_dir / key, multirun)
         elif (runs_a_job and key == ("hydra.sweep.dir" if multirun else "hydra.run.dir") and value
               and "${" not in value):  # only a job creates it: --cfg / --help must not

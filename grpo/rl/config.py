@@ -130,8 +130,11 @@ class GRPOConfig:
             check(ok, key, getattr(self, key), valid)
 
         def number(key: str) -> bool:
+            # Not a number at all is its own message: "learning_rate='abc' ... must be >= 0" misleads.
             value = getattr(self, key)
-            return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+            need(isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value), key,
+                 "must be a finite number")
+            return True
 
         need(isinstance(self.base_model, str) and bool(self.base_model), "base_model",
              "a model name (smollm2, tiny), a local directory or a hub id")

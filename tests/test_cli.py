@@ -184,10 +184,18 @@ def one_line(result: subprocess.CompletedProcess, *says: str) -> str:
     return lines[0]
 
 
-def test_bad_input_is_one_line_naming_the_key_or_file_quickly(tmp_path):
-    """Issue #33: each was a traceback (or Hydra's 14 lines); none involves the network."""
-    import time
+# Runs ``python -m grpo`` and records, as it exits, which heavy modules it had imported: a bad
+# setting must be refused before torch or transformers load (that is what makes it quick; the
+# time itself is not asserted, it depends on the machine).
+IMPORTS_AT_EXIT = """import atexit, runpy, sys
+out = sys.argv.pop(1)
+atexit.register(lambda: open(out, "w").write(" ".join(m for m in ("torch", "transformers") if m in sys.modules)))
+runpy.run_module("grpo", run_name="__main__", alter_sys=True)
+"""
 
+
+def test_bad_input_is_one_line_naming_the_key_or_file_before_torch_loads(tmp_path):
+    """Issue #33: each was a traceback (or Hydra's 14 lines); none involves the network."""
     data = tmp_path / "bad.jsonl"
     data.write_text('{"question": "1+1", "answer": "2"}\n{broken\n')
     a_file = tmp_path / "a_file"
@@ -205,12 +213,13 @@ def test_bad_input_is_one_line_naming_the_key_or_file_quickly(tmp_path):
         (["adapter=math", "base_model=Qwen/Qwen3-0.6B", f"hydra.run.dir={tmp_path / 'r3'}"],
          ["base_model 'Qwen/Qwen3-0.6B'", "HF_HUB_OFFLINE"]),
     ]
-    for args, says in cases:
-        t0 = time.monotonic()
-        result = grpo(*args, extra_env={"HF_HUB_OFFLINE": "1"})
-        elapsed = time.monotonic() - t0
+    env = {**os.environ, "PYTHONPATH": str(TESTS), "HF_HUB_OFFLINE": "1"}
+    for i, (args, says) in enumerate(cases):
+        imported = tmp_path / f"imported_{i}.txt"
+        result = subprocess.run([sys.executable, "-c", IMPORTS_AT_EXIT, str(imported), *args], cwd=ROOT, env=env,
+                                capture_output=True, text=True, timeout=300)
         one_line(result, *says)
-        assert elapsed < 6, (args, elapsed)  # about 1 s on an idle machine; slack for a shared one
+        assert imported.read_text() == "", (args, imported.read_text())
 
 
 def test_cfg_job_prints_the_resolved_config():

@@ -38,6 +38,16 @@ def test_bad_tinker_paths_are_refused(path) -> None:
 
 def test_parse_path_splits_a_good_one() -> None:
     assert names.parse_path("tinker://run-1/sampler_weights/final") == ("run-1", "sampler_weights", "final")
+    # The service's run ids (a model id is its run id) hold colons; checkpoint names do not.
+    assert names.parse_path("tinker://sess-1a:train:0/weights/final") == ("sess-1a:train:0", "weights", "final")
+    with pytest.raises(names.UnsafeName, match="a name is"):
+        names.check_name("a:b")
+
+
+@pytest.mark.parametrize("value", [v for v in BAD_NAMES if v not in ("x.tmp", "x.old", "x.meta.json")] + [":x", "a:b/c"])
+def test_bad_run_ids_are_refused(value) -> None:
+    with pytest.raises(names.UnsafeName, match=r"^training_run_id=.* is invalid: a training run id is 1-128"):
+        names.check_run_id(value)
 
 
 def test_a_run_directory_linked_out_of_the_store_is_never_followed(tmp_path) -> None:

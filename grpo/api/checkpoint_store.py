@@ -127,7 +127,7 @@ class CheckpointStore:
                    user_metadata: dict[str, str] | None = None, run_id: str | None = None) -> TrainingRun:
         """Register a new training run (one per training client) and return its record."""
         run_id = run_id or f"run-{uuid.uuid4().hex[:12]}"
-        names.check_name(run_id, "training_run_id")
+        names.check_run_id(run_id, "training_run_id")
         record = {"training_run_id": run_id, "base_model": base_model, "is_lora": lora_rank is not None,
                   "lora_rank": lora_rank, "train_mlp": train_mlp, "train_attn": train_attn,
                   "train_unembed": train_unembed, "user_metadata": _metadata(user_metadata),
@@ -156,7 +156,7 @@ class CheckpointStore:
                                     cursor=Cursor(offset=offset, limit=limit, total_count=len(runs)))
 
     def _run_record(self, run_id: str) -> dict[str, Any]:
-        path = names.under_root(self.root, names.check_name(run_id, "training_run_id"), RUN_FILE,
+        path = names.under_root(self.root, names.check_run_id(run_id, "training_run_id"), RUN_FILE,
                                 field="training_run_id")
         if not path.exists():
             raise FileNotFoundError(f"no training run {run_id!r} in the checkpoint store at {self.root}")
@@ -167,7 +167,7 @@ class CheckpointStore:
             return []
         # A run directory must be a name and lie inside the store (a symlink out of it is ignored).
         root = self.root.resolve()
-        return sorted(p for p in self.root.iterdir() if names.is_name(p.name) and (p / RUN_FILE).exists()
+        return sorted(p for p in self.root.iterdir() if names.is_run_id(p.name) and (p / RUN_FILE).exists()
                       and p.resolve().is_relative_to(root))
 
     # ------------------------------------------------------------------ saving and resolving

@@ -4,7 +4,9 @@
 A *name* is one path component of safe characters: 1-128 of ``A-Z a-z 0-9 . _ -``, starting with
 a letter or digit (so never ``.``, ``..``, a hidden file, a blank or a separator), and not ending
 in a suffix the store keeps for itself (staging ``.tmp``, stranded ``.old``, ``.meta.json``).
-A *path* is ``tinker://<run>/<kind>/<name>`` with ``<run>`` and ``<name>`` names and ``<kind>`` a
+A *training run id* is a name that may also hold ``:`` (the service's ids read
+``<session>:train:<n>``, and a model id is its run id). A *path* is
+``tinker://<run>/<kind>/<name>`` with ``<run>`` a run id, ``<name>`` a name and ``<kind>`` a
 checkpoint segment; on disk it must resolve (symlinks followed) under the store root.
 
 Everything that turns a client's string into a file-system location goes through here, so one
@@ -24,9 +26,12 @@ from grpo.types import CHECKPOINT_SEGMENTS
 MAX_NAME = 128
 RESERVED_SUFFIXES = (".tmp", ".old", ".meta.json")
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
+_RUN_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]*")
 NAME_RULE = (f"a name is 1-{MAX_NAME} characters of A-Z a-z 0-9 . _ - starting with a letter or digit, "
              f"not ending in {', '.join(RESERVED_SUFFIXES)}")
-PATH_RULE = f"expected tinker://<training_run_id>/<{'|'.join(CHECKPOINT_SEGMENTS.values())}>/<name>, where {NAME_RULE}"
+RUN_ID_RULE = NAME_RULE.replace("a name is", "a training run id is").replace(". _ -", ". _ - :")
+PATH_RULE = (f"expected tinker://<training_run_id>/<{'|'.join(CHECKPOINT_SEGMENTS.values())}>/<name>, "
+             f"where {RUN_ID_RULE} and {NAME_RULE}")
 
 
 class UnsafeName(ValueError):
@@ -43,6 +48,18 @@ def is_name(value: Any) -> bool:
             and not value.endswith(RESERVED_SUFFIXES))
 
 
+def is_run_id(value: Any) -> bool:
+    return (isinstance(value, str) and len(value) <= MAX_NAME and _RUN_ID.fullmatch(value) is not None
+            and not value.endswith(RESERVED_SUFFIXES))
+
+
+def check_run_id(value: Any, field: str = "training_run_id") -> str:
+    """``value`` if it is a training run id (a name that may hold ``:``), else UnsafeName."""
+    if not is_run_id(value):
+        raise UnsafeName(field, value, RUN_ID_RULE)
+    return value
+
+
 def check_name(value: Any, field: str = "name") -> str:
     """``value`` if it is a name (see the module docstring), else UnsafeName naming ``field``."""
     if not is_name(value):
@@ -55,7 +72,7 @@ def parse_path(value: Any, field: str = "path") -> tuple[str, str, str]:
     if not isinstance(value, str) or not value.startswith("tinker://"):
         raise UnsafeName(field, value, PATH_RULE)
     parts = value[len("tinker://"):].split("/")
-    if len(parts) != 3 or parts[1] not in CHECKPOINT_SEGMENTS.values() or not (is_name(parts[0]) and is_name(parts[2])):
+    if len(parts) != 3 or parts[1] not in CHECKPOINT_SEGMENTS.values() or not (is_run_id(parts[0]) and is_name(parts[2])):
         raise UnsafeName(field, value, PATH_RULE)
     return parts[0], parts[1], parts[2]
 

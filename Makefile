@@ -39,7 +39,7 @@ CI_SLOW ?= tests/test_serve_sdk038.py tests/test_mint_quickstart.py tests/test_m
 	tests/test_chat_adapter.py tests/test_tools_adapter.py tests/test_tinker_tour.py tests/test_mint_compat.py \
 	tests/test_exported_adapter.py tests/test_reproducibility.py tests/test_cli.py tests/test_sweep.py \
 	tests/test_serve_backend.py tests/test_judge.py tests/test_serve_chunks.py tests/test_config_docs.py \
-	tests/test_scaling_script.py
+	tests/test_scaling_script.py tests/test_cookbook_inprocess.py tests/test_cookbook_serve.py
 test-ci-slow: venv
 	$(BIN)/python -m pytest -q -n 2 -m slow $(CI_SLOW)
 

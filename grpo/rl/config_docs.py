@@ -70,7 +70,7 @@ def loss_params() -> dict[str, str]:
             users.setdefault(key, []).append(f"{name} {default:g}")
     out = {key: "default: " + ", ".join(uses) for key, uses in users.items()}
     out[TIS_CAP] = ("every loss: truncated importance weight min(trainer/sampler ratio, C) on each token; "
-                    "null: off (docs/losses.md)")
+                    "null: off (README: Precision, and the sampler/trainer mismatch)")
     return out
 
 

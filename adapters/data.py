@@ -7,15 +7,19 @@ reachable on every machine).
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import contextlib
+import logging
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
+
+from grpo.checks import ConfigError
 
 LOCAL_FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
 
 
-class DataSourceError(ValueError):
-    pass
+class DataSourceError(ConfigError):
+    """A data source that cannot be read; a ConfigError, so the CLI prints it as one line."""
 
 
 def load_rows(source: str | Sequence[Mapping[str, Any]], *, split: str = "train", name: str | None = None,
@@ -35,7 +39,17 @@ def load_rows(source: str | Sequence[Mapping[str, Any]], *, split: str = "train"
         files = sorted(p for p in path.iterdir() if p.suffix in LOCAL_FORMATS) if path.is_dir() else [path]
         if not files or files[0].suffix not in LOCAL_FORMATS:
             raise DataSourceError(f"data source {source!r} holds no {', '.join(LOCAL_FORMATS)} file")
-        dataset = load_dataset(LOCAL_FORMATS[files[0].suffix], data_files=[str(f) for f in files], split="train")
+        try:
+            with _quiet_datasets():  # its own ERROR log line and progress bar would precede our one line
+                dataset = load_dataset(LOCAL_FORMATS[files[0].suffix], data_files=[str(f) for f in files],
+                                       split="train")
+        except Exception as err:  # datasets wraps a bad line in DatasetGenerationError; its cause says which
+            root = err
+            while root.__cause__ is not None or root.__context__ is not None:
+                root = root.__cause__ or root.__context__
+            where = _first_bad_json_line(files) or f"{type(root).__name__}: {' '.join(str(root).split())[:300]}"
+            raise DataSourceError(f"data source {source!r} could not be read as "
+                                  f"{LOCAL_FORMATS[files[0].suffix]}: {where}") from err
     elif source.startswith((".", "/", "~")) or Path(source).suffix in LOCAL_FORMATS:
         raise DataSourceError(f"data source {source!r} looks like a local file but {path} does not exist")
     else:
@@ -51,6 +65,39 @@ def load_rows(source: str | Sequence[Mapping[str, Any]], *, split: str = "train"
     if not rows:
         raise DataSourceError(f"data source {source!r} has no rows")
     return rows
+
+
+def _first_bad_json_line(files: list[Path]) -> str | None:
+    """Where a jsonl file stops being JSON lines (read only once loading has failed)."""
+    import json
+
+    for file in files:
+        if file.suffix != ".jsonl":
+            continue
+        with open(file, encoding="utf-8", errors="replace") as f:
+            for number, line in enumerate(f, 1):
+                try:
+                    if line.strip():
+                        json.loads(line)
+                except json.JSONDecodeError as err:
+                    return f"{file.name} line {number} is not JSON ({err.msg})"
+    return None
+
+
+@contextlib.contextmanager
+def _quiet_datasets() -> Iterator[None]:
+    import datasets
+
+    logger = logging.getLogger("datasets")
+    level, bars = logger.level, datasets.utils.are_progress_bars_disabled()
+    logger.setLevel(logging.CRITICAL)
+    datasets.disable_progress_bars()
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+        if not bars:
+            datasets.enable_progress_bars()
 
 
 def require_columns(rows: Sequence[Mapping[str, Any]], columns: Sequence[str], source: Any) -> None:

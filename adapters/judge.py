@@ -184,7 +184,7 @@ class PairwiseJudge:
                 # Only its KV cache is wanted: the decoder alone, no logits, where the head allows.
                 runner = self.model.get_decoder() if self._plain_head() else self.model
                 out = runner(input_ids=torch.tensor([ids], device=self._device()), use_cache=True)
-                self._prefix_cache = (out.past_key_values, len(ids))
+                self._prefix_cache = (out.cache, len(ids))
             else:
                 self._prefix_cache = (None, 0)
         return self._prefix_cache
@@ -214,7 +214,7 @@ class PairwiseJudge:
             if past is not None:
                 cache = copy.deepcopy(past)  # the forward appends to it; the shared prefix stays intact
                 cache.batch_repeat_interleave(len(chunk))
-                kwargs["past_key_values"] = cache
+                kwargs["cache"] = cache
                 kwargs["use_cache"] = True
             last = torch.tensor([len(q) - 1 for q in chunk], device=device)
             pair = self._logits_at(kwargs, last)[:, [a_id, b_id]].float()

@@ -27,7 +27,7 @@ from fractions import Fraction
 from typing import Any
 
 from adapters.answers import Grader, extract_answer
-from grpo.checks import check, check_choice, is_int
+from grpo.checks import check, check_choice, is_int, require_package
 from grpo.rl.adapter import chat_prompt_tokens
 from grpo.rl.agent import AgentAdapter, AgentConfigError, ToolError
 
@@ -58,6 +58,8 @@ class ToolsAdapter(AgentAdapter):
                  observation_style: str = "inline", tool_errors: str = "observe", system_prompt: str | None = None,
                  python_timeout_s: float = 5.0, python_memory_mb: int = 256):
         check_choice("adapter.tool", tool, TOOLS)
+        if tool == "python":  # its word problems come from reasoning-gym
+            require_package("reasoning_gym", "reasoning-gym", "tasks", "adapter.tool=python")
         check(bool(ops) and all(op in OPS for op in ops), "adapter.ops", ops, f"one or more of {''.join(OPS)}")
         check(is_int(digits) and 1 <= digits <= 6, "adapter.digits", digits, "must be an integer from 1 to 6")
         self.tool, self.ops, self.digits, self.seed, self.example = tool, ops, digits, seed, example

@@ -20,6 +20,7 @@ from typing import Any
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
+from grpo import preflight
 from grpo.record import sweep
 from grpo.rl.config import ConfigError, GRPOConfig
 from grpo.rl.config_docs import config_dir
@@ -85,9 +86,9 @@ def main(composed: DictConfig) -> float | None:
         backend_cfg = OmegaConf.to_container(composed.backend, resolve=True)
         adapter = build_adapter(composed.adapter, _cli_adapter_keys())
         if backend_cfg.get("name", "local") == "local":  # a service resolves its own model names
-            from grpo.models import resolve
+            from grpo.models import check_available
 
-            resolve(loop_cfg.base_model)  # a missing directory or a malformed name: one line, now
+            check_available(loop_cfg.base_model)  # a missing directory, a malformed name, an unreachable hub id
     except (ConfigError, ValueError, TypeError) as err:
         print(f"grpo: configuration error: {err}", file=sys.stderr)
         sys.exit(2)
@@ -118,6 +119,9 @@ def main(composed: DictConfig) -> float | None:
 
         try:
             run_grpo(adapter, loop_cfg, service_client=service_client, run_dir=run_dir, resolved_config=resolved)
+        except ConfigError as err:  # found once the run started: the adapter's data file, a config it reads
+            print(f"grpo: {' '.join(str(err).split())}", file=sys.stderr)
+            sys.exit(2)
         except RemoteRequestError as err:  # the service refused a value: one line naming it, no traceback
             print(f"grpo: {err}", file=sys.stderr)
             sys.exit(2)
@@ -167,5 +171,15 @@ def _objective(run_dir: Path, objective: str, in_sweep: bool, required: bool) ->
                                "set objective= to one of the logged keys")
 
 
-if __name__ == "__main__":
+def cli() -> None:
+    """``python -m grpo ...``: the checks Hydra itself would fail on with a traceback, then Hydra."""
+    try:
+        preflight.check_argv(sys.argv[1:], config_dir())
+    except ConfigError as err:
+        print(f"grpo: configuration error: {err}", file=sys.stderr)
+        sys.exit(2)
     main()
+
+
+if __name__ == "__main__":
+    cli()

@@ -34,3 +34,13 @@ def check_lora_targets(train_mlp: bool, train_attn: bool, train_unembed: bool) -
     """LoRA must adapt something: the one rule every backend shares."""
     if not (train_mlp or train_attn or train_unembed):
         raise ConfigError("train_mlp, train_attn and train_unembed are all false: at least one must be true")
+
+
+def require_package(module: str, package: str, extra: str, needed_by: str) -> None:
+    """Raise ConfigError unless ``module`` can be imported: a setting that needs an optional
+    package says so in one line, with the install command, before any model loads."""
+    import importlib.util
+
+    if importlib.util.find_spec(module) is None:
+        raise ConfigError(f"{needed_by} needs the {package} package, which is not installed: "
+                          f"pip install -e '.[{extra}]' in your grpo checkout (or pip install {package})")

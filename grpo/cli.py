@@ -12,6 +12,6 @@ def main() -> None:
 
         serve(sys.argv[2:])
         return
-    from grpo.__main__ import main as train
+    from grpo.__main__ import cli as train
 
     train()

@@ -28,11 +28,11 @@ def step_ms(model, rows: int, context: int, steps: int = 12) -> float:
     times = []
     with torch.no_grad():
         cache = DynamicCache()
-        out = model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+        out = model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1)
         for _ in range(steps):
             token = out.logits[:, -1].argmax(-1, keepdim=True)
             start = time.perf_counter()
-            out = model(input_ids=token, past_key_values=cache, use_cache=True)
+            out = model(input_ids=token, cache=cache, use_cache=True)
             times.append(time.perf_counter() - start)
     times = sorted(times[2:])  # the first steps pay first-touch costs
     return 1000 * times[len(times) // 2]

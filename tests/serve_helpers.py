@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import os
 import shutil
@@ -11,6 +13,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 
 API_KEY = "tml-grpo-test-key"
@@ -30,11 +33,26 @@ def sdk_venv(name: str, requirements: list[str], env_var: str) -> str:
     venv = models.cache_dir() / "venvs" / name
     python = venv / "bin" / "python"
     stamp = venv / ".installed"
-    if not stamp.exists() or stamp.read_text() != " ".join(requirements):
-        subprocess.run([sys.executable, "-m", "venv", "--clear", str(venv)], check=True)
-        subprocess.run([str(python), "-m", "pip", "install", "-q", *requirements], check=True, timeout=1800)
-        stamp.write_text(" ".join(requirements))
+    with built_once(venv):
+        if not stamp.exists() or stamp.read_text() != " ".join(requirements):
+            subprocess.run([sys.executable, "-m", "venv", "--clear", str(venv)], check=True)
+            subprocess.run([str(python), "-m", "pip", "install", "-q", *requirements], check=True, timeout=1800)
+            stamp.write_text(" ".join(requirements))
     return str(python)
+
+
+@contextlib.contextmanager
+def built_once(target: Path) -> Iterator[None]:
+    """Hold an exclusive lock beside ``target`` while it is checked and built: parallel test
+    workers (pytest -n) that need the same venv wait for the first one's build instead of
+    racing it."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with open(target.with_name(target.name + ".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
 
 
 def sdk_overlay(version: str) -> Path:
@@ -44,6 +62,12 @@ def sdk_overlay(version: str) -> Path:
     from grpo import models
 
     target = models.cache_dir() / "sdk-overlays" / f"tinker-{version}"
+    with built_once(target):
+        _build_overlay(target, version)
+    return target
+
+
+def _build_overlay(target: Path, version: str) -> None:
     if not (target / ".installed").exists():
         staging = target.with_name(target.name + ".tmp")
         shutil.rmtree(staging, ignore_errors=True)
@@ -55,7 +79,6 @@ def sdk_overlay(version: str) -> Path:
         (staging / ".installed").touch()
         shutil.rmtree(target, ignore_errors=True)
         staging.replace(target)
-    return target
 
 
 def _unmet_requirements(metadata: Path) -> list[str]:

@@ -116,7 +116,7 @@ def test_bad_paths_and_names_say_what_is_valid(store) -> None:
     run = store.create_run("tiny", lora_rank=2)
     with pytest.raises(ValueError, match="invalid tinker path"):
         store.get_checkpoint("tinker://x/bogus/y")
-    with pytest.raises(ValueError, match="checkpoint name '../up' is invalid"):
+    with pytest.raises(ValueError, match=r"name='../up' is invalid: a name is"):
         store.save(run.training_run_id, "training", "../up", writer({}))
     with pytest.raises(FileNotFoundError, match="no training run 'run-missing'"):
         store.list_checkpoints("run-missing")

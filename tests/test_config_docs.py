@@ -19,7 +19,7 @@ from grpo.rl.config import GRPOConfig
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_conf_help_and_readme_are_rendered_from_the_dataclass():
+def test_conf_help_and_the_docs_table_are_rendered_from_the_dataclass():
     stale = [str(p.relative_to(ROOT)) for p, text in config_docs.targets(ROOT).items()
              if not p.is_file() or p.read_text() != text]
     assert not stale, f"{stale} drifted from grpo/rl/config.py: run python -m grpo.rl.config_docs --write"
@@ -41,7 +41,7 @@ def test_every_setting_is_read_somewhere():
                      if p.name not in ("config.py", "config_docs.py"))
     # config.py's own schedule methods (lr_at, eval_due, ...) read keys too; its declarations and
     # validate() do not count as reading.
-    own = (ROOT / "grpo" / "config.py").read_text()
+    own = (ROOT / "grpo" / "rl" / "config.py").read_text()
     code += own[own.index("# ------------------------------------------------------------------ construction"):]
     unread = [f.name for f in dataclasses.fields(GRPOConfig) if not re.search(rf"\.{f.name}\b", code)]
     assert not unread, f"GRPOConfig fields nothing reads: {unread}"
@@ -56,6 +56,7 @@ def test_help_lists_every_key_with_its_meaning():
         assert meaning[:30] in out
 
 
+@pytest.mark.slow  # end to end, minutes on 2 cores: CI's slow stage runs it
 def test_a_wheel_installed_outside_the_checkout_ships_the_config_tree(tmp_path):
     """`pip install .` (not editable) must carry conf/ and every module: build the wheel, install
     it into a fresh venv, and compose the config from a directory far from the checkout."""

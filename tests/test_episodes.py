@@ -248,18 +248,18 @@ def test_run_grpo_trains_on_episodes_with_faulty_tools_and_logs_traces(tmp_path)
 def test_the_readme_tool_task_example_runs(tmp_path):
     from pathlib import Path
 
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    readme = (Path(__file__).resolve().parents[1] / "docs" / "agentic.md").read_text()
     block = readme.split("<!-- agent-example -->", 1)[1].split("```python", 1)[1].split("```", 1)[0]
     setup, call = block.rsplit("\nrun_grpo(", 1)
     namespace: dict = {}
-    exec(compile(setup, "README.md", "exec"), namespace)
+    exec(compile(setup, "docs/agentic.md", "exec"), namespace)
     adapter = namespace["Dictionary"]()
     assert len(setup.strip().splitlines()) <= 40  # "a new tool task is ~30 lines"
     assert adapter.observe("<define>apple</define>", {}, None) == "a red fruit"
     with pytest.raises(namespace["ToolError"], match="no entry for 'pear'"):
         adapter.observe("I will look it up: <define>pear</define>", {}, None)
     assert "</define>" in adapter.stop_sequences(type("Tok", (), {"eos_token_id": 2})())
-    # the README's run (its config, on the tiny model for two steps)
+    # the page's run (its config, on the tiny model for two steps)
     import ast
 
     cfg = ast.literal_eval(call.split(",", 1)[1].rsplit(")", 1)[0].strip())

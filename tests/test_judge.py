@@ -31,6 +31,7 @@ def tiny_judge() -> PairwiseJudge:
 # --------------------------------------------------------------------------- the real judge
 
 
+@pytest.mark.slow  # end to end, minutes on 2 cores: CI's slow stage runs it
 def test_judge_prefers_good_answers_on_constructed_pairs(smol_judge):
     # 6 prompts x 4 kinds of bad answer = 24 pairs, 48 judge prompts in two batched forwards.
     # Measured on all 168 calibration pairs (adapters/judge.py docstring): 0.815 overall; on these

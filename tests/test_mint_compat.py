@@ -162,6 +162,7 @@ def check_demo_run(done: subprocess.CompletedProcess, cwd: Path, steps: int, exp
     assert f"final adapter: {logged}" in done.stdout
 
 
+@pytest.mark.slow  # end to end, minutes on 2 cores: CI's slow stage runs it
 def test_chat_shaped_demo_runs_as_written_on_the_tiny_model(tmp_path) -> None:
     # The chat demo's list(apply_chat_template(tokenize=True)) is the transformers-v4 idiom.
     done = run_demo("preference_chat", tmp_path, MINT_BASE_MODEL="tiny", MINT_RL_STEPS="2", MINT_RL_BATCH="2",

@@ -8,9 +8,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
+@pytest.mark.slow  # end to end, minutes on 2 cores: CI's slow stage runs it
 def test_smoke_row_measures_a_whole_step(tmp_path):
     out = tmp_path / "rows.json"
     proc = subprocess.run([sys.executable, "scripts/scaling.py", "--rows", "smoke", "--steps", "3", "--json", str(out)],
@@ -31,6 +34,7 @@ def test_smoke_row_measures_a_whole_step(tmp_path):
     assert "Peak RSS by step, tiny 2 x 2 x 4:" in proc.stdout
 
 
+@pytest.mark.slow  # three smoke rows end to end: CI's slow stage runs it
 def test_rows_run_once_per_precision(tmp_path):
     out = tmp_path / "rows.json"
     proc = subprocess.run([sys.executable, "scripts/scaling.py", "--rows", "smoke", "--precision", "fp32,bf16-sample,bf16",
@@ -46,6 +50,7 @@ def test_rows_run_once_per_precision(tmp_path):
     assert bad.returncode != 0 and "--precision fp8 is invalid; valid: fp32, bf16, bf16-sample" in bad.stderr
 
 
+@pytest.mark.slow  # end to end, minutes on 2 cores: CI's slow stage runs it
 def test_decode_step_cost_prints_every_batch_size():
     proc = subprocess.run([sys.executable, "scripts/decode_step_cost.py", "--model", "tiny", "--rows", "1,2,4",
                            "--context", "8"], cwd=ROOT, capture_output=True, text=True, timeout=300)

@@ -35,6 +35,7 @@ PROGRAM = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow  # end to end, minutes on 2 cores: CI's slow stage runs it
 def test_parallel_chunks_accumulate_like_one_batch(tmp_path):
     overlay = sdk_overlay("0.38.0")
     server = Server(tmp_path / "checkpoints", extra_args=("--fwdbwd-chunk-len", "1"))

@@ -216,6 +216,7 @@ def test_report_labels_say_what_a_sweep_job_varies_once(tmp_path):
 # --------------------------------------------------------------------------- real sweeps
 
 
+@pytest.mark.slow  # end to end, minutes on 2 cores: CI's slow stage runs it
 def test_joblib_sweep_runs_two_jobs_at_once_each_with_its_run_dir_and_report(tmp_path):
     sweep_dir = tmp_path / "sweep"
     args = ["-m", "hydra/launcher=joblib", "hydra.launcher.n_jobs=2", *CLOCK, "steps=2", "eval_size=2",
@@ -240,6 +241,7 @@ def test_joblib_sweep_runs_two_jobs_at_once_each_with_its_run_dir_and_report(tmp
     assert "runs ranked by their objective" in done.stdout
 
 
+@pytest.mark.slow  # end to end, minutes on 2 cores: CI's slow stage runs it
 def test_rerunning_a_sweep_skips_finished_runs_and_resumes_the_others(tmp_path):
     sweep_dir = tmp_path / "sweep"
     args = ["-m", *TOY, "steps=2", "save_every=1", "eval_size=0", "objective=reward/mean", "progress=false",
@@ -261,6 +263,7 @@ def test_rerunning_a_sweep_skips_finished_runs_and_resumes_the_others(tmp_path):
     assert any(c["kind"] == "final" for c in read_jsonl(killed / "checkpoints.jsonl"))
 
 
+@pytest.mark.slow  # end to end, minutes on 2 cores: CI's slow stage runs it
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")  # optuna 2.x's SQLAlchemy 1.4 idioms
 def test_optuna_sweep_returns_each_runs_objective_and_names_the_best(tmp_path):
     import optuna
@@ -289,6 +292,7 @@ def test_optuna_sweep_returns_each_runs_objective_and_names_the_best(tmp_path):
     assert len({t.value for t in trials}) > 1  # the search saw different outcomes to choose from
 
 
+@pytest.mark.slow  # end to end, minutes on 2 cores: CI's slow stage runs it
 def test_rerunning_a_seeded_optuna_sweep_trains_only_its_unfinished_trials(tmp_path):
     args = ["-m", "+sweep=optuna", "hydra.sweeper.n_trials=2", *TOY, "steps=1", "eval_size=2", "progress=false",
             "report=false", f"hydra.sweep.dir={tmp_path}"]
@@ -305,6 +309,7 @@ def test_rerunning_a_seeded_optuna_sweep_trains_only_its_unfinished_trials(tmp_p
     assert f"resumed {killed}" in again.stdout
 
 
+@pytest.mark.slow  # end to end, minutes on 2 cores: CI's slow stage runs it
 def test_optuna_job_without_its_objective_fails_naming_the_keys_it_logged(tmp_path):
     # An adapter with no held-out data: the run trains, but never logs eval/accuracy.
     done = grpo("-m", "+sweep=optuna", "hydra.sweeper.n_trials=1", *TOY, "+adapter.eval_items=0", "steps=1",
@@ -314,6 +319,7 @@ def test_optuna_job_without_its_objective_fails_naming_the_keys_it_logged(tmp_pa
     assert "logged keys: accuracy, " in done.stderr and "reward/mean" in done.stderr
 
 
+@pytest.mark.slow  # end to end, minutes on 2 cores: CI's slow stage runs it
 def test_submitit_local_runs_a_two_job_sweep_to_completion(tmp_path):
     sweep_dir = tmp_path / "sweep"
     done = grpo("-m", "hydra/launcher=submitit_local", "hydra.launcher.timeout_min=10", *TOY, "steps=1",

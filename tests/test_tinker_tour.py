@@ -28,6 +28,7 @@ def run_tour(tmp_path: Path, *args: str, timeout: int) -> str:
     return out
 
 
+@pytest.mark.slow  # end to end, minutes on 2 cores: CI's slow stage runs it
 def test_tour_on_the_tiny_model(tmp_path) -> None:
     run_tour(tmp_path, "--base-model", "tiny", "--max-tokens", "4", timeout=600)
 

@@ -49,6 +49,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from grpo.api import names
 from grpo.files import atomic_write_text, replace_dir
 from grpo.types import (
     CHECKPOINT_SEGMENTS,
@@ -87,6 +88,37 @@ class CheckpointStore:
     def __init__(self, root: str | os.PathLike):
         self.root = Path(root)
         self._lock = threading.RLock()
+        self.clean_staging()
+
+    def clean_staging(self) -> list[Path]:
+        """Remove what saves killed mid-write left (``<name>.<pid>.tmp`` staging directories of
+        processes no longer alive, a ``.old`` copy whose replacement is in place; a ``.old``
+        without one is restored). Runs when a store is opened, so a server restart or a resumed
+        run reclaims the space; returns what was removed."""
+        removed = []
+        archives = self.root / ".archives"
+        if archives.is_dir() and not archives.is_symlink():
+            for entry in archives.glob("*/*.tmp"):
+                if not _alive(entry.name.split(".")[-2]):
+                    entry.unlink(missing_ok=True)
+                    removed.append(entry)
+        for run in self._run_dirs():
+            for segment in CHECKPOINT_SEGMENTS.values():
+                folder = run / segment
+                if not folder.is_dir() or folder.is_symlink():
+                    continue
+                for entry in folder.iterdir():
+                    if entry.name.endswith(".tmp") and not _alive(entry.name.split(".")[-2]):
+                        shutil.rmtree(entry, ignore_errors=True) if entry.is_dir() else entry.unlink(missing_ok=True)
+                        removed.append(entry)
+                    elif entry.name.endswith(".old") and entry.is_dir():
+                        live = entry.with_name(entry.name[:-len(".old")])
+                        if live.exists():
+                            shutil.rmtree(entry, ignore_errors=True)
+                            removed.append(entry)
+                        else:
+                            entry.replace(live)
+        return removed
 
     # ------------------------------------------------------------------ runs
 
@@ -95,7 +127,7 @@ class CheckpointStore:
                    user_metadata: dict[str, str] | None = None, run_id: str | None = None) -> TrainingRun:
         """Register a new training run (one per training client) and return its record."""
         run_id = run_id or f"run-{uuid.uuid4().hex[:12]}"
-        _check_name(run_id, "training_run_id")
+        names.check_name(run_id, "training_run_id")
         record = {"training_run_id": run_id, "base_model": base_model, "is_lora": lora_rank is not None,
                   "lora_rank": lora_rank, "train_mlp": train_mlp, "train_attn": train_attn,
                   "train_unembed": train_unembed, "user_metadata": _metadata(user_metadata),
@@ -124,8 +156,8 @@ class CheckpointStore:
                                     cursor=Cursor(offset=offset, limit=limit, total_count=len(runs)))
 
     def _run_record(self, run_id: str) -> dict[str, Any]:
-        _check_name(run_id, "training_run_id")
-        path = self.root / run_id / RUN_FILE
+        path = names.under_root(self.root, names.check_name(run_id, "training_run_id"), RUN_FILE,
+                                field="training_run_id")
         if not path.exists():
             raise FileNotFoundError(f"no training run {run_id!r} in the checkpoint store at {self.root}")
         return json.loads(path.read_text())
@@ -133,7 +165,10 @@ class CheckpointStore:
     def _run_dirs(self) -> list[Path]:
         if not self.root.is_dir():
             return []
-        return sorted(p for p in self.root.iterdir() if (p / RUN_FILE).exists())
+        # A run directory must be a name and lie inside the store (a symlink out of it is ignored).
+        root = self.root.resolve()
+        return sorted(p for p in self.root.iterdir() if names.is_name(p.name) and (p / RUN_FILE).exists()
+                      and p.resolve().is_relative_to(root))
 
     # ------------------------------------------------------------------ saving and resolving
 
@@ -144,7 +179,7 @@ class CheckpointStore:
         replaces ``<run>/<segment>/<name>`` atomically. ``overwrite=False`` refuses an existing name."""
         if checkpoint_type not in CHECKPOINT_SEGMENTS:
             raise ValueError(f"checkpoint_type={checkpoint_type!r} is invalid; valid: {', '.join(CHECKPOINT_SEGMENTS)}")
-        _check_name(name, "checkpoint name")
+        names.check_name(name, "name")
         ttl = _check_ttl(ttl_seconds)
         self._run_record(run_id)
         path = tinker_path(run_id, checkpoint_type, name)
@@ -152,7 +187,9 @@ class CheckpointStore:
         with self._lock:
             if target.exists() and not overwrite:
                 raise FileExistsError(f"checkpoint {path} exists; pass overwrite=True to replace it")
-            staging = target.with_name(target.name + ".tmp")
+            # The writer's pid in the name: a later start-up can tell a dead save's leftovers
+            # (removed by clean_staging) from a live one's in another process sharing the store.
+            staging = target.with_name(f"{target.name}.{os.getpid()}.tmp")
             shutil.rmtree(staging, ignore_errors=True)
             staging.mkdir(parents=True)
             write_files(staging)
@@ -285,7 +322,7 @@ class CheckpointStore:
         out = self.root / ".archives" / parsed.training_run_id / f"{parsed.checkpoint_id.replace('/', '__')}-{stamp}.tar"
         if not out.exists():
             out.parent.mkdir(parents=True, exist_ok=True)
-            tmp = out.with_name(out.name + f".{uuid.uuid4().hex[:6]}.tmp")
+            tmp = out.with_name(out.name + f".{uuid.uuid4().hex[:6]}.{os.getpid()}.tmp")  # pid: see clean_staging
             with tarfile.open(tmp, "w") as tar:
                 for rel, file in files.items():
                     tar.add(file, arcname=rel)
@@ -295,22 +332,28 @@ class CheckpointStore:
     # ------------------------------------------------------------------ paths
 
     def _dir(self, path: str) -> Path:
-        parsed = ParsedCheckpointTinkerPath.from_tinker_path(path)
-        _check_name(parsed.training_run_id, "training_run_id")
-        segment, name = parsed.checkpoint_id.split("/")
-        _check_name(name, "checkpoint name")
-        return self.root / parsed.training_run_id / segment / name
+        run_id, segment, name = names.parse_path(path)
+        return names.under_root(self.root, run_id, segment, name)
 
     def _meta_file(self, path: str) -> Path:
         folder = self._dir(path)
         return folder.with_name(folder.name + META_SUFFIX)
 
 
-def _check_name(name: Any, what: str) -> None:
-    if (not isinstance(name, str) or not name or name in (".", "..") or "/" in name or "\\" in name
-            or name.startswith(".") or name.endswith(_HIDDEN_SUFFIXES + (META_SUFFIX,))):
-        raise ValueError(f"{what} {name!r} is invalid: use a non-empty name without '/' that does not start "
-                         f"with '.' or end in {', '.join(_HIDDEN_SUFFIXES + (META_SUFFIX,))}")
+def _alive(pid: str) -> bool:
+    """Whether the process that named a staging directory still runs (ours counts as alive: another
+    thread of this process may be mid-save into the same store)."""
+    if not pid.isdigit():
+        return False
+    if int(pid) == os.getpid():
+        return True
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # someone else's live process
+    return True
 
 
 def _check_ttl(ttl_seconds: Any) -> int | None:

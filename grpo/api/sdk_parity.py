@@ -4,7 +4,7 @@ tests/tinker_manifest.json (written by scripts/tinker_manifest.py from the SDK i
 SDK's top-level names, client methods with their parameters, and the fields of the types users
 build or read. tests/test_sdk_parity.py holds grpo to it: every entry is implemented under the
 same name with the same parameter names, or it is listed here with the reason and what to do
-instead. ``counts()`` gives the numbers the README shows.
+instead. ``counts()`` gives the numbers docs/tinker-api.md shows.
 """
 
 from __future__ import annotations

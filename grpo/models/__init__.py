@@ -21,12 +21,12 @@ import socket
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from grpo.files import replace_dir
-from grpo.models.cpu_linear import use_onednn_linears
+
+if TYPE_CHECKING:
+    import torch
 
 PACKAGED_NAMES = {"smollm2", "smollm2-135m-instruct", "huggingfacetb/smollm2-135m-instruct"}
 TINY_NAMES = {"tiny", "tiny-random"}
@@ -116,6 +116,27 @@ def public_id(name: str) -> str:
     return spec.name
 
 
+def check_available(name: str) -> ModelSpec:
+    """resolve(), and for a hub id that is not cached, whether the hub can be asked: a quick
+    one-line failure before anything loads (the CLI calls this before torch is imported)."""
+    spec = resolve(name)
+    if spec.kind == "hub" and not _hub_cached(spec.path):
+        reason = _hub_offline_reason(spec.path)
+        if reason is not None:
+            raise ModelNotFoundError(f"base_model {name!r} cannot be loaded: {reason}. On machines without the "
+                                     "hub use base_model=smollm2 (the packaged SmolLM2-135M-Instruct) or a local "
+                                     "directory")
+    return spec
+
+
+def _hub_cached(hub_id: str) -> bool:
+    try:
+        from huggingface_hub import try_to_load_from_cache
+    except ImportError:
+        return False
+    return isinstance(try_to_load_from_cache(hub_id, "config.json"), str)
+
+
 def _hub_offline_reason(hub_id: str) -> str | None:
     """Why ``hub_id`` cannot be fetched now, or None when the hub may be asked.
 
@@ -170,6 +191,7 @@ def _not_found_message(name: str) -> str:
 
 def _ensure_packaged_smollm2() -> Path:
     """Rebuild SmolLM2 from the packaged GGUF into a plain, trainable HF directory (once)."""
+    import torch  # lazily: resolving a name must not cost torch's import (seconds)
     target = cache_dir() / "smollm2-135m-instruct"
     if (target / "model.safetensors").exists() and (target / "tokenizer.json").exists():
         return target
@@ -219,10 +241,12 @@ def load_tokenizer(name: str) -> Any:
 
 
 def default_device() -> torch.device:
+    import torch  # lazily: resolving a name must not cost torch's import (seconds)
     return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
 
 
 def default_dtype(device: torch.device) -> torch.dtype:
+    import torch  # lazily: resolving a name must not cost torch's import (seconds)
     # fp32 on CPU (bf16 matmuls are slow there and the tests compare logprobs to 1e-5); bf16 on GPU.
     return torch.bfloat16 if device.type == "cuda" else torch.float32
 
@@ -230,6 +254,7 @@ def default_dtype(device: torch.device) -> torch.dtype:
 def load_model(name: str, device: torch.device | str | None = None, dtype: torch.dtype | str | None = None,
                seed: int = 0) -> Any:
     """A transformers causal LM for ``name`` on ``device`` in ``dtype`` (defaults: see above)."""
+    import torch  # lazily: resolving a name must not cost torch's import (seconds)
     spec = resolve(name)
     device = torch.device(device) if device is not None else default_device()
     dtype = _as_dtype(dtype) if dtype is not None else default_dtype(device)
@@ -252,11 +277,14 @@ def load_model(name: str, device: torch.device | str | None = None, dtype: torch
             model = _from_pretrained(AutoModelForCausalLM, name, spec, dtype=dtype)
     model.to(device)
     model.eval()
+    from grpo.models.cpu_linear import use_onednn_linears
+
     use_onednn_linears(model)  # float32 on the CPU: oneDNN's Linear kernel (cpu_linear.py)
     return model
 
 
 def _as_dtype(dtype: torch.dtype | str) -> torch.dtype:
+    import torch  # lazily: resolving a name must not cost torch's import (seconds)
     if isinstance(dtype, torch.dtype):
         return dtype
     table = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,

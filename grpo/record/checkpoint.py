@@ -7,6 +7,7 @@ middle of writing a checkpoint) resumes from a consistent point.
 
 from __future__ import annotations
 
+import base64
 import json
 import random
 from dataclasses import asdict, dataclass, field
@@ -19,7 +20,8 @@ from grpo.files import atomic_write_text
 from grpo.record.runlog import RunLog, read_jsonl
 
 LOOP_STATE = "loop_state.json"
-RNG_STATE = "rng.pt"
+RNG_STATE = "rng.json"  # data, never a pickle: a file planted here must not run code on resume
+LEGACY_RNG_STATE = "rng.pt"  # older runs' pickle: never unpickled
 
 
 @dataclass
@@ -35,14 +37,11 @@ def _loop_dir(run_dir: Path, name: str) -> Path:
 
 
 def save(training_client: TrainingClient, run_dir: Path, log: RunLog, state: LoopState) -> str:
-    import torch
-
     name = f"step_{state.step:06d}"
     path = training_client.save_state(name, overwrite=True).result().path  # Ctrl-C re-saves a step
     loop_dir = _loop_dir(run_dir, name)
     loop_dir.mkdir(parents=True, exist_ok=True)
-    torch.save({"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()},
-               loop_dir / RNG_STATE)
+    atomic_write_text(loop_dir / RNG_STATE, json.dumps(rng_state()))
     atomic_write_text(loop_dir / LOOP_STATE, json.dumps(asdict(state)))
     log.log_checkpoint({"step": state.step, "name": name, "path": str(path), "kind": "state",
                         "loop_state": str(loop_dir / LOOP_STATE)})
@@ -63,8 +62,6 @@ def final_adapter_dir(run_dir: str | Path) -> Path:
 
 def resume(run_dir: Path, training_client: TrainingClient, log: RunLog) -> LoopState | None:
     """Restore the newest complete checkpoint of ``run_dir``; None when there is none."""
-    import torch
-
     for row in reversed(read_jsonl(run_dir / "checkpoints.jsonl")):
         loop_file = Path(row.get("loop_state", ""))
         if row.get("kind") != "state" or not loop_file.exists():
@@ -73,10 +70,41 @@ def resume(run_dir: Path, training_client: TrainingClient, log: RunLog) -> LoopS
         training_client.load_state_with_optimizer(row["path"]).result()
         rng_file = loop_file.parent / RNG_STATE
         if rng_file.exists():
-            rng = torch.load(rng_file, weights_only=False)
-            random.setstate(rng["python"])
-            np.random.set_state(rng["numpy"])
-            torch.set_rng_state(rng["torch"])
+            set_rng_state(rng_file)
+        elif (loop_file.parent / LEGACY_RNG_STATE).exists():
+            log.print(f"{loop_file.parent / LEGACY_RNG_STATE} is a pickle (older grpo) and is not loaded, as a "
+                      "pickle can run code: resuming with fresh random state")
         log.truncate_after(state.step)
         return state
+    # Nothing to resume from (a fresh run, or one killed before its first checkpoint): what an
+    # earlier attempt logged would be replayed, so its rows go.
+    log.truncate_after(0)
     return None
+
+
+def rng_state() -> dict:
+    """Python's, numpy's and torch's RNG states as JSON-ready data."""
+    import torch
+
+    version, internal, gauss = random.getstate()
+    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    return {"python": [version, list(internal), gauss],
+            "numpy": [kind, keys.tolist(), int(pos), int(has_gauss), float(cached)],
+            "torch": base64.b64encode(torch.get_rng_state().numpy().tobytes()).decode()}
+
+
+def set_rng_state(path: Path) -> None:
+    """Restore what rng_state saved; a file that is not that shape is one clear error."""
+    import torch
+
+    try:
+        rng = json.loads(path.read_text())
+        version, internal, gauss = rng["python"]
+        random.setstate((version, tuple(internal), gauss))
+        kind, keys, pos, has_gauss, cached = rng["numpy"]
+        np.random.set_state((kind, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached))
+        raw = np.frombuffer(base64.b64decode(rng["torch"]), dtype=np.uint8).copy()
+        torch.set_rng_state(torch.from_numpy(raw))
+    except (ValueError, KeyError, TypeError, RuntimeError) as err:
+        raise ValueError(f"{path} is not a grpo RNG state ({type(err).__name__}: {err}); delete the "
+                         "checkpoint directory it is in to resume from an earlier one") from err

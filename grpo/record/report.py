@@ -449,8 +449,12 @@ def write_pngs(runs: list[Run], out_dir: Path) -> Path:
     """out_dir/overview.png: every panel in one grid, via matplotlib's Agg canvas (no pyplot:
     no global state, no display). One figure with a fixed layout: text layout dominates
     matplotlib's time, so a figure per panel or constrained layout costs seconds."""
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
+    try:
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+    except ImportError as err:
+        raise ReportError("--png needs matplotlib, which is not installed: pip install -e '.[plots]' in your "
+                          "grpo checkout (or pip install matplotlib); the HTML report needs nothing") from err
 
     out_dir.mkdir(parents=True, exist_ok=True)
     all_keys = set().union(*(r.metrics for r in runs))

@@ -1,7 +1,7 @@
 """The loop's hyperparameters, declared once: this dataclass.
 
 Each field carries its meaning (``help``) beside its default. conf/config.yaml's keys, the CLI's
-``--help`` and the README's table are rendered from it (grpo.rl.config_docs; ``python -m
+``--help`` and docs/configuration.md's table are rendered from it (grpo.rl.config_docs; ``python -m
 grpo.rl.config_docs --write`` refreshes the files, tests/test_config_docs.py fails when they drift),
 and ``validate`` checks every value before anything heavy loads.
 
@@ -35,7 +35,7 @@ ALIASES = {"model": "base_model", "batch": "batch_size", "group": "group_size", 
 
 def setting(default: Any, help: str, *, section: str | None = None) -> Any:
     """A config field: its default, what it means, and (on a section's first field) the heading
-    it starts in conf/config.yaml and the README."""
+    it starts in conf/config.yaml and docs/configuration.md."""
     metadata = {"help": help, **({"section": section} if section else {})}
     if isinstance(default, list | dict):
         return field(default_factory=lambda: type(default)(default), metadata=metadata)
@@ -130,8 +130,11 @@ class GRPOConfig:
             check(ok, key, getattr(self, key), valid)
 
         def number(key: str) -> bool:
+            # Not a number at all is its own message: "learning_rate='abc' ... must be >= 0" misleads.
             value = getattr(self, key)
-            return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+            need(isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value), key,
+                 "must be a finite number")
+            return True
 
         need(isinstance(self.base_model, str) and bool(self.base_model), "base_model",
              "a model name (smollm2, tiny), a local directory or a hub id")

@@ -1,4 +1,4 @@
-"""conf/config.yaml's loop keys, ``--help`` and the README's table, rendered from GRPOConfig.
+"""conf/config.yaml's loop keys, ``--help`` and the table in docs/configuration.md, rendered from GRPOConfig.
 
 GRPOConfig (grpo/rl/config.py) is the one declaration of every loop key: its default and meaning.
 This module renders the three places a user reads them; tests/test_config_docs.py fails when a
@@ -23,8 +23,8 @@ from grpo.rl.config import GRPOConfig, WandbConfig
 
 YAML_BEGIN = "# >>> loop keys: rendered from GRPOConfig in grpo/rl/config.py (python -m grpo.rl.config_docs --write)"
 YAML_END = "# <<< loop keys"
-README_BEGIN = "<!-- config table: rendered from GRPOConfig in grpo/rl/config.py (python -m grpo.rl.config_docs --write) -->"
-README_END = "<!-- end of config table -->"
+TABLE_BEGIN = "<!-- config table: rendered from GRPOConfig in grpo/rl/config.py (python -m grpo.rl.config_docs --write) -->"
+TABLE_END = "<!-- end of config table -->"
 COMMENT_COLUMN = 27
 
 
@@ -70,7 +70,7 @@ def loss_params() -> dict[str, str]:
             users.setdefault(key, []).append(f"{name} {default:g}")
     out = {key: "default: " + ", ".join(uses) for key, uses in users.items()}
     out[TIS_CAP] = ("every loss: truncated importance weight min(trainer/sampler ratio, C) on each token; "
-                    "null: off (README: Precision, and the sampler/trainer mismatch)")
+                    "null: off (docs/scaling.md: Precision)")
     return out
 
 
@@ -110,11 +110,11 @@ def render_yaml_keys() -> str:
 
 
 def render_markdown_table() -> str:
-    lines = [README_BEGIN, "", "| key | default | meaning |", "|---|---|---|"]
+    lines = [TABLE_BEGIN, "", "| key | default | meaning |", "|---|---|---|"]
     for key, value, meaning, _ in rows():
         default = f"`{value}`" if value else ""
         lines.append(f"| `{key}` | {default} | {meaning.replace('|', '/')} |")
-    lines += ["", README_END]
+    lines += ["", TABLE_END]
     return "\n".join(lines) + "\n"
 
 
@@ -163,11 +163,11 @@ def replace_region(text: str, begin: str, end: str, rendered: str) -> str:
 def targets(root: Path) -> dict[Path, str]:
     """Each rendered file of a source checkout at ``root`` with the text it should hold."""
     conf = root / "conf"
-    yaml_path, readme = conf / "config.yaml", root / "README.md"
+    yaml_path, table_doc = conf / "config.yaml", root / "docs" / "configuration.md"
     return {
         yaml_path: replace_region(yaml_path.read_text(), YAML_BEGIN, YAML_END, render_yaml_keys()),
         conf / "hydra" / "help" / "grpo.yaml": render_help(),
-        readme: replace_region(readme.read_text(), README_BEGIN, README_END, render_markdown_table()),
+        table_doc: replace_region(table_doc.read_text(), TABLE_BEGIN, TABLE_END, render_markdown_table()),
     }
 
 

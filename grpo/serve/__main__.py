@@ -11,6 +11,8 @@ import os
 import secrets
 import sys
 
+from grpo.serve import limits
+
 KEY_VAR = "GRPO_SERVE_API_KEY"
 
 
@@ -30,6 +32,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="seconds a result poll is held open before the client is told to try again")
     parser.add_argument("--fwdbwd-chunk-len", type=int, default=None,
                         help="datums per forward_backward request the SDK sends (default: the SDK's, 1024)")
+    limits.add_arguments(parser)
     return parser.parse_args(argv)
 
 
@@ -54,6 +57,7 @@ def exposure_warning(host: str) -> str | None:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    limits.from_args(args)  # a bad limit fails before any model loads
     key, generated = resolve_api_key(args.api_key)
     warning = exposure_warning(args.host)
     if warning:
@@ -64,7 +68,8 @@ def main(argv: list[str] | None = None) -> None:
     from grpo.serve.app import create_app
 
     service = ServiceClient(checkpoint_dir=args.checkpoint_dir, device=args.device, dtype=args.dtype)
-    app = create_app(key, service, long_poll_s=args.long_poll, fwdbwd_chunk_len=args.fwdbwd_chunk_len)
+    app = create_app(key, service, long_poll_s=args.long_poll, fwdbwd_chunk_len=args.fwdbwd_chunk_len,
+                     limits=limits.from_args(args))
     url = f"http://{'127.0.0.1' if args.host in ('0.0.0.0', '::') else args.host}:{args.port}"
     print(f"grpo serve: Tinker API at {url}", flush=True)
     print(f"  export TINKER_BASE_URL={url}", flush=True)

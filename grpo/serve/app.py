@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import hmac
 import itertools
 import json
 import secrets
@@ -19,16 +18,19 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from fastapi import APIRouter, Depends, FastAPI, HTTPException, Request
+from fastapi import APIRouter, FastAPI, HTTPException, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 
 from grpo import models
 from grpo import types as g
+from grpo.api import names
 from grpo.backends.local.clients import SamplingClient, ServiceClient, TrainingClient
 from grpo.serve import bodies, wire
-from grpo.serve.futures import FutureStore, error_result
+from grpo.serve.futures import FutureStore, cancelled_result, error_result
+from grpo.serve.guard import Guard
+from grpo.serve.limits import LimitError, Limits
 from grpo.serve.ordering import SeqGate
 
 API_PREFIX = "/api/v1"
@@ -73,6 +75,11 @@ class ServerState:
         # Loading a base model takes seconds to minutes: done off the event loop.
         self.executor = concurrent.futures.ThreadPoolExecutor(max_workers=8, thread_name_prefix="grpo-serve")
 
+    def seen(self, session_id: str | None) -> None:
+        """The session's client is alive (it polls or sends heartbeats)."""
+        if session_id in self.sessions:
+            self.sessions[session_id]["heartbeat"] = time.time()
+
     def session(self, session_id: str) -> dict[str, Any]:
         if session_id not in self.sessions:
             raise _fail(404, "session_id", f"unknown session_id {session_id!r}; create_session first "
@@ -98,9 +105,19 @@ class ServerState:
         try:
             return self.store.resolve(path)
         except ValueError as err:
-            raise _fail(422, field_name, str(err)) from err
+            raise _fail(422, field_name, self.public(err)) from err
         except FileNotFoundError as err:
-            raise _fail(404, field_name, str(err)) from err
+            raise _fail(404, field_name, self.public(err)) from err
+
+    def public(self, err: BaseException | str) -> str:
+        """An error as one line for a client: where the store and the home directory lie on this
+        host is none of its business (and helps an attacker aim)."""
+        text = one_line(err) if isinstance(err, BaseException) else err
+        for place, shown in ((str(self.store.root.resolve()), "<checkpoint store>"),
+                             (str(self.store.root), "<checkpoint store>"), (str(Path.home()), "~")):
+            if len(place) > 1:
+                text = text.replace(place, shown)
+        return text
 
     def submit(self, fn, render=None) -> str:
         return self.futures.add(self.executor.submit(fn), render)
@@ -152,6 +169,18 @@ def _render_sample(value: g.SampleResponse, want_proto: bool) -> dict[str, Any] 
     return wire.sample_to_proto(value) if want_proto else wire.sample_to_json(value)
 
 
+def context_of(engine: Any) -> int | None:
+    """The model's context length in tokens, where its config states one."""
+    value = getattr(engine.model.config, "max_position_embeddings", None)
+    return int(value) if isinstance(value, int) and value > 0 else None
+
+
+def one_line(err: BaseException) -> str:
+    """An exception as one line of at most 300 characters, for an error body."""
+    text = " ".join(str(err).split()) or type(err).__name__
+    return text if len(text) <= 300 else text[:297] + "..."
+
+
 def _parse_json(raw: bytes, model: type[bodies.Body]) -> bodies.Body:
     try:
         return model.model_validate_json(raw or b"{}")
@@ -160,30 +189,29 @@ def _parse_json(raw: bytes, model: type[bodies.Body]) -> bodies.Body:
 
 
 def create_app(api_key: str, service: ServiceClient | None = None, long_poll_s: float = 30.0,
-               fwdbwd_chunk_len: int | None = None) -> FastAPI:
+               fwdbwd_chunk_len: int | None = None, limits: Limits | None = None) -> FastAPI:
     """The app; ``service`` (default: a ServiceClient on $GRPO_CACHE/checkpoints) holds the
     base models and the checkpoint store. ``fwdbwd_chunk_len``: datums per forward_backward
     request the SDK may send (its default 1024); smaller batches arrive as parallel chunks."""
     if not api_key.startswith("tml-"):
         raise ValueError("the API key must start with 'tml-' (the Tinker SDK refuses any other)")
     state = ServerState(service or ServiceClient(), long_poll_s)
+    limits = limits or Limits()
 
-    def require_key(request: Request) -> None:
-        given = request.headers.get("x-api-key", "")
-        if not hmac.compare_digest(given.encode(), api_key.encode()):
-            raise HTTPException(401, detail="missing or wrong X-API-Key (the key the server printed at start, "
-                                "or $GRPO_SERVE_API_KEY); set TINKER_API_KEY to it")
-
-    # No /docs or /openapi.json: nothing is served without the key but liveness.
+    # No /docs or /openapi.json: nothing is served without the key but liveness. The key and the
+    # body size are checked by Guard from the headers, before any body is read or parsed.
     app = FastAPI(title="grpo Tinker-compatible server", docs_url=None, redoc_url=None, openapi_url=None)
+    app.add_middleware(Guard, api_key=api_key, max_body_bytes=limits.max_body_bytes,
+                       open_paths=frozenset({API_PREFIX + "/healthz"}))
     app.state.grpo = state
+    app.state.limits = limits
 
     @app.get(API_PREFIX + "/healthz")
     async def healthz() -> dict[str, Any]:
         """Open without the key: liveness, and which server this is, for clients' start-up check."""
         return {"status": "ok", "server": "grpo serve", "version": _grpo_version(), "tested_sdks": list(TESTED_SDKS)}
 
-    api = APIRouter(prefix=API_PREFIX, dependencies=[Depends(require_key)])
+    api = APIRouter(prefix=API_PREFIX)
 
     # ------------------------------------------------------------------ client config and sessions
 
@@ -220,6 +248,7 @@ def create_app(api_key: str, service: ServiceClient | None = None, long_poll_s: 
     @api.post("/sessions/{session_id}/finish")
     async def finish_session(session_id: str) -> dict[str, Any]:
         state.sessions.pop(session_id, None)
+        state.futures.drop_session(session_id)
         return {"type": "finish_session"}
 
     @api.post("/telemetry")
@@ -268,6 +297,10 @@ def create_app(api_key: str, service: ServiceClient | None = None, long_poll_s: 
         if loss_fn not in SUPPORTED_LOSSES:
             raise _fail(422, "loss_fn", f"loss_fn {loss_fn!r} is not supported locally; use one of "
                         f"{', '.join(SUPPORTED_LOSSES)} (stable_reinforce is server-defined and unpublished)")
+        try:
+            limits.check_datums((d.model_input.length for d in data), context_of(model.client.engine))
+        except LimitError as err:
+            raise _fail(err.status, err.field, str(err)) from err
         async with model.gate.turn(seq_id):
             try:
                 call = model.client.forward_backward if backward else model.client.forward
@@ -283,7 +316,7 @@ def create_app(api_key: str, service: ServiceClient | None = None, long_poll_s: 
             raise HTTPException(415, detail="compressed request bodies are not supported (proto_compress_fwdbwd is off)")
         if request.headers.get("content-type", "").startswith(PROTOBUF):
             try:
-                req = wire.forward_backward_from_proto(raw)
+                req = wire.forward_backward_from_proto(raw, limits)
             except wire.WireError as err:
                 raise _fail(422, err.field, str(err)) from err
             return await loss_call(req["model_id"], req["seq_id"], req["data"], req["loss_fn"] or "cross_entropy",
@@ -298,7 +331,7 @@ def create_app(api_key: str, service: ServiceClient | None = None, long_poll_s: 
     async def loss_json(model_id: str, seq_id: int | None, fb: bodies.ForwardBackwardInput,
                         backward: bool) -> dict[str, Any]:
         try:
-            data = wire.data_from_json([d.model_dump() for d in fb.data])
+            data = wire.data_from_json([d.model_dump() for d in fb.data], limits)
         except wire.WireError as err:
             raise _fail(422, f"forward_backward_input.{err.field}", str(err)) from err
         return await loss_call(model_id, seq_id, data, fb.loss_fn, fb.loss_fn_config, backward)
@@ -317,12 +350,19 @@ def create_app(api_key: str, service: ServiceClient | None = None, long_poll_s: 
 
     # ------------------------------------------------------------------ checkpoints
 
+    def checked_name(value: Any) -> str:
+        """A save's name: one component of the store, never a directory of the host."""
+        try:
+            return names.check_name(value, "path")
+        except names.UnsafeName as err:
+            raise _fail(422, "path", str(err)) from err
+
     @api.post("/save_weights")
     async def save_weights(body: bodies.SaveWeights) -> dict[str, Any]:
         model = state.model(body.model_id)
         async with model.gate.turn(body.seq_id):
             try:
-                future = model.client.save_state(body.path or f"state-{body.seq_id}", ttl_seconds=body.ttl_seconds,
+                future = model.client.save_state(checked_name(body.path), ttl_seconds=body.ttl_seconds,
                                                  overwrite=body.overwrite, user_metadata=body.user_metadata)
             except ValueError as err:
                 raise _fail(422, "path", str(err)) from err
@@ -345,7 +385,7 @@ def create_app(api_key: str, service: ServiceClient | None = None, long_poll_s: 
                 "type": "save_weights_for_sampler", "sampling_session_id": sampler_id}))}
         async with model.gate.turn(body.seq_id):
             try:
-                future = model.client.save_weights_for_sampler(body.path, ttl_seconds=body.ttl_seconds,
+                future = model.client.save_weights_for_sampler(checked_name(body.path), ttl_seconds=body.ttl_seconds,
                                                                user_metadata=body.user_metadata)
             except ValueError as err:
                 raise _fail(422, "path", str(err)) from err
@@ -390,9 +430,9 @@ def create_app(api_key: str, service: ServiceClient | None = None, long_poll_s: 
         try:
             return fn(*args)
         except FileNotFoundError as err:
-            raise HTTPException(404, detail=str(err)) from err
+            raise HTTPException(404, detail=state.public(err)) from err
         except ValueError as err:
-            raise HTTPException(422, detail=str(err)) from err
+            raise HTTPException(422, detail=state.public(err)) from err
 
     def ckpt_path(run_id: str, checkpoint_id: str) -> str:
         return f"tinker://{run_id}/{checkpoint_id}"
@@ -445,14 +485,10 @@ def create_app(api_key: str, service: ServiceClient | None = None, long_poll_s: 
             if not (local / "adapter_config.json").exists():
                 raise _fail(404, "model_path", f"no sampler weights at {body.model_path}")
             base = body.base_model or json.loads((local / "adapter_config.json").read_text())["base_model_name_or_path"]
-            client = await asyncio.to_thread(state.service.create_sampling_client, model_path=body.model_path)
+            client = await load_sampler(model_path=body.model_path)
         elif body.base_model:
-            try:
-                models.resolve(body.base_model)
-            except ValueError as err:
-                raise _fail(422, "base_model", str(err)) from err
             base = body.base_model
-            client = await asyncio.to_thread(state.service.create_sampling_client, base_model=base)
+            client = await load_sampler(base_model=base)
         else:
             raise _fail(422, "model_path", "create_sampling_session needs model_path or base_model")
         state.samplers[sampler_id] = Sampler(sampler_id, base, client, body.model_path)
@@ -465,46 +501,86 @@ def create_app(api_key: str, service: ServiceClient | None = None, long_poll_s: 
 
     @api.post("/asample")
     async def asample(body: bodies.Sample) -> dict[str, Any]:
+        tokens = [t for chunk in body.prompt.chunks for t in chunk.tokens]
+        max_tokens = body.sampling_params.max_tokens
+        try:  # the bounds that need no model first: nothing is loaded for a request refused anyway
+            limits.check_sample(len(tokens), max_tokens, body.num_samples, context=None)
+        except LimitError as err:
+            raise _fail(err.status, err.field, str(err)) from err
         if body.sampling_session_id:
             client = state.sampler(body.sampling_session_id).client
         elif body.base_model:
             if body.base_model not in state.base_samplers:
-                state.base_samplers[body.base_model] = await asyncio.to_thread(
-                    state.service.create_sampling_client, base_model=body.base_model)
+                state.base_samplers[body.base_model] = await load_sampler(base_model=body.base_model)
             client = state.base_samplers[body.base_model]
         else:
             raise _fail(422, "sampling_session_id", "asample needs a sampling_session_id")
-        tokens = [t for chunk in body.prompt.chunks for t in chunk.tokens]
         try:
+            limits.check_sample(len(tokens), max_tokens, body.num_samples, context_of(client.engine))
             params = wire.sampling_params_from_json(body.sampling_params.model_dump())
             future = client.sample(g.ModelInput.from_ints(tokens), body.num_samples, params,
                                    include_prompt_logprobs=body.prompt_logprobs)
+        except LimitError as err:
+            raise _fail(err.status, err.field, str(err)) from err
         except wire.WireError as err:
             raise _fail(422, err.field, str(err)) from err
         except (ValueError, TypeError) as err:
             raise _fail(422, "prompt", str(err)) from err
-        request_id = state.futures.add(_api_future(future), _render_sample)
+        # Sampler ids start with their session's id ("sess-..:sample:N", "sess-..:train:M:sample:N").
+        session = body.sampling_session_id.split(":")[0] if body.sampling_session_id else None
+        state.seen(session)
+        request_id = state.futures.add(_api_future(future), _render_sample, session=session)
         return {"request_id": request_id, "sample_sequence_ids": [f"{request_id}:{i}" for i in range(body.num_samples)]}
 
+    async def load_sampler(**where: str) -> SamplingClient:
+        """A sampling client; a model that cannot be loaded is the client's mistake (a 422 naming
+        the field), never a 5xx the SDK would retry for a minute."""
+        field_name = next(iter(where))
+        try:
+            if "base_model" in where:
+                models.resolve(where["base_model"])
+            return await asyncio.to_thread(state.service.create_sampling_client, **where)
+        except FileNotFoundError as err:
+            raise _fail(404, field_name, state.public(err)) from err
+        except Exception as err:  # transformers raises OSError, ValueError, ... for a model it cannot load
+            raise _fail(422, field_name, f"{where[field_name]!r} could not be loaded: {state.public(err)}") from err
+
     # ------------------------------------------------------------------ futures
+
+    def drop_silent_sessions() -> None:
+        """A client that stopped polling is gone (killed, disconnected): its queued sampling would
+        only keep the others waiting. Checked on every poll, so no timer thread is needed."""
+        cutoff = time.time() - limits.client_timeout_s
+        for session_id, info in list(state.sessions.items()):
+            if info["heartbeat"] < cutoff and state.futures.drop_session(session_id):
+                info["heartbeat"] = time.time()  # dropped once; a later request of its own revives it
+
+    def public_error(err: BaseException) -> dict[str, Any]:
+        result = error_result(err)
+        return {**result, "error": state.public(result["error"])}
 
     @api.post("/retrieve_future")
     async def retrieve_future(body: bodies.RetrieveFuture, request: Request) -> Response:
         pending = state.futures.get(body.request_id)
+        if pending is not None:
+            state.seen(pending.session)
+        drop_silent_sessions()
         if pending is None:
             raise _fail(404, "request_id", f"unknown request_id {body.request_id!r} (results are kept "
                         "10 minutes, and not across a server restart)")
+        if pending.future.cancelled():
+            return JSONResponse(cancelled_result())
         if not await state.futures.wait(pending):
             return JSONResponse({"type": "try_again", "request_id": body.request_id, "queue_state": "active"})
         err = pending.future.exception()
         if err is not None:
-            return JSONResponse(error_result(err))
+            return JSONResponse(public_error(err))
         accept = request.headers.get("accept", "")
         want_proto = PROTOBUF in accept and "application/json" not in accept
         try:
             rendered = pending.render(pending.future.result(), want_proto)
         except Exception as render_err:  # never a 5xx: the SDK would retry it forever
-            return JSONResponse(error_result(render_err))
+            return JSONResponse(public_error(render_err))
         if isinstance(rendered, bytes):
             return Response(rendered, media_type=PROTOBUF)
         return JSONResponse(rendered)

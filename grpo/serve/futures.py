@@ -32,6 +32,7 @@ class Pending:
     render: Callable[[Any, bool], dict[str, Any] | bytes]
     created: float = field(default_factory=time.monotonic)
     finished: float | None = None
+    session: str | None = None  # whose work it is: dropped when that client is gone
 
 
 class FutureStore:
@@ -42,10 +43,10 @@ class FutureStore:
         self._ids = itertools.count(1)
 
     def add(self, future: concurrent.futures.Future,
-            render: Callable[[Any, bool], dict[str, Any] | bytes] | None = None) -> str:
+            render: Callable[[Any, bool], dict[str, Any] | bytes] | None = None, session: str | None = None) -> str:
         self._purge()
         request_id = f"req-{self._prefix}-{next(self._ids)}"
-        pending = Pending(future, render or (lambda value, _proto: value))
+        pending = Pending(future, render or (lambda value, _proto: value), session=session)
         future.add_done_callback(lambda _f: setattr(pending, "finished", time.monotonic()))
         self._items[request_id] = pending
         return request_id
@@ -55,6 +56,11 @@ class FutureStore:
         stale = [k for k, p in self._items.items() if p.finished is not None and now - p.finished > KEEP_RESULTS_S]
         for key in stale:
             del self._items[key]
+
+    def drop_session(self, session: str) -> int:
+        """Cancel the session's work that has not started (a started batch runs to its end);
+        returns how many were dropped. The sampler skips cancelled requests when it gathers."""
+        return sum(p.future.cancel() for p in list(self._items.values()) if p.session == session and not p.future.done())
 
     def get(self, request_id: str) -> Pending | None:
         return self._items.get(request_id)
@@ -70,6 +76,11 @@ class FutureStore:
         waiter = asyncio.wrap_future(pending.future)
         done, _ = await asyncio.wait({waiter}, timeout=self.long_poll_s)
         return bool(done)
+
+
+def cancelled_result() -> dict[str, Any]:
+    return {"error": "CancelledError: this request was dropped before it ran: its client stopped polling "
+                     "(or finished its session) for longer than the server's --client-timeout", "category": "user"}
 
 
 def error_result(err: BaseException) -> dict[str, Any]:

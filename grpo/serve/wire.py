@@ -13,6 +13,9 @@ import numpy as np
 
 from grpo import types as g
 from grpo.serve import proto
+from grpo.serve.limits import LimitError, Limits
+
+DEFAULT_LIMITS = Limits()
 
 
 class WireError(ValueError):
@@ -28,29 +31,54 @@ class WireError(ValueError):
 _PROTO_DTYPES = {1: ("float32", np.float32), 2: ("int64", np.int64), 3: ("int64", np.int32)}
 
 
-def _proto_tensor(tensor: Any, field: str) -> g.TensorData:
+def _frombuffer(raw: bytes, dtype: Any, field: str) -> np.ndarray:
+    itemsize = np.dtype(dtype).itemsize
+    if len(raw) % itemsize:
+        raise WireError(field, f"{len(raw)} bytes is not a whole number of {np.dtype(dtype).name} values "
+                        f"({itemsize} bytes each)")
+    return np.frombuffer(raw, dtype=dtype)
+
+
+def _proto_tensor(tensor: Any, field: str, limits: Limits) -> g.TensorData:
     if tensor.dtype not in _PROTO_DTYPES:
         raise WireError(field, f"dtype {tensor.dtype} is not supported (float32, int64 or int32)")
     name, np_dtype = _PROTO_DTYPES[tensor.dtype]
-    shape = [int(s) for s in tensor.shape]
+    shape = _shape(tensor.shape, field, limits)
     if tensor.WhichOneof("encoding") == "sparse_csr":
-        csr = tensor.sparse_csr
-        values = np.frombuffer(csr.values, dtype=np_dtype)
-        crow = np.frombuffer(csr.crow_indices, dtype=np.int64)
-        cols = np.frombuffer(csr.col_indices, dtype=np.int64)
-        rows, ncols = (shape[0], shape[1]) if len(shape) == 2 else (1, shape[0] if shape else 0)
-        if len(crow) != rows + 1 or len(cols) != len(values):
-            raise WireError(field, "sparse_csr indices do not match its shape")
-        dense = np.zeros((rows, ncols), dtype=np_dtype)
-        for r in range(rows):
-            dense[r, cols[crow[r]:crow[r + 1]]] = values[crow[r]:crow[r + 1]]
-        array = dense.reshape(shape)
+        array = _dense_from_csr(tensor.sparse_csr, shape, np_dtype, field)
     else:
-        array = np.frombuffer(tensor.dense, dtype=np_dtype)
-        if shape and int(np.prod(shape)) != array.size:
+        array = _frombuffer(tensor.dense, np_dtype, f"{field}.dense")
+        if shape and math.prod(shape) != array.size:
             raise WireError(field, f"holds {array.size} values but shape is {shape}")
         array = array.reshape(shape) if shape else array
     return g.TensorData.from_numpy(array.astype(np.int64 if name == "int64" else np.float32))
+
+
+def _shape(shape: Any, field: str, limits: Limits) -> list[int]:
+    """A declared shape, checked before anything of its size exists (a 100-byte body may declare
+    a shape of 10^18 elements)."""
+    try:
+        return limits.check_shape([int(s) for s in shape], field)
+    except LimitError as err:
+        raise WireError(err.field, str(err).split(": ", 1)[1]) from err
+
+
+def _dense_from_csr(csr: Any, shape: list[int], np_dtype: Any, field: str) -> np.ndarray:
+    if len(shape) > 2:
+        raise WireError(f"{field}.shape", f"{shape}: a sparse_csr tensor has one or two dimensions")
+    values = _frombuffer(csr.values, np_dtype, f"{field}.sparse_csr.values")
+    crow = _frombuffer(csr.crow_indices, np.int64, f"{field}.sparse_csr.crow_indices")
+    cols = _frombuffer(csr.col_indices, np.int64, f"{field}.sparse_csr.col_indices")
+    rows, ncols = (shape[0], shape[1]) if len(shape) == 2 else (1, shape[0] if shape else 0)
+    if (len(crow) != rows + 1 or len(cols) != len(values) or crow[0] != 0 or crow[-1] != len(values)
+            or np.any(np.diff(crow) < 0)):
+        raise WireError(f"{field}.sparse_csr", f"crow_indices must be {rows + 1} non-decreasing offsets from 0 "
+                        f"to the {len(values)} values, one column index per value")
+    if len(cols) and (cols.min() < 0 or cols.max() >= ncols):
+        raise WireError(f"{field}.sparse_csr.col_indices", f"column indices must lie in 0..{ncols - 1}")
+    dense = np.zeros((rows, ncols), dtype=np_dtype)
+    dense[np.repeat(np.arange(rows), np.diff(crow)), cols] = values
+    return dense.reshape(shape)
 
 
 def _proto_tokens(chunks: Any, field: str) -> g.ModelInput:
@@ -59,11 +87,12 @@ def _proto_tokens(chunks: Any, field: str) -> g.ModelInput:
         kind = chunk.WhichOneof("chunk")
         if kind != "encoded_text":
             raise WireError(f"{field}[{i}]", f"{kind} chunks are not supported by the local backend (text only)")
-        out.append(g.EncodedTextChunk(tokens=np.frombuffer(chunk.encoded_text.tokens, dtype=np.int32).tolist()))
+        tokens = _frombuffer(chunk.encoded_text.tokens, np.int32, f"{field}[{i}].encoded_text.tokens")
+        out.append(g.EncodedTextChunk(tokens=tokens.tolist()))
     return g.ModelInput(chunks=out)
 
 
-def forward_backward_from_proto(body: bytes) -> dict[str, Any]:
+def forward_backward_from_proto(body: bytes, limits: Limits = DEFAULT_LIMITS) -> dict[str, Any]:
     """A ForwardBackwardRequest as {model_id, seq_id, data, loss_fn, loss_fn_config, forward_only}."""
     request = proto.ForwardBackwardRequest()
     try:
@@ -72,7 +101,7 @@ def forward_backward_from_proto(body: bytes) -> dict[str, Any]:
         raise WireError("body", f"not a tinker_public.ForwardBackwardRequest ({err})") from err
     data = []
     for i, datum in enumerate(request.data):
-        inputs = {k: _proto_tensor(v, f"data[{i}].loss_fn_inputs.{k}") for k, v in datum.loss_fn_inputs.items()}
+        inputs = {k: _proto_tensor(v, f"data[{i}].loss_fn_inputs.{k}", limits) for k, v in datum.loss_fn_inputs.items()}
         data.append(_datum(_proto_tokens(datum.model_input, f"data[{i}].model_input"), inputs, f"data[{i}]"))
     config: dict[str, float] = dict(request.loss_fn_config)
     for key, value in request.loss_fn_config_v2.items():
@@ -102,25 +131,27 @@ def model_input_from_json(value: dict[str, Any], field: str) -> g.ModelInput:
     return g.ModelInput(chunks=chunks)
 
 
-def tensor_from_json(value: dict[str, Any], field: str) -> g.TensorData:
+def tensor_from_json(value: dict[str, Any], field: str, limits: Limits = DEFAULT_LIMITS) -> g.TensorData:
     dtype = value.get("dtype")
     if dtype not in ("int64", "float32"):
         raise WireError(f"{field}.dtype", f"must be int64 or float32, got {dtype!r}")
     if value.get("sparse_crow_indices") is not None:
         raise WireError(field, "sparse tensors are not supported in JSON requests; send dense data")
-    array = np.asarray(value.get("data") or [], dtype=np.int64 if dtype == "int64" else np.float32)
     shape = value.get("shape")
     if shape is not None:
-        if int(np.prod(shape)) != array.size:
+        shape = _shape(shape, field, limits)
+    array = np.asarray(value.get("data") or [], dtype=np.int64 if dtype == "int64" else np.float32)
+    if shape is not None:
+        if math.prod(shape) != array.size:
             raise WireError(field, f"holds {array.size} values but shape is {shape}")
         array = array.reshape(shape)
     return g.TensorData.from_numpy(array)
 
 
-def data_from_json(data: list[dict[str, Any]]) -> list[g.Datum]:
+def data_from_json(data: list[dict[str, Any]], limits: Limits = DEFAULT_LIMITS) -> list[g.Datum]:
     out = []
     for i, datum in enumerate(data):
-        inputs = {k: tensor_from_json(v, f"data[{i}].loss_fn_inputs.{k}")
+        inputs = {k: tensor_from_json(v, f"data[{i}].loss_fn_inputs.{k}", limits)
                   for k, v in (datum.get("loss_fn_inputs") or {}).items()}
         out.append(_datum(model_input_from_json(datum["model_input"], f"data[{i}].model_input"), inputs, f"data[{i}]"))
     return out

@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from grpo import models
+from grpo.api import names
 from grpo.api.checkpoint_store import CheckpointStore
 from grpo.api.rest_client import RestClient
 from grpo.backends.local import custom_loss, heap, memory, sampler, trainer
@@ -363,9 +364,9 @@ class TrainingClient(_ClientFuture):
         is its tinker:// path. A name holding a path separator is a plain directory instead
         (written there and returned as given; not in the store, so no TTL, metadata or listing,
         and an existing directory is replaced)."""
-        if not name or not isinstance(name, str):
-            raise ValueError(f"checkpoint name must be a non-empty string, got {name!r}")
-        if Path(name).is_absolute() or os.sep in name:
+        # In-process only: the caller owns this machine, so a directory path is theirs to choose.
+        # The server never gets here with one: it admits names only (grpo.api.names).
+        if isinstance(name, str) and "://" not in name and (Path(name).is_absolute() or os.sep in name):
             def to_dir() -> str:
                 with self.engine.use(self.adapter):
                     tmp = Path(name).with_name(Path(name).name + ".tmp")
@@ -374,6 +375,8 @@ class TrainingClient(_ClientFuture):
                     replace_dir(tmp, Path(name))
                 return name
             return self._submit(to_dir)
+
+        names.check_name(name, "name")
 
         def to_store() -> str:
             def write(staging: Path) -> None:

@@ -161,7 +161,7 @@ def generate(model, requests: list[GenerationRequest], tokenizer, device: torch.
             logits = None
             continue  # admit what is pending, or end
         positions, mask = cache.set_step()
-        out = model(input_ids=tokens[:, None], attention_mask=mask, position_ids=positions, past_key_values=cache,
+        out = model(input_ids=tokens[:, None], attention_mask=mask, position_ids=positions, cache=cache,
                     use_cache=True)
         logits = out.logits[:, -1].float()
         # a finished row riding along keeps its length: its slot never outgrows the capacity
@@ -203,7 +203,7 @@ def _admit(model, requests: list[GenerationRequest], cache: SlotCache, first_slo
     # Only the last position's logits are needed: the unembedding over every prompt position
     # would cost a quarter of the prefill on a small model with a large vocabulary.
     out = model(input_ids=input_ids, attention_mask=attention, position_ids=_position_ids(attention),
-                past_key_values=prefill, use_cache=True, logits_to_keep=1)
+                cache=prefill, use_cache=True, logits_to_keep=1)
     last_logits = out.logits[:, -1].float()
 
     rows: list[_Row] = []

@@ -456,7 +456,7 @@ def run_decoder_shared(model, units: list[SharedGroup], device: torch.device) ->
         ids[k, :len(u.prefix)] = torch.tensor(u.prefix, device=device)
         pmask[k, :len(u.prefix)] = 1
     cache = DynamicCache(config=model.config)
-    prefix_hidden = decoder(input_ids=ids, attention_mask=pmask, past_key_values=cache,
+    prefix_hidden = decoder(input_ids=ids, attention_mask=pmask, cache=cache,
                             use_cache=True).last_hidden_state
     _fan_out(cache, [len(u.members) for u in units], owner)
 
@@ -479,7 +479,7 @@ def run_decoder_shared(model, units: list[SharedGroup], device: torch.device) ->
         offset += len(d.input_ids)
     positions = plens[owner][:, None] + torch.arange(swidth, device=device)[None, :]
     hidden = decoder(input_ids=sids, attention_mask=torch.cat([pmask[owner], smask], dim=1),
-                     position_ids=positions, past_key_values=cache, use_cache=True).last_hidden_state
+                     position_ids=positions, cache=cache, use_cache=True).last_hidden_state
     valid = smask.bool()
     lengths = torch.tensor([len(d.input_ids) for d in members])
     dec_out = _split_counted(lm_head, hidden[valid], stargets[valid], scounted[valid], where[valid], offset, lengths)

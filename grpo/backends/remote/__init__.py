@@ -1,7 +1,7 @@
 """The remote backends: the same client API on a MinT or Tinker service, through their SDKs.
 
-``backend=mint`` uses the MinT SDK (``pip install 'grpo[mint]'``, $MINT_API_KEY,
-$MINT_BASE_URL); ``backend=tinker`` the Tinker SDK (``pip install 'grpo[tinker]'``,
+``backend=mint`` uses the MinT SDK (``pip install -e '.[mint]'``, $MINT_API_KEY,
+$MINT_BASE_URL); ``backend=tinker`` the Tinker SDK (``pip install -e '.[tinker]'``,
 $TINKER_API_KEY, $TINKER_BASE_URL). See docs/remote.md.
 """
 

@@ -38,7 +38,7 @@ class SdkSpec:
         except ImportError as err:
             raise RemoteConfigError(
                 f"backend={self.name} needs the {self.package} package (import {self.module}), which "
-                f"is not installed: pip install 'grpo[{self.extra}]'. Or run with backend=local."
+                f"is not installed: pip install -e '.[{self.extra}]' in your grpo checkout. Or run with backend=local."
             ) from err
 
     def api_key(self, explicit: str | None) -> str:

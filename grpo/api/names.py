@@ -1,0 +1,69 @@
+"""The one rule for names and paths a client or user gives: checkpoint names, training run ids,
+``tinker://`` paths.
+
+A *name* is one path component of safe characters: 1-128 of ``A-Z a-z 0-9 . _ -``, starting with
+a letter or digit (so never ``.``, ``..``, a hidden file, a blank or a separator), and not ending
+in a suffix the store keeps for itself (staging ``.tmp``, stranded ``.old``, ``.meta.json``).
+A *path* is ``tinker://<run>/<kind>/<name>`` with ``<run>`` and ``<name>`` names and ``<kind>`` a
+checkpoint segment; on disk it must resolve (symlinks followed) under the store root.
+
+Everything that turns a client's string into a file-system location goes through here, so one
+place decides what can ever be written or read. A violation is an ``UnsafeName`` (a ValueError)
+naming the field and the rule: the server answers it with a 4xx, in-process callers see one line.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+from grpo.types import CHECKPOINT_SEGMENTS
+
+MAX_NAME = 128
+RESERVED_SUFFIXES = (".tmp", ".old", ".meta.json")
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
+NAME_RULE = (f"a name is 1-{MAX_NAME} characters of A-Z a-z 0-9 . _ - starting with a letter or digit, "
+             f"not ending in {', '.join(RESERVED_SUFFIXES)}")
+PATH_RULE = f"expected tinker://<training_run_id>/<{'|'.join(CHECKPOINT_SEGMENTS.values())}>/<name>, where {NAME_RULE}"
+
+
+class UnsafeName(ValueError):
+    """A name or path outside the rule; ``field`` names the request field or argument."""
+
+    def __init__(self, field: str, value: Any, rule: str):
+        shown = repr(value) if len(repr(value)) <= 80 else repr(value)[:77] + "..."
+        super().__init__(f"{field}={shown} is invalid: {rule}")
+        self.field = field
+
+
+def is_name(value: Any) -> bool:
+    return (isinstance(value, str) and len(value) <= MAX_NAME and _NAME.fullmatch(value) is not None
+            and not value.endswith(RESERVED_SUFFIXES))
+
+
+def check_name(value: Any, field: str = "name") -> str:
+    """``value`` if it is a name (see the module docstring), else UnsafeName naming ``field``."""
+    if not is_name(value):
+        raise UnsafeName(field, value, NAME_RULE)
+    return value
+
+
+def parse_path(value: Any, field: str = "path") -> tuple[str, str, str]:
+    """(run_id, segment, name) of a ``tinker://`` path, each part checked."""
+    if not isinstance(value, str) or not value.startswith("tinker://"):
+        raise UnsafeName(field, value, PATH_RULE)
+    parts = value[len("tinker://"):].split("/")
+    if len(parts) != 3 or parts[1] not in CHECKPOINT_SEGMENTS.values() or not (is_name(parts[0]) and is_name(parts[2])):
+        raise UnsafeName(field, value, PATH_RULE)
+    return parts[0], parts[1], parts[2]
+
+
+def under_root(root: str | os.PathLike, *parts: str, field: str = "path") -> Path:
+    """``root/parts...`` after checking that, with every symlink followed, it stays under ``root``:
+    a run directory or checkpoint that is a link out of the store is refused, not followed."""
+    target = Path(root).joinpath(*parts)
+    if not target.resolve().is_relative_to(Path(root).resolve()):
+        raise UnsafeName(field, "/".join(parts), "it resolves outside the checkpoint store (a symlink out of it?)")
+    return target

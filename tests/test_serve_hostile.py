@@ -1,0 +1,322 @@
+"""grpo.serve against a hostile client that holds a valid key (issue #33): a real server on
+127.0.0.1 with the tiny model, JSON and protobuf bodies. Every bad request is a 4xx whose one-line
+message names the field, nothing outside the checkpoint store is touched, and the server answers
+a normal request afterwards."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from serve_helpers import API_KEY, Server
+
+from grpo.serve import proto
+
+LIMITS = ("--max-body-mb", "1", "--max-prompt-tokens", "256", "--max-num-samples", "8",
+          "--max-tensor-elements", "100000", "--client-timeout-s", "4")
+
+
+def tree(root: Path) -> dict[str, bytes | None]:
+    """Every entry under ``root`` with its bytes (None for a directory)."""
+    return {p.relative_to(root).as_posix(): (None if p.is_dir() else p.read_bytes()) for p in sorted(root.rglob("*"))}
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory):
+    """The server (run with cwd in ``work`` so relative writes would land there), a session, a
+    tiny model, and ``outside``: a directory that must never change."""
+    base = tmp_path_factory.mktemp("hostile")
+    outside, work = base / "outside", base / "work"
+    (outside / "victim").mkdir(parents=True)
+    (outside / "victim" / "keep.txt").write_text("precious")
+    (outside / "passwd").write_text("root:x:0:0")
+    work.mkdir()
+    srv = Server(base / "checkpoints", cwd=work, extra_args=LIMITS)
+    session = srv.call("POST", "/api/v1/create_session", {})[1]["session_id"]
+    created = srv.call("POST", "/api/v1/create_model", {"session_id": session, "base_model": "tiny",
+                                                        "lora_config": {"rank": 2}})[1]
+    wait(srv, created["request_id"])
+    sampler = srv.call("POST", "/api/v1/create_sampling_session", {"session_id": session, "base_model": "tiny"})
+    before = tree(outside), tree(work)
+    yield {"srv": srv, "model_id": created["model_id"], "session": session, "outside": outside, "work": work,
+           "sampler": sampler[1]["sampling_session_id"], "base": base}
+    assert (tree(outside), tree(work)) == before, "the file system outside the store changed"
+    srv.stop()
+
+
+def wait(srv: Server, request_id: str) -> dict:
+    for _ in range(200):
+        status, body = srv.call("POST", "/api/v1/retrieve_future", {"request_id": request_id})
+        assert status == 200, body
+        if body.get("type") != "try_again":
+            return body
+    raise AssertionError("future never finished")
+
+
+def refused(status_body: tuple[int, dict], status: int, field: str, says: str) -> str:
+    """Assert a 4xx of ``status`` naming ``field`` with ``says`` in one line; the message."""
+    got, body = status_body
+    assert got == status, (got, body)
+    detail = body["detail"]
+    message = detail if isinstance(detail, str) else " ".join(f"{'.'.join(map(str, d['loc']))}: {d['msg']}"
+                                                              for d in detail)
+    assert field in message and says in message and "\n" not in message, message
+    return message
+
+
+def answers_normally(env) -> None:
+    status, body = env["srv"].call("POST", "/api/v1/asample", {
+        "sampling_session_id": env["sampler"], "num_samples": 1, "prompt": {"chunks": [{"tokens": [1, 2, 3]}]},
+        "sampling_params": {"max_tokens": 3, "temperature": 0.0}})
+    assert status == 200, body
+    assert len(wait(env["srv"], body["request_id"])["sequences"][0]["tokens"]) == 3
+
+
+# ------------------------------------------------------------------ 1. nothing outside the store
+
+@pytest.mark.parametrize("route", ["/api/v1/save_weights", "/api/v1/save_weights_for_sampler"])
+def test_save_paths_outside_the_store_are_refused(env, route):
+    victim = env["outside"] / "victim"
+    for path in [str(victim), "../outside/victim", "../../outside/victim",
+                 "tinker://../../etc/passwd", "tinker://../outside/passwd", "  ", "", "a/b", ".hidden", "x.meta.json"]:
+        refused(env["srv"].call("POST", route, {"model_id": env["model_id"], "path": path}), 422, "path",
+                "a name is 1-128 characters")
+    answers_normally(env)
+
+
+def test_save_without_a_path_is_refused_not_named_state_none(env):
+    refused(env["srv"].call("POST", "/api/v1/save_weights", {"model_id": env["model_id"]}), 422, "path",
+            "a name is")
+
+
+@pytest.mark.parametrize("path", ["tinker://../../etc/passwd", "tinker://run/weights/../../x", "/etc/passwd",
+                                  "tinker://run/weights/ x"])
+def test_load_and_lookup_paths_outside_the_store_are_refused(env, path):
+    srv = env["srv"]
+    refused(srv.call("POST", "/api/v1/load_weights", {"model_id": env["model_id"], "path": path}), 422, "path",
+            "tinker://")
+    refused(srv.call("POST", "/api/v1/weights_info", {"tinker_path": path}), 422, "tinker_path", "tinker://")
+    refused(srv.call("POST", "/api/v1/create_sampling_session", {"session_id": env["session"], "model_path": path}),
+            422, "model_path", "tinker://")
+
+
+def test_a_good_name_saves_inside_the_store(env):
+    status, body = env["srv"].call("POST", "/api/v1/save_weights", {"model_id": env["model_id"], "path": "ok_1"})
+    assert status == 200, body
+    saved = wait(env["srv"], body["request_id"])["path"]
+    assert saved.startswith("tinker://") and saved.endswith("/weights/ok_1")
+    assert list((env["base"] / "checkpoints").glob("*/weights/ok_1/adapter_model.safetensors"))
+
+
+# ------------------------------------------------------------------ 3. bounded requests
+
+def test_the_key_is_checked_before_the_body_is_read(env):
+    srv = env["srv"]
+    conn = http.client.HTTPConnection("127.0.0.1", srv.port, timeout=10)
+    # Declares 200 MB and sends none of it: an answer proves nothing was waited for or read.
+    conn.putrequest("POST", "/api/v1/forward_backward")
+    conn.putheader("Content-Type", "application/json")
+    conn.putheader("Content-Length", str(200 * 2**20))
+    conn.endheaders()
+    response = conn.getresponse()
+    assert response.status == 401 and "X-API-Key" in json.loads(response.read())["detail"]
+    conn.close()
+    # A client with a stale key sending an ordinary request reads the 401 that says so.
+    for _ in range(3):
+        refused(srv.call("POST", "/api/v1/forward_backward", b"x" * (900 * 2**10), key="stale"), 401, "X-API-Key", "TINKER_API_KEY")
+
+
+def test_bodies_over_the_limit_are_413_before_parsing(env):
+    srv = env["srv"]
+    # Bodies well past the sockets' buffers, sent whole (urllib says Connection: close): the client
+    # reads its 413, not a broken pipe from a server that closed while it was still writing.
+    for size_mb in (2, 24, 24):
+        refused(srv.call("POST", "/api/v1/forward_backward", b"x" * (size_mb * 2**20)), 413, "body", "--max-body-mb")
+    # Chunked, with no Content-Length: stopped once it passes the limit.
+    conn = http.client.HTTPConnection("127.0.0.1", srv.port, timeout=30)
+    chunks = (b"[" + b"1," * 2**16 for _ in range(40))  # about 5 MB
+    conn.request("POST", "/api/v1/forward_backward", body=chunks, encode_chunked=True,
+                 headers={"X-API-Key": API_KEY, "Content-Type": "application/json", "Transfer-Encoding": "chunked"})
+    response = conn.getresponse()
+    assert response.status == 413 and "--max-body-mb" in json.loads(response.read())["detail"]
+    conn.close()
+    answers_normally(env)
+
+
+def sample(env, tokens: list[int], max_tokens: int | None = 4, num_samples: int = 1):
+    params = {"temperature": 0.0} | ({} if max_tokens is None else {"max_tokens": max_tokens})
+    return env["srv"].call("POST", "/api/v1/asample", {"sampling_session_id": env["sampler"], "num_samples": num_samples,
+                                                      "prompt": {"chunks": [{"tokens": tokens}]},
+                                                      "sampling_params": params})
+
+
+def test_sampling_limits_are_checked_before_work(env):
+    t0 = time.monotonic()
+    refused(sample(env, [1] * 10**5), 422, "prompt", "limit of 256 (set by --max-prompt-tokens)")
+    refused(sample(env, [1, 2], max_tokens=10**9), 422, "sampling_params.max_tokens", "--max-new-tokens")
+    refused(sample(env, [1] * 200, max_tokens=2000), 422, "sampling_params.max_tokens",
+            "exceed the model's context of 2048")
+    refused(sample(env, [1, 2], num_samples=9), 422, "num_samples", "limit of 8 (set by --max-num-samples)")
+    refused(sample(env, [1, 2, 10**9]), 422, "prompt", "outside the vocabulary")
+    assert time.monotonic() - t0 < 10
+    answers_normally(env)
+
+
+def test_an_unloadable_base_model_is_a_clear_4xx(env):
+    srv = env["srv"]
+    for name in ("no-such-model", "/nonexistent/model/dir"):
+        t0 = time.monotonic()
+        status, body = srv.call("POST", "/api/v1/asample", {"base_model": name, "prompt": {"chunks": [{"tokens": [1]}]}})
+        assert 400 <= status < 500 and "base_model" in json.dumps(body), (status, body)
+        assert time.monotonic() - t0 < 10
+        status, body = srv.call("POST", "/api/v1/create_sampling_session", {"session_id": env["session"],
+                                                                           "base_model": name})
+        assert 400 <= status < 500 and "base_model" in json.dumps(body), (status, body)
+
+
+# ------------------------------------------------------------------ 4. bad tensors: 4xx, never 5xx
+
+def json_datum(shape, data=(1, 2, 3)) -> dict:
+    return {"model_input": {"chunks": [{"tokens": [1, 2, 3]}]},
+            "loss_fn_inputs": {"target_tokens": {"data": list(data), "dtype": "int64", "shape": shape},
+                               "weights": {"data": [1.0, 1.0, 1.0], "dtype": "float32"}}}
+
+
+@pytest.mark.parametrize(("shape", "says"), [([-1, -3], "non-negative"), ([2**32, 2**32], "--max-tensor-elements"),
+                                             ([4], "holds 3 values")])
+def test_json_tensor_shapes_are_checked(env, shape, says):
+    body = {"model_id": env["model_id"], "forward_backward_input": {"data": [json_datum(shape)]}}
+    refused(env["srv"].call("POST", "/api/v1/forward_backward", body), 422, "target_tokens", says)
+
+
+def proto_request(env, target) -> bytes:
+    request = proto.ForwardBackwardRequest(model_id=env["model_id"], loss_fn="cross_entropy")
+    datum = request.data.add()
+    datum.model_input.add().encoded_text.tokens = np.asarray([1, 2, 3], dtype=np.int32).tobytes()
+    datum.loss_fn_inputs["target_tokens"].CopyFrom(target)
+    weights = datum.loss_fn_inputs["weights"]
+    weights.dtype, weights.dense = 1, np.ones(3, dtype=np.float32).tobytes()
+    weights.shape.extend([3])
+    return request.SerializeToString()
+
+
+def csr(shape, values, crow, cols):
+    tensor = proto.Tensor(dtype=2)
+    tensor.shape.extend(shape)
+    tensor.sparse_csr.values = np.asarray(values, dtype=np.int64).tobytes()
+    tensor.sparse_csr.crow_indices = np.asarray(crow, dtype=np.int64).tobytes()
+    tensor.sparse_csr.col_indices = np.asarray(cols, dtype=np.int64).tobytes()
+    return tensor
+
+
+@pytest.mark.parametrize(("target", "field", "says"), [
+    (csr([10**9, 10**9], [], [0], []), "target_tokens.shape", "--max-tensor-elements"),
+    (csr([-3], [1], [0, 1], [0]), "target_tokens.shape", "non-negative"),
+    (csr([3], [1, 2], [0, 2], [0, 7]), "col_indices", "0..2"),
+    (csr([3], [1, 2], [0, 5], [0, 1]), "sparse_csr", "crow_indices"),
+    (csr([3], [1, 2], [0, 2], [-1, 0]), "col_indices", "0..2"),
+])
+def test_protobuf_sparse_tensors_are_checked_before_allocation(env, target, field, says):
+    refused(env["srv"].call("POST", "/api/v1/forward_backward", proto_request(env, target),
+                            content_type="application/x-protobuf"), 422, field, says)
+
+
+def test_protobuf_token_bytes_must_be_whole_int32s(env):
+    request = proto.ForwardBackwardRequest(model_id=env["model_id"], loss_fn="cross_entropy")
+    request.data.add().model_input.add().encoded_text.tokens = b"\x01\x00\x00\x00\x02"
+    refused(env["srv"].call("POST", "/api/v1/forward_backward", request.SerializeToString(),
+                            content_type="application/x-protobuf"), 422, "encoded_text.tokens", "5 bytes")
+    dense = proto.Tensor(dtype=2, dense=b"\x00" * 12)
+    dense.shape.extend([-1, -3])
+    refused(env["srv"].call("POST", "/api/v1/forward_backward", proto_request(env, dense),
+                            content_type="application/x-protobuf"), 422, "target_tokens.shape", "non-negative")
+    answers_normally(env)
+
+
+def test_a_good_sparse_tensor_still_trains(env):
+    status, body = env["srv"].call("POST", "/api/v1/forward_backward",
+                                   proto_request(env, csr([3], [2, 3], [0, 2], [0, 2])),
+                                   content_type="application/x-protobuf")
+    assert status == 200, body
+    assert "loss:sum" in wait(env["srv"], body["request_id"])["metrics"]
+
+
+# ------------------------------------------------------------------ 7. what errors show
+
+def test_error_bodies_do_not_show_where_the_store_lies(env):
+    status, body = env["srv"].call("POST", "/api/v1/load_weights", {"model_id": env["model_id"],
+                                                                    "path": "tinker://run-nope/weights/gone"})
+    text = json.dumps(body)
+    assert status == 404 and "run-nope" in text
+    assert str(env["base"]) not in text and str(Path.home()) not in text, text
+
+
+# ------------------------------------------------------------------ a client that is gone
+
+def long_sample(env, sampler: str, max_tokens: int = 500) -> str:
+    status, body = env["srv"].call("POST", "/api/v1/asample", {
+        "sampling_session_id": sampler, "num_samples": 8, "prompt": {"chunks": [{"tokens": [1, 2, 3]}]},
+        "sampling_params": {"max_tokens": max_tokens, "temperature": 1.0}})
+    assert status == 200, body
+    return body["request_id"]
+
+
+def test_a_gone_clients_queued_sampling_is_dropped(env):
+    srv = env["srv"]
+    for gone in ("finish", "silent"):
+        session = srv.call("POST", "/api/v1/create_session", {})[1]["session_id"]
+        sampler = srv.call("POST", "/api/v1/create_sampling_session", {"session_id": session, "base_model": "tiny"}
+                           )[1]["sampling_session_id"]
+        # The silent case needs the running batch to outlast --client-timeout-s (4 s) plus the
+        # other client's poll, on any machine: 1500 tokens take several times that on one core.
+        running = long_sample(env, sampler, max_tokens=500 if gone == "finish" else 1500)
+        time.sleep(0.3)  # the batcher has started on it; what follows queues behind it
+        queued = [long_sample(env, sampler) for _ in range(2)]
+        if gone == "finish":
+            assert srv.call("POST", f"/api/v1/sessions/{session}/finish", {})[0] == 200
+        else:
+            time.sleep(4.5)  # past --client-timeout-s 4 without a poll; another client's poll notices
+            srv.call("POST", "/api/v1/retrieve_future", {"request_id": "req-of-another-client"})
+        for request_id in queued:
+            status, body = srv.call("POST", "/api/v1/retrieve_future", {"request_id": request_id})
+            assert status == 200 and str(body.get("error")).startswith("CancelledError"), (gone, body)
+        assert "sequences" in wait(srv, running)  # a started batch runs to its end
+    answers_normally(env)
+
+
+def test_the_sdk_user_sees_the_clear_message_at_once(env, monkeypatch):
+    tinker = pytest.importorskip("tinker")
+    monkeypatch.setenv("TINKER_TELEMETRY", "0")
+    service = tinker.ServiceClient(base_url=env["srv"].url, api_key=API_KEY)
+    t0 = time.monotonic()
+    with pytest.raises(Exception, match="base_model") as bad_model:
+        service.create_sampling_client(base_model="no-such-model")
+    sampler = service.create_sampling_client(base_model="tiny")
+    with pytest.raises(Exception, match="--max-prompt-tokens") as too_long:
+        sampler.sample(tinker.ModelInput.from_ints([1] * 300), 1, tinker.SamplingParams(max_tokens=2)).result()
+    assert time.monotonic() - t0 < 20, "the SDK retried a 4xx"
+    assert "InternalServerError" not in repr(bad_model.value) + repr(too_long.value)
+
+
+def test_a_restarted_server_removes_killed_saves_staging(env, tmp_path):
+    import subprocess
+    import sys
+
+    store = env["base"] / "checkpoints"
+    run = next(p for p in store.iterdir() if (p / "run.json").exists())
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True,
+                          check=True).stdout.strip()
+    staging = run / "weights" / f"killed.{dead}.tmp"  # what a server SIGKILLed mid-save leaves
+    staging.mkdir(parents=True)
+    (staging / "adapter_model.safetensors").write_bytes(b"0" * 4096)
+    restarted = Server(store, extra_args=LIMITS)
+    try:
+        assert not staging.exists()
+        status, body = restarted.call("GET", "/api/v1/checkpoints")
+        assert status == 200 and all("killed" not in c["tinker_path"] for c in body["checkpoints"])
+    finally:
+        restarted.stop()

@@ -8,6 +8,7 @@ Usage (from the repository root):
     .venv/bin/python scripts/scaling.py --unbounded      # the same rows with no memory budget
     .venv/bin/python scripts/scaling.py --rows shapes --fixed-length   # no stop: every response max_tokens long
     .venv/bin/python scripts/scaling.py --rows shapes --steps 4        # memory over a longer run
+    .venv/bin/python scripts/scaling.py --rows shapes --precision fp32,bf16-sample,bf16   # each row per precision
 
 Each row runs in a fresh child process (its peak RSS is its own): one warm-up step of the row's
 own shape on other problems (pays one-time costs: folding LoRA for sampling, the optimizer's
@@ -23,8 +24,13 @@ exactly ``max_tokens`` long.
 
 Efficiency: the matmul FLOPs the step had to do (2 x parameters per token forward; training adds
 the backward through the inputs, 2x more, for every token the decoder processed) divided by the
-step's time, against the FLOP/s a plain fp32 torch matmul of the model's own shapes reaches on
-the same machine in the same run.
+step's time, against the FLOP/s a plain torch matmul of the model's own shapes reaches on the same
+machine in the same run, in the training precision (the bf16 peak for bf16 rows).
+
+Precision (``--precision``, a comma-separated list; every row runs once per entry): ``fp32`` (train
+and sample fp32, today's default on CPUs without bf16), ``bf16`` (both bf16), ``bf16-sample``
+(fp32 training, bf16 sampling: backend.sample_dtype=bf16). On a CPU without avx512_bf16/AMX bf16 is
+emulated and slower than fp32; such rows measure that, not what bf16 hardware does.
 """
 
 from __future__ import annotations
@@ -42,6 +48,8 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "scripts"))
 MARK = "@@scaling "
+# --precision name -> (train_dtype, sample_dtype)
+PRECISIONS = {"fp32": ("fp32", "fp32"), "bf16": ("bf16", "bf16"), "bf16-sample": ("fp32", "bf16")}
 
 # Architectures of public checkpoints, built with random weights (tokenizer: SmolLM2's; the 1B
 # model keeps its own 128k vocabulary size, so its unembedding costs what the real one does).
@@ -81,18 +89,20 @@ def patch_random_model(arch: dict[str, Any]) -> None:
                              pad_token_id=tokenizer.pad_token_id, rms_norm_eps=1e-5, **arch)
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
-            model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+            model = AutoModelForCausalLM.from_config(config, dtype=dtype or torch.float32)
         return model.to(device or "cpu").eval()
 
     models.load_model = load_model
 
 
-def matmul_gflops(hidden: int, intermediate: int, tokens: int = 512, seconds: float = 1.0) -> float:
-    """fp32 GFLOP/s of plain torch matmuls of the model's MLP shapes on ``tokens`` rows."""
+def matmul_gflops(hidden: int, intermediate: int, tokens: int = 512, seconds: float = 1.0,
+                  dtype: str = "fp32") -> float:
+    """GFLOP/s of plain torch matmuls of the model's MLP shapes on ``tokens`` rows in ``dtype``."""
     import torch
 
-    x = torch.randn(tokens, hidden)
-    w = torch.randn(hidden, intermediate)
+    torch_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype]
+    x = torch.randn(tokens, hidden, dtype=torch_dtype)
+    w = torch.randn(hidden, intermediate, dtype=torch_dtype)
     torch.mm(x, w)
     n, t0 = 0, time.perf_counter()
     while time.perf_counter() - t0 < seconds:
@@ -151,7 +161,8 @@ def worker(row: dict[str, Any]) -> None:
         base, stop = "tiny", False
     else:
         base, stop = model_name, not row.get("fixed_length", False)
-    service = ServiceClient(device="cpu", dtype="float32", **row.get("service", {}))
+    train_dtype, sample_dtype = PRECISIONS[row.get("precision", "fp32")]
+    service = ServiceClient(device="cpu", train_dtype=train_dtype, sample_dtype=sample_dtype, **row.get("service", {}))
     tc = service.create_lora_training_client(base, rank=16, seed=0, train_unembed=False)
     tokenizer = tc.get_tokenizer()
     engine = tc.engine
@@ -203,7 +214,7 @@ def worker(row: dict[str, Any]) -> None:
     flops = 2 * params_matmul * (timed["prompt_tokens"] + timed["sampled"]) + 4 * params_matmul * timed["processed"]
     peaks = [p for p in (load_peak, *step_peaks) if p is not None]
     peak = max(peaks) if peaks else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    gflops = matmul_gflops(config.hidden_size, config.intermediate_size)
+    gflops = matmul_gflops(config.hidden_size, config.intermediate_size, dtype=train_dtype)
     emit(**row, **timed, flops=flops, peak_rss_mb=peak, step_peaks_mb=step_peaks, matmul_gflops=gflops,
          params=params_matmul)
 
@@ -234,11 +245,12 @@ def table(results: list[dict[str, Any]]) -> str:
         step = r["sample_s"] + r["train_s"]
         eff = r["flops"] / step / (r["matmul_gflops"] * 1e9)
         lines.append(
-            f"| {r['model']}{' (no stop)' if r.get('fixed_length') else ''} | {r['prompts']} x {r['group']} x {r['max_tokens']} | {r['sampled']:,} | "
+            f"| {r['model']}{' (no stop)' if r.get('fixed_length') else ''} [{r.get('precision', 'fp32')}] | {r['prompts']} x {r['group']} x {r['max_tokens']} | {r['sampled']:,} | "
             f"{step:.1f} s ({r['sample_s']:.1f} + {r['train_s']:.1f}) | {r['sampled'] / r['sample_s']:.0f} | "
             f"{1000 * r['sample_s'] / r['sampled']:.2f} | {rows_per_step(r)} | "
             f"{r['sampled'] / r['train_s']:.0f} | {1000 * r['train_s'] / r['sampled']:.2f} | "
-            f"{1000 * r['train_s'] / r['processed']:.2f} | {100 * eff:.0f}% of {r['matmul_gflops']:.0f} GFLOP/s | "
+            f"{1000 * r['train_s'] / r['processed']:.2f} | {100 * eff:.0f}% of {r['matmul_gflops']:.0f} "
+            f"{PRECISIONS[r.get('precision', 'fp32')][0]} GFLOP/s | "
             f"{r['peak_rss_mb'] / 1024:.2f} GB |")
     return "\n".join(lines)
 
@@ -254,6 +266,8 @@ def main() -> None:
                    help="warm up with a 1 x 2 x 4 step, not one of the row's shape: the timed step pays first-size costs")
     p.add_argument("--steps", type=int, default=2,
                    help="steps per row, on different problems; the last is timed, peak RSS covers them all (>= 2)")
+    p.add_argument("--precision", default="fp32",
+                   help=f"comma-separated, each row runs once per entry: {', '.join(PRECISIONS)} (see above)")
     p.add_argument("--timeout", type=float, default=900, help="seconds per row")
     p.add_argument("--json", type=Path, help="also write the rows' measurements here")
     p.add_argument("--from-json", type=Path, nargs="+", help="print the table of rows saved with --json")
@@ -272,14 +286,19 @@ def main() -> None:
     rows = {"all": SHAPE_ROWS + MODEL_ROWS, "shapes": SHAPE_ROWS, "models": MODEL_ROWS, "smoke": SMOKE_ROWS}[args.rows]
     if args.only:
         rows = [rows[int(i)] for i in args.only.split(",")]
+    precisions = args.precision.split(",")
+    bad = [x for x in precisions if x not in PRECISIONS]
+    if bad:
+        p.error(f"--precision {','.join(bad)} is invalid; valid: {', '.join(PRECISIONS)}")
     service = {"memory_budget_mb": 0} if args.unbounded else {}
     results = []
     t0 = time.perf_counter()
-    for model, prompts, group, max_tokens in rows:
+    for (model, prompts, group, max_tokens), precision in [(r, x) for r in rows for x in precisions]:
         row = {"model": model, "prompts": prompts, "group": group, "max_tokens": max_tokens, "service": service,
-               "fixed_length": args.fixed_length, "cold": args.cold, "steps": args.steps}
+               "fixed_length": args.fixed_length, "cold": args.cold, "steps": args.steps, "precision": precision}
         results.append(run_row(row, args.timeout))
-        print(f"# {model} {prompts}x{group}x{max_tokens}: {results[-1]['sample_s'] + results[-1]['train_s']:.1f} s, "
+        print(f"# {model} [{precision}] {prompts}x{group}x{max_tokens}: "
+              f"{results[-1]['sample_s'] + results[-1]['train_s']:.1f} s, "
               f"peak {results[-1]['peak_rss_mb']:.0f} MB", file=sys.stderr, flush=True)
     import torch
 
@@ -295,8 +314,9 @@ def spread(results: list[dict[str, Any]]) -> str:
     """Largest over smallest per-token cost and peak RSS among the packaged model's rows (rows
     sampled without stop are compared among themselves)."""
     lines = []
-    for fixed in (False, True):
-        rows = [r for r in results if r["model"] == "smollm2" and bool(r.get("fixed_length")) == fixed]
+    for fixed, precision in [(f, x) for f in (False, True) for x in PRECISIONS]:
+        rows = [r for r in results if r["model"] == "smollm2" and bool(r.get("fixed_length")) == fixed
+                and r.get("precision", "fp32") == precision]
         if len(rows) < 2:
             continue
 
@@ -305,9 +325,10 @@ def spread(results: list[dict[str, Any]]) -> str:
             return max(values) / min(values)
 
         first = next((r for r in rows if (r["prompts"], r["group"], r["max_tokens"]) == (8, 4, 32)), rows[0])
+        label = "" if precision == "fp32" else f" [{precision}]"
         peak = max(r["peak_rss_mb"] for r in rows) / first["peak_rss_mb"]
         lines.append(
-            f"Across the SmolLM2-135M rows{' sampled without stop' if fixed else ''}: train ms/processed token "
+            f"Across the SmolLM2-135M rows{label}{' sampled without stop' if fixed else ''}: train ms/processed token "
             f"max/min {ratio(lambda r: r['train_s'] / r['processed']):.2f}x (per sampled token "
             f"{ratio(lambda r: r['train_s'] / r['sampled']):.2f}x), "
             f"sample ms/token max/min {ratio(lambda r: r['sample_s'] / r['sampled']):.2f}x, "

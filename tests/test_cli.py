@@ -38,7 +38,19 @@ def comparable(rows: list[dict]) -> list[dict]:
 
 @pytest.mark.slow  # end to end, minutes on 2 cores: CI's slow stage runs it
 def test_sigkill_mid_step_then_resume_matches_an_uninterrupted_run(tmp_path):
-    args = [*TOY, "steps=6", "save_every=2", "seed=3"]
+    check_sigkill_resume(tmp_path, [])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("precision", [["backend.train_dtype=fp32", "backend.sample_dtype=bf16"],
+                                       ["backend.train_dtype=bf16", "backend.sample_dtype=bf16"]],
+                         ids=["bf16-sample", "bf16"])
+def test_sigkill_resume_is_bit_identical_in_bf16_too(tmp_path, precision):
+    check_sigkill_resume(tmp_path, precision)
+
+
+def check_sigkill_resume(tmp_path: Path, extra: list[str]) -> None:
+    args = [*TOY, "steps=6", "save_every=2", "seed=3", *extra]
     straight = grpo(*args, f"hydra.run.dir={tmp_path / 'straight'}")
     assert straight.returncode == 0, straight.stderr[-3000:]
 

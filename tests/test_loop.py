@@ -240,3 +240,35 @@ def test_a_sample_is_shown_every_n_steps(tmp_path, capsys):
     run_grpo(ToyAdapter(eval_items=0), {**BASE, "steps": 3, "show_sample_every": 2}, run_dir=tmp_path)
     out = capsys.readouterr().out
     assert out.count("[response]") == 2 and "--- step 0 sample (reward" in out and "--- step 2 sample" in out
+
+
+def test_mismatch_metrics_against_their_formulas():
+    from grpo.rl.loop import mismatch_metrics
+
+    diffs = [0.1, -0.2, 0.0]  # q - p per sampled token
+    got = mismatch_metrics(diffs, tis_cap=1.1)
+    ratios = [math.exp(-d) for d in diffs]  # p / q: 0.905, 1.221, 1
+    assert got["kl/sample_train"] == pytest.approx(-0.1 / 3)
+    assert got["mismatch/kl_k3"] == pytest.approx(sum(r - 1 - math.log(r) for r in ratios) / 3)
+    assert got["logprob/max_abs_diff"] == pytest.approx(0.2)
+    assert got["mismatch/tis_capped"] == pytest.approx(1 / 3)
+    assert "mismatch/tis_capped" not in mismatch_metrics(diffs, tis_cap=None)
+
+
+def test_bf16_sampling_mismatch_is_measured_and_corrected(tmp_path):
+    """fp32 trainer, bf16 sampler: the per-step gap is visible (above fp32's ~1e-6, within bf16
+    rounding) and the run trains with the truncated importance weight on."""
+    import warnings
+
+    from grpo.backends.local import ServiceClient
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # bf16 on a CPU without bf16 instructions warns
+        svc = ServiceClient(checkpoint_dir=tmp_path / "checkpoints", device="cpu", train_dtype="fp32",
+                            sample_dtype="bf16")
+    run_grpo(ToyAdapter(), {**BASE, "steps": 2, "save_every": 0, "eval_size": 0,
+                            "loss_fn_config": {"tis_cap": 2.0}}, service_client=svc, run_dir=tmp_path)
+    for row in train_rows(tmp_path):
+        assert 1e-4 < row["logprob/max_abs_diff"] < 0.1
+        assert row["mismatch/kl_k3"] >= 0 and abs(row["kl/sample_train"]) < 0.01
+        assert 0 <= row["mismatch/tis_capped"] <= 1 and row["grad_norm"] > 0

@@ -29,12 +29,21 @@ def clip(x: float) -> float:
     return min(max(x, LO), HI)
 
 
-def reference(loss_fn: str, with_weights: bool) -> tuple[float, list[float]]:
-    """Loss value and d loss / d lp_i from the formulas of the issue, position by position."""
+def reference(loss_fn: str, with_weights: bool, tis_cap: float | None = None) -> tuple[float, list[float]]:
+    """Loss value and d loss / d lp_i from the formulas of the issue, position by position.
+
+    With ``tis_cap`` each position's term and its derivative are scaled by the truncated
+    importance weight min(exp(lp - q), C), a constant (no derivative of its own)."""
     value, grad = 0.0, []
     for i, (lp, q, a, w) in enumerate(zip(LP, Q, ADV, W, strict=True)):
         if not counted(i, with_weights):
             grad.append(0.0)
+            continue
+        if tis_cap is not None:
+            tis = min(math.exp(lp - q), tis_cap)
+            term, slope = reference_at(loss_fn, with_weights, lp, q, a, w)
+            value += tis * term
+            grad.append(tis * slope)
             continue
         r = math.exp(lp - q)
         w_scale = w if with_weights else 1.0
@@ -61,6 +70,18 @@ def reference(loss_fn: str, with_weights: bool) -> tuple[float, list[float]]:
     return value, grad
 
 
+def reference_at(loss_fn: str, with_weights: bool, lp: float, q: float, a: float, w: float) -> tuple[float, float]:
+    """One counted position's term and derivative, from reference() on a one-token problem."""
+    global LP, Q, ADV, W
+    saved = LP, Q, ADV, W
+    LP, Q, ADV, W = [lp], [q], [a], [w]
+    try:
+        value, grad = reference(loss_fn, with_weights)
+    finally:
+        LP, Q, ADV, W = saved
+    return value, grad[0]
+
+
 CONFIGS = {
     "cross_entropy": {},
     "importance_sampling": {},
@@ -82,6 +103,52 @@ def test_loss_matches_formula_value_and_gradient(loss_fn: str, with_weights: boo
     want_value, want_grad = reference(loss_fn, with_weights)
     assert loss.item() == pytest.approx(want_value, rel=1e-6, abs=1e-6)
     assert lp.grad.tolist() == pytest.approx(want_grad, rel=1e-6, abs=1e-6)
+
+
+@pytest.mark.parametrize("with_weights", [True, False], ids=["weights", "no-weights"])
+@pytest.mark.parametrize("loss_fn", list(CONFIGS))
+def test_truncated_importance_weight_matches_formula(loss_fn: str, with_weights: bool) -> None:
+    """tis_cap=C scales every loss's per-token term by sg(min(exp(lp - q), C)). C=1.5 caps two of
+    the six ratios here (1.82 and 1.57) and leaves the others (0.82, 0.61, 1, 0.05)."""
+    cap = 1.5
+    lp = torch.tensor(LP, dtype=torch.float64, requires_grad=True)
+    inputs = {"logprobs": torch.tensor(Q, dtype=torch.float64), "advantages": torch.tensor(ADV, dtype=torch.float64)}
+    if with_weights:
+        inputs["weights"] = torch.tensor(W, dtype=torch.float64)
+    loss = losses.compute_loss(loss_fn, lp, inputs, {**CONFIGS[loss_fn], "tis_cap": cap})
+    loss.backward()
+    want_value, want_grad = reference(loss_fn, with_weights, tis_cap=cap)
+    assert want_value != pytest.approx(reference(loss_fn, with_weights)[0])  # the weight changes something
+    assert loss.item() == pytest.approx(want_value, rel=1e-6, abs=1e-6)
+    assert lp.grad.tolist() == pytest.approx(want_grad, rel=1e-6, abs=1e-6)
+
+
+def test_truncated_importance_gradient_against_autograd_of_a_reference() -> None:
+    """importance_sampling with TIS written as plain torch (its own code): the gradient autograd
+    gives it equals the trainer loss's."""
+    cap = 1.5
+    q, adv = torch.tensor(Q, dtype=torch.float64), torch.tensor(ADV, dtype=torch.float64)
+    lp_ref = torch.tensor(LP, dtype=torch.float64, requires_grad=True)
+    ratio = torch.exp(lp_ref - q)
+    weight = torch.minimum(ratio.detach(), torch.tensor(cap, dtype=torch.float64))
+    (-(ratio * adv * weight)[adv != 0]).sum().backward()
+    lp = torch.tensor(LP, dtype=torch.float64, requires_grad=True)
+    losses.compute_loss("importance_sampling", lp, {"logprobs": q, "advantages": adv}, {"tis_cap": cap}).backward()
+    assert lp.grad.tolist() == pytest.approx(lp_ref.grad.tolist(), rel=1e-9, abs=1e-12)
+
+
+def test_tis_cap_is_every_loss_key_and_checked() -> None:
+    assert losses.resolve_config("ppo", {"tis_cap": 2}) == {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2,
+                                                            "tis_cap": 2.0}
+    assert losses.resolve_config("dro", {"tis_cap": None}) == {"beta": 0.05}  # null: off
+    with pytest.raises(ValueError, match=r"tis_cap must be a finite number >= 1.*got 0.5"):
+        losses.resolve_config("importance_sampling", {"tis_cap": 0.5})
+    with pytest.raises(ValueError, match="tis_cap needs the sampler's logprobs"):
+        losses.compute_loss("cross_entropy", torch.zeros(2), {"weights": torch.ones(2)}, {"tis_cap": 2.0})
+    # cross_entropy with the sampler's logprobs and no weights: every position is weighted
+    lp = torch.tensor([-1.0, -2.0])
+    got = losses.compute_loss("cross_entropy", lp, {"logprobs": torch.tensor([-1.5, -1.0])}, {"tis_cap": 1.2})
+    assert float(got) == pytest.approx(1.2 * 1.0 + math.exp(-1.0) * 2.0)
 
 
 def test_ppo_clips_both_directions() -> None:

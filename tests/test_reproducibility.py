@@ -9,6 +9,7 @@ mid-step and resumed must land on the same bytes too.
 from __future__ import annotations
 
 import time
+import warnings
 from pathlib import Path
 
 import pytest
@@ -18,7 +19,7 @@ from grpo.backends.local import clients
 from grpo.record.checkpoint import final_adapter_dir
 from grpo.record.runlog import WALL_CLOCK_PREFIXES as TIMING_PREFIXES
 from grpo.record.runlog import read_jsonl
-from grpo.rl.loop import run_grpo
+from grpo.rl.loop import run_grpo as loop_run_grpo
 
 TINY = {"base_model": "tiny", "batch_size": 2, "group_size": 4, "max_tokens": 8, "report": False,
         "progress": False, "learning_rate": 1e-3, "eval_samples": 2, "seed": 11}
@@ -66,7 +67,17 @@ def interrupted_at(adapter, reward_call: int):
     return adapter
 
 
-def check_three_runs_agree(tmp_path: Path, monkeypatch, make_adapter, cfg: dict, interrupt_call: int) -> None:
+def check_three_runs_agree(tmp_path: Path, monkeypatch, make_adapter, cfg: dict, interrupt_call: int,
+                           precision: dict | None = None) -> None:
+    """``precision``: ServiceClient dtype keys (train_dtype, sample_dtype); None: the defaults."""
+    def run_grpo(adapter, cfg, run_dir):
+        if precision is None:
+            return loop_run_grpo(adapter, cfg, run_dir=run_dir)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # bf16 on a CPU without bf16 instructions warns
+            service = clients.ServiceClient(checkpoint_dir=run_dir / "checkpoints", **precision)
+        return loop_run_grpo(adapter, cfg, service_client=service, run_dir=run_dir)
+
     run_grpo(make_adapter(), cfg, run_dir=tmp_path / "straight")
     want = outcome(tmp_path / "straight")
     assert len({r["step"] for r in want["rollouts"]}) == cfg["steps"]
@@ -92,6 +103,16 @@ def check_three_runs_agree(tmp_path: Path, monkeypatch, make_adapter, cfg: dict,
 def test_tiny_runs_are_bit_identical_however_sampling_is_timed_and_when_resumed(tmp_path, monkeypatch):
     # eval at step 0 scores 3 + 3x2 responses, each step 8: call 30 is inside step 2
     check_three_runs_agree(tmp_path, monkeypatch, ToyAdapter, {**TINY, "steps": 4, "save_every": 0}, interrupt_call=30)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("precision", [{"train_dtype": "fp32", "sample_dtype": "bf16"},
+                                       {"train_dtype": "bf16", "sample_dtype": "bf16"}], ids=["bf16-sample", "bf16"])
+def test_bf16_tiny_runs_are_bit_identical_however_sampling_is_timed_and_when_resumed(tmp_path, monkeypatch, precision):
+    """Within a precision: same seed, same machine, same bytes (the bf16 sampler's copy of the
+    weights is rebuilt from the same fp32 state after a resume)."""
+    check_three_runs_agree(tmp_path, monkeypatch, ToyAdapter, {**TINY, "steps": 4, "save_every": 0}, interrupt_call=30,
+                           precision={"device": "cpu", **precision})
 
 
 @pytest.mark.slow

@@ -27,11 +27,27 @@ def test_smoke_row_measures_a_whole_step(tmp_path):
     assert row["decode_rows"] == row["sampled"]
     assert 1 <= row["decode_steps"] <= 4
     assert row["sample_s"] > 0 and row["train_s"] > 0 and row["peak_rss_mb"] > 0
-    assert "| tiny | 2 x 2 x 4 |" in proc.stdout
+    assert "| tiny [fp32] | 2 x 2 x 4 |" in proc.stdout
     # three steps, each with its own peak (a window of /proc's VmHWM), none above the run's peak
     assert row["steps"] == 3 and len(row["step_peaks_mb"]) == 3
     assert all(0 < p <= row["peak_rss_mb"] for p in row["step_peaks_mb"])
     assert "Peak RSS by step, tiny 2 x 2 x 4:" in proc.stdout
+
+
+@pytest.mark.slow  # three smoke rows end to end: CI's slow stage runs it
+def test_rows_run_once_per_precision(tmp_path):
+    out = tmp_path / "rows.json"
+    proc = subprocess.run([sys.executable, "scripts/scaling.py", "--rows", "smoke", "--precision", "fp32,bf16-sample,bf16",
+                           "--json", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = json.loads(out.read_text())
+    assert [r["precision"] for r in rows] == ["fp32", "bf16-sample", "bf16"]
+    assert all(r["sampled"] >= 4 and r["train_s"] > 0 for r in rows)
+    # efficiency is against the matmul peak of the training precision
+    assert "fp32 GFLOP/s" in proc.stdout and "bf16 GFLOP/s" in proc.stdout
+    bad = subprocess.run([sys.executable, "scripts/scaling.py", "--rows", "smoke", "--precision", "fp8"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert bad.returncode != 0 and "--precision fp8 is invalid; valid: fp32, bf16, bf16-sample" in bad.stderr
 
 
 @pytest.mark.slow  # end to end, minutes on 2 cores: CI's slow stage runs it

@@ -1,6 +1,7 @@
 """The loss functions, each registered once with the inputs and config it takes.
 
-Every loss is a *sum* over tokens (Tinker semantics). Means, per-sequence normalisation and
+Every loss is a *sum* over tokens (Tinker semantics): each function returns its per-token terms and
+``LossSpec.__call__`` sums them. Means, per-sequence normalisation and
 the like are the loop's job: it folds them into ``advantages`` or ``weights`` before calling.
 Each term depends on its own position alone, and the trainer relies on it: it backpropagates the
 loss a chunk of positions at a time (trainer.unembed_counted; tests/test_losses.py checks it).
@@ -10,6 +11,15 @@ sampler's logprob, ``r = exp(lp - q)``, ``A`` the advantage, ``w`` the weight. P
 ``w > 0``; where a datum has no weights, where ``A != 0``. cross_entropy and dro scale each
 counted token by ``w``; importance_sampling, ppo and cispo use the weights only as that mask
 (as Tinker's, which take no weights), so fractional aggregation goes into the advantages.
+
+Truncated importance sampling (TIS), for every loss through ``LossSpec.__call__``: with
+``loss_fn_config={"tis_cap": C}`` each counted token's loss term is multiplied by
+``sg(min(exp(lp - q), C))``, the trainer/sampler ratio capped at C and held constant (no gradient
+flows through it), as verl's TIS and TRL's vllm_importance_sampling_correction do. It corrects for
+a sampler that does not compute the trainer's policy exactly (bf16 sampling, another kernel):
+tokens the sampler over-rated weigh less, under-rated ones more but never more than C. Absent (or
+null in the loop's config): off. Each loss function below therefore returns its per-token terms;
+the sum is taken in one place.
 
 Adding a loss is one ``@register_loss`` next to its function: the config validation, the
 trainer's input check and the CLI's list of valid names all read ``LOSSES``. The functions use
@@ -42,7 +52,29 @@ class LossSpec:
     check: Callable[[Mapping[str, float]], str | None] | None = None
 
     def __call__(self, lp: Tensor, inputs: Mapping[str, Tensor], params: Mapping[str, float]) -> Tensor:
-        return self.fn(lp, inputs, params)
+        """The summed loss: the function's per-token terms, times the TIS weight where asked."""
+        terms = self.fn(lp, inputs, params)
+        if params.get(TIS_CAP) is not None:
+            terms = terms * tis_weight(lp, inputs, params[TIS_CAP])
+        return terms.sum()
+
+
+# The one config key every loss takes: the truncated importance weight's cap C (module docstring).
+TIS_CAP = "tis_cap"
+
+
+def _check_tis_cap(value: float) -> str | None:
+    if not value >= 1 or value == float("inf"):
+        return f"tis_cap must be a finite number >= 1 (a cap below 1 would shrink on-policy tokens too), got {value}"
+    return None
+
+
+def tis_weight(lp: Tensor, inputs: Mapping[str, Tensor], cap: float) -> Tensor:
+    """``sg(min(exp(lp - q), cap))`` per token, 0 where a position does not count."""
+    if "logprobs" not in inputs:
+        raise ValueError("loss_fn_config tis_cap needs the sampler's logprobs as loss input 'logprobs'")
+    mask = token_mask(inputs) if ("weights" in inputs or "advantages" in inputs) else inputs["logprobs"].isfinite()
+    return _log_ratio(lp.detach(), inputs, mask).exp().clamp(max=cap).where(mask, 0.0)
 
 
 LOSSES: dict[str, LossSpec] = {}
@@ -70,8 +102,15 @@ def resolve_config(loss_fn: str, loss_fn_config: Mapping[str, float] | None) -> 
     spec = check_loss_fn(loss_fn)
     params = dict(spec.defaults)
     for key, value in dict(loss_fn_config or {}).items():
+        if key == TIS_CAP:
+            if value is not None:
+                params[key] = float(value)
+                problem = _check_tis_cap(params[key])
+                if problem:
+                    raise ValueError(f"loss_fn_config for {loss_fn!r}: {problem}")
+            continue
         if key not in params:
-            valid = ", ".join(params) or "none"
+            valid = ", ".join([*params, TIS_CAP])
             raise ValueError(f"loss_fn_config key {key!r} is not used by loss_fn={loss_fn!r}; valid keys: {valid}")
         params[key] = float(value)
     problem = spec.check(params) if spec.check else None
@@ -130,10 +169,10 @@ CLIPS = {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2}
 def cross_entropy(lp: Tensor, inputs: Mapping[str, Tensor], params: Mapping[str, float]) -> Tensor:
     """``-Σ w·lp`` (supervised fine-tuning)."""
     if "weights" in inputs:
-        return -(_masked(inputs, "weights", token_mask(inputs)) * lp).sum()
+        return -(_masked(inputs, "weights", token_mask(inputs)) * lp)
     if "advantages" in inputs:
-        return -(lp * token_weights(inputs)).sum()
-    return -lp.sum()  # neither weights nor advantages: every position is a target
+        return -(lp * token_weights(inputs))
+    return -lp  # neither weights nor advantages: every position is a target
 
 
 @register_loss("importance_sampling")
@@ -141,7 +180,7 @@ def importance_sampling(lp: Tensor, inputs: Mapping[str, Tensor], params: Mappin
     """``-Σ r·A``."""
     mask = token_mask(inputs)
     ratio = _log_ratio(lp, inputs, mask).exp()
-    return -(ratio * _masked(inputs, "advantages", mask)).sum()
+    return -(ratio * _masked(inputs, "advantages", mask))
 
 
 @register_loss("ppo", defaults=CLIPS, check=_clip_range)
@@ -151,7 +190,7 @@ def ppo(lp: Tensor, inputs: Mapping[str, Tensor], params: Mapping[str, float]) -
     adv = _masked(inputs, "advantages", mask)
     ratio = _log_ratio(lp, inputs, mask).exp()
     clipped = ratio.clamp(params["clip_low_threshold"], params["clip_high_threshold"])
-    return -(ratio * adv).minimum(clipped * adv).sum()
+    return -(ratio * adv).minimum(clipped * adv)
 
 
 @register_loss("cispo", defaults=CLIPS, check=_clip_range)
@@ -161,7 +200,7 @@ def cispo(lp: Tensor, inputs: Mapping[str, Tensor], params: Mapping[str, float])
     mask = token_mask(inputs)
     ratio = _log_ratio(lp, inputs, mask).exp().detach()
     clipped = ratio.clamp(params["clip_low_threshold"], params["clip_high_threshold"])
-    return -(clipped * lp * _masked(inputs, "advantages", mask)).sum()
+    return -(clipped * lp * _masked(inputs, "advantages", mask))
 
 
 @register_loss("dro", defaults={"beta": 0.05})
@@ -170,4 +209,4 @@ def dro(lp: Tensor, inputs: Mapping[str, Tensor], params: Mapping[str, float]) -
     mask = token_mask(inputs)
     weights = _masked(inputs, "weights", mask) if "weights" in inputs else mask.float()
     objective = lp * _masked(inputs, "advantages", mask) - 0.5 * params["beta"] * _log_ratio(lp, inputs, mask) ** 2
-    return -(weights * objective).sum()
+    return -(weights * objective)

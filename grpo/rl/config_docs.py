@@ -18,7 +18,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from grpo.api.losses import LOSSES
+from grpo.api.losses import LOSSES, TIS_CAP
 from grpo.rl.config import GRPOConfig, WandbConfig
 
 YAML_BEGIN = "# >>> loop keys: rendered from GRPOConfig in grpo/rl/config.py (python -m grpo.rl.config_docs --write)"
@@ -68,7 +68,10 @@ def loss_params() -> dict[str, str]:
     for name, spec in LOSSES.items():
         for key, default in spec.defaults.items():
             users.setdefault(key, []).append(f"{name} {default:g}")
-    return {key: ", ".join(uses) for key, uses in users.items()}
+    out = {key: "default: " + ", ".join(uses) for key, uses in users.items()}
+    out[TIS_CAP] = ("every loss: truncated importance weight min(trainer/sampler ratio, C) on each token; "
+                    "null: off (docs/scaling.md: Precision)")
+    return out
 
 
 def rows() -> list[tuple[str, str, str, str | None]]:
@@ -79,7 +82,7 @@ def rows() -> list[tuple[str, str, str, str | None]]:
         section = f.metadata.get("section")
         if f.name == "loss_fn_config":
             out.append((f.name, "", _help(f), section))
-            out.extend((f"{f.name}.{key}", "null", f"default: {uses}", None) for key, uses in loss_params().items())
+            out.extend((f"{f.name}.{key}", "null", uses, None) for key, uses in loss_params().items())
         elif f.name == "wandb":
             out.append((f.name, "", _help(f), section))
             out.extend((f"wandb.{w.name}", yaml_value(w.default if w.default is not dataclasses.MISSING

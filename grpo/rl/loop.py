@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from grpo.api.losses import TIS_CAP
 from grpo.api.protocols import SamplingClient, ServiceClient, TrainingClient
 from grpo.record import checkpoint
 from grpo.record.runlog import RunLog
@@ -351,14 +352,32 @@ def train(training_client: TrainingClient, datums: list[Datum], samples: list[Tr
         diffs.extend(q - p for q, p, m in zip(sample.rollout.logprobs, train_lp, sample.rollout.model_mask,
                                               strict=True) if m)  # model-written tokens only
     if diffs:
-        metrics["kl/sample_train"] = sum(diffs) / len(diffs)
-        metrics["logprob/max_abs_diff"] = max(abs(d) for d in diffs)
+        metrics.update(mismatch_metrics(diffs, (cfg.loss_fn_config or {}).get(TIS_CAP)))
     sampled_lp = [q for s in samples for q, m in zip(s.rollout.logprobs, s.rollout.model_mask, strict=True) if m]
     metrics["entropy"] = fb.metrics.get("entropy:mean", -sum(sampled_lp) / max(1, len(sampled_lp)))
     return metrics
 
 
 # --------------------------------------------------------------------------- metrics and logs
+
+
+def mismatch_metrics(diffs: list[float], tis_cap: float | None) -> dict[str, float]:
+    """How far the sampler's logprobs ``q`` are from the trainer's ``p`` on the sampled tokens,
+    from ``diffs = q - p``: ~0 on-policy in one precision, bf16 rounding when sampling in bf16.
+
+    ``kl/sample_train`` is KL(sampler || trainer) by its plain estimator mean(q - p) (unbiased, may
+    dip below 0); ``mismatch/kl_k3`` by mean(r - 1 - log r), r = exp(p - q) (never negative, lower
+    variance); ``logprob/max_abs_diff`` the worst token; ``mismatch/tis_capped`` the share of tokens
+    whose ratio the truncated importance weight caps (loss_fn_config.tis_cap, grpo/api/losses.py).
+    """
+    ratios = [math.exp(min(-d, 50.0)) for d in diffs]  # exp(p - q); a prompt-sized outlier cannot overflow
+    metrics = {"kl/sample_train": sum(diffs) / len(diffs),
+               "logprob/max_abs_diff": max(abs(d) for d in diffs),
+               "mismatch/kl_k3": sum(r - 1 + d for r, d in zip(ratios, diffs, strict=True)) / len(diffs)}
+    if tis_cap is not None:
+        metrics["mismatch/tis_capped"] = sum(r > tis_cap for r in ratios) / len(ratios)
+    return metrics
+
 
 
 def rollout_metrics(run: Run, batch: Batch, samples: list[TrainSample]) -> dict[str, float]:

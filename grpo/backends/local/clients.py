@@ -35,6 +35,7 @@ from grpo.api.rest_client import RestClient
 from grpo.backends.local import age_export, custom_loss, heap, memory, sampler, trainer
 from grpo.backends.local.engine import Engine, LoraSpec
 from grpo.files import replace_dir
+from grpo.models import precision
 from grpo.types import (
     AdamParams,
     APIFuture,
@@ -83,8 +84,11 @@ class ServiceClient:
     """Entry point, as ``tinker.ServiceClient`` / ``mint.ServiceClient``.
 
     Args beyond the SDK's (all optional): ``checkpoint_dir`` where named states are written
-    (default ``$GRPO_CHECKPOINT_DIR``, else ``$GRPO_CACHE/checkpoints``), ``device`` and ``dtype`` ("auto": CUDA bf16 when
-    available, else CPU fp32), ``memory_budget_mb`` (working memory of one training micro-batch
+    (default ``$GRPO_CHECKPOINT_DIR``, else ``$GRPO_CACHE/checkpoints``), ``device``, ``train_dtype`` and ``sample_dtype`` (the
+    precision of the base weights the trainer and the sampler run: fp32, bf16 or "auto": bf16 on
+    CUDA and on CPUs with avx512_bf16/AMX, else fp32; LoRA weights and optimizer state stay fp32;
+    see grpo/models/precision.py), ``dtype`` (both at once, where the two are not given),
+    ``memory_budget_mb`` (working memory of one training micro-batch
     or of the rows the sampler decodes at once; "auto": a share of the device's memory, 0:
     unbounded; see memory.py), ``micro_batch_tokens`` (padded tokens per training micro-batch;
     overrides what the budget gives).
@@ -98,10 +102,14 @@ class ServiceClient:
                  default_headers_overrides: Any = None,
                  checkpoint_dir: str | os.PathLike | None = None, device: str | None = None,
                  dtype: str | None = None, micro_batch_tokens: int | None = None,
-                 memory_budget_mb: int | float | str | None = "auto", **_sdk_kwargs: Any):
+                 memory_budget_mb: int | float | str | None = "auto", train_dtype: str | None = None,
+                 sample_dtype: str | None = None, **_sdk_kwargs: Any):
         self.checkpoint_dir = Path(checkpoint_dir) if checkpoint_dir else default_root()
         self.device = device
-        self.dtype = dtype
+        for key, value in (("dtype", dtype), ("train_dtype", train_dtype), ("sample_dtype", sample_dtype)):
+            precision.check(key, value)  # fail fast, before any model loads
+        self.train_dtype = train_dtype if train_dtype is not None else dtype
+        self.sample_dtype = sample_dtype if sample_dtype is not None else self.train_dtype
         if micro_batch_tokens is not None and (not isinstance(micro_batch_tokens, int) or micro_batch_tokens <= 0):
             raise ValueError(f"micro_batch_tokens must be a positive integer or null, got {micro_batch_tokens!r}")
         self.micro_batch_tokens = micro_batch_tokens
@@ -118,7 +126,7 @@ class ServiceClient:
         key = models.public_id(base_model)
         with self._lock:
             if key not in self._engines:
-                engine = Engine(base_model, self.device, self.dtype)
+                engine = Engine(base_model, self.device, self.train_dtype, self.sample_dtype)
                 budget = memory.Budget.for_model(self.memory_budget_mb, engine.model, engine.device)
                 self._engines[key] = _EngineHandle(engine, budget)
             return self._engines[key]

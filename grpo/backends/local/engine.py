@@ -4,7 +4,9 @@ Every training and sampling client of a base model shares one ``Engine``: the ba
 in memory once, each training client owns a named peft adapter on top, and sampling clients hold
 snapshots of adapter weights. A float32 model samples through a snapshot folded into a copy of the
 adapted weights (folded_lora.py); otherwise the snapshot is swapped into the adapter only when
-training has moved past it.
+training has moved past it. Where ``sample_dtype`` differs from ``train_dtype`` the sampler runs
+its own copy of the base weights in that precision (sampler_precision.py); the trainer's LoRA
+weights and optimizer state are fp32 either way.
 """
 
 from __future__ import annotations
@@ -20,7 +22,9 @@ from torch import nn
 
 from grpo import models
 from grpo.backends.local.folded_lora import FoldedAdapter, can_fold
+from grpo.backends.local.sampler_precision import SamplerCopy
 from grpo.checks import check_lora_targets
+from grpo.models import precision
 from grpo.models.cpu_linear import use_onednn_linears
 
 ATTN_PARENTS = ("attn", "attention")
@@ -79,15 +83,22 @@ def lora_target_modules(model: nn.Module, spec: LoraSpec) -> list[str]:
 class Engine:
     """A base model on one device plus its named LoRA adapters."""
 
-    def __init__(self, base_model: str, device: str | torch.device | None = None, dtype: str | torch.dtype | None = None):
+    def __init__(self, base_model: str, device: str | torch.device | None = None, dtype: str | torch.dtype | None = None,
+                 sample_dtype: str | torch.dtype | None = None):
+        """``dtype``: the trainer's precision (``train_dtype``), ``sample_dtype`` the sampler's
+        (None: the trainer's); each fp32, bf16 or auto (grpo/models/precision.py)."""
         self.base_model = base_model
         self.device = torch.device(device) if device not in (None, "auto") else models.default_device()
-        dtype = None if dtype in (None, "auto") else dtype
+        train_dtype = precision.resolve("train_dtype", dtype, self.device)
+        self.sample_dtype = (train_dtype if sample_dtype is None
+                             else precision.resolve("sample_dtype", sample_dtype, self.device))
         self.tokenizer = models.load_tokenizer(base_model)
-        self.model = models.load_model(base_model, device=self.device, dtype=dtype)
+        self.model = models.load_model(base_model, device=self.device, dtype=train_dtype)
         self.dtype = next(self.model.parameters()).dtype
         for p in self.model.parameters():
             p.requires_grad_(False)
+        # Made before any adapter is injected, so that it copies the plain base model.
+        self._sampler_copy = SamplerCopy(self.model, self.sample_dtype) if self.sample_dtype != self.dtype else None
         self.vocab_size = int(self.model.get_input_embeddings().weight.shape[0])
         self.lock = threading.RLock()
         self.peft_model = None
@@ -206,8 +217,15 @@ class Engine:
         after the first reuses it.
         """
         with self.lock:
+            weights = snapshot[1] if snapshot is not None else None
+            if self._sampler_copy is not None:  # sample_dtype != train_dtype (sampler_precision.py)
+                if adapter is None or self.peft_model is None:
+                    key = (None,)
+                else:
+                    key = (adapter, id(weights)) if weights is not None else (adapter, self.versions[adapter], None)
+                yield self._sampler_copy.install(self.causal_lm(), adapter, weights, key)
+                return
             if adapter is not None and self.fold_lora_for_sampling and can_fold(self.peft_model, adapter):
-                weights = snapshot[1] if snapshot is not None else None
                 key = (adapter, id(weights)) if weights is not None else (adapter, self.versions[adapter], None)
                 if self._folded is None or self._folded.key != key:
                     # The outdated copy's tensors are overwritten; were that to fail half way, no

@@ -1,0 +1,90 @@
+"""Sampling in another precision than training: a copy of the base model in ``sample_dtype``.
+
+When ``sample_dtype`` differs from ``train_dtype`` (say bf16 sampling, fp32 training), the sampler
+runs a second copy of the base model converted once to ``sample_dtype`` (half the bytes streamed
+per decoding step in bf16), and the trainer keeps its own weights and the fp32 master LoRA weights.
+The copy carries the adapter being sampled as an *unmerged* LoRA side path,
+``base(x) + scaling * B(A(x))`` in ``sample_dtype``, refreshed whenever the adapter's weights
+change (a new version or a sampling snapshot).
+
+Why unmerged rather than folded (folded_lora.py folds only in fp32): bf16 keeps 8 bits of mantissa,
+so early in training a LoRA delta ``scaling * B @ A`` is smaller than half a bf16 step of most base
+weights and ``bf16(W + delta)`` would round back to ``bf16(W)`` at every step of the same weight,
+the sampler drawing from the base policy while the trainer moves on. Kept as its own product, the
+delta reaches the activations at its own scale (the usual bf16 LoRA inference of vLLM and peft).
+The remaining sampler/trainer gap is bf16 rounding, which the loop measures
+(``kl/sample_train``, ``logprob/max_abs_diff``) and ``tis_cap`` corrects (grpo/api/losses.py).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from torch import nn
+
+from grpo.backends.local.folded_lora import lora_layers
+
+
+class LoraSidePath(nn.Module):
+    """``base(x) + scaling * (x @ A.T) @ B.T``, all in the base's dtype, without gradients."""
+
+    def __init__(self, base: nn.Module, a: torch.Tensor, b: torch.Tensor, scaling: float):
+        super().__init__()
+        self.base = base
+        self.a, self.b, self.scaling = a, b, scaling
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.base(x) + self.scaling * nn.functional.linear(nn.functional.linear(x, self.a), self.b)
+
+
+class SamplerCopy:
+    """The base model in ``dtype`` with at most one adapter's LoRA side paths installed."""
+
+    def __init__(self, base_model: nn.Module, dtype: torch.dtype):
+        # Called before any adapter is injected, so the copy is the plain transformers model; tied
+        # embeddings stay tied (deepcopy keeps shared Parameters shared).
+        self.model = copy.deepcopy(base_model).to(dtype)
+        self.model.eval()
+        for p in self.model.parameters():
+            p.requires_grad_(False)
+        self.dtype = dtype
+        self.key: tuple | None = None
+        self.weights = None  # held so that an id() in ``key`` cannot be reused while installed
+        self._installed: dict[str, nn.Module] = {}  # module path -> the original module
+
+    def install(self, causal_lm: nn.Module, adapter: str | None, weights: dict[str, torch.Tensor] | None,
+                key: tuple) -> nn.Module:
+        """The copy with ``adapter``'s LoRA (from ``weights``, a snapshot keyed by peft's names, or
+        the live adapter) as side paths; None: the bare base model. Rebuilt only when ``key`` changes."""
+        if self.key == key:
+            return self.model
+        self.key, self.weights = None, None  # a failure half way must not leave a stale key behind
+        self._restore()
+        if adapter is not None:
+            for name, module in lora_layers(causal_lm, adapter):
+                a = _snapshot_tensor(weights, name, "lora_A", adapter) if weights else module.lora_A[adapter].weight
+                b = _snapshot_tensor(weights, name, "lora_B", adapter) if weights else module.lora_B[adapter].weight
+                parent_name, _, child = name.rpartition(".")
+                parent = self.model.get_submodule(parent_name)
+                original = getattr(parent, child)
+                self._installed[name] = original
+                setattr(parent, child, LoraSidePath(original, a.detach().to(self.dtype).clone(),
+                                                    b.detach().to(self.dtype).clone(), module.scaling[adapter]))
+        self.key, self.weights = key, weights
+        return self.model
+
+    def _restore(self) -> None:
+        for name, original in self._installed.items():
+            parent_name, _, child = name.rpartition(".")
+            setattr(self.model.get_submodule(parent_name), child, original)
+        self._installed = {}
+
+
+def _snapshot_tensor(weights: dict[str, torch.Tensor], name: str, which: str, adapter: str) -> torch.Tensor:
+    # Snapshots are keyed by the peft model's parameter names ("base_model.model." + the causal
+    # LM's module path); lora_layers() here walks the causal LM itself.
+    for key in (f"base_model.model.{name}.{which}.{adapter}.weight", f"{name}.{which}.{adapter}.weight"):
+        if key in weights:
+            return weights[key]
+    raise KeyError(f"adapter snapshot has no {which} weights for {name}")

@@ -100,7 +100,7 @@ async def _discard_body(receive: Any, seconds: float, idle_seconds: float = 2.0)
     while (left := deadline - time.monotonic()) > 0:
         try:
             message = await asyncio.wait_for(receive(), timeout=min(left, idle_seconds))
-        except asyncio.TimeoutError:
+        except TimeoutError:
             return
         if message["type"] != "http.request" or not message.get("more_body", False):
             return  # the body ended, or the client went away (http.disconnect)

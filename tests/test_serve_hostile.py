@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import re
 import time
 from pathlib import Path
 
@@ -320,3 +321,32 @@ def test_a_restarted_server_removes_killed_saves_staging(env, tmp_path):
         assert status == 200 and all("killed" not in c["tinker_path"] for c in body["checkpoints"])
     finally:
         restarted.stop()
+
+
+# ------------------------------------------------------------------ 6. what a text model cannot take
+
+IMAGE = {"type": "image", "data": "iVBORw0KGgo=", "format": "png", "expected_tokens": 1}
+
+
+def test_an_image_chunk_for_a_text_model_is_refused_and_the_server_serves_on(env):
+    """The SDK sends image chunks as they are; the tiny text model refuses the one request that
+    carries one, in one line naming the datum and the chunk, and goes on serving."""
+    datum = json_datum([3]) | {"model_input": {"chunks": [{"tokens": [1, 2]}, IMAGE]}}
+    body = {"model_id": env["model_id"], "forward_backward_input": {"data": [datum], "loss_fn": "cross_entropy"}}
+    status, answer = env["srv"].call("POST", "/api/v1/forward_backward", body)
+    if status == 200:  # accepted, and failed as the future's error
+        answer = wait(env["srv"], answer["request_id"])
+        message = answer["error"]
+    else:
+        message = refused((status, answer), 422, "chunk", "image")
+    assert re.search(r"data(\[0\]|\.0)\b.*chunk 1 is a 'image' chunk", message) and "\n" not in message, answer
+    status, answer = env["srv"].call("POST", "/api/v1/asample", {
+        "sampling_session_id": env["sampler"], "num_samples": 1, "prompt": {"chunks": [{"tokens": [1, 2]}, IMAGE]},
+        "sampling_params": {"max_tokens": 3}})
+    if status == 200:
+        answer = wait(env["srv"], answer["request_id"])
+        message = answer["error"]
+    else:
+        message = refused((status, answer), 422, "chunk", "image")
+    assert "chunk 1 is a 'image' chunk" in message and "\n" not in message, answer
+    answers_normally(env)

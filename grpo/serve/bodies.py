@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 
 class Body(BaseModel):
@@ -59,6 +59,18 @@ class EncodedTextChunk(Body):
 
 class ModelInput(Body):
     chunks: list[EncodedTextChunk]
+
+    @field_validator("chunks", mode="before")
+    @classmethod
+    def _text_only(cls, chunks: Any) -> Any:
+        """An image (or other non-text) chunk is valid SDK input that this server's text-only
+        models cannot read: say so, naming the chunk, rather than "type: should be encoded_text"."""
+        for i, chunk in enumerate(chunks if isinstance(chunks, list) else []):
+            kind = chunk.get("type", "encoded_text") if isinstance(chunk, dict) else None
+            if kind not in (None, "encoded_text"):
+                raise ValueError(f"chunk {i} is a {kind!r} chunk; this server's models read text only, "
+                                 "so send encoded_text chunks (tokens)")
+        return chunks
 
 
 class TensorData(Body):

@@ -39,7 +39,7 @@ def main(argv: list[str] | None = None) -> None:
         line = one_line(err)
         if line is None or os.environ.get("GRPO_TRACEBACK"):
             raise
-        sys.exit(f"{line}\n(raised by grpo; GRPO_TRACEBACK=1 shows the traceback)")
+        sys.exit(f"{line}\n(GRPO_TRACEBACK=1 shows the traceback)")
 
 
 def one_line(err: BaseException) -> str | None:
@@ -52,10 +52,28 @@ def one_line(err: BaseException) -> str | None:
         err = err.__cause__ or err.__context__
     ours = [i for i, e in enumerate(chain) if isinstance(e, USER_ERRORS) and _raised_in_grpo(e)]
     if not ours:
-        return None
+        return _renderer_mismatch(chain[0])
     # the program's wrappers, then grpo's own message; what grpo's error wraps is detail
     return " <- ".join(f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
                        for e in chain[:ours[0] + 1])
+
+
+def _renderer_mismatch(err: BaseException) -> str | None:
+    """A cookbook renderer that failed on the tokenizer it was given (a renderer of another model
+    family: its special tokens are not single tokens there) as one line naming the renderer's
+    file and line; None for any other error."""
+    where = None
+    tb = err.__traceback__
+    while tb is not None:
+        parts = Path(tb.tb_frame.f_code.co_filename).parts
+        if "tinker_cookbook" in parts and "renderers" in parts:
+            where = f"{'/'.join(parts[parts.index('tinker_cookbook'):])}:{tb.tb_lineno}"
+        tb = tb.tb_next
+    if where is None or not isinstance(err, (ValueError, AssertionError, KeyError, IndexError, TypeError)):
+        return None
+    detail = str(err).splitlines()[0][:200] if str(err) else ""
+    return (f"the renderer failed on this model's tokenizer ({type(err).__name__}: {detail}, at {where}); "
+            "a renderer made for another model's chat format fails like this: choose the renderer_name of this model's chat format")
 
 
 def _raised_in_grpo(err: BaseException) -> bool:

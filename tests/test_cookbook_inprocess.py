@@ -90,3 +90,18 @@ def test_math_rl_arithmetic_reward_rises(run_env, tmp_path) -> None:
     # The untrained model answers in format about 30-50 % of the time (measured: 0.28, 0.38, 0.50).
     assert sum(in_format[-3:]) / 3 >= 0.85 and sum(in_format[-3:]) / 3 > in_format[0], in_format
     assert sum(reward[-3:]) / 3 > reward[0], reward
+
+
+def test_a_renderer_of_another_model_family_ends_in_one_line(run_env, tmp_path) -> None:
+    """llama3's renderer on SmolLM2's tokenizer (its special tokens are not single tokens there):
+    one line naming the renderer's file, not a traceback."""
+    out = subprocess.run([sys.executable, "-m", "grpo.tinker_run", "tinker_cookbook.recipes.math_rl.train",
+                          f"model_name={MODEL}", "renderer_name=llama3", "env=arithmetic", "group_size=2",
+                          "groups_per_batch=2", "max_tokens=3", "lora_rank=4", f"log_path={tmp_path / 'rl'}",
+                          "max_steps=1", "eval_every=0", "save_every=0", "behavior_if_log_dir_exists=delete"],
+                         env={**run_env, "GRPO_CHECKPOINT_DIR": str(tmp_path / "ckpt")}, capture_output=True,
+                         text=True, timeout=600)
+    assert out.returncode == 1
+    last = out.stderr.strip().splitlines()[-2:]
+    assert last[0].startswith("the renderer failed on this model's tokenizer (") and "renderers/llama3.py:" in last[0]
+    assert "renderer_name" in last[0] and "Traceback" not in out.stderr, out.stderr[-2000:]

@@ -55,6 +55,7 @@ def test_rng_state_is_json_and_a_planted_pickle_never_runs(tmp_path):
     assert [r["step"] for r in read_jsonl(tmp_path / "run" / "metrics.jsonl") if "reward/mean" in r] == [0, 1, 2]
 
 
+@pytest.mark.slow  # kills and restarts a real run, about a minute on 2 cores: CI's slow stage runs it
 def test_a_run_killed_before_its_first_checkpoint_restarts_with_clean_logs(tmp_path):
     args = [*TOY, "steps=2", "save_every=0", "seed=5"]
     straight = grpo(*args, f"hydra.run.dir={tmp_path / 'straight'}")

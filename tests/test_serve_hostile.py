@@ -266,6 +266,7 @@ def long_sample(env, sampler: str, max_tokens: int = 500) -> str:
     return body["request_id"]
 
 
+@pytest.mark.slow  # waits out --client-timeout-s behind long batches: CI's slow stage runs it
 def test_a_gone_clients_queued_sampling_is_dropped(env):
     srv = env["srv"]
     for gone in ("finish", "silent"):

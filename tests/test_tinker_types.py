@@ -106,6 +106,7 @@ training.forward_backward([datum], "cross_entropy").result()
 """
 
 
+@pytest.mark.slow  # a subprocess per case that loads a model: CI's slow stage runs it
 @pytest.mark.parametrize(("model", "expected"), [
     ("no-such/model", "ModelNotFoundError: base_model 'no-such/model' cannot be loaded"),
     ("tiny", "ValueError: data[0]: chunk 1 is a 'image' chunk (ImageChunk)"),

@@ -16,6 +16,7 @@ import os
 import runpy
 import sys
 from pathlib import Path
+from types import TracebackType
 
 GRPO_DIR = Path(__file__).resolve().parent
 # The errors grpo raises for what a user can get wrong (a model name, a chunk, a checkpoint path).
@@ -63,12 +64,10 @@ def _renderer_mismatch(err: BaseException) -> str | None:
     family: its special tokens are not single tokens there) as one line naming the renderer's
     file and line; None for any other error."""
     where = None
-    tb = err.__traceback__
-    while tb is not None:
+    for tb in _frames(err):
         parts = Path(tb.tb_frame.f_code.co_filename).parts
         if "tinker_cookbook" in parts and "renderers" in parts:
             where = f"{'/'.join(parts[parts.index('tinker_cookbook'):])}:{tb.tb_lineno}"
-        tb = tb.tb_next
     if where is None or not isinstance(err, (ValueError, AssertionError, KeyError, IndexError, TypeError)):
         return None
     detail = str(err).splitlines()[0][:200] if str(err) else ""
@@ -77,11 +76,17 @@ def _renderer_mismatch(err: BaseException) -> str | None:
 
 
 def _raised_in_grpo(err: BaseException) -> bool:
-    tb = err.__traceback__
-    last = None
+    frames = _frames(err)
+    return bool(frames) and Path(frames[-1].tb_frame.f_code.co_filename).resolve().is_relative_to(GRPO_DIR)
+
+
+def _frames(err: BaseException) -> list[TracebackType]:
+    """``err``'s traceback entries, outermost first."""
+    out, tb = [], err.__traceback__
     while tb is not None:
-        last, tb = tb, tb.tb_next
-    return last is not None and Path(last.tb_frame.f_code.co_filename).resolve().is_relative_to(GRPO_DIR)
+        out.append(tb)
+        tb = tb.tb_next
+    return out
 
 
 if __name__ == "__main__":

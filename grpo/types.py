@@ -98,6 +98,14 @@ class ModelInput:
 ModelInputChunk = EncodedTextChunk | ImageChunk | ImageAssetPointerChunk | DmelChunk
 
 
+def non_text_chunk(index: int, kind: str, type_name: str | None = None) -> str:
+    """The one line for a chunk the local models cannot read, wherever it is met (in-process, or
+    in a request to grpo.serve, JSON or protobuf)."""
+    named = f" ({type_name})" if type_name else ""
+    return (f"chunk {index} is a {kind!r} chunk{named}; grpo's local models read text only, "
+            "so send encoded_text chunks (tokens)")
+
+
 def text_tokens(model_input: ModelInput, where: str) -> list[int]:
     """The token ids of a text-only input; ``where`` names it (``datum 3``, ``prompt``) in the one-line
     error a non-text chunk gets, since the local models read text only."""
@@ -105,8 +113,7 @@ def text_tokens(model_input: ModelInput, where: str) -> list[int]:
     for i, chunk in enumerate(model_input.chunks):
         if not isinstance(chunk, EncodedTextChunk):
             kind = getattr(chunk, "type", type(chunk).__name__)
-            raise ValueError(f"{where}: chunk {i} is a {kind!r} chunk ({type(chunk).__name__}); grpo's local "
-                             "models read text only, so send encoded_text chunks (tokens)")
+            raise ValueError(f"{where}: {non_text_chunk(i, kind, type(chunk).__name__)}")
         out.extend(chunk.tokens)
     return out
 

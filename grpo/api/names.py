@@ -43,14 +43,17 @@ class UnsafeName(ValueError):
         self.field = field
 
 
-def is_name(value: Any) -> bool:
-    return (isinstance(value, str) and len(value) <= MAX_NAME and _NAME.fullmatch(value) is not None
+def _fits(value: Any, pattern: re.Pattern[str]) -> bool:
+    return (isinstance(value, str) and len(value) <= MAX_NAME and pattern.fullmatch(value) is not None
             and not value.endswith(RESERVED_SUFFIXES))
+
+
+def is_name(value: Any) -> bool:
+    return _fits(value, _NAME)
 
 
 def is_run_id(value: Any) -> bool:
-    return (isinstance(value, str) and len(value) <= MAX_NAME and _RUN_ID.fullmatch(value) is not None
-            and not value.endswith(RESERVED_SUFFIXES))
+    return _fits(value, _RUN_ID)
 
 
 def check_run_id(value: Any, field: str = "training_run_id") -> str:

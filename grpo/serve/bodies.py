@@ -12,6 +12,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from grpo.types import non_text_chunk
+
 
 class Body(BaseModel):
     model_config = ConfigDict(extra="allow")
@@ -68,8 +70,7 @@ class ModelInput(Body):
         for i, chunk in enumerate(chunks if isinstance(chunks, list) else []):
             kind = chunk.get("type", "encoded_text") if isinstance(chunk, dict) else None
             if kind not in (None, "encoded_text"):
-                raise ValueError(f"chunk {i} is a {kind!r} chunk; this server's models read text only, "
-                                 "so send encoded_text chunks (tokens)")
+                raise ValueError(non_text_chunk(i, kind))
         return chunks
 
 

@@ -47,12 +47,12 @@ class Guard:
         if scope["type"] != "http" or scope["path"] in self.open_paths:
             return await self.app(scope, receive, send)
         headers = dict(scope["headers"])
+        declared = headers.get(b"content-length")
         if not hmac.compare_digest(headers.get(b"x-api-key", b""), self.key):
-            declared = headers.get(b"content-length", b"")
-            if declared.isdigit() and int(declared) <= DISCARD_BYTES_WITHOUT_KEY and not _expects_continue(headers):
+            if (declared is not None and declared.isdigit() and int(declared) <= DISCARD_BYTES_WITHOUT_KEY
+                    and not _expects_continue(headers)):
                 await _discard_body(receive, seconds=5.0)
             return await _answer(send, 401, KEY_MESSAGE)
-        declared = headers.get(b"content-length")
         if declared is not None:
             if not declared.isdigit():
                 return await _answer(send, 400, f"Content-Length {declared[:40].decode(errors='replace')!r} is not a number")

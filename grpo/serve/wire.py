@@ -86,7 +86,7 @@ def _proto_tokens(chunks: Any, field: str) -> g.ModelInput:
     for i, chunk in enumerate(chunks):
         kind = chunk.WhichOneof("chunk")
         if kind != "encoded_text":
-            raise WireError(f"{field}[{i}]", f"{kind} chunks are not supported by the local backend (text only)")
+            raise WireError(field, g.non_text_chunk(i, kind))
         tokens = _frombuffer(chunk.encoded_text.tokens, np.int32, f"{field}[{i}].encoded_text.tokens")
         out.append(g.EncodedTextChunk(tokens=tokens.tolist()))
     return g.ModelInput(chunks=out)
@@ -126,7 +126,7 @@ def model_input_from_json(value: dict[str, Any], field: str) -> g.ModelInput:
     chunks = []
     for i, chunk in enumerate(value.get("chunks") or []):
         if chunk.get("type", "encoded_text") != "encoded_text":
-            raise WireError(f"{field}.chunks[{i}]", f"{chunk.get('type')} chunks are not supported (text only)")
+            raise WireError(f"{field}.chunks", g.non_text_chunk(i, chunk.get("type")))
         chunks.append(g.EncodedTextChunk(tokens=[int(t) for t in chunk["tokens"]]))
     return g.ModelInput(chunks=chunks)
 

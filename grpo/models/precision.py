@@ -60,14 +60,10 @@ def resolve(key: str, value: str | torch.dtype | None, device: torch.device, cpu
     """The dtype config ``key`` asks for on ``device`` (None and "auto": ``auto_dtype``).
 
     ``cpu_bf16`` overrides what this CPU reports (for tests)."""
-    if isinstance(value, torch.dtype):
-        dtype = value
-    elif value is None or value == "auto":
+    check(key, value)
+    if value is None or value == "auto":
         return auto_dtype(device, cpu_bf16)
-    elif isinstance(value, str) and value.lower() in NAMES:
-        dtype = NAMES[value.lower()]
-    else:
-        raise ValueError(f"{key}={value!r} is invalid; valid: {', '.join(VALID)}")
+    dtype = value if isinstance(value, torch.dtype) else NAMES[value.lower()]
     native = cpu_has_bf16() if cpu_bf16 is None else cpu_bf16
     if dtype == torch.bfloat16 and device.type == "cpu" and not native:
         warnings.warn(f"{key}=bf16 on a CPU without avx512_bf16/AMX: bf16 matmuls are emulated and run slower "

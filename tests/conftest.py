@@ -29,3 +29,13 @@ def service(tmp_path):
     from grpo.backends.local import ServiceClient
 
     return ServiceClient(checkpoint_dir=tmp_path / "checkpoints")
+
+
+@pytest.fixture
+def fp32_service(tmp_path):
+    """A local ServiceClient that trains and samples in fp32 whatever ``auto`` picks on this machine:
+    for tests that check the sampler and the trainer agree to fp32 rounding (a bf16 default, where
+    this CPU measures bf16 faster, is tested against bf16's own bound)."""
+    from grpo.backends.local import ServiceClient
+
+    return ServiceClient(checkpoint_dir=tmp_path / "checkpoints", dtype="fp32")

@@ -106,7 +106,7 @@ def test_training_and_sampling_match_pytorch_kernels():
     """A LoRA forward_backward and a seeded sample through the engine agree, to float rounding,
     between oneDNN Linears (the default) and PyTorch's own: same loss, same gradients, and the
     sampler's logprobs of the same tokens."""
-    service = ServiceClient(device="cpu")
+    service = ServiceClient(device="cpu", dtype="fp32")  # oneDNN Linears are the fp32 path
     tc = service.create_lora_training_client("tiny", rank=4, seed=0)
     engine = tc.engine
     model = engine.peft_model
@@ -135,7 +135,7 @@ def test_training_and_sampling_match_pytorch_kernels():
 
 
 def test_folding_keeps_onednn():
-    engine = Engine("tiny", device="cpu")
+    engine = Engine("tiny", device="cpu", dtype="fp32")
     engine.add_adapter("policy", LoraSpec(rank=4))
     with engine.sampling_model("policy") as model:
         folded = [m for m in model.modules() if isinstance(m, nn.Linear) and not hasattr(m, "lora_A")]

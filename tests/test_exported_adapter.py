@@ -85,7 +85,7 @@ def test_auto_peft_loads_a_final_adapter_of_the_packaged_model(tmp_path) -> None
     from grpo.backends.local import ServiceClient
     from grpo.models import hf_cache
 
-    service = ServiceClient(checkpoint_dir=tmp_path / "ckpt")
+    service = ServiceClient(checkpoint_dir=tmp_path / "ckpt", dtype="fp32")  # as the peft side below
     client = service.create_lora_training_client("smollm2", rank=4, seed=1)
     tokenizer = client.get_tokenizer()
     ids = tokenizer.encode("Q: What is 2 + 3?\nA: 5")

@@ -323,8 +323,9 @@ class LocalSampling:
 
 
 @pytest.fixture
-def local_service(service):
-    return LocalService(service)
+def local_service(fp32_service):
+    """fp32, so that on-policy checks through the SDK hold to fp32 rounding on every CPU."""
+    return LocalService(fp32_service)
 
 
 def remote(local_service, sdk="tinker", **options) -> RemoteServiceClient:

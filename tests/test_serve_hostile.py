@@ -79,14 +79,29 @@ def answers_normally(env) -> None:
 
 # ------------------------------------------------------------------ 1. nothing outside the store
 
-@pytest.mark.parametrize("route", ["/api/v1/save_weights", "/api/v1/save_weights_for_sampler"])
+@pytest.mark.parametrize("route", ["/api/v1/save_weights", "/api/v1/save_weights_for_sampler",
+                                   "/api/v1/save_weights_external"])
 def test_save_paths_outside_the_store_are_refused(env, route):
-    victim = env["outside"] / "victim"
-    for path in [str(victim), "../outside/victim", "../../outside/victim",
+    victim = env["outside"] / "victim"  # an existing directory: a save there used to replace its contents
+    in_store = env["base"] / "checkpoints" / env["model_id"] / "weights" / "zz.meta.json"
+    for path in [str(victim), "../outside/victim", "../../outside/victim", str(in_store), "x/zz.meta.json",
                  "tinker://../../etc/passwd", "tinker://../outside/passwd", "  ", "", "a/b", ".hidden", "x.meta.json"]:
         refused(env["srv"].call("POST", route, {"model_id": env["model_id"], "path": path}), 422, "path",
                 "a name is 1-128 characters")
+    assert not in_store.exists()
+    status, listing = env["srv"].call("GET", "/api/v1/checkpoints")  # a planted directory broke every listing
+    assert status == 200, listing
     answers_normally(env)
+
+
+def test_save_weights_external_names_the_field_it_refuses(env):
+    route, model = "/api/v1/save_weights_external", env["model_id"]
+    refused(env["srv"].call("POST", route, {"model_id": model, "path": "/tmp/x"}), 422, "path", "a name is")
+    refused(env["srv"].call("POST", route, {"model_id": model, "path": "ok", "age_encryption_recipients": [""]}),
+            422, "age_encryption_recipients", "age public keys")
+    status, body = env["srv"].call("POST", route, {"model_id": model})  # no path: a name of the store
+    assert status == 200, body
+    assert "/external_weights/external-0" in wait(env["srv"], body["request_id"])["path"]
 
 
 def test_save_without_a_path_is_refused_not_named_state_none(env):

@@ -9,6 +9,10 @@ A *training run id* is a name that may also hold ``:`` (the service's ids read
 ``tinker://<run>/<kind>/<name>`` with ``<run>`` a run id, ``<name>`` a name and ``<kind>`` a
 checkpoint segment; on disk it must resolve (symlinks followed) under the store root.
 
+In-process, a save may also name a plain *directory* of the caller's machine (absolute, or holding a
+path separator): the caller owns that machine. A server's clients never may (``save_target``
+with ``directories=False``): what a remote client names lands in the store or nowhere.
+
 Everything that turns a client's string into a file-system location goes through here, so one
 place decides what can ever be written or read. A violation is an ``UnsafeName`` (a ValueError)
 naming the field and the rule: the server answers it with a 4xx, in-process callers see one line.
@@ -78,6 +82,28 @@ def parse_path(value: Any, field: str = "path") -> tuple[str, str, str]:
     if len(parts) != 3 or parts[1] not in CHECKPOINT_SEGMENTS.values() or not (is_run_id(parts[0]) and is_name(parts[2])):
         raise UnsafeName(field, value, PATH_RULE)
     return parts[0], parts[1], parts[2]
+
+
+def check_checkpoint_id(value: Any, field: str = "checkpoint_id") -> str:
+    """``value`` if it is ``<segment>/<name>``, the tail of a tinker:// path (the RestClient's routes)."""
+    segment, _, name = value.partition("/") if isinstance(value, str) else ("", "", "")
+    if segment not in CHECKPOINT_SEGMENTS.values() or not is_name(name):
+        raise UnsafeName(field, value, f"expected <{'|'.join(CHECKPOINT_SEGMENTS.values())}>/<name>, where {NAME_RULE}")
+    return value
+
+
+def names_a_directory(value: Any) -> bool:
+    """A save target that is a plain directory rather than a checkpoint name of the store."""
+    return isinstance(value, str) and "://" not in value and (Path(value).is_absolute() or os.sep in value
+                                                             or (os.altsep or os.sep) in value)
+
+
+def save_target(value: Any, field: str = "name", directories: bool = True) -> str | Path:
+    """Where a save goes: a checked name of the store (str), or, only where ``directories`` is
+    allowed (in-process), a plain directory (Path). A server's clients pass ``directories=False``."""
+    if directories and names_a_directory(value):
+        return Path(value)
+    return check_name(value, field)
 
 
 def under_root(root: str | os.PathLike, *parts: str, field: str = "path") -> Path:

@@ -197,6 +197,7 @@ def create_app(api_key: str, service: ServiceClient | None = None, long_poll_s: 
     if not api_key.startswith("tml-"):
         raise ValueError("the API key must start with 'tml-' (the Tinker SDK refuses any other)")
     state = ServerState(service or ServiceClient(), long_poll_s)
+    state.service.directory_saves = False  # a client names checkpoints of the store, never a directory here
     limits = limits or Limits()
 
     # No /docs or /openapi.json: nothing is served without the key but liveness. The key and the
@@ -247,7 +248,7 @@ def create_app(api_key: str, service: ServiceClient | None = None, long_poll_s: 
         return {"type": "session_heartbeat"}
 
     @api.post("/sessions/{session_id}/finish")
-    async def finish_session(session_id: str) -> dict[str, Any]:
+    async def finish_session(session_id: bodies.RefInPath) -> dict[str, Any]:
         state.sessions.pop(session_id, None)
         state.futures.drop_session(session_id)
         return {"type": "finish_session"}
@@ -399,11 +400,13 @@ def create_app(api_key: str, service: ServiceClient | None = None, long_poll_s: 
         # tinker_cookbook.weights.download exports a training checkpoint this way (age-encrypted
         # to a key it makes), then fetches the files through external_weights_urls below.
         model = state.model(body.model_id)
+        name = checked_name(body.path if body.path is not None else f"external-{body.seq_id or 0}")
         async with model.gate.turn(body.seq_id):
             try:
-                future = model.client.save_weights_external(
-                    body.path or f"external-{body.seq_id}", ttl_seconds=body.ttl_seconds,
-                    age_encryption_recipients=body.age_encryption_recipients)
+                future = model.client.save_weights_external(name, ttl_seconds=body.ttl_seconds,
+                                                            age_encryption_recipients=body.age_encryption_recipients)
+            except names.UnsafeName as err:
+                raise _fail(422, "path", str(err)) from err
             except ValueError as err:
                 raise _fail(422, "age_encryption_recipients", str(err)) from err
         return {"request_id": state.futures.add(
@@ -459,11 +462,11 @@ def create_app(api_key: str, service: ServiceClient | None = None, long_poll_s: 
         return _record(store_call(state.store.list_runs, limit, offset))
 
     @api.get("/training_runs/{run_id}")
-    async def get_training_run(run_id: str) -> dict[str, Any]:
+    async def get_training_run(run_id: bodies.RunIdInPath) -> dict[str, Any]:
         return _record(store_call(state.store.get_run, run_id))
 
     @api.get("/training_runs/{run_id}/checkpoints")
-    async def list_checkpoints(run_id: str) -> dict[str, Any]:
+    async def list_checkpoints(run_id: bodies.RunIdInPath) -> dict[str, Any]:
         return _record(store_call(state.store.list_checkpoints, run_id))
 
     @api.get("/checkpoints")
@@ -471,30 +474,35 @@ def create_app(api_key: str, service: ServiceClient | None = None, long_poll_s: 
         return _record(store_call(state.store.list_user_checkpoints, limit, offset))
 
     @api.get("/training_runs/{run_id}/checkpoints/{checkpoint_id:path}/external_weights_urls")
-    async def external_weights_urls(run_id: str, checkpoint_id: str) -> dict[str, Any]:
+    async def external_weights_urls(run_id: bodies.RunIdInPath,
+                                    checkpoint_id: bodies.CheckpointIdInPath) -> dict[str, Any]:
         # file:// URLs, as in-process: the files are on the server's machine, and grpo.serve binds
         # to loopback unless told otherwise (so the client is on that machine too).
         return _record(store_call(lambda p: state.rest.get_external_weights_urls(p).result(),
                                   ckpt_path(run_id, checkpoint_id)))
 
     @api.post("/training_runs/{run_id}/checkpoints/{checkpoint_id:path}/publish")
-    async def publish_checkpoint(run_id: str, checkpoint_id: str) -> Response:
+    async def publish_checkpoint(run_id: bodies.RunIdInPath,
+                                 checkpoint_id: bodies.CheckpointIdInPath) -> Response:
         store_call(state.store.set_public, ckpt_path(run_id, checkpoint_id), True)
         return Response(status_code=204)
 
     @api.delete("/training_runs/{run_id}/checkpoints/{checkpoint_id:path}/publish")
-    async def unpublish_checkpoint(run_id: str, checkpoint_id: str) -> Response:
+    async def unpublish_checkpoint(run_id: bodies.RunIdInPath,
+                                   checkpoint_id: bodies.CheckpointIdInPath) -> Response:
         store_call(state.store.set_public, ckpt_path(run_id, checkpoint_id), False)
         return Response(status_code=204)
 
     @api.put("/training_runs/{run_id}/checkpoints/{checkpoint_id:path}/ttl")
-    async def set_checkpoint_ttl(run_id: str, checkpoint_id: str, body: bodies.SetTtl) -> Response:
+    async def set_checkpoint_ttl(run_id: bodies.RunIdInPath, checkpoint_id: bodies.CheckpointIdInPath,
+                                 body: bodies.SetTtl) -> Response:
         store_call(state.store.set_ttl, ckpt_path(run_id, checkpoint_id), body.ttl_seconds)
         return Response(status_code=204)
 
     # Registered after the /publish and /ttl routes, which its {checkpoint_id:path} would swallow.
     @api.delete("/training_runs/{run_id}/checkpoints/{checkpoint_id:path}")
-    async def delete_checkpoint(run_id: str, checkpoint_id: str) -> Response:
+    async def delete_checkpoint(run_id: bodies.RunIdInPath,
+                                checkpoint_id: bodies.CheckpointIdInPath) -> Response:
         store_call(state.store.delete, ckpt_path(run_id, checkpoint_id))
         return Response(status_code=204)
 
@@ -519,7 +527,7 @@ def create_app(api_key: str, service: ServiceClient | None = None, long_poll_s: 
         return {"type": "create_sampling_session", "sampling_session_id": sampler_id}
 
     @api.get("/samplers/{sampler_id}")
-    async def get_sampler(sampler_id: str) -> dict[str, Any]:
+    async def get_sampler(sampler_id: bodies.RefInPath) -> dict[str, Any]:
         sampler = state.sampler(sampler_id)
         return {"sampler_id": sampler.sampler_id, "base_model": sampler.base_model, "model_path": sampler.model_path}
 

@@ -8,11 +8,44 @@ adding fields keep working.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from fastapi import Path as InPath
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator
 
+from grpo.api import names
 from grpo.types import non_text_chunk
+
+# Every string a client sends is one of these kinds, written into the schema as ``x-grpo-field`` so
+# that tests/test_serve_names.py can walk every route and fail on a string field nobody classified.
+# The kinds that reach the file system pass the one name rule (grpo.api.names) at the door.
+FIELD_KIND = "x-grpo-field"
+
+
+def _kind(kind: str, *checks: Any) -> Any:
+    return Annotated[str, *checks, Field(json_schema_extra={FIELD_KIND: kind})]
+
+
+# A checkpoint name of the store (save_weights' ``path``): one path component, never a directory.
+Name = _kind("name", AfterValidator(lambda v, info: names.check_name(v, info.field_name)))
+# A tinker:// path of a saved checkpoint, each part checked.
+TinkerPath = _kind("tinker_path", AfterValidator(lambda v, info: names.parse_path(v, info.field_name) and v))
+# A base model: a packaged name, a hub id or a model directory of the server's host (read only).
+ModelName = _kind("model")
+# An id this server issued (session, model, sampler, future): looked up in its tables, never a file.
+Ref = _kind("ref")
+# Free text that names nothing (tags, versions, metadata, a loss's name checked against the registry).
+Text = _kind("text")
+
+
+def _in_path(kind: str, *checks: Any) -> Any:
+    return Annotated[str, InPath(json_schema_extra={FIELD_KIND: kind}), *checks]
+
+
+# The same kinds as parts of a route's URL (the RestClient's routes).
+RunIdInPath = _in_path("run_id", AfterValidator(lambda v: names.check_run_id(v, "run_id")))
+CheckpointIdInPath = _in_path("checkpoint_id", AfterValidator(lambda v: names.check_checkpoint_id(v)))
+RefInPath = _in_path("ref")
 
 
 class Body(BaseModel):
@@ -20,13 +53,13 @@ class Body(BaseModel):
 
 
 class CreateSession(Body):
-    tags: list[str] = []
+    tags: list[Text] = []
     user_metadata: dict[str, Any] | None = None
-    sdk_version: str | None = None
+    sdk_version: Text | None = None
 
 
 class SessionRef(Body):
-    session_id: str
+    session_id: Ref
 
 
 class LoraConfig(Body):
@@ -42,16 +75,16 @@ class OptimizerConfig(Body):
 
 
 class CreateModel(Body):
-    session_id: str
+    session_id: Ref
     model_seq_id: int = 0
-    base_model: str = Field(min_length=1)
+    base_model: Annotated[ModelName, Field(min_length=1)]
     lora_config: LoraConfig = LoraConfig()
     optimizer_config: OptimizerConfig | None = None
     user_metadata: dict[str, Any] | None = None
 
 
 class ModelRef(Body):
-    model_id: str
+    model_id: Ref
 
 
 class EncodedTextChunk(Body):
@@ -87,18 +120,18 @@ class Datum(Body):
 
 class ForwardBackwardInput(Body):
     data: list[Datum]
-    loss_fn: str = "cross_entropy"
+    loss_fn: Text = "cross_entropy"
     loss_fn_config: dict[str, float] | None = None
 
 
 class ForwardBackward(Body):
-    model_id: str
+    model_id: Ref
     seq_id: int | None = None
     forward_backward_input: ForwardBackwardInput
 
 
 class Forward(Body):
-    model_id: str
+    model_id: Ref
     seq_id: int | None = None
     forward_input: ForwardBackwardInput
 
@@ -113,54 +146,54 @@ class AdamParams(Body):
 
 
 class OptimStep(Body):
-    model_id: str
+    model_id: Ref
     seq_id: int | None = None
     adam_params: AdamParams
 
 
 class SaveWeights(Body):
-    model_id: str
-    path: str | None = None
+    model_id: Ref
+    path: Name | None = None
     seq_id: int | None = None
     sampling_session_seq_id: int | None = None
     ttl_seconds: int | None = None
-    user_metadata: dict[str, str] | None = None
+    user_metadata: dict[str, Text] | None = None
     overwrite: bool = True
 
 
 class SaveWeightsExternal(SaveWeights):
-    age_encryption_recipients: list[str] | None = None
+    age_encryption_recipients: list[Text] | None = None
 
 
 class LoadWeights(Body):
-    path: str
-    model_id: str | None = None  # load into an existing model
-    session_id: str | None = None  # or create a new one from the checkpoint
+    path: TinkerPath
+    model_id: Ref | None = None  # load into an existing model
+    session_id: Ref | None = None  # or create a new one from the checkpoint
     model_seq_id: int | None = None
     seq_id: int | None = None
     optimizer: bool = False
 
 
 class CreateSamplingSession(Body):
-    session_id: str
+    session_id: Ref
     sampling_session_seq_id: int = 0
-    model_path: str | None = None
-    base_model: str | None = None
+    model_path: TinkerPath | None = None
+    base_model: ModelName | None = None
 
 
 class SamplingParams(Body):
     max_tokens: int | None = Field(None, ge=1)
     seed: int | None = None
-    stop: str | list[str] | list[int] | None = None
+    stop: Text | list[Text] | list[int] | None = None
     temperature: float = Field(1.0, ge=0)
     top_k: int = -1
     top_p: float = Field(1.0, gt=0, le=1)
 
 
 class Sample(Body):
-    sampling_session_id: str | None = None
-    base_model: str | None = None
-    model_path: str | None = None
+    sampling_session_id: Ref | None = None
+    base_model: ModelName | None = None
+    model_path: TinkerPath | None = None
     seq_id: int | None = None
     num_samples: int = Field(1, ge=1, le=1024)
     prompt: ModelInput
@@ -170,11 +203,11 @@ class Sample(Body):
 
 
 class RetrieveFuture(Body):
-    request_id: str
+    request_id: Ref
 
 
 class WeightsInfo(Body):
-    tinker_path: str
+    tinker_path: TinkerPath
 
 
 class SetTtl(Body):

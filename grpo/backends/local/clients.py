@@ -116,6 +116,9 @@ class ServiceClient:
         memory.resolve_budget(memory_budget_mb, torch.device("cpu"))  # fail fast on a bad value
         self.memory_budget_mb = memory_budget_mb
         self.store = CheckpointStore(self.checkpoint_dir)
+        # Whether a save may name a plain directory of this machine (in-process: yes; grpo.serve
+        # turns it off, so no client of a server can write outside its store).
+        self.directory_saves = True
         self._engines: dict[str, _EngineHandle] = {}
         self._lock = threading.Lock()
         self._ids = itertools.count()
@@ -378,19 +381,18 @@ class TrainingClient(_ClientFuture):
         is its tinker:// path. A name holding a path separator is a plain directory instead
         (written there and returned as given; not in the store, so no TTL, metadata or listing,
         and an existing directory is replaced)."""
-        # In-process only: the caller owns this machine, so a directory path is theirs to choose.
-        # The server never gets here with one: it admits names only (grpo.api.names).
-        if isinstance(name, str) and "://" not in name and (Path(name).is_absolute() or os.sep in name):
+        # In-process the caller owns this machine, so a directory path is theirs to choose; a
+        # server's ServiceClient has directory_saves off, and a name is then all it admits.
+        target = names.save_target(name, "name", directories=self.service.directory_saves)
+        if isinstance(target, Path):
             def to_dir() -> str:
                 with self.engine.use(self.adapter):
-                    tmp = Path(name).with_name(Path(name).name + ".tmp")
+                    tmp = target.with_name(target.name + ".tmp")
                     shutil.rmtree(tmp, ignore_errors=True)
                     self._write_adapter(tmp, with_optimizer)
-                    replace_dir(tmp, Path(name))
+                    replace_dir(tmp, target)
                 return name
             return self._submit(to_dir)
-
-        names.check_name(name, "name")
 
         def to_store() -> str:
             def write(staging: Path) -> None:

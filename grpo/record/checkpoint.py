@@ -15,6 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
+from grpo.api import names
 from grpo.api.protocols import TrainingClient
 from grpo.files import atomic_write_text
 from grpo.record.runlog import RunLog, read_jsonl
@@ -43,8 +44,9 @@ def save(training_client: TrainingClient, run_dir: Path, log: RunLog, state: Loo
     loop_dir.mkdir(parents=True, exist_ok=True)
     atomic_write_text(loop_dir / RNG_STATE, json.dumps(rng_state()))
     atomic_write_text(loop_dir / LOOP_STATE, json.dumps(asdict(state)))
+    # Relative to the run directory, so a run that is moved or copied resumes as itself.
     log.log_checkpoint({"step": state.step, "name": name, "path": str(path), "kind": "state",
-                        "loop_state": str(loop_dir / LOOP_STATE)})
+                        "loop_state": (loop_dir / LOOP_STATE).relative_to(run_dir).as_posix()})
     return str(path)
 
 
@@ -63,8 +65,8 @@ def final_adapter_dir(run_dir: str | Path) -> Path:
 def resume(run_dir: Path, training_client: TrainingClient, log: RunLog) -> LoopState | None:
     """Restore the newest complete checkpoint of ``run_dir``; None when there is none."""
     for row in reversed(read_jsonl(run_dir / "checkpoints.jsonl")):
-        loop_file = Path(row.get("loop_state", ""))
-        if row.get("kind") != "state" or not loop_file.exists():
+        loop_file = _loop_file(run_dir, row) if row.get("kind") == "state" else None
+        if loop_file is None or not loop_file.is_file():
             continue
         state = LoopState(**json.loads(loop_file.read_text()))
         training_client.load_state_with_optimizer(row["path"]).result()
@@ -79,6 +81,24 @@ def resume(run_dir: Path, training_client: TrainingClient, log: RunLog) -> LoopS
     # Nothing to resume from (a fresh run, or one killed before its first checkpoint): what an
     # earlier attempt logged would be replayed, so its rows go.
     log.truncate_after(0)
+    return None
+
+
+def _loop_file(run_dir: Path, row: dict) -> Path | None:
+    """Where a checkpoints.jsonl row's loop state lies in *this* run directory: its path relative
+    to the run dir; in records written before that (absolute paths), the path itself while it still
+    points inside the run dir, else the same place under this run's checkpoints/ (the run was moved
+    or copied since). Never a file outside the run directory."""
+    recorded = row.get("loop_state")
+    if not isinstance(recorded, str) or not recorded:
+        return None
+    inside = run_dir.resolve()
+    candidate = Path(recorded) if Path(recorded).is_absolute() else run_dir / recorded
+    if candidate.resolve().is_relative_to(inside):
+        return candidate
+    name = row.get("name")
+    if Path(recorded).is_absolute() and isinstance(name, str) and names.is_name(name):
+        return _loop_dir(run_dir, name) / LOOP_STATE
     return None
 
 

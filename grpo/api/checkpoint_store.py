@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import logging
 import os
 import shutil
 import tarfile
@@ -66,6 +67,11 @@ from grpo.types import (
 RUN_FILE = "run.json"
 META_SUFFIX = ".meta.json"
 OWNER = "local"
+# What cannot be trusted on disk (a run or checkpoint that is a symlink out of the store, a record
+# that does not parse) is skipped by every listing and logged once here, never the listing's failure.
+log = logging.getLogger(__name__)
+# What reading a planted or half-written entry can raise (UnsafeName and JSON errors are ValueErrors).
+_UNTRUSTED = (ValueError, OSError, KeyError, TypeError)
 # Files a loader needs, in the archive and the per-file listing; staging leftovers never are.
 _HIDDEN_SUFFIXES = (".tmp", ".old")
 
@@ -88,7 +94,16 @@ class CheckpointStore:
     def __init__(self, root: str | os.PathLike):
         self.root = Path(root)
         self._lock = threading.RLock()
+        self._skipped: set[str] = set()
         self.clean_staging()
+
+    def _skip(self, what: str, err: BaseException) -> None:
+        """Log once per entry that a listing passes over ``what`` (a path relative to the root)."""
+        if what not in self._skipped:
+            self._skipped.add(what)
+            reason = str(err).replace(str(self.root.resolve()), "<store>").replace(str(self.root), "<store>")
+            log.warning("checkpoint store: skipped %s, which cannot be trusted (%s: %s)", what,
+                        type(err).__name__, reason)
 
     def clean_staging(self) -> list[Path]:
         """Remove what saves killed mid-write left (``<name>.<pid>.tmp`` staging directories of
@@ -150,7 +165,12 @@ class CheckpointStore:
 
     def list_runs(self, limit: int = 20, offset: int = 0) -> TrainingRunsResponse:
         """Runs, most recently active first."""
-        runs = [self.get_run(p.name) for p in self._run_dirs()]
+        runs = []
+        for p in self._run_dirs():
+            try:
+                runs.append(self.get_run(p.name))
+            except _UNTRUSTED as err:
+                self._skip(p.name, err)
         runs.sort(key=lambda r: r.last_request_time, reverse=True)
         return TrainingRunsResponse(training_runs=runs[offset:offset + limit],
                                     cursor=Cursor(offset=offset, limit=limit, total_count=len(runs)))
@@ -209,6 +229,10 @@ class CheckpointStore:
         if not target.is_dir() or not self._meta_file(str(path)).exists():
             raise FileNotFoundError(f"no checkpoint {path} in the checkpoint store at {self.root} "
                                     "(never saved, deleted, or expired)")
+        link = next(iter(_links(target)), None)
+        if link is not None:  # the store never writes one: it was planted, and could lead anywhere
+            raise names.UnsafeName("path", str(path), f"the checkpoint holds a symlink ({link}), which is never "
+                                   "followed")
         return target
 
     def get_checkpoint(self, path: str) -> Checkpoint:
@@ -230,17 +254,29 @@ class CheckpointStore:
         """A run's checkpoints of every type, newest first."""
         self.purge_expired()
         self._run_record(run_id)
-        found = [self.get_checkpoint(p) for p in self._checkpoint_paths(run_id)]
+        found = self._checkpoints(run_id)
         found.sort(key=lambda c: c.time, reverse=True)
         return CheckpointsListResponse(checkpoints=found)
 
     def list_user_checkpoints(self, limit: int = 100, offset: int = 0) -> CheckpointsListResponse:
         """Every run's checkpoints, newest first, one page of them."""
         self.purge_expired()
-        found = [self.get_checkpoint(p) for run in self._run_dirs() for p in self._checkpoint_paths(run.name)]
+        found = [c for run in self._run_dirs() for c in self._checkpoints(run.name)]
         found.sort(key=lambda c: c.time, reverse=True)
         return CheckpointsListResponse(checkpoints=found[offset:offset + limit],
                                        cursor=Cursor(offset=offset, limit=limit, total_count=len(found)))
+
+    def _checkpoints(self, run_id: str) -> list[Checkpoint]:
+        """The run's checkpoints that can be trusted; the others are skipped (and logged once)."""
+        found = []
+        for path in self._checkpoint_paths(run_id):
+            try:
+                found.append(self.get_checkpoint(path))
+            except FileNotFoundError:
+                continue  # deleted by someone else just now
+            except _UNTRUSTED as err:
+                self._skip(path.removeprefix("tinker://"), err)
+        return found
 
     def _checkpoint_paths(self, run_id: str) -> list[str]:
         out = []
@@ -276,9 +312,13 @@ class CheckpointStore:
             for path in self._checkpoint_paths(run.name):
                 try:
                     expires = json.loads(self._meta_file(path).read_text()).get("expires_at")
-                except (FileNotFoundError, json.JSONDecodeError):
-                    continue  # deleted or being written by someone else just now
-                if expires is not None and datetime.datetime.fromisoformat(expires) <= moment:
+                    expired = expires is not None and datetime.datetime.fromisoformat(expires) <= moment
+                except FileNotFoundError:
+                    continue  # deleted by someone else just now
+                except _UNTRUSTED as err:
+                    self._skip(path.removeprefix("tinker://"), err)
+                    continue
+                if expired:
                     self._remove(path)
                     gone.append(path)
         return gone
@@ -310,8 +350,13 @@ class CheckpointStore:
         folder = self.resolve(path) if check else self._dir(path)
         if not folder.is_dir():
             return {}
-        return {f.relative_to(folder).as_posix(): f for f in sorted(folder.rglob("*"))
-                if f.is_file() and not f.name.endswith(_HIDDEN_SUFFIXES)}
+        found = {}
+        for here, _dirs, files in os.walk(folder):  # symlinked directories are listed, never entered
+            for name in files:
+                f = Path(here) / name
+                if not f.is_symlink() and f.is_file() and not name.endswith(_HIDDEN_SUFFIXES):
+                    found[f.relative_to(folder).as_posix()] = f
+        return dict(sorted(found.items()))
 
     def archive(self, path: str) -> Path:
         """An uncompressed tar of the checkpoint's files (at the archive's top level, as the
@@ -336,8 +381,15 @@ class CheckpointStore:
         return names.under_root(self.root, run_id, segment, name)
 
     def _meta_file(self, path: str) -> Path:
-        folder = self._dir(path)
-        return folder.with_name(folder.name + META_SUFFIX)
+        run_id, segment, name = names.parse_path(path)
+        self._dir(path)
+        return names.under_root(self.root, run_id, segment, name + META_SUFFIX)
+
+
+def _links(folder: Path) -> list[str]:
+    """Symlinks anywhere inside ``folder`` (relative paths), without following any."""
+    return [(Path(here) / name).relative_to(folder).as_posix() for here, dirs, files in os.walk(folder)
+            for name in dirs + files if (Path(here) / name).is_symlink()]
 
 
 def _alive(pid: str) -> bool:

@@ -129,3 +129,50 @@ def test_an_older_record_with_absolute_paths_still_resumes(tmp_path):
         client = RecordingClient()
         state = checkpoint.resume(where, client, RunLog(where, {}, 3, progress=False))
         assert state is not None and (state.step, state.cursor) == (2, 4) and client.loaded == [old_row["path"]]
+
+
+def dead_pid() -> str:
+    import subprocess
+    import sys
+    return subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True,
+                          check=True).stdout.strip()
+
+
+def test_a_failed_write_leaves_no_staging_file(tmp_path):
+    """Issue #37 G: grpo/files.py left its <name>.tmp<pid> behind whenever the write or the rename failed."""
+    from grpo.files import atomic_write_text
+
+    with pytest.raises(UnicodeEncodeError):
+        atomic_write_text(tmp_path / "metrics.jsonl", "\ud800")  # fails after the staging file is opened
+    (tmp_path / "run.json").mkdir()
+    (tmp_path / "run.json" / "x").write_text("a directory is in the way")
+    with pytest.raises(OSError):
+        atomic_write_text(tmp_path / "run.json", "{}")  # the rename fails
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run.json"]
+
+
+def test_staging_files_of_killed_writes_are_swept_on_restart(tmp_path):
+    """Issue #37 G: the restart sweep matched only names ending .tmp, so <name>.tmp<pid> files
+    (run.json, .meta.json, metrics.jsonl) of a killed writer stayed for ever."""
+    from grpo.api.checkpoint_store import CheckpointStore
+    from grpo.record import checkpoint
+    from grpo.record.runlog import RunLog
+
+    dead = dead_pid()
+    run_dir = tmp_path / "run"
+    store = CheckpointStore(run_dir / "checkpoints")
+    run = store.create_run("tiny", lora_rank=2)
+    ckpt = store.save(run.training_run_id, "training", "step_000001", lambda d: (d / "f").write_text("x"))
+    weights = store.root / run.training_run_id / "weights"
+    loop_dir = run_dir / "checkpoints" / "step_000001"
+    loop_dir.mkdir()
+    leftovers = [store.root / run.training_run_id / f"run.json.tmp{dead}", weights / f"step_000001.meta.json.tmp{dead}",
+                 weights / f"step_000002.meta.json.{dead}.tmp", run_dir / f"metrics.jsonl.tmp{dead}",
+                 run_dir / f"rollouts.jsonl.{dead}.tmp", loop_dir / f"loop_state.json.tmp{dead}"]
+    live = [run_dir / f"metrics.jsonl.tmp{__import__('os').getpid()}"]  # a live writer's: kept
+    for f in leftovers + live:
+        f.write_text("half")
+    CheckpointStore(run_dir / "checkpoints")  # a server restart, or a resumed run's backend
+    checkpoint.resume(run_dir, RecordingClient(), RunLog(run_dir, {}, 3, progress=False))
+    assert [f for f in leftovers if f.exists()] == [] and all(f.exists() for f in live)
+    assert store.resolve(ckpt.tinker_path).is_dir()

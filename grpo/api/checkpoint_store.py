@@ -51,7 +51,7 @@ from pathlib import Path
 from typing import Any
 
 from grpo.api import names
-from grpo.files import atomic_write_text, replace_dir
+from grpo.files import atomic_write_text, replace_dir, staging_path, sweep_staging
 from grpo.types import (
     CHECKPOINT_SEGMENTS,
     Checkpoint,
@@ -113,20 +113,17 @@ class CheckpointStore:
         removed = []
         archives = self.root / ".archives"
         if archives.is_dir() and not archives.is_symlink():
-            for entry in archives.glob("*/*.tmp"):
-                if not _alive(entry.name.split(".")[-2]):
-                    entry.unlink(missing_ok=True)
-                    removed.append(entry)
+            for folder in archives.iterdir():
+                removed += sweep_staging(folder)
         for run in self._run_dirs():
+            removed += sweep_staging(run)  # run.json's staging file
             for segment in CHECKPOINT_SEGMENTS.values():
                 folder = run / segment
+                removed += sweep_staging(folder)  # checkpoint directories and their .meta.json files
                 if not folder.is_dir() or folder.is_symlink():
                     continue
                 for entry in folder.iterdir():
-                    if entry.name.endswith(".tmp") and not _alive(entry.name.split(".")[-2]):
-                        shutil.rmtree(entry, ignore_errors=True) if entry.is_dir() else entry.unlink(missing_ok=True)
-                        removed.append(entry)
-                    elif entry.name.endswith(".old") and entry.is_dir():
+                    if entry.name.endswith(".old") and entry.is_dir():
                         live = entry.with_name(entry.name[:-len(".old")])
                         if live.exists():
                             shutil.rmtree(entry, ignore_errors=True)
@@ -209,14 +206,18 @@ class CheckpointStore:
                 raise FileExistsError(f"checkpoint {path} exists; pass overwrite=True to replace it")
             # The writer's pid in the name: a later start-up can tell a dead save's leftovers
             # (removed by clean_staging) from a live one's in another process sharing the store.
-            staging = target.with_name(f"{target.name}.{os.getpid()}.tmp")
+            staging = staging_path(target)
             shutil.rmtree(staging, ignore_errors=True)
             staging.mkdir(parents=True)
-            write_files(staging)
-            created = now()
-            meta = {"time": created.isoformat(), "public": False, "user_metadata": _metadata(user_metadata),
-                    "expires_at": None if ttl is None else (created + datetime.timedelta(seconds=ttl)).isoformat()}
-            replace_dir(staging, target)
+            try:
+                write_files(staging)
+                created = now()
+                meta = {"time": created.isoformat(), "public": False, "user_metadata": _metadata(user_metadata),
+                        "expires_at": None if ttl is None else (created + datetime.timedelta(seconds=ttl)).isoformat()}
+                replace_dir(staging, target)
+            except BaseException:
+                shutil.rmtree(staging, ignore_errors=True)  # a failed save leaves nothing behind
+                raise
             _write_json(self._meta_file(path), meta)
         return self.get_checkpoint(path)
 
@@ -390,22 +391,6 @@ def _links(folder: Path) -> list[str]:
     """Symlinks anywhere inside ``folder`` (relative paths), without following any."""
     return [(Path(here) / name).relative_to(folder).as_posix() for here, dirs, files in os.walk(folder)
             for name in dirs + files if (Path(here) / name).is_symlink()]
-
-
-def _alive(pid: str) -> bool:
-    """Whether the process that named a staging directory still runs (ours counts as alive: another
-    thread of this process may be mid-save into the same store)."""
-    if not pid.isdigit():
-        return False
-    if int(pid) == os.getpid():
-        return True
-    try:
-        os.kill(int(pid), 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True  # someone else's live process
-    return True
 
 
 def _check_ttl(ttl_seconds: Any) -> int | None:

@@ -17,7 +17,7 @@ import numpy as np
 
 from grpo.api import names
 from grpo.api.protocols import TrainingClient
-from grpo.files import atomic_write_text
+from grpo.files import atomic_write_text, sweep_staging
 from grpo.record.runlog import RunLog, read_jsonl
 
 LOOP_STATE = "loop_state.json"
@@ -64,6 +64,10 @@ def final_adapter_dir(run_dir: str | Path) -> Path:
 
 def resume(run_dir: Path, training_client: TrainingClient, log: RunLog) -> LoopState | None:
     """Restore the newest complete checkpoint of ``run_dir``; None when there is none."""
+    checkpoints = run_dir / "checkpoints"
+    if checkpoints.is_dir() and not checkpoints.is_symlink():
+        for loop_dir in checkpoints.iterdir():  # loop_state.json / rng.json staged by a killed save
+            sweep_staging(loop_dir)
     for row in reversed(read_jsonl(run_dir / "checkpoints.jsonl")):
         loop_file = _loop_file(run_dir, row) if row.get("kind") == "state" else None
         if loop_file is None or not loop_file.is_file():

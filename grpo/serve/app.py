@@ -450,6 +450,9 @@ def create_app(api_key: str, service: ServiceClient | None = None, long_poll_s: 
             raise HTTPException(404, detail=state.public(err)) from err
         except ValueError as err:
             raise HTTPException(422, detail=state.public(err)) from err
+        except OSError as err:  # the disk refused (read-only, immutable, full, something in the way)
+            raise HTTPException(503, detail="the checkpoint store could not do this on its disk: "
+                                + state.public(err)) from err
 
     def ckpt_path(run_id: str, checkpoint_id: str) -> str:
         return f"tinker://{run_id}/{checkpoint_id}"

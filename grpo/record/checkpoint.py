@@ -25,6 +25,11 @@ RNG_STATE = "rng.json"  # data, never a pickle: a file planted here must not run
 LEGACY_RNG_STATE = "rng.pt"  # older runs' pickle: never unpickled
 
 
+class ResumeError(ValueError):
+    """A checkpoint of the run directory that cannot be loaded (a file planted, cut or garbled):
+    one line naming it and how to resume from an earlier one."""
+
+
 @dataclass
 class LoopState:
     step: int = 0  # the next step to run
@@ -72,8 +77,16 @@ def resume(run_dir: Path, training_client: TrainingClient, log: RunLog) -> LoopS
         loop_file = _loop_file(run_dir, row) if row.get("kind") == "state" else None
         if loop_file is None or not loop_file.is_file():
             continue
-        state = LoopState(**json.loads(loop_file.read_text()))
-        training_client.load_state_with_optimizer(row["path"]).result()
+        fix = (f"delete {loop_file.parent} (and the checkpoint it names, {row.get('path')}) to resume from an "
+               "earlier checkpoint")
+        try:
+            state = LoopState(**json.loads(loop_file.read_text()))
+        except (ValueError, TypeError) as err:
+            raise ResumeError(f"{loop_file} is not a grpo loop state ({type(err).__name__}: {err}); {fix}") from err
+        try:
+            training_client.load_state_with_optimizer(row["path"]).result()
+        except (ValueError, OSError) as err:  # what the local backend raises for a file it cannot read
+            raise ResumeError(f"cannot resume from {row.get('path')}: {' '.join(str(err).split())}; {fix}") from err
         rng_file = loop_file.parent / RNG_STATE
         if rng_file.exists():
             set_rng_state(rng_file)
@@ -130,5 +143,5 @@ def set_rng_state(path: Path) -> None:
         raw = np.frombuffer(base64.b64decode(rng["torch"]), dtype=np.uint8).copy()
         torch.set_rng_state(torch.from_numpy(raw))
     except (ValueError, KeyError, TypeError, RuntimeError) as err:
-        raise ValueError(f"{path} is not a grpo RNG state ({type(err).__name__}: {err}); delete the "
+        raise ResumeError(f"{path} is not a grpo RNG state ({type(err).__name__}: {err}); delete the "
                          "checkpoint directory it is in to resume from an earlier one") from err

@@ -452,9 +452,9 @@ def create_app(api_key: str, service: ServiceClient | None = None, long_poll_s: 
             raise HTTPException(404, detail=state.public(err)) from err
         except ValueError as err:
             raise HTTPException(422, detail=state.public(err)) from err
-        except OSError as err:  # the disk refused (read-only, immutable, full, something in the way)
-            raise HTTPException(503, detail="the checkpoint store could not do this on its disk: "
-                                + state.public(err)) from err
+        except OSError as err:  # the disk refused (read-only, immutable, full, something in the way):
+            # a 4xx, as a 5xx (and 409) would have the SDK retry what will fail again
+            raise HTTPException(403, detail="the checkpoint store's disk refused this: " + state.public(err)) from err
 
     def ckpt_path(run_id: str, checkpoint_id: str) -> str:
         return f"tinker://{run_id}/{checkpoint_id}"

@@ -140,6 +140,8 @@ def test_a_symlink_inside_a_checkpoint_is_never_followed(store, tmp_path) -> Non
         store.resolve(path)  # a loader never reads through it
     with pytest.raises(ValueError, match="symlink"):
         store.archive(path)
+    store.delete(path)  # what cannot be read can still be removed, and only the checkpoint goes
+    assert not folder.exists() and secret.read_text() == "not the store's"
 
 
 def test_a_planted_checkpoint_is_skipped_and_every_listing_still_answers(store, tmp_path, caplog) -> None:

@@ -225,15 +225,20 @@ class CheckpointStore:
         """The directory a loader reads: a tinker:// path's checkpoint, or a plain directory as is."""
         if not is_tinker_path(path):
             return Path(path)
-        self.purge_expired()
-        target = self._dir(str(path))
-        if not target.is_dir() or not self._meta_file(str(path)).exists():
-            raise FileNotFoundError(f"no checkpoint {path} in the checkpoint store at {self.root} "
-                                    "(never saved, deleted, or expired)")
+        target = self._existing(str(path))
         link = next(iter(_links(target)), None)
         if link is not None:  # the store never writes one: it was planted, and could lead anywhere
             raise names.UnsafeName("path", str(path), f"the checkpoint holds a symlink ({link}), which is never "
                                    "followed")
+        return target
+
+    def _existing(self, path: str) -> Path:
+        """The checkpoint's directory (expired ones purged first); FileNotFoundError when there is none."""
+        self.purge_expired()
+        target = self._dir(path)
+        if not target.is_dir() or not self._meta_file(path).exists():
+            raise FileNotFoundError(f"no checkpoint {path} in the checkpoint store at {self.root} "
+                                    "(never saved, deleted, or expired)")
         return target
 
     def get_checkpoint(self, path: str) -> Checkpoint:
@@ -302,7 +307,7 @@ class CheckpointStore:
         return self._update_meta(path, public=bool(public))
 
     def delete(self, path: str) -> None:
-        self.resolve(path)
+        self._existing(path)  # a checkpoint with a planted symlink is deleted too (rmtree never follows one)
         self._remove(path)
 
     def purge_expired(self) -> list[str]:

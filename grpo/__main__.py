@@ -92,6 +92,8 @@ def main(composed: DictConfig) -> float | None:
     except (ConfigError, ValueError, TypeError) as err:
         print(f"grpo: configuration error: {err}", file=sys.stderr)
         sys.exit(2)
+    except OSError as err:
+        _disk_error(err)
     if in_sweep and sweep.finished(run_dir, loop_cfg.steps, resolved):
         print(f"[grpo] {run_dir} already finished; skipped (its objective is read from metrics.jsonl)")
         return _objective(run_dir, loop_cfg.objective, in_sweep, required)
@@ -113,8 +115,11 @@ def main(composed: DictConfig) -> float | None:
         except (ConnectionError, TimeoutError) as err:  # a remote backend that cannot be reached
             print(f"grpo: cannot reach the backend: {err}", file=sys.stderr)
             sys.exit(3)
+        except OSError as err:
+            _disk_error(err)
         from grpo.backends.remote.resilience import RemoteRequestError
         from grpo.models import ModelNotFoundError
+        from grpo.record.checkpoint import ResumeError
         from grpo.rl.loop import run_grpo
 
         try:
@@ -128,7 +133,25 @@ def main(composed: DictConfig) -> float | None:
         except ModelNotFoundError as err:  # a hub id that is neither cached nor reachable, a broken dir
             print(f"grpo: {' '.join(str(err).split())}", file=sys.stderr)
             sys.exit(2)
+        except ResumeError as err:  # a checkpoint of the run planted, cut or garbled
+            print(f"grpo: {' '.join(str(err).split())}", file=sys.stderr)
+            sys.exit(2)
+        except OSError as err:
+            _disk_error(err)
     return _objective(run_dir, loop_cfg.objective, in_sweep, required)
+
+
+def _disk_error(err: OSError) -> None:
+    """A file of the run the disk refuses (read-only, immutable, full, a file where a directory
+    belongs): one line naming it and exit 2. An OSError naming no file is not the disk's answer
+    about one of the run's files, so it keeps its traceback (a bug shows where it is)."""
+    if err.filename is None:
+        raise err
+    where = f"{err.filename}" + (f" -> {err.filename2}" if err.filename2 else "")
+    print(f"grpo: cannot use {where}: {err.strerror or type(err).__name__} "
+          "(the run directory must be writable by this user; fix it or pick another hydra.run.dir)",
+          file=sys.stderr)
+    sys.exit(2)
 
 
 def _searching_sweeper(hydra_cfg: Any) -> bool:

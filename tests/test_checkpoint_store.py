@@ -122,3 +122,49 @@ def test_bad_paths_and_names_say_what_is_valid(store) -> None:
         store.list_checkpoints("run-missing")
     with pytest.raises(FileNotFoundError, match="no checkpoint"):
         store.resolve(tinker_path(run.training_run_id, "training", "never"))
+
+
+# ------------------------------------------------------------------ what is on disk (issue #37 E)
+
+def test_a_symlink_inside_a_checkpoint_is_never_followed(store, tmp_path) -> None:
+    secret = tmp_path / "secret.txt"
+    secret.write_text("not the store's")
+    run = store.create_run("tiny", lora_rank=2)
+    path = store.save(run.training_run_id, "sampler", "s", writer({"adapter_config.json": b"{}"})).tinker_path
+    folder = store.resolve(path)
+    (folder / "leak.txt").symlink_to(secret)
+    (folder / "leakdir").symlink_to(tmp_path, target_is_directory=True)
+    assert set(store.file_paths(path, check=False)) == {"adapter_config.json"}
+    assert store.get_checkpoint(path).size_bytes == 2
+    with pytest.raises(ValueError, match="symlink"):
+        store.resolve(path)  # a loader never reads through it
+    with pytest.raises(ValueError, match="symlink"):
+        store.archive(path)
+    store.delete(path)  # what cannot be read can still be removed, and only the checkpoint goes
+    assert not folder.exists() and secret.read_text() == "not the store's"
+
+
+def test_a_planted_checkpoint_is_skipped_and_every_listing_still_answers(store, tmp_path, caplog) -> None:
+    outside = tmp_path / "outside"
+    (outside / "ckpt").mkdir(parents=True)
+    (outside / "ckpt" / "adapter_config.json").write_text("{}")
+    run = store.create_run("tiny", lora_rank=2)
+    good = store.save(run.training_run_id, "training", "good", writer({"f": b"1"})).tinker_path
+    weights = store.root / run.training_run_id / "weights"
+    (weights / "planted").symlink_to(outside / "ckpt", target_is_directory=True)
+    (weights / "planted.meta.json").write_text('{"time": "2020-01-01T00:00:00+00:00"}')
+    (weights / "garbled.meta.json").write_text("{not json")
+    (weights / "garbled").mkdir()
+    other = store.create_run("tiny", lora_rank=2)
+    (store.root / other.training_run_id / "run.json").write_text("{broken")  # a run record that does not parse
+    import logging
+    with caplog.at_level(logging.WARNING, logger="grpo.api.checkpoint_store"):
+        for _ in range(2):
+            assert [c.tinker_path for c in store.list_checkpoints(run.training_run_id).checkpoints] == [good]
+            assert [c.tinker_path for c in store.list_user_checkpoints().checkpoints] == [good]
+            assert [r.training_run_id for r in store.list_runs().training_runs] == [run.training_run_id]
+            store.purge_expired()
+    skipped = [r.getMessage() for r in caplog.records]
+    assert len(skipped) == 3 and all(str(store.root) not in m for m in skipped), skipped  # once each
+    assert any("planted" in m for m in skipped) and any("garbled" in m for m in skipped)
+    assert (outside / "ckpt" / "adapter_config.json").exists()

@@ -268,3 +268,36 @@ def test_conf_is_found_from_a_non_editable_install(tmp_path):
     where = subprocess.run([sys.executable, "-c", "import grpo; print(grpo.__file__)"], cwd=elsewhere,
                            env={**os.environ, "PYTHONPATH": str(target)}, capture_output=True, text=True)
     assert where.stdout.startswith(str(target))
+
+
+@pytest.mark.slow  # four runs that load the tiny model, about a minute on 2 cores: CI's slow stage runs it
+def test_what_the_user_or_the_disk_breaks_is_one_line_not_a_traceback(tmp_path):
+    """Issue #37 F: each of these ended in Hydra's "Error executing job" and a Python traceback."""
+    import subprocess as sp
+
+    from test_restart_hygiene import interrupted_run
+
+    cases = [([f"base_model={'a' * 5000}", f"hydra.run.dir={tmp_path / 'long'}"], ["base_model", "5000 characters"])]
+    a_file_in_the_way = tmp_path / "checkpoints_is_a_file"  # the run's store cannot be created
+    a_file_in_the_way.mkdir()
+    (a_file_in_the_way / "checkpoints").write_text("")
+    cases.append(([f"hydra.run.dir={a_file_in_the_way}"], ["cannot use", "checkpoints"]))
+    a_dir_in_the_way = tmp_path / "metrics_is_a_dir"  # the resumed run's log cannot be rewritten
+    (a_dir_in_the_way / "metrics.jsonl").mkdir(parents=True)
+    cases.append(([f"hydra.run.dir={a_dir_in_the_way}"], ["cannot use", "metrics.jsonl"]))
+    immutable = tmp_path / "immutable"
+    immutable.mkdir()
+    (immutable / "metrics.jsonl").write_text('{"step": 0}\n')
+    chattr = sp.run(["chattr", "+i", str(immutable / "metrics.jsonl")], capture_output=True).returncode == 0
+    if chattr:  # where permitted (root in a container may not be): a file even root cannot replace
+        cases.append(([f"hydra.run.dir={immutable}"], ["cannot use", "metrics.jsonl"]))
+    planted = tmp_path / "planted"
+    interrupted_run(planted)
+    next(planted.glob("checkpoints/*/weights/step_*/optimizer.pt")).write_bytes(b"not a torch file")
+    cases.append(([f"hydra.run.dir={planted}"], ["optimizer.pt", "step_000001", "earlier checkpoint"]))
+    try:
+        for args, says in cases:
+            one_line(grpo(*TOY, "steps=2", "save_every=0", *args), *says)
+    finally:
+        if chattr:
+            sp.run(["chattr", "-i", str(immutable / "metrics.jsonl")], check=True)

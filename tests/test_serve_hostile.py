@@ -366,3 +366,93 @@ def test_an_image_chunk_for_a_text_model_is_refused_and_the_server_serves_on(env
         message = refused((status, answer), 422, "chunk", "image")
     assert "chunk 1 is a 'image' chunk" in message and "\n" not in message, answer
     answers_normally(env)
+
+
+# ------------------------------------------------------------------ a store the disk refuses (issue #37 G)
+
+def saved(env, name: str) -> tuple[str, Path]:
+    """A fresh training checkpoint through the API: its tinker path and its directory."""
+    status, body = env["srv"].call("POST", "/api/v1/save_weights", {"model_id": env["model_id"], "path": name})
+    assert status == 200, body
+    path = wait(env["srv"], body["request_id"])["path"]
+    return path, next((env["base"] / "checkpoints").glob(f"*/weights/{name}"))
+
+
+@pytest.mark.parametrize("refusal", ["immutable", "in_the_way"])
+def test_delete_and_ttl_on_a_store_the_disk_refuses_are_one_line_and_the_server_serves_on(env, refusal):
+    import shutil
+    import subprocess
+
+    path, folder = saved(env, f"refused_{refusal}")
+    run_id, checkpoint_id = path.removeprefix("tinker://").split("/", 1)
+    meta = folder.with_name(folder.name + ".meta.json")
+    if refusal == "immutable":  # chattr works as root, where chmod does not stop writes
+        if subprocess.run(["chattr", "+i", str(folder.parent)], capture_output=True).returncode != 0:
+            pytest.skip("chattr +i is not permitted here")
+    else:  # something in the way of the record: reading, rewriting or removing it fails
+        kept = meta.read_bytes()
+        meta.unlink()
+        meta.mkdir()
+        (meta / "x").write_text("")
+    try:
+        srv = env["srv"]
+        for method, route, body in [("PUT", "/ttl", {"ttl_seconds": 3600}), ("DELETE", "", None)]:
+            status, answer = srv.call(method, f"/api/v1/training_runs/{run_id}/checkpoints/{checkpoint_id}{route}",
+                                      body)
+            detail = answer.get("detail") if isinstance(answer, dict) else answer
+            assert status == 403 and isinstance(detail, str) and "\n" not in detail, (method, status, answer)
+            assert str(env["base"]) not in detail and "<checkpoint store>" in detail, detail
+        assert srv.call("GET", "/api/v1/checkpoints")[0] == 200
+        answers_normally(env)
+    finally:
+        if refusal == "immutable":
+            subprocess.run(["chattr", "-i", str(folder.parent)], check=True)
+        else:
+            shutil.rmtree(meta)
+            meta.write_bytes(kept)
+
+
+# ------------------------------------------------------------------ what the store shows (issue #37 E)
+
+def test_external_weights_urls_are_signed_urls_of_the_server_not_paths_of_its_disk(env):
+    import urllib.error
+    import urllib.request
+
+    path, folder = saved(env, "downloadable")
+    run_id, checkpoint_id = path.removeprefix("tinker://").split("/", 1)
+    route = f"/api/v1/training_runs/{run_id}/checkpoints/{checkpoint_id}/external_weights_urls"
+    (folder / "leak.txt").symlink_to(env["outside"] / "passwd")  # planted: never listed, never served
+    try:
+        refused(env["srv"].call("GET", route), 422, "path", "symlink")
+    finally:
+        (folder / "leak.txt").unlink()
+    status, body = env["srv"].call("GET", route)
+    assert status == 200, body
+    text = json.dumps(body)
+    assert str(env["base"]) not in text and "file://" not in text, text
+    assert set(body["urls"]) == {p.name for p in folder.iterdir()}
+    for rel, url in body["urls"].items():
+        assert url.startswith(env["srv"].url + "/api/v1/")
+        with urllib.request.urlopen(url, timeout=30) as got:  # no API key: as the cookbook's urlretrieve
+            assert got.read() == (folder / rel).read_bytes()
+    url = next(iter(body["urls"].values()))
+    for forged in (url.replace("expires=", "expires=9"), url.replace(f"/{checkpoint_id.split('/')[1]}/", "/ok_1/")):
+        with pytest.raises(urllib.error.HTTPError) as denied:
+            urllib.request.urlopen(forged, timeout=30)
+        assert denied.value.code == 403
+    answers_normally(env)
+
+
+def test_a_planted_checkpoint_leaves_every_listing_answering(env):
+    store = env["base"] / "checkpoints"
+    run = next(p for p in store.iterdir() if (p / "run.json").exists())
+    planted = [run / "weights" / "planted", run / "weights" / "planted.meta.json"]
+    planted[0].symlink_to(env["outside"] / "victim", target_is_directory=True)
+    planted[1].write_text('{"time": "2020-01-01T00:00:00+00:00"}')
+    try:
+        for route in ("/api/v1/checkpoints", "/api/v1/training_runs", f"/api/v1/training_runs/{run.name}/checkpoints"):
+            status, body = env["srv"].call("GET", route)
+            assert status == 200 and "planted" not in json.dumps(body), (route, status, body)
+    finally:
+        for p in planted:
+            p.unlink()

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import logging
 import os
 import shutil
 import tarfile
@@ -50,7 +51,7 @@ from pathlib import Path
 from typing import Any
 
 from grpo.api import names
-from grpo.files import atomic_write_text, replace_dir
+from grpo.files import atomic_write_text, replace_dir, staging_path, sweep_staging
 from grpo.types import (
     CHECKPOINT_SEGMENTS,
     Checkpoint,
@@ -66,6 +67,11 @@ from grpo.types import (
 RUN_FILE = "run.json"
 META_SUFFIX = ".meta.json"
 OWNER = "local"
+# What cannot be trusted on disk (a run or checkpoint that is a symlink out of the store, a record
+# that does not parse) is skipped by every listing and logged once here, never the listing's failure.
+log = logging.getLogger(__name__)
+# What reading a planted or half-written entry can raise (UnsafeName and JSON errors are ValueErrors).
+_UNTRUSTED = (ValueError, OSError, KeyError, TypeError)
 # Files a loader needs, in the archive and the per-file listing; staging leftovers never are.
 _HIDDEN_SUFFIXES = (".tmp", ".old")
 
@@ -88,7 +94,16 @@ class CheckpointStore:
     def __init__(self, root: str | os.PathLike):
         self.root = Path(root)
         self._lock = threading.RLock()
+        self._skipped: set[str] = set()
         self.clean_staging()
+
+    def _skip(self, what: str, err: BaseException) -> None:
+        """Log once per entry that a listing passes over ``what`` (a path relative to the root)."""
+        if what not in self._skipped:
+            self._skipped.add(what)
+            reason = str(err).replace(str(self.root.resolve()), "<store>").replace(str(self.root), "<store>")
+            log.warning("checkpoint store: skipped %s, which cannot be trusted (%s: %s)", what,
+                        type(err).__name__, reason)
 
     def clean_staging(self) -> list[Path]:
         """Remove what saves killed mid-write left (``<name>.<pid>.tmp`` staging directories of
@@ -98,20 +113,17 @@ class CheckpointStore:
         removed = []
         archives = self.root / ".archives"
         if archives.is_dir() and not archives.is_symlink():
-            for entry in archives.glob("*/*.tmp"):
-                if not _alive(entry.name.split(".")[-2]):
-                    entry.unlink(missing_ok=True)
-                    removed.append(entry)
+            for folder in archives.iterdir():
+                removed += sweep_staging(folder)
         for run in self._run_dirs():
+            removed += sweep_staging(run)  # run.json's staging file
             for segment in CHECKPOINT_SEGMENTS.values():
                 folder = run / segment
+                removed += sweep_staging(folder)  # checkpoint directories and their .meta.json files
                 if not folder.is_dir() or folder.is_symlink():
                     continue
                 for entry in folder.iterdir():
-                    if entry.name.endswith(".tmp") and not _alive(entry.name.split(".")[-2]):
-                        shutil.rmtree(entry, ignore_errors=True) if entry.is_dir() else entry.unlink(missing_ok=True)
-                        removed.append(entry)
-                    elif entry.name.endswith(".old") and entry.is_dir():
+                    if entry.name.endswith(".old") and entry.is_dir():
                         live = entry.with_name(entry.name[:-len(".old")])
                         if live.exists():
                             shutil.rmtree(entry, ignore_errors=True)
@@ -150,7 +162,12 @@ class CheckpointStore:
 
     def list_runs(self, limit: int = 20, offset: int = 0) -> TrainingRunsResponse:
         """Runs, most recently active first."""
-        runs = [self.get_run(p.name) for p in self._run_dirs()]
+        runs = []
+        for p in self._run_dirs():
+            try:
+                runs.append(self.get_run(p.name))
+            except _UNTRUSTED as err:
+                self._skip(p.name, err)
         runs.sort(key=lambda r: r.last_request_time, reverse=True)
         return TrainingRunsResponse(training_runs=runs[offset:offset + limit],
                                     cursor=Cursor(offset=offset, limit=limit, total_count=len(runs)))
@@ -189,14 +206,18 @@ class CheckpointStore:
                 raise FileExistsError(f"checkpoint {path} exists; pass overwrite=True to replace it")
             # The writer's pid in the name: a later start-up can tell a dead save's leftovers
             # (removed by clean_staging) from a live one's in another process sharing the store.
-            staging = target.with_name(f"{target.name}.{os.getpid()}.tmp")
+            staging = staging_path(target)
             shutil.rmtree(staging, ignore_errors=True)
             staging.mkdir(parents=True)
-            write_files(staging)
-            created = now()
-            meta = {"time": created.isoformat(), "public": False, "user_metadata": _metadata(user_metadata),
-                    "expires_at": None if ttl is None else (created + datetime.timedelta(seconds=ttl)).isoformat()}
-            replace_dir(staging, target)
+            try:
+                write_files(staging)
+                created = now()
+                meta = {"time": created.isoformat(), "public": False, "user_metadata": _metadata(user_metadata),
+                        "expires_at": None if ttl is None else (created + datetime.timedelta(seconds=ttl)).isoformat()}
+                replace_dir(staging, target)
+            except BaseException:
+                shutil.rmtree(staging, ignore_errors=True)  # a failed save leaves nothing behind
+                raise
             _write_json(self._meta_file(path), meta)
         return self.get_checkpoint(path)
 
@@ -204,9 +225,18 @@ class CheckpointStore:
         """The directory a loader reads: a tinker:// path's checkpoint, or a plain directory as is."""
         if not is_tinker_path(path):
             return Path(path)
+        target = self._existing(str(path))
+        link = next(iter(_links(target)), None)
+        if link is not None:  # the store never writes one: it was planted, and could lead anywhere
+            raise names.UnsafeName("path", str(path), f"the checkpoint holds a symlink ({link}), which is never "
+                                   "followed")
+        return target
+
+    def _existing(self, path: str) -> Path:
+        """The checkpoint's directory (expired ones purged first); FileNotFoundError when there is none."""
         self.purge_expired()
-        target = self._dir(str(path))
-        if not target.is_dir() or not self._meta_file(str(path)).exists():
+        target = self._dir(path)
+        if not target.is_dir() or not self._meta_file(path).exists():
             raise FileNotFoundError(f"no checkpoint {path} in the checkpoint store at {self.root} "
                                     "(never saved, deleted, or expired)")
         return target
@@ -230,17 +260,29 @@ class CheckpointStore:
         """A run's checkpoints of every type, newest first."""
         self.purge_expired()
         self._run_record(run_id)
-        found = [self.get_checkpoint(p) for p in self._checkpoint_paths(run_id)]
+        found = self._checkpoints(run_id)
         found.sort(key=lambda c: c.time, reverse=True)
         return CheckpointsListResponse(checkpoints=found)
 
     def list_user_checkpoints(self, limit: int = 100, offset: int = 0) -> CheckpointsListResponse:
         """Every run's checkpoints, newest first, one page of them."""
         self.purge_expired()
-        found = [self.get_checkpoint(p) for run in self._run_dirs() for p in self._checkpoint_paths(run.name)]
+        found = [c for run in self._run_dirs() for c in self._checkpoints(run.name)]
         found.sort(key=lambda c: c.time, reverse=True)
         return CheckpointsListResponse(checkpoints=found[offset:offset + limit],
                                        cursor=Cursor(offset=offset, limit=limit, total_count=len(found)))
+
+    def _checkpoints(self, run_id: str) -> list[Checkpoint]:
+        """The run's checkpoints that can be trusted; the others are skipped (and logged once)."""
+        found = []
+        for path in self._checkpoint_paths(run_id):
+            try:
+                found.append(self.get_checkpoint(path))
+            except FileNotFoundError:
+                continue  # deleted by someone else just now
+            except _UNTRUSTED as err:
+                self._skip(path.removeprefix("tinker://"), err)
+        return found
 
     def _checkpoint_paths(self, run_id: str) -> list[str]:
         out = []
@@ -265,7 +307,7 @@ class CheckpointStore:
         return self._update_meta(path, public=bool(public))
 
     def delete(self, path: str) -> None:
-        self.resolve(path)
+        self._existing(path)  # a checkpoint with a planted symlink is deleted too (rmtree never follows one)
         self._remove(path)
 
     def purge_expired(self) -> list[str]:
@@ -276,9 +318,13 @@ class CheckpointStore:
             for path in self._checkpoint_paths(run.name):
                 try:
                     expires = json.loads(self._meta_file(path).read_text()).get("expires_at")
-                except (FileNotFoundError, json.JSONDecodeError):
-                    continue  # deleted or being written by someone else just now
-                if expires is not None and datetime.datetime.fromisoformat(expires) <= moment:
+                    expired = expires is not None and datetime.datetime.fromisoformat(expires) <= moment
+                except FileNotFoundError:
+                    continue  # deleted by someone else just now
+                except _UNTRUSTED as err:
+                    self._skip(path.removeprefix("tinker://"), err)
+                    continue
+                if expired:
                     self._remove(path)
                     gone.append(path)
         return gone
@@ -310,8 +356,13 @@ class CheckpointStore:
         folder = self.resolve(path) if check else self._dir(path)
         if not folder.is_dir():
             return {}
-        return {f.relative_to(folder).as_posix(): f for f in sorted(folder.rglob("*"))
-                if f.is_file() and not f.name.endswith(_HIDDEN_SUFFIXES)}
+        found = {}
+        for here, _dirs, files in os.walk(folder):  # symlinked directories are listed, never entered
+            for name in files:
+                f = Path(here) / name
+                if not f.is_symlink() and f.is_file() and not name.endswith(_HIDDEN_SUFFIXES):
+                    found[f.relative_to(folder).as_posix()] = f
+        return dict(sorted(found.items()))
 
     def archive(self, path: str) -> Path:
         """An uncompressed tar of the checkpoint's files (at the archive's top level, as the
@@ -336,24 +387,15 @@ class CheckpointStore:
         return names.under_root(self.root, run_id, segment, name)
 
     def _meta_file(self, path: str) -> Path:
-        folder = self._dir(path)
-        return folder.with_name(folder.name + META_SUFFIX)
+        run_id, segment, name = names.parse_path(path)
+        self._dir(path)
+        return names.under_root(self.root, run_id, segment, name + META_SUFFIX)
 
 
-def _alive(pid: str) -> bool:
-    """Whether the process that named a staging directory still runs (ours counts as alive: another
-    thread of this process may be mid-save into the same store)."""
-    if not pid.isdigit():
-        return False
-    if int(pid) == os.getpid():
-        return True
-    try:
-        os.kill(int(pid), 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True  # someone else's live process
-    return True
+def _links(folder: Path) -> list[str]:
+    """Symlinks anywhere inside ``folder`` (relative paths), without following any."""
+    return [(Path(here) / name).relative_to(folder).as_posix() for here, dirs, files in os.walk(folder)
+            for name in dirs + files if (Path(here) / name).is_symlink()]
 
 
 def _check_ttl(ttl_seconds: Any) -> int | None:

@@ -91,7 +91,13 @@ def resolve(name: str) -> ModelSpec:
     if key in PACKAGED_NAMES:
         return ModelSpec(name, "packaged", str(cache_dir() / "smollm2-135m-instruct"))
     path = Path(name).expanduser()
-    if path.is_dir():
+    try:
+        is_dir = path.is_dir()
+    except OSError as err:  # a name longer than the file system allows, a component that is a file, ...
+        shown = name if len(name) <= 80 else name[:77] + "..."
+        raise ModelNotFoundError(f"base_model {shown!r} ({len(name)} characters) is not a model name, local "
+                                 f"directory or hub id: {err.strerror}") from err
+    if is_dir:
         if not (path / "config.json").exists() and not (path / "adapter_config.json").exists():
             raise ModelNotFoundError(f"base_model directory {path} has no config.json; it is not a transformers model")
         return ModelSpec(name, "local", str(path))

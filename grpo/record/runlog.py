@@ -18,7 +18,7 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-from grpo.files import atomic_write_text
+from grpo.files import atomic_write_text, sweep_staging
 
 LOG_FILES = ("metrics.jsonl", "rollouts.jsonl", "failures.jsonl")
 # Metrics measured in wall-clock time: the only ones that may differ between two runs of one seed.
@@ -56,6 +56,7 @@ class RunLog:
                  wandb_cfg: Any = None):
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
+        sweep_staging(self.run_dir)  # metrics.jsonl.<pid>.tmp and the like of a run killed mid-write
         self.config = dict(config)
         self._progress = _Progress(total_steps) if progress else None
         self._wandb = None

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import datetime
 import itertools
 import json
 import secrets
@@ -20,14 +21,14 @@ from typing import Any
 
 from fastapi import APIRouter, FastAPI, HTTPException, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import FileResponse, JSONResponse, Response
 from pydantic import ValidationError
 
 from grpo import models
 from grpo import types as g
 from grpo.api import names
 from grpo.backends.local.clients import SamplingClient, ServiceClient, TrainingClient
-from grpo.serve import bodies, wire
+from grpo.serve import bodies, file_urls, wire
 from grpo.serve.futures import FutureStore, cancelled_result, error_result
 from grpo.serve.guard import Guard
 from grpo.serve.limits import LimitError, Limits
@@ -204,7 +205,8 @@ def create_app(api_key: str, service: ServiceClient | None = None, long_poll_s: 
     # body size are checked by Guard from the headers, before any body is read or parsed.
     app = FastAPI(title="grpo Tinker-compatible server", docs_url=None, redoc_url=None, openapi_url=None)
     app.add_middleware(Guard, api_key=api_key, max_body_bytes=limits.max_body_bytes,
-                       open_paths=frozenset({API_PREFIX + "/healthz"}))
+                       open_paths=frozenset({API_PREFIX + "/healthz"}),
+                       open_prefixes=(API_PREFIX + file_urls.FILES_ROUTE + "/",))  # signed URLs, see file_urls
     app.state.grpo = state
     app.state.limits = limits
 
@@ -453,6 +455,9 @@ def create_app(api_key: str, service: ServiceClient | None = None, long_poll_s: 
             raise HTTPException(404, detail=state.public(err)) from err
         except ValueError as err:
             raise HTTPException(422, detail=state.public(err)) from err
+        except OSError as err:  # the disk refused (read-only, immutable, full, something in the way):
+            # a 4xx, as a 5xx (and 409) would have the SDK retry what will fail again
+            raise HTTPException(403, detail="the checkpoint store's disk refused this: " + state.public(err)) from err
 
     def ckpt_path(run_id: str, checkpoint_id: str) -> str:
         return f"tinker://{run_id}/{checkpoint_id}"
@@ -473,13 +478,34 @@ def create_app(api_key: str, service: ServiceClient | None = None, long_poll_s: 
     async def list_user_checkpoints(limit: int = 100, offset: int = 0) -> dict[str, Any]:
         return _record(store_call(state.store.list_user_checkpoints, limit, offset))
 
+    signer = file_urls.FileSigner()
+
     @api.get("/training_runs/{run_id}/checkpoints/{checkpoint_id:path}/external_weights_urls")
-    async def external_weights_urls(run_id: bodies.RunIdInPath,
-                                    checkpoint_id: bodies.CheckpointIdInPath) -> dict[str, Any]:
-        # file:// URLs, as in-process: the files are on the server's machine, and grpo.serve binds
-        # to loopback unless told otherwise (so the client is on that machine too).
-        return _record(store_call(lambda p: state.rest.get_external_weights_urls(p).result(),
-                                  ckpt_path(run_id, checkpoint_id)))
+    async def external_weights_urls(run_id: bodies.RunIdInPath, checkpoint_id: bodies.CheckpointIdInPath,
+                                    request: Request) -> dict[str, Any]:
+        # Not the in-process file:// URLs, which would show where the store lies on this disk:
+        # signed URLs of this server (file_urls), which urllib fetches as the SDK's storage URLs.
+        path = ckpt_path(run_id, checkpoint_id)
+        files = store_call(state.store.file_paths, path)
+        expires = file_urls.expiry()
+        base = str(request.base_url).rstrip("/") + API_PREFIX
+        return _record(g.ExternalWeightsUrlsResponse(
+            urls={rel: signer.url(base, path, rel, expires) for rel in files},
+            expires=datetime.datetime.fromtimestamp(expires, datetime.UTC)))
+
+    @api.get(file_urls.FILES_ROUTE + "/{run_id}/{segment}/{name}/{rel:path}")
+    async def checkpoint_file(run_id: bodies.RunIdInPath, segment: bodies.Segment, name: bodies.NameInPath,
+                              rel: bodies.RefInPath, expires: bodies.TextInQuery = "",
+                              sig: bodies.TextInQuery = "") -> Response:
+        """A file of a checkpoint by a URL external_weights_urls signed (no API key: the URL is it)."""
+        path = f"tinker://{run_id}/{segment}/{name}"
+        if not signer.valid(path, rel, expires, sig):
+            raise HTTPException(403, detail="this checkpoint file URL is not one the server signed, or it has "
+                                "expired: ask external_weights_urls for a fresh one")
+        file = store_call(state.store.file_paths, path).get(rel)
+        if file is None:
+            raise HTTPException(404, detail=f"{path} has no file {rel!r} (deleted or replaced since)")
+        return FileResponse(file, media_type="application/octet-stream")
 
     @api.post("/training_runs/{run_id}/checkpoints/{checkpoint_id:path}/publish")
     async def publish_checkpoint(run_id: bodies.RunIdInPath,

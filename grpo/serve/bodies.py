@@ -11,10 +11,11 @@ from __future__ import annotations
 from typing import Annotated, Any, Literal
 
 from fastapi import Path as InPath
+from fastapi import Query as InQuery
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator
 
 from grpo.api import names
-from grpo.types import non_text_chunk
+from grpo.types import CHECKPOINT_SEGMENTS, non_text_chunk
 
 # Every string a client sends is one of these kinds, written into the schema as ``x-grpo-field`` so
 # that tests/test_serve_names.py can walk every route and fail on a string field nobody classified.
@@ -45,7 +46,10 @@ def _in_path(kind: str, *checks: Any) -> Any:
 # The same kinds as parts of a route's URL (the RestClient's routes).
 RunIdInPath = _in_path("run_id", AfterValidator(lambda v: names.check_run_id(v, "run_id")))
 CheckpointIdInPath = _in_path("checkpoint_id", AfterValidator(lambda v: names.check_checkpoint_id(v)))
-RefInPath = _in_path("ref")
+NameInPath = _in_path("name", AfterValidator(lambda v: names.check_name(v, "name")))
+RefInPath = _in_path("ref")  # also a file of a checkpoint by its name there, looked up, never joined
+TextInQuery = Annotated[str, InQuery(json_schema_extra={FIELD_KIND: "text"})]
+Segment = Literal[tuple(CHECKPOINT_SEGMENTS.values())]
 
 
 class Body(BaseModel):

@@ -37,14 +37,16 @@ class _TooLarge(BaseException):
 
 
 class Guard:
-    def __init__(self, app: Any, api_key: str, max_body_bytes: int, open_paths: frozenset[str]):
+    def __init__(self, app: Any, api_key: str, max_body_bytes: int, open_paths: frozenset[str],
+                 open_prefixes: tuple[str, ...] = ()):
         self.app = app
         self.key = api_key.encode()
         self.max_body = max_body_bytes
         self.open_paths = open_paths
+        self.open_prefixes = open_prefixes  # routes that check a credential of their own (signed URLs)
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
-        if scope["type"] != "http" or scope["path"] in self.open_paths:
+        if scope["type"] != "http" or scope["path"] in self.open_paths or scope["path"].startswith(self.open_prefixes):
             return await self.app(scope, receive, send)
         headers = dict(scope["headers"])
         declared = headers.get(b"content-length")

@@ -19,6 +19,7 @@ import copy
 import itertools
 import json
 import os
+import pickle
 import shutil
 import threading
 import time
@@ -491,7 +492,13 @@ class TrainingClient(_ClientFuture):
                     raise FileNotFoundError(f"{path} holds no optimizer state (saved with save_weights_for_sampler?)")
                 params = list(self.engine.adapter_parameters(self.adapter).values())
                 self.optimizer = torch.optim.AdamW(params)
-                self.optimizer.load_state_dict(torch.load(opt_file, map_location=self.engine.device, weights_only=True))
+                try:
+                    saved = torch.load(opt_file, map_location=self.engine.device, weights_only=True)
+                    self.optimizer.load_state_dict(saved)
+                except (pickle.UnpicklingError, EOFError, RuntimeError, ValueError, KeyError, TypeError) as err:
+                    self.optimizer = None  # a file torch cannot read (weights_only: it never runs code)
+                    raise ValueError(f"{path}: {OPTIMIZER_FILE} is not an optimizer state this client can load "
+                                     f"({type(err).__name__}: {' '.join(str(err).split())[:300]})") from err
         return LoadWeightsResponse(path=str(path))
 
     # ------------------------------------------------------------------ sampling

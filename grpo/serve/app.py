@@ -343,6 +343,8 @@ def create_app(api_key: str, service: ServiceClient | None = None, long_poll_s: 
         model = state.model(body.model_id)
         try:
             adam = g.AdamParams(**body.adam_params.model_dump(include=set(bodies.AdamParams.model_fields)))
+        except g.ParamError as err:
+            raise _fail(422, f"adam_params.{err.field}", str(err)) from err
         except ValueError as err:
             raise _fail(422, "adam_params", str(err)) from err
         async with model.gate.turn(body.seq_id):

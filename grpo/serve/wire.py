@@ -163,6 +163,8 @@ def sampling_params_from_json(value: dict[str, Any]) -> g.SamplingParams:
         return g.SamplingParams(max_tokens=value.get("max_tokens"), temperature=float(value.get("temperature", 1.0)),
                                 top_k=int(value.get("top_k", -1)), top_p=float(value.get("top_p", 1.0)),
                                 stop=stop, seed=value.get("seed"))
+    except g.ParamError as err:
+        raise WireError(f"sampling_params.{err.field}", str(err)) from err
     except (TypeError, ValueError) as err:
         raise WireError("sampling_params", str(err)) from err
 

@@ -202,10 +202,19 @@ def create_app(api_key: str, service: ServiceClient | None = None, long_poll_s: 
     # No /docs or /openapi.json: nothing is served without the key but liveness. The key and the
     # body size are checked by Guard from the headers, before any body is read or parsed.
     app = FastAPI(title="grpo Tinker-compatible server", docs_url=None, redoc_url=None, openapi_url=None)
+    data_paths = frozenset({API_PREFIX + "/forward", API_PREFIX + "/forward_backward"})
     app.add_middleware(Guard, api_key=api_key, max_body_bytes=limits.max_body_bytes,
-                       open_paths=frozenset({API_PREFIX + "/healthz"}))
+                       open_paths=frozenset({API_PREFIX + "/healthz"}), max_json_depth=limits.max_json_depth,
+                       json_items=lambda path: limits.json_items(path in data_paths))
     app.state.grpo = state
     app.state.limits = limits
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid_body(_request: Request, exc: RequestValidationError) -> JSONResponse:
+        """FastAPI's 422 without echoing the input back: a NaN there cannot be encoded (a 500),
+        and a refused 20 MB list need not travel back."""
+        return JSONResponse({"detail": [{"loc": list(e["loc"]), "msg": e["msg"], "type": e["type"]}
+                                        for e in exc.errors()]}, status_code=422)
 
     @app.get(API_PREFIX + "/healthz")
     async def healthz() -> dict[str, Any]:
@@ -333,7 +342,7 @@ def create_app(api_key: str, service: ServiceClient | None = None, long_poll_s: 
     async def loss_json(model_id: str, seq_id: int | None, fb: bodies.ForwardBackwardInput,
                         backward: bool) -> dict[str, Any]:
         try:
-            data = wire.data_from_json([d.model_dump() for d in fb.data], limits)
+            data = wire.data_from_json(fb.data, limits)  # sizes checked before anything is copied
         except wire.WireError as err:
             raise _fail(422, f"forward_backward_input.{err.field}", str(err)) from err
         return await loss_call(model_id, seq_id, data, fb.loss_fn, fb.loss_fn_config, backward)

@@ -91,7 +91,12 @@ def resolve(name: str) -> ModelSpec:
     if key in PACKAGED_NAMES:
         return ModelSpec(name, "packaged", str(cache_dir() / "smollm2-135m-instruct"))
     path = Path(name).expanduser()
-    if path.is_dir():
+    try:
+        is_dir = path.is_dir()
+    except OSError as err:  # a name too long for a path (ENAMETOOLONG), ...: no model of that name
+        raise ModelNotFoundError(f"base_model {name[:80]!r}{'...' if len(name) > 80 else ''} ({len(name)} "
+                                 f"characters) is neither a model name nor a usable path: {err.strerror}") from err
+    if is_dir:
         if not (path / "config.json").exists() and not (path / "adapter_config.json").exists():
             raise ModelNotFoundError(f"base_model directory {path} has no config.json; it is not a transformers model")
         return ModelSpec(name, "local", str(path))

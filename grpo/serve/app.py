@@ -614,11 +614,11 @@ def create_app(api_key: str, service: ServiceClient | None = None, long_poll_s: 
         want_proto = PROTOBUF in accept and "application/json" not in accept
         try:
             rendered = pending.render(pending.future.result(), want_proto)
+            if isinstance(rendered, bytes):
+                return Response(rendered, media_type=PROTOBUF)
+            return JSONResponse(rendered)  # raises ValueError on a non-finite number
         except Exception as render_err:  # never a 5xx: the SDK would retry it forever
             return JSONResponse(public_error(render_err))
-        if isinstance(rendered, bytes):
-            return Response(rendered, media_type=PROTOBUF)
-        return JSONResponse(rendered)
 
     app.include_router(api)
     return app

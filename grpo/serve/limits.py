@@ -34,8 +34,8 @@ class Limits:
     max_num_samples: int = 128  # completions per sample request
     max_tensor_elements: int = 1 << 24  # declared elements of one loss_fn_inputs tensor, dense or sparse
     max_datums: int = 4096  # datums per forward / forward_backward request
-    max_request_elements: int = 1 << 23  # declared loss_fn_inputs elements summed over a whole request
-    max_request_tokens: int = 1 << 21  # model_input tokens summed over a whole request
+    max_request_elements: int = 1 << 22  # declared loss_fn_inputs elements summed over a whole request
+    max_request_tokens: int = 1 << 20  # model_input tokens summed over a whole request
     max_json_depth: int = 32  # nesting of arrays and objects in a JSON body
     client_timeout_s: float = 120.0  # a session silent this long has its queued sampling dropped
 

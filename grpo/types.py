@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import datetime
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Generic, Literal, TypeVar
@@ -234,6 +235,32 @@ class Datum:
                     )
 
 
+# --------------------------------------------------------------------------- parameter bounds
+
+# Sane bounds on the optimizer's and the sampler's numbers: any real run stays far inside them.
+MAX_LEARNING_RATE = 10.0
+MAX_TEMPERATURE = 1000.0
+MAX_TOP_K = 2**31 - 1
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+
+
+class ParamError(ValueError):
+    """A parameter out of its bounds; ``field`` names it (``temperature``, ``learning_rate``) so a
+    server can answer with the request field (``sampling_params.temperature``)."""
+
+    def __init__(self, field: str, message: str):
+        super().__init__(message)
+        self.field = field
+
+
+def _not_number(value: Any) -> bool:
+    return isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating))
+
+
+def _not_int(value: Any) -> bool:
+    return isinstance(value, bool) or not isinstance(value, (int, np.integer))
+
+
 # --------------------------------------------------------------------------- sampling
 
 
@@ -251,15 +278,20 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         if self.max_tokens is not None and int(self.max_tokens) <= 0:
-            raise ValueError(f"SamplingParams.max_tokens must be a positive integer, got {self.max_tokens}")
-        if self.temperature < 0:
-            raise ValueError(f"SamplingParams.temperature must be >= 0 (0 means greedy), got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"SamplingParams.top_p must be in (0, 1], got {self.top_p}")
+            raise ParamError("max_tokens", f"SamplingParams.max_tokens must be a positive integer, got {self.max_tokens!r}")
+        if _not_number(self.temperature) or not 0 <= self.temperature <= MAX_TEMPERATURE:
+            raise ParamError("temperature", f"SamplingParams.temperature must be a finite number in [0, {MAX_TEMPERATURE:g}] "
+                             f"(0 means greedy), got {self.temperature!r}")
+        if _not_number(self.top_p) or not 0 < self.top_p <= 1:
+            raise ParamError("top_p", f"SamplingParams.top_p must be in (0, 1], got {self.top_p!r}")
         if self.top_k is None:
             self.top_k = -1
-        if self.top_k == 0 or self.top_k < -1:
-            raise ValueError(f"SamplingParams.top_k must be -1 (off) or a positive integer, got {self.top_k}")
+        if _not_int(self.top_k) or self.top_k == 0 or not -1 <= self.top_k <= MAX_TOP_K:
+            raise ParamError("top_k", f"SamplingParams.top_k must be -1 (off) or an integer in 1..{MAX_TOP_K}, "
+                             f"got {self.top_k!r}")
+        if self.seed is not None and (_not_int(self.seed) or not INT64_MIN <= self.seed <= INT64_MAX):
+            raise ParamError("seed", f"SamplingParams.seed must be an integer in the int64 range "
+                             f"[{INT64_MIN}, {INT64_MAX}], got {self.seed!r}")
 
     def stop_strings_and_ids(self) -> tuple[list[str], list[int]]:
         """Split ``stop`` (and ``stop_token_ids``) into stop strings and stop token ids."""
@@ -326,15 +358,20 @@ class AdamParams:
         if self.betas is not None:
             self.beta1, self.beta2 = (float(b) for b in self.betas)
         self.betas = (self.beta1, self.beta2)
-        if not self.learning_rate >= 0:
-            raise ValueError(f"AdamParams.learning_rate must be >= 0, got {self.learning_rate}")
-        for name in ("beta1", "beta2"):
-            if not 0 <= getattr(self, name) < 1:
-                raise ValueError(f"AdamParams.{name} must be in [0, 1), got {getattr(self, name)}")
-        if self.eps <= 0:
-            raise ValueError(f"AdamParams.eps must be > 0, got {self.eps}")
-        if self.weight_decay < 0 or self.grad_clip_norm < 0:
-            raise ValueError("AdamParams.weight_decay and grad_clip_norm must be >= 0")
+        # Bounds wide enough for any real run, narrow enough that one step cannot make the weights
+        # non-finite (which would make every later forward of the model fail).
+        bounds = {"learning_rate": (lambda v: 0 <= v <= MAX_LEARNING_RATE, f"[0, {MAX_LEARNING_RATE:g}]"),
+                  "beta1": (lambda v: 0 <= v < 1, "[0, 1)"), "beta2": (lambda v: 0 <= v < 1, "[0, 1)"),
+                  "eps": (lambda v: 0 < v <= 1, "(0, 1]"), "weight_decay": (lambda v: 0 <= v <= 1, "[0, 1]"),
+                  "grad_clip_norm": (lambda v: v >= 0, "[0, inf) (0: no clipping)")}
+        for name, (inside, valid) in bounds.items():
+            value = getattr(self, name)
+            if _not_number(value) or not math.isfinite(value) or not inside(value):
+                raise ParamError(name, f"AdamParams.{name} must be a finite number in {valid}, got {value!r}")
+        if self.learning_rate * self.weight_decay > 1:
+            raise ParamError("weight_decay", f"AdamParams.weight_decay={self.weight_decay} with learning_rate="
+                             f"{self.learning_rate} would scale the weights by {1 - self.learning_rate * self.weight_decay:g} "
+                             "per step (learning_rate * weight_decay must be at most 1)")
 
 
 @dataclass

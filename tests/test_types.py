@@ -85,9 +85,9 @@ def test_adam_params_accepts_betas_tuple_and_validates() -> None:
     adam = types.AdamParams(learning_rate=2e-5, betas=(0.8, 0.95))
     assert (adam.beta1, adam.beta2, adam.betas) == (0.8, 0.95, (0.8, 0.95))
     assert types.AdamParams(beta1=0.5).betas == (0.5, 0.999)
-    with pytest.raises(ValueError, match=r"beta2 must be in \[0, 1\), got 1.5"):
+    with pytest.raises(ValueError, match=r"beta2 must be a finite number in \[0, 1\), got 1.5"):
         types.AdamParams(betas=(0.9, 1.5))
-    with pytest.raises(ValueError, match="learning_rate must be >= 0"):
+    with pytest.raises(ValueError, match=r"learning_rate must be a finite number in \[0, 10\]"):
         types.AdamParams(learning_rate=-1.0)
 
 
@@ -105,7 +105,7 @@ def test_sampling_params_stop_as_strings_ids_and_stop_token_ids() -> None:
     [
         ({"max_tokens": 0}, "max_tokens must be a positive integer, got 0"),
         ({"max_tokens": -3}, "max_tokens must be a positive integer, got -3"),
-        ({"temperature": -0.1}, "temperature must be >= 0"),
+        ({"temperature": -0.1}, r"temperature must be a finite number in \[0, 1000\]"),
         ({"top_p": 0.0}, r"top_p must be in \(0, 1\]"),
         ({"top_k": 0}, "top_k must be -1"),
     ],

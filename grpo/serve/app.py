@@ -204,11 +204,21 @@ def create_app(api_key: str, service: ServiceClient | None = None, long_poll_s: 
     # No /docs or /openapi.json: nothing is served without the key but liveness. The key and the
     # body size are checked by Guard from the headers, before any body is read or parsed.
     app = FastAPI(title="grpo Tinker-compatible server", docs_url=None, redoc_url=None, openapi_url=None)
+    data_paths = frozenset({API_PREFIX + "/forward", API_PREFIX + "/forward_backward"})
     app.add_middleware(Guard, api_key=api_key, max_body_bytes=limits.max_body_bytes,
                        open_paths=frozenset({API_PREFIX + "/healthz"}),
-                       open_prefixes=(API_PREFIX + file_urls.FILES_ROUTE + "/",))  # signed URLs, see file_urls
+                       open_prefixes=(API_PREFIX + file_urls.FILES_ROUTE + "/",),  # signed URLs, see file_urls
+                       max_json_depth=limits.max_json_depth,
+                       json_items=lambda path: limits.json_items(path in data_paths))
     app.state.grpo = state
     app.state.limits = limits
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid_body(_request: Request, exc: RequestValidationError) -> JSONResponse:
+        """FastAPI's 422 without echoing the input back: a NaN there cannot be encoded (a 500),
+        and a refused 20 MB list need not travel back."""
+        return JSONResponse({"detail": [{"loc": list(e["loc"]), "msg": e["msg"], "type": e["type"]}
+                                        for e in exc.errors()]}, status_code=422)
 
     @app.get(API_PREFIX + "/healthz")
     async def healthz() -> dict[str, Any]:
@@ -336,7 +346,7 @@ def create_app(api_key: str, service: ServiceClient | None = None, long_poll_s: 
     async def loss_json(model_id: str, seq_id: int | None, fb: bodies.ForwardBackwardInput,
                         backward: bool) -> dict[str, Any]:
         try:
-            data = wire.data_from_json([d.model_dump() for d in fb.data], limits)
+            data = wire.data_from_json(fb.data, limits)  # sizes checked before anything is copied
         except wire.WireError as err:
             raise _fail(422, f"forward_backward_input.{err.field}", str(err)) from err
         return await loss_call(model_id, seq_id, data, fb.loss_fn, fb.loss_fn_config, backward)
@@ -346,6 +356,8 @@ def create_app(api_key: str, service: ServiceClient | None = None, long_poll_s: 
         model = state.model(body.model_id)
         try:
             adam = g.AdamParams(**body.adam_params.model_dump(include=set(bodies.AdamParams.model_fields)))
+        except g.ParamError as err:
+            raise _fail(422, f"adam_params.{err.field}", str(err)) from err
         except ValueError as err:
             raise _fail(422, "adam_params", str(err)) from err
         async with model.gate.turn(body.seq_id):
@@ -637,11 +649,11 @@ def create_app(api_key: str, service: ServiceClient | None = None, long_poll_s: 
         want_proto = PROTOBUF in accept and "application/json" not in accept
         try:
             rendered = pending.render(pending.future.result(), want_proto)
+            if isinstance(rendered, bytes):
+                return Response(rendered, media_type=PROTOBUF)
+            return JSONResponse(rendered)  # raises ValueError on a non-finite number
         except Exception as render_err:  # never a 5xx: the SDK would retry it forever
             return JSONResponse(public_error(render_err))
-        if isinstance(rendered, bytes):
-            return Response(rendered, media_type=PROTOBUF)
-        return JSONResponse(rendered)
 
     app.include_router(api)
     return app

@@ -141,6 +141,7 @@ class Forward(Body):
 
 
 class AdamParams(Body):
+    # Bounds live in grpo.types.AdamParams; the route answers adam_params.<field> for its ParamError.
     learning_rate: float = 1e-4
     beta1: float = 0.9
     beta2: float = 0.95
@@ -186,12 +187,14 @@ class CreateSamplingSession(Body):
 
 
 class SamplingParams(Body):
-    max_tokens: int | None = Field(None, ge=1)
+    # Bounds live in grpo.types.SamplingParams (one declaration, in-process too); the route turns
+    # its ParamError into a 422 naming sampling_params.<field>.
+    max_tokens: int | None = None
     seed: int | None = None
     stop: Text | list[Text] | list[int] | None = None
-    temperature: float = Field(1.0, ge=0)
+    temperature: float = 1.0
     top_k: int = -1
-    top_p: float = Field(1.0, gt=0, le=1)
+    top_p: float = 1.0
 
 
 class Sample(Body):

@@ -34,6 +34,9 @@ class Limits:
     max_num_samples: int = 128  # completions per sample request
     max_tensor_elements: int = 1 << 24  # declared elements of one loss_fn_inputs tensor, dense or sparse
     max_datums: int = 4096  # datums per forward / forward_backward request
+    max_request_elements: int = 1 << 22  # declared loss_fn_inputs elements summed over a whole request
+    max_request_tokens: int = 1 << 20  # model_input tokens summed over a whole request
+    max_json_depth: int = 32  # nesting of arrays and objects in a JSON body
     client_timeout_s: float = 120.0  # a session silent this long has its queued sampling dropped
 
     @property
@@ -61,12 +64,61 @@ class Limits:
                                  "(the model's context, or --max-prompt-tokens)")
 
     def check_shape(self, shape: Iterable[int], field: str) -> list[int]:
-        """A declared tensor shape as ints, refused before anything of that size is allocated."""
+        """A declared tensor shape as ints, refused before anything of that size is allocated.
+        Each dimension is bounded too: [0, 2**70] declares no elements but no array has it."""
         shape = list(shape)
         if any(not isinstance(s, int) or isinstance(s, bool) or s < 0 for s in shape):
             raise LimitError(f"{field}.shape", f"{shape} is invalid: dimensions must be non-negative integers")
+        if len(shape) > MAX_DIMS:
+            raise LimitError(f"{field}.shape", f"{len(shape)} dimensions is more than {MAX_DIMS}")
+        for s in shape:
+            _at_most(f"{field}.shape", "elements in one dimension", s, self.max_tensor_elements, "--max-tensor-elements")
         _at_most(f"{field}.shape", "elements", math.prod(shape), self.max_tensor_elements, "--max-tensor-elements")
         return shape
+
+    def json_items(self, carries_data: bool) -> tuple[int, str]:
+        """How many array items and object members a JSON body may hold, and what sets that:
+        checked while the body arrives (grpo.serve.guard), so that no parser builds more. A body
+        of datums holds their tokens and tensor elements; any other, at most one prompt."""
+        if carries_data:
+            return (self.max_request_elements + self.max_request_tokens + JSON_SLACK_PER_DATUM * self.max_datums,
+                    "--max-request-elements + --max-request-tokens")
+        return self.max_prompt_tokens + JSON_SLACK, "--max-prompt-tokens"
+
+    def budget(self) -> RequestBudget:
+        """A tally of one request's declared sizes, each added before anything of it is built."""
+        return RequestBudget(self)
+
+
+JSON_SLACK = 1 << 20  # keys, stop strings, metadata beside a prompt: a parse of at most ~30 MB
+JSON_SLACK_PER_DATUM = 64  # a datum's keys and shapes beside its tokens and tensor elements
+MAX_DIMS = 8  # a loss input is one entry per position, at most with a few trailing dimensions
+
+
+class RequestBudget:
+    """Tensor elements and tokens declared so far by one request, against the whole-request
+    limits: a request is refused at the first field that takes it over, before that field (or any
+    later one) is made into an array."""
+
+    def __init__(self, limits: Limits):
+        self.limits = limits
+        self.elements = 0
+        self.tokens = 0
+
+    def add_elements(self, n: int, field: str) -> None:
+        self.elements += n
+        _over_request(field, "tensor elements", self.elements, self.limits.max_request_elements,
+                      "--max-request-elements")
+
+    def add_tokens(self, n: int, field: str) -> None:
+        self.tokens += n
+        _over_request(field, "tokens", self.tokens, self.limits.max_request_tokens, "--max-request-tokens")
+
+
+def _over_request(field: str, unit: str, total: int, limit: int, flag: str) -> None:
+    if total > limit:
+        raise LimitError(field, f"brings the request to {total} {unit}, more than this server's limit of {limit} "
+                         f"for a whole request (set by {flag}); send fewer or shorter datums per request")
 
 
 def _at_most(field: str, unit: str, value: int, limit: int, flag: str) -> None:
@@ -82,6 +134,10 @@ _HELP = {
     "max_num_samples": "most completions one sample request may ask for",
     "max_tensor_elements": "most elements a loss_fn_inputs tensor may declare (dense or sparse)",
     "max_datums": "most datums in one forward / forward_backward request",
+    "max_request_elements": "most loss_fn_inputs elements (declared, dense or sparse) summed over all datums of "
+                            "one request; a JSON body may hold at most this many plus --max-request-tokens numbers",
+    "max_request_tokens": "most model_input tokens summed over all datums of one request",
+    "max_json_depth": "deepest nesting of arrays and objects a JSON body may have",
     "client_timeout_s": "seconds a session may go without a request (a poll, a heartbeat) before its "
                         "queued sampling work is dropped; finishing a session drops it at once",
 }

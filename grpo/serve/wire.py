@@ -13,7 +13,7 @@ import numpy as np
 
 from grpo import types as g
 from grpo.serve import proto
-from grpo.serve.limits import LimitError, Limits
+from grpo.serve.limits import LimitError, Limits, RequestBudget
 
 DEFAULT_LIMITS = Limits()
 
@@ -37,6 +37,45 @@ def _frombuffer(raw: bytes, dtype: Any, field: str) -> np.ndarray:
         raise WireError(field, f"{len(raw)} bytes is not a whole number of {np.dtype(dtype).name} values "
                         f"({itemsize} bytes each)")
     return np.frombuffer(raw, dtype=dtype)
+
+
+def _declared_entries(datum_field: str, n_tokens: int, key: str, declared: int, budget: RequestBudget) -> None:
+    """One loss input's declared size, before it is built: it must have one entry per position
+    (grpo.types.Datum's rule, checked here on the declared size so that nothing larger than the
+    datum is ever allocated), and it counts towards the request's whole."""
+    field = f"{datum_field}.loss_fn_inputs.{key}"
+    if declared != n_tokens:
+        raise WireError(field, f"declares {declared} entries but model_input has {n_tokens} tokens; every loss "
+                        "input needs one entry per input position")
+    _within(budget.add_elements, declared, field)
+
+
+def _within(add: Any, n: int, field: str) -> None:
+    try:
+        add(n, field)
+    except LimitError as err:
+        raise WireError(err.field, str(err).split(": ", 1)[1]) from err
+
+
+def _proto_sizes(request: Any, limits: Limits) -> None:
+    """Every datum's tokens and every tensor's elements as declared (shapes, buffer lengths),
+    summed over the request and refused past its limits before any array is made."""
+    if len(request.data) > limits.max_datums:
+        raise WireError("data", f"{len(request.data)} datums is more than this server's limit of "
+                        f"{limits.max_datums} (set by --max-datums)")
+    budget = limits.budget()
+    for i, datum in enumerate(request.data):
+        n = sum(len(c.encoded_text.tokens) // 4 for c in datum.model_input if c.WhichOneof("chunk") == "encoded_text")
+        _within(budget.add_tokens, n, f"data[{i}].model_input")
+        for key, tensor in datum.loss_fn_inputs.items():
+            field = f"data[{i}].loss_fn_inputs.{key}"
+            shape = _shape(tensor.shape, field, limits)
+            sparse = tensor.WhichOneof("encoding") == "sparse_csr"
+            itemsize = np.dtype(_PROTO_DTYPES[tensor.dtype][1]).itemsize if tensor.dtype in _PROTO_DTYPES else 1
+            declared = math.prod(shape) if shape or sparse else len(tensor.dense) // itemsize
+            if shape and not sparse and len(tensor.dense) != declared * itemsize:
+                raise WireError(field, f"holds {len(tensor.dense) / itemsize:g} values but shape is {shape}")
+            _declared_entries(f"data[{i}]", n, key, declared, budget)
 
 
 def _proto_tensor(tensor: Any, field: str, limits: Limits) -> g.TensorData:
@@ -99,6 +138,7 @@ def forward_backward_from_proto(body: bytes, limits: Limits = DEFAULT_LIMITS) ->
         request.ParseFromString(body)
     except Exception as err:  # protobuf raises its own DecodeError
         raise WireError("body", f"not a tinker_public.ForwardBackwardRequest ({err})") from err
+    _proto_sizes(request, limits)
     data = []
     for i, datum in enumerate(request.data):
         inputs = {k: _proto_tensor(v, f"data[{i}].loss_fn_inputs.{k}", limits) for k, v in datum.loss_fn_inputs.items()}
@@ -122,38 +162,62 @@ def _datum(model_input: g.ModelInput, inputs: dict[str, g.TensorData], field: st
 # --------------------------------------------------------------------------- JSON in
 
 
-def model_input_from_json(value: dict[str, Any], field: str) -> g.ModelInput:
+def _get(value: Any, key: str) -> Any:
+    """A field of a parsed body, as a dict or as the pydantic model (read without copying it)."""
+    return value.get(key) if isinstance(value, dict) else getattr(value, key, None)
+
+
+def model_input_from_json(value: Any, field: str) -> g.ModelInput:
     chunks = []
-    for i, chunk in enumerate(value.get("chunks") or []):
-        if chunk.get("type", "encoded_text") != "encoded_text":
-            raise WireError(f"{field}.chunks", g.non_text_chunk(i, chunk.get("type")))
-        chunks.append(g.EncodedTextChunk(tokens=[int(t) for t in chunk["tokens"]]))
+    for i, chunk in enumerate(_get(value, "chunks") or []):
+        kind = _get(chunk, "type") or "encoded_text"
+        if kind != "encoded_text":
+            raise WireError(f"{field}.chunks", g.non_text_chunk(i, kind))
+        chunks.append(g.EncodedTextChunk(tokens=[int(t) for t in _get(chunk, "tokens")]))
     return g.ModelInput(chunks=chunks)
 
 
-def tensor_from_json(value: dict[str, Any], field: str, limits: Limits = DEFAULT_LIMITS) -> g.TensorData:
-    dtype = value.get("dtype")
+def tensor_from_json(value: Any, field: str, limits: Limits = DEFAULT_LIMITS) -> g.TensorData:
+    dtype = _get(value, "dtype")
     if dtype not in ("int64", "float32"):
         raise WireError(f"{field}.dtype", f"must be int64 or float32, got {dtype!r}")
-    if value.get("sparse_crow_indices") is not None:
+    if _get(value, "sparse_crow_indices") is not None:
         raise WireError(field, "sparse tensors are not supported in JSON requests; send dense data")
-    shape = value.get("shape")
-    if shape is not None:
-        shape = _shape(shape, field, limits)
-    array = np.asarray(value.get("data") or [], dtype=np.int64 if dtype == "int64" else np.float32)
-    if shape is not None:
-        if math.prod(shape) != array.size:
-            raise WireError(field, f"holds {array.size} values but shape is {shape}")
-        array = array.reshape(shape)
-    return g.TensorData.from_numpy(array)
+    data = _get(value, "data") or []
+    shape = _shape(_get(value, "shape") if _get(value, "shape") is not None else [len(data)], field, limits)
+    if math.prod(shape) != len(data):
+        raise WireError(field, f"holds {len(data)} values but shape is {shape}")
+    try:
+        array = np.asarray(data, dtype=np.int64 if dtype == "int64" else np.float32)
+    except (OverflowError, ValueError, TypeError) as err:
+        raise WireError(f"{field}.data", f"values must be {dtype} numbers ({err})") from err
+    return g.TensorData.from_numpy(array.reshape(shape))
 
 
-def data_from_json(data: list[dict[str, Any]], limits: Limits = DEFAULT_LIMITS) -> list[g.Datum]:
+def _json_sizes(data: list[Any], limits: Limits) -> None:
+    """``_proto_sizes`` for a JSON body: declared shapes and list lengths, summed over the request."""
+    budget = limits.budget()
+    for i, datum in enumerate(data):
+        n = sum(len(_get(c, "tokens") or []) for c in _get(_get(datum, "model_input"), "chunks") or [])
+        _within(budget.add_tokens, n, f"data[{i}].model_input")
+        for key, tensor in (_get(datum, "loss_fn_inputs") or {}).items():
+            field = f"data[{i}].loss_fn_inputs.{key}"
+            data_len = len(_get(tensor, "data") or [])
+            shape = _shape(_get(tensor, "shape") if _get(tensor, "shape") is not None else [data_len], field, limits)
+            if math.prod(shape) != data_len:
+                raise WireError(field, f"holds {data_len} values but shape is {shape}")
+            _declared_entries(f"data[{i}]", n, key, data_len, budget)
+
+
+def data_from_json(data: list[Any], limits: Limits = DEFAULT_LIMITS) -> list[g.Datum]:
+    """Datums from a parsed JSON body (dicts, or the body's pydantic models as they are)."""
+    _json_sizes(data, limits)
     out = []
     for i, datum in enumerate(data):
         inputs = {k: tensor_from_json(v, f"data[{i}].loss_fn_inputs.{k}", limits)
-                  for k, v in (datum.get("loss_fn_inputs") or {}).items()}
-        out.append(_datum(model_input_from_json(datum["model_input"], f"data[{i}].model_input"), inputs, f"data[{i}]"))
+                  for k, v in (_get(datum, "loss_fn_inputs") or {}).items()}
+        out.append(_datum(model_input_from_json(_get(datum, "model_input"), f"data[{i}].model_input"), inputs,
+                          f"data[{i}]"))
     return out
 
 
@@ -163,6 +227,8 @@ def sampling_params_from_json(value: dict[str, Any]) -> g.SamplingParams:
         return g.SamplingParams(max_tokens=value.get("max_tokens"), temperature=float(value.get("temperature", 1.0)),
                                 top_k=int(value.get("top_k", -1)), top_p=float(value.get("top_p", 1.0)),
                                 stop=stop, seed=value.get("seed"))
+    except g.ParamError as err:
+        raise WireError(f"sampling_params.{err.field}", str(err)) from err
     except (TypeError, ValueError) as err:
         raise WireError("sampling_params", str(err)) from err
 

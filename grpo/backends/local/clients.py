@@ -18,6 +18,7 @@ import concurrent.futures
 import copy
 import itertools
 import json
+import math
 import os
 import pickle
 import shutil
@@ -333,11 +334,33 @@ class TrainingClient(_ClientFuture):
         prepared = trainer.prepare(list(data), loss_fn, self.engine.vocab_size, self.engine.check_tokens)
         trainer.losses.resolve_config(loss_fn, loss_fn_config)
 
-        def work() -> ForwardBackwardOutput:
-            return self._run_in_engine(lambda model: trainer.run(
-                model, prepared, loss_fn, loss_fn_config, self.engine.device, self._micro_batch_tokens(), backward))
+        def run(model) -> ForwardBackwardOutput:
+            # This call's gradients are made apart from those accumulated before it and added to
+            # them only when finite: a non-finite loss fails this call alone and leaves the model
+            # trainable (a NaN gradient would make every later step write NaN weights).
+            params = list(self.engine.adapter_parameters(self.adapter).values()) if backward else []
+            kept = [p.grad for p in params]
+            for p in params:
+                p.grad = None
+            try:
+                out = trainer.run(model, prepared, loss_fn, loss_fn_config, self.engine.device,
+                                  self._micro_batch_tokens(), backward)
+                problem = _not_finite(out.metrics, params)
+                if problem:
+                    raise ValueError(f"{'forward_backward' if backward else 'forward'} with loss_fn={loss_fn!r}: "
+                                     f"{problem}; a loss input is beyond what the loss can take (logprobs "
+                                     "far from the model's make exp(logprobs - sampler logprobs) overflow)"
+                                     + ("; this call's gradients were dropped, earlier ones are kept" if backward else ""))
+            except BaseException:
+                for p, grad in zip(params, kept, strict=True):
+                    p.grad = grad
+                raise
+            for p, grad in zip(params, kept, strict=True):
+                if grad is not None:
+                    p.grad = grad if p.grad is None else p.grad.add_(grad)
+            return out
 
-        return self._submit(work)
+        return self._submit(lambda: self._run_in_engine(run))
 
     def _micro_batch_tokens(self) -> int:
         """Tokens per training micro-batch: the explicit setting, else what the memory budget allows."""
@@ -366,6 +389,10 @@ class TrainingClient(_ClientFuture):
                          weight_decay=adam.weight_decay)
         grads = [p.grad for p in params if p.grad is not None]
         grad_norm = float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))) if grads else 0.0
+        if not math.isfinite(grad_norm):  # the step would write non-finite weights: none is taken
+            self.optimizer.zero_grad(set_to_none=True)
+            raise ValueError(f"optim_step: the accumulated gradients are not finite (norm {grad_norm}); the step "
+                             "was not taken and the gradients were dropped, the weights are unchanged")
         if adam.grad_clip_norm > 0 and grads:
             torch.nn.utils.clip_grad_norm_(params, adam.grad_clip_norm)
         self.optimizer.step()
@@ -795,3 +822,14 @@ def _then(fut: APIFuture, fn: Callable[[Any], Any]) -> APIFuture:
     fut._future.add_done_callback(done)
     return APIFuture(out)
 
+
+
+def _not_finite(metrics: dict[str, float], params: list) -> str | None:
+    """What is not finite in a loss call's result: a metric (the loss), or its parameter gradients."""
+    for key, value in metrics.items():
+        if not math.isfinite(float(value)):
+            return f"the loss is not finite ({key}={value})"
+    grads = [p.grad for p in params if p.grad is not None]
+    if grads and not bool(torch.isfinite(torch.stack([torch.linalg.vector_norm(g) for g in grads])).all()):
+        return "the loss's gradients are not finite"
+    return None

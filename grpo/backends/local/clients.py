@@ -823,11 +823,11 @@ def _then(fut: APIFuture, fn: Callable[[Any], Any]) -> APIFuture:
     return APIFuture(out)
 
 
-
 def _not_finite(metrics: dict[str, float], params: list) -> str | None:
-    """What is not finite in a loss call's result: a metric (the loss), or its parameter gradients."""
+    """What is not finite in a loss call's result: the loss, or its parameter gradients (other
+    metrics, a ratio's maximum say, may overflow while the clipped loss and its gradients do not)."""
     for key, value in metrics.items():
-        if not math.isfinite(float(value)):
+        if key.startswith("loss") and not math.isfinite(float(value)):
             return f"the loss is not finite ({key}={value})"
     grads = [p.grad for p in params if p.grad is not None]
     if grads and not bool(torch.isfinite(torch.stack([torch.linalg.vector_norm(g) for g in grads])).all()):

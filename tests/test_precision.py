@@ -19,20 +19,18 @@ CPU, CUDA = torch.device("cpu"), torch.device("cuda")
 PROMPT = [1, 504, 3457, 28, 216, 17, 1183, 19, 30, 40, 41]
 
 
-def test_auto_picks_bf16_only_where_the_hardware_multiplies_it() -> None:
+def test_the_flags_tell_which_cpus_multiply_bf16_natively() -> None:
+    """Used for the warning below only: a default is never decided from flags."""
     assert not precision.cpu_supports_bf16(precision.cpu_flags(ZEN3_FLAGS))
     assert precision.cpu_supports_bf16(precision.cpu_flags(ZEN4_FLAGS))
     assert precision.cpu_supports_bf16(precision.cpu_flags(SPR_FLAGS))
-    assert precision.auto_dtype(CPU, cpu_bf16=False) is torch.float32
-    assert precision.auto_dtype(CPU, cpu_bf16=True) is torch.bfloat16
-    assert precision.auto_dtype(CUDA, cpu_bf16=False) is torch.bfloat16
 
 
-def test_auto_is_fp32_on_this_cpu_when_it_has_no_bf16_instructions() -> None:
-    """CPUs without avx512_bf16/AMX keep today's fp32 speed."""
-    flags = precision.cpu_flags()
-    if precision.cpu_supports_bf16(flags):
-        pytest.skip("this CPU has native bf16; auto is bf16 here")
+def test_auto_is_fp32_on_every_cpu_and_bf16_on_cuda() -> None:
+    """Whatever the flags (bf16 measured slower than fp32 for sampling on an AMX Xeon, and off
+    policy on SmolLM2: precision.py), until auto is decided by timing the model."""
+    assert precision.auto_dtype(CPU) is torch.float32
+    assert precision.auto_dtype(CUDA) is torch.bfloat16
     assert precision.resolve("train_dtype", "auto", CPU) is torch.float32
     svc = ServiceClient(device="cpu")  # nothing asked: auto for both
     engine = svc.create_lora_training_client("tiny", seed=0, rank=2).engine

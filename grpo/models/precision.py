@@ -1,10 +1,14 @@
 """The precision the sampler and the trainer run the base weights in: ``fp32``, ``bf16`` or ``auto``.
 
-``auto`` is bf16 where the hardware multiplies bf16 natively (a CUDA GPU; a CPU reporting
-``avx512_bf16`` or AMX, whose oneDNN kernels PyTorch uses for bf16 matmuls) and fp32 elsewhere:
-without those instructions a bf16 matmul is emulated through fp32 and is slower than fp32 itself
-(docs/benchmark.md), so such CPUs keep today's speed. Whatever the precision of the base weights,
-LoRA weights and the optimizer state stay fp32 (peft keeps adapters in fp32, engine.py checks it).
+``auto`` is bf16 on a CUDA GPU and fp32 on a CPU. It used to be bf16 on CPUs reporting
+``avx512_bf16`` or AMX, chosen from the flags alone, and measurement said otherwise: on an Intel
+Xeon with AMX, bf16 sampling ran 1.3-1.7x slower than fp32 and ``make demo`` 30% slower, and on
+SmolLM2 the MinT quick-start's sampler/trainer ratios strayed 0.33 from 1 (AMD EPYC Zen 4,
+avx512_bf16), where fp32 keeps them within 1e-3. A default that is never slower than fp32 and
+on-policy to fp32 rounding is fp32 until ``auto`` is decided by timing the model on the machine
+(issue #41). bf16 on a CPU stays one key away (``train_dtype``/``sample_dtype=bf16``). Whatever
+the precision of the base weights, LoRA weights and the optimizer state stay fp32 (peft keeps
+adapters in fp32, engine.py checks it).
 
 Asking for bf16 on a CPU without bf16 instructions runs (slowly) after a one-line warning naming
 the key; an unknown name fails in one line naming the key and the valid values.
@@ -47,12 +51,9 @@ def cpu_supports_bf16(flags: set[str]) -> bool:
     return any(f in flags for f in BF16_CPU_FLAGS)
 
 
-def auto_dtype(device: torch.device, cpu_bf16: bool | None = None) -> torch.dtype:
-    """What ``auto`` means on ``device``: bf16 on CUDA and on bf16-capable CPUs, else fp32."""
-    if device.type == "cuda":
-        return torch.bfloat16
-    native = cpu_has_bf16() if cpu_bf16 is None else cpu_bf16
-    return torch.bfloat16 if device.type == "cpu" and native else torch.float32
+def auto_dtype(device: torch.device) -> torch.dtype:
+    """What ``auto`` means on ``device``: bf16 on CUDA, fp32 elsewhere (see the module docstring)."""
+    return torch.bfloat16 if device.type == "cuda" else torch.float32
 
 
 def resolve(key: str, value: str | torch.dtype | None, device: torch.device, cpu_bf16: bool | None = None
@@ -62,12 +63,12 @@ def resolve(key: str, value: str | torch.dtype | None, device: torch.device, cpu
     ``cpu_bf16`` overrides what this CPU reports (for tests)."""
     check(key, value)
     if value is None or value == "auto":
-        return auto_dtype(device, cpu_bf16)
+        return auto_dtype(device)
     dtype = value if isinstance(value, torch.dtype) else NAMES[value.lower()]
     native = cpu_has_bf16() if cpu_bf16 is None else cpu_bf16
     if dtype == torch.bfloat16 and device.type == "cpu" and not native:
         warnings.warn(f"{key}=bf16 on a CPU without avx512_bf16/AMX: bf16 matmuls are emulated and run slower "
-                      f"than fp32; {key}=auto picks fp32 here", stacklevel=2)
+                      f"than fp32; {key}=auto (fp32 on a CPU) is faster here", stacklevel=2)
     return dtype
 
 

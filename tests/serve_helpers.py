@@ -163,6 +163,46 @@ class Server:
         self._log_file.close()
 
 
+def wait(srv: Server, request_id: str) -> dict:
+    """A future's result, polled until it is no longer ``try_again``."""
+    for _ in range(200):
+        status, body = srv.call("POST", "/api/v1/retrieve_future", {"request_id": request_id})
+        assert status == 200, body
+        if body.get("type") != "try_again":
+            return body
+    raise AssertionError("future never finished")
+
+
+def tree(root: Path) -> dict[str, bytes | None]:
+    """Every entry under ``root`` with its bytes (None for a directory)."""
+    return {p.relative_to(root).as_posix(): (None if p.is_dir() else p.read_bytes()) for p in sorted(root.rglob("*"))}
+
+
+@contextlib.contextmanager
+def served_tiny_model(base: Path, extra_args: tuple[str, ...] = ()) -> Iterator[dict]:
+    """A server (run with cwd in ``base/work``, so relative writes would land there) with a session,
+    a tiny model and a sampler of the base model, and ``base/outside``: a directory beside the
+    store that must never change, checked on exit with ``work``."""
+    outside, work = base / "outside", base / "work"
+    (outside / "victim").mkdir(parents=True)
+    (outside / "victim" / "keep.txt").write_text("precious")
+    (outside / "passwd").write_text("root:x:0:0")
+    work.mkdir()
+    srv = Server(base / "checkpoints", cwd=work, extra_args=extra_args)
+    try:
+        session = srv.call("POST", "/api/v1/create_session", {})[1]["session_id"]
+        created = srv.call("POST", "/api/v1/create_model", {"session_id": session, "base_model": "tiny",
+                                                            "lora_config": {"rank": 2}})[1]
+        wait(srv, created["request_id"])
+        sampler = srv.call("POST", "/api/v1/create_sampling_session", {"session_id": session, "base_model": "tiny"})
+        before = tree(outside), tree(work)
+        yield {"srv": srv, "model_id": created["model_id"], "session": session, "outside": outside, "work": work,
+               "sampler": sampler[1]["sampling_session_id"], "base": base}
+        assert (tree(outside), tree(work)) == before, "the file system outside the store changed"
+    finally:
+        srv.stop()
+
+
 def replay_in_process(result: dict, base_model: str, checkpoint_dir: Path) -> dict:
     """The SDK loop's training steps on the in-process backend, with the server's sampled data."""
     import numpy as np

@@ -21,8 +21,7 @@ import pytest
 import schemathesis
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
-from serve_helpers import API_KEY, Server
-from test_serve_hostile import tree, wait
+from serve_helpers import API_KEY, Server, served_tiny_model, wait
 
 from grpo.backends.local import ServiceClient
 from grpo.serve import proto
@@ -49,23 +48,10 @@ SCHEMA = schemathesis.openapi.from_dict(api_schema())
 
 @pytest.fixture(scope="module")
 def live(tmp_path_factory):
-    base = tmp_path_factory.mktemp("fuzz")
-    outside, work = base / "outside", base / "work"
-    (outside / "victim").mkdir(parents=True)
-    (outside / "victim" / "keep.txt").write_text("precious")
-    work.mkdir()
-    srv = Server(base / "checkpoints", cwd=work, extra_args=LIMITS)
-    session = srv.call("POST", "/api/v1/create_session", {})[1]["session_id"]
-    created = srv.call("POST", "/api/v1/create_model", {"session_id": session, "base_model": "tiny",
-                                                        "lora_config": {"rank": 2}})[1]
-    wait(srv, created["request_id"])
-    sampler = srv.call("POST", "/api/v1/create_sampling_session", {"session_id": session, "base_model": "tiny"})[1]
-    ids = {"session_id": session, "model_id": created["model_id"], "run_id": created["model_id"],
-           "sampling_session_id": sampler["sampling_session_id"], "sampler_id": sampler["sampling_session_id"]}
-    before = tree(outside), tree(work)
-    yield {"srv": srv, "ids": ids}
-    assert (tree(outside), tree(work)) == before, "the file system outside the store changed"
-    srv.stop()
+    with served_tiny_model(tmp_path_factory.mktemp("fuzz"), LIMITS) as served:
+        ids = {"session_id": served["session"], "model_id": served["model_id"], "run_id": served["model_id"],
+               "sampling_session_id": served["sampler"], "sampler_id": served["sampler"]}
+        yield {"srv": served["srv"], "ids": ids}
     print(f"\nfuzzed grpo.serve with {COUNT['cases']} cases; statuses {dict(sorted(COUNT['statuses'].items()))}")
 
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from serve_helpers import API_KEY, Server
+from serve_helpers import API_KEY, Server, served_tiny_model, wait
 
 from grpo.serve import proto
 
@@ -21,41 +21,10 @@ LIMITS = ("--max-body-mb", "1", "--max-prompt-tokens", "256", "--max-num-samples
           "--max-tensor-elements", "100000", "--client-timeout-s", "4")
 
 
-def tree(root: Path) -> dict[str, bytes | None]:
-    """Every entry under ``root`` with its bytes (None for a directory)."""
-    return {p.relative_to(root).as_posix(): (None if p.is_dir() else p.read_bytes()) for p in sorted(root.rglob("*"))}
-
-
 @pytest.fixture(scope="module")
 def env(tmp_path_factory):
-    """The server (run with cwd in ``work`` so relative writes would land there), a session, a
-    tiny model, and ``outside``: a directory that must never change."""
-    base = tmp_path_factory.mktemp("hostile")
-    outside, work = base / "outside", base / "work"
-    (outside / "victim").mkdir(parents=True)
-    (outside / "victim" / "keep.txt").write_text("precious")
-    (outside / "passwd").write_text("root:x:0:0")
-    work.mkdir()
-    srv = Server(base / "checkpoints", cwd=work, extra_args=LIMITS)
-    session = srv.call("POST", "/api/v1/create_session", {})[1]["session_id"]
-    created = srv.call("POST", "/api/v1/create_model", {"session_id": session, "base_model": "tiny",
-                                                        "lora_config": {"rank": 2}})[1]
-    wait(srv, created["request_id"])
-    sampler = srv.call("POST", "/api/v1/create_sampling_session", {"session_id": session, "base_model": "tiny"})
-    before = tree(outside), tree(work)
-    yield {"srv": srv, "model_id": created["model_id"], "session": session, "outside": outside, "work": work,
-           "sampler": sampler[1]["sampling_session_id"], "base": base}
-    assert (tree(outside), tree(work)) == before, "the file system outside the store changed"
-    srv.stop()
-
-
-def wait(srv: Server, request_id: str) -> dict:
-    for _ in range(200):
-        status, body = srv.call("POST", "/api/v1/retrieve_future", {"request_id": request_id})
-        assert status == 200, body
-        if body.get("type") != "try_again":
-            return body
-    raise AssertionError("future never finished")
+    with served_tiny_model(tmp_path_factory.mktemp("hostile"), LIMITS) as served:
+        yield served
 
 
 def refused(status_body: tuple[int, dict], status: int, field: str, says: str) -> str:

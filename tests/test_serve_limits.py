@@ -12,8 +12,8 @@ import random
 import numpy as np
 import psutil
 import pytest
-from serve_helpers import Server
-from test_serve_hostile import refused, wait
+from serve_helpers import served_tiny_model, wait
+from test_serve_hostile import refused
 
 from grpo import types as g
 from grpo.serve import proto
@@ -26,16 +26,8 @@ PROTOBUF = "application/x-protobuf"
 
 @pytest.fixture(scope="module")
 def env(tmp_path_factory):
-    base = tmp_path_factory.mktemp("limits")
-    srv = Server(base / "checkpoints", extra_args=LIMITS)
-    session = srv.call("POST", "/api/v1/create_session", {})[1]["session_id"]
-    created = srv.call("POST", "/api/v1/create_model", {"session_id": session, "base_model": "tiny",
-                                                        "lora_config": {"rank": 2}})[1]
-    wait(srv, created["request_id"])
-    sampler = srv.call("POST", "/api/v1/create_sampling_session", {"session_id": session, "base_model": "tiny"})
-    yield {"srv": srv, "model_id": created["model_id"], "session": session,
-           "sampler": sampler[1]["sampling_session_id"], "rss": psutil.Process(srv.proc.pid)}
-    srv.stop()
+    with served_tiny_model(tmp_path_factory.mktemp("limits"), LIMITS) as served:
+        yield {**served, "rss": psutil.Process(served["srv"].proc.pid)}
 
 
 def rss_growth(env, send) -> tuple[float, object]:

@@ -94,8 +94,8 @@ def check_checkpoint_id(value: Any, field: str = "checkpoint_id") -> str:
 
 def names_a_directory(value: Any) -> bool:
     """A save target that is a plain directory rather than a checkpoint name of the store."""
-    return isinstance(value, str) and "://" not in value and (Path(value).is_absolute() or os.sep in value
-                                                             or (os.altsep or os.sep) in value)
+    return (isinstance(value, str) and "://" not in value
+            and (Path(value).is_absolute() or any(sep in value for sep in (os.sep, os.altsep) if sep)))
 
 
 def save_target(value: Any, field: str = "name", directories: bool = True) -> str | Path:

@@ -419,9 +419,7 @@ def create_app(api_key: str, service: ServiceClient | None = None, long_poll_s: 
             try:
                 future = model.client.save_weights_external(name, ttl_seconds=body.ttl_seconds,
                                                             age_encryption_recipients=body.age_encryption_recipients)
-            except names.UnsafeName as err:
-                raise _fail(422, "path", str(err)) from err
-            except ValueError as err:
+            except ValueError as err:  # the name was checked above: what is left is the recipients
                 raise _fail(422, "age_encryption_recipients", str(err)) from err
         return {"request_id": state.futures.add(
             _api_future(future), lambda r, _p: {"type": "save_weights_external", "path": r.path})}

@@ -36,7 +36,7 @@ from grpo.api.checkpoint_store import CheckpointStore, default_root
 from grpo.api.rest_client import RestClient
 from grpo.backends.local import age_export, custom_loss, heap, memory, sampler, trainer
 from grpo.backends.local.engine import Engine, LoraSpec
-from grpo.files import replace_dir
+from grpo.files import replace_dir, staging_path
 from grpo.models import precision
 from grpo.types import (
     AdamParams,
@@ -415,7 +415,7 @@ class TrainingClient(_ClientFuture):
         if isinstance(target, Path):
             def to_dir() -> str:
                 with self.engine.use(self.adapter):
-                    tmp = target.with_name(target.name + ".tmp")
+                    tmp = staging_path(target)  # <name>.<pid>.tmp, as the store stages (grpo.files)
                     shutil.rmtree(tmp, ignore_errors=True)
                     self._write_adapter(tmp, with_optimizer)
                     replace_dir(tmp, target)

@@ -177,6 +177,17 @@ def model_input_from_json(value: Any, field: str) -> g.ModelInput:
     return g.ModelInput(chunks=chunks)
 
 
+def _json_shape(tensor: Any, field: str, limits: Limits) -> list[int]:
+    """A JSON tensor's shape (its data's length where it declares none), checked against the limits
+    and against the data it holds."""
+    data_len = len(_get(tensor, "data") or [])
+    declared = _get(tensor, "shape")
+    shape = _shape(declared if declared is not None else [data_len], field, limits)
+    if math.prod(shape) != data_len:
+        raise WireError(field, f"holds {data_len} values but shape is {shape}")
+    return shape
+
+
 def tensor_from_json(value: Any, field: str, limits: Limits = DEFAULT_LIMITS) -> g.TensorData:
     dtype = _get(value, "dtype")
     if dtype not in ("int64", "float32"):
@@ -184,9 +195,7 @@ def tensor_from_json(value: Any, field: str, limits: Limits = DEFAULT_LIMITS) ->
     if _get(value, "sparse_crow_indices") is not None:
         raise WireError(field, "sparse tensors are not supported in JSON requests; send dense data")
     data = _get(value, "data") or []
-    shape = _shape(_get(value, "shape") if _get(value, "shape") is not None else [len(data)], field, limits)
-    if math.prod(shape) != len(data):
-        raise WireError(field, f"holds {len(data)} values but shape is {shape}")
+    shape = _json_shape(value, field, limits)
     try:
         array = np.asarray(data, dtype=np.int64 if dtype == "int64" else np.float32)
     except (OverflowError, ValueError, TypeError) as err:
@@ -202,11 +211,8 @@ def _json_sizes(data: list[Any], limits: Limits) -> None:
         _within(budget.add_tokens, n, f"data[{i}].model_input")
         for key, tensor in (_get(datum, "loss_fn_inputs") or {}).items():
             field = f"data[{i}].loss_fn_inputs.{key}"
-            data_len = len(_get(tensor, "data") or [])
-            shape = _shape(_get(tensor, "shape") if _get(tensor, "shape") is not None else [data_len], field, limits)
-            if math.prod(shape) != data_len:
-                raise WireError(field, f"holds {data_len} values but shape is {shape}")
-            _declared_entries(f"data[{i}]", n, key, data_len, budget)
+            _json_shape(tensor, field, limits)
+            _declared_entries(f"data[{i}]", n, key, len(_get(tensor, "data") or []), budget)
 
 
 def data_from_json(data: list[Any], limits: Limits = DEFAULT_LIMITS) -> list[g.Datum]:

@@ -26,7 +26,7 @@ from grpo.api.errors import (
     TinkerError,
     UnprocessableEntityError,
 )
-from grpo.api.mint_compat import RLConfig
+from grpo.mint_run import RLConfig
 from grpo.rl.adapter import RLAdapter
 from grpo.types import (
     AdamOptimizerConfig,
@@ -63,7 +63,7 @@ _CLIENTS = {
     "BackcompatTrainingClientFuture": "grpo.backends.local.clients:TrainingClient",
     "BackcompatSamplingClientFuture": "grpo.backends.local.clients:SamplingClient",
     "RestClient": "grpo.api.rest_client",
-    "run_grpo": "grpo.api.mint_compat",  # the loop, plus MinT demos' run_grpo(adapter, RLConfig)
+    "run_grpo": "grpo.mint_run",  # the loop, plus MinT demos' run_grpo(adapter, RLConfig)
     "AgentAdapter": "grpo.rl.agent",
 }
 

@@ -16,7 +16,7 @@ import pytest
 import yaml
 
 from grpo import RLConfig
-from grpo.api.mint_compat import ENV_VARS, load_env_file
+from grpo.mint_run import ENV_VARS, load_env_file
 from grpo.record.checkpoint import final_adapter_dir
 from grpo.record.runlog import read_jsonl
 from grpo.rl.config import ConfigError
@@ -87,7 +87,7 @@ def test_rlconfig_becomes_the_same_grpo_run() -> None:
 
 def test_demo_prompts_get_token_ids_from_apply_chat_template(tokenizer) -> None:
     # transformers v5 returns a mapping for tokenize=True; list() of it would be its keys.
-    from grpo.api.mint_compat import _V4ChatTemplate
+    from grpo.mint_run import _V4ChatTemplate
 
     messages = [{"role": "user", "content": "Why is the sea salty?"}]
     view = _V4ChatTemplate(tokenizer)

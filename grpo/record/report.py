@@ -82,6 +82,11 @@ PANELS: tuple[Panel, ...] = (
 # --------------------------------------------------------------------------- reading a run
 
 
+# The metric a run reports to a sweeper unless its config names another: declared here, where runs
+# recorded before the key existed need it, and GRPOConfig.objective's default is this.
+DEFAULT_OBJECTIVE = "eval/accuracy"
+
+
 @dataclass
 class Run:
     path: Path
@@ -98,9 +103,7 @@ class Run:
     def objective(self) -> tuple[str, float | None]:
         """(key, last value) of the metric the run reports to a sweeper: its config's ``objective``
         (eval/accuracy by default), as python -m grpo returns it; None if never logged or NaN."""
-        from grpo.rl.config import GRPOConfig
-
-        key = self.config.get("objective") or GRPOConfig.objective  # runs from before the key: default
+        key = self.config.get("objective") or DEFAULT_OBJECTIVE  # runs from before the key: default
         series = self.metrics.get(str(key), [])
         return str(key), (series[-1][1] if series else None)
 

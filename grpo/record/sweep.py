@@ -18,13 +18,13 @@ import tempfile
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, Protocol
 
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
+from grpo.checks import ConfigError
 from grpo.record.runlog import read_jsonl
-from grpo.rl.config import ConfigError, GRPOConfig
 
 GPU_LOCK_DIR = Path(tempfile.gettempdir()) / "grpo-gpu-locks"
 _PASS_AT = re.compile(r"eval/pass@(\d+)")
@@ -37,7 +37,16 @@ class ObjectiveError(RuntimeError):
     """A sweep job finished without the number its sweeper optimises."""
 
 
-def check_objective(cfg: GRPOConfig, required: bool = True) -> None:
+class ObjectiveSettings(Protocol):
+    """What of a run's config decides which metrics it logs (a GRPOConfig has these keys; the
+    record sits below the loop, so it names them rather than importing the loop's config)."""
+
+    objective: str
+    eval_size: int
+    eval_samples: int
+
+
+def check_objective(cfg: ObjectiveSettings, required: bool = True) -> None:
     """Fail before any model loads when the objective cannot appear in this run's metrics.
     ``required=False`` (nobody asked for it: the default key outside a searching sweep) checks
     only that it is a name, so ``eval_size=0`` runs keep working with the default objective."""

@@ -20,6 +20,7 @@ from typing import Any
 
 from grpo.api.losses import LOSSES, resolve_config
 from grpo.checks import ConfigError, check, check_choice, check_lora_targets, is_int
+from grpo.record.report import DEFAULT_OBJECTIVE
 
 __all__ = ["ConfigError", "GRPOConfig", "WandbConfig", "setting"]
 
@@ -114,7 +115,7 @@ class GRPOConfig:
     max_failure_rate: float = setting(0.5, "stop (after a checkpoint) when a larger share of a step's rewards fail")
     report: bool = setting(True, "write report.html at checkpoints and at the end")
     progress: bool = setting(True, "progress bar on a terminal, one line per step otherwise")
-    objective: str = setting("eval/accuracy", "metric a sweep optimises: python -m grpo returns its last value "
+    objective: str = setting(DEFAULT_OBJECTIVE, "metric a sweep optimises: python -m grpo returns its last value "
                              "(eval/pass@K needs eval_samples=K)")
     wandb: WandbConfig = setting(WandbConfig(), "Weights & Biases logging")
 

@@ -84,7 +84,7 @@ def run_grpo(adapter: RLAdapter, cfg: Any = None, *, service_client: ServiceClie
 
     ``cfg`` may be a GRPOConfig, a dict / OmegaConf mapping, or any object with those attributes.
     Rerunning with the same ``run_dir`` resumes from its newest checkpoint. (``grpo.run_grpo`` is
-    this function behind MinT's call shape: see grpo/api/mint_compat.py.)
+    this function behind MinT's call shape: see grpo/mint_run.py.)
     """
     cfg = GRPOConfig.from_any(cfg)
     run_dir = Path(run_dir) if run_dir is not None else Path("outputs") / time.strftime("%Y-%m-%d_%H-%M-%S")

@@ -1,4 +1,6 @@
-"""The MinT quickstart's ``RLConfig``, so its RL demos run with ``from grpo import ...``.
+"""The MinT entry point: the quickstart's ``RLConfig`` and ``run_grpo(adapter, RLConfig)``, so its
+RL demos run with ``from grpo import ...``. Like tinker_run.py it sits above the loop and the
+backends and joins them (as ``python -m grpo`` does for Hydra configs); nothing below imports it.
 
 The demos (``demos/rl/adapters/*.py`` in mint-quickstart) do::
 
@@ -35,6 +37,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from grpo.checks import ConfigError
 
 # rl_core's RLConfig field -> (environment variable, type). Defaults are the dataclass's.
 ENV_VARS: dict[str, tuple[str, type]] = {
@@ -80,8 +84,6 @@ class RLConfig:
             try:
                 values[name] = kind(raw.strip()) if kind is not str else raw.strip()
             except ValueError:
-                from grpo.rl.config import ConfigError
-
                 raise ConfigError(f"{var}={raw!r} is invalid: must be {_KIND_NAMES[kind]} "
                                   f"(RLConfig.{name}, default {getattr(cls, name)!r})") from None
         return cls(**values)
@@ -89,7 +91,7 @@ class RLConfig:
     def to_grpo_config(self) -> Any:
         """The same run as grpo's ``GRPOConfig`` (validated: a bad value is a ``ConfigError``
         naming the RLConfig field and its variable)."""
-        from grpo.rl.config import ConfigError, GRPOConfig
+        from grpo.rl.config import GRPOConfig
 
         try:
             return GRPOConfig.from_any(dataclasses.asdict(self))
@@ -149,7 +151,6 @@ def run_rlconfig(adapter: Any, cfg: RLConfig, *, run_dir: str | Path | None = No
     """``run_grpo(adapter, RLConfig)``: pick the backend, check the model, then run grpo's loop.
     User errors end the process with one ``grpo:`` line (see the module docstring)."""
     from grpo.backends.remote import RemoteConfigError
-    from grpo.rl.config import ConfigError
     from grpo.rl.loop import run_grpo
 
     load_env_file(Path(ENV_FILE))

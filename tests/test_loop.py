@@ -182,6 +182,24 @@ def test_resolved_config_is_saved(tmp_path):
     json.dumps(saved)
 
 
+def test_the_item_stream_passes_over_what_each_call_names_and_the_loop_state_is_rebuilt_not_edited():
+    """The stream holds no caller's set: what take() skips is its argument, so a set changed after
+    the call changes nothing the stream did. LoopState is frozen: the loop builds the next one."""
+    import dataclasses
+
+    from grpo.record.checkpoint import LoopState
+    from grpo.rl.loop import ItemStream
+
+    order = [i for i, _ in ItemStream(range(6), seed=3).take(6)]
+    stream, retired = ItemStream(range(6), seed=3), {order[0], order[2]}
+    assert [i for i, _ in stream.take(3, retired)] == [order[1], order[3], order[4]]
+    assert stream.cursor == 5 and stream.live(retired) == 4
+    retired.add(order[5])  # the caller's record moves on; the stream is told on the next call
+    assert [i for i, _ in stream.take(1, frozenset())] == [order[5]]
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        LoopState().step = 1  # type: ignore[misc]
+
+
 # --------------------------------------------------------------------------- #16: the RL guide's checklist
 
 
@@ -197,8 +215,8 @@ def test_saturated_items_are_counted_and_retired_and_the_history_survives_resume
     seen: list[int] = []
     original_take = __import__("grpo.rl.loop", fromlist=["ItemStream"]).ItemStream.take
 
-    def spy(self, n):
-        out = original_take(self, n)
+    def spy(self, n, skip):
+        out = original_take(self, n, skip)
         seen.extend(i for i, _ in out)
         return out
 

@@ -30,8 +30,11 @@ class ResumeError(ValueError):
     one line naming it and how to resume from an earlier one."""
 
 
-@dataclass
+@dataclass(frozen=True)
 class LoopState:
+    """Where the loop stands between steps. Frozen: the loop builds the next one each step
+    rather than writing into the one resume() read."""
+
     step: int = 0  # the next step to run
     cursor: int = 0  # position in the training item stream
     wandb_id: str | None = None

@@ -16,10 +16,12 @@ from the signatures of collect_batch and learn.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import random
 import time
 from collections.abc import Sequence
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -93,7 +95,7 @@ def run_grpo(adapter: RLAdapter, cfg: Any = None, *, service_client: ServiceClie
     train_items, eval_items = load_items(adapter, cfg)  # before the model: bad data fails in a blink
     run = open_run(adapter, cfg, service_client, run_dir, log)
     state, history = resume_or_start(run)
-    stream = ItemStream(train_items, cfg.seed, state.cursor, skip=history.retired)
+    stream = ItemStream(train_items, cfg.seed, state.cursor)
     evals: dict[int, dict[str, float]] = {}  # step -> held-out metrics, for the closing summary
     # True from submitting a step's update until the step is recorded in `state`: the weights
     # and the loop state may disagree then, so an interrupt must not checkpoint.
@@ -104,13 +106,13 @@ def run_grpo(adapter: RLAdapter, cfg: Any = None, *, service_client: ServiceClie
                 evals[step] = run_evaluation(run, eval_items, step)
             if step == cfg.steps:
                 break
-            if not stream.live:
+            if not stream.live(history.retired):
                 log.print(f"every training item is retired (retire_solved_after / retire_unsolved_after); "
                           f"stopping after step {step - 1}")
                 break
             t_step = time.perf_counter()
             state_at_start = checkpoint.LoopState(step, stream.cursor, state.wandb_id, history.to_json())
-            batch = collect_batch(run, stream, step)
+            batch = collect_batch(run, stream, step, frozenset(history.retired))
             stop_if_rewards_fail(run, batch, step, state_at_start)
             updating = True
             advantages = compute_advantages(batch.groups, cfg.advantage_norm, cfg.overlong)
@@ -119,7 +121,7 @@ def run_grpo(adapter: RLAdapter, cfg: Any = None, *, service_client: ServiceClie
             metrics.update(history.metrics(len(train_items)))
             metrics["time/step"] = time.perf_counter() - t_step
             log_step(run, batch, advantages, metrics, step)
-            state.step, state.cursor, state.solve_history = step + 1, stream.cursor, history.to_json()
+            state = checkpoint.LoopState(step + 1, stream.cursor, state.wandb_id, history.to_json())
             updating = False
             if cfg.save_due(step) and step + 1 < cfg.steps:
                 checkpoint.save(run.training_client, run_dir, log, state)
@@ -152,7 +154,7 @@ def resume_or_start(run: Run) -> tuple[checkpoint.LoopState, SolveHistory]:
         random.seed(run.cfg.seed)
     else:
         run.log.print(f"resumed {run.run_dir} at step {state.step}")
-    state.wandb_id = run.log.start_wandb(state.wandb_id)
+    state = dataclasses.replace(state, wandb_id=run.log.start_wandb(state.wandb_id))
     return state, SolveHistory.from_json(state.solve_history)
 
 
@@ -212,18 +214,18 @@ def refresh_report(run_dir: Path, cfg: GRPOConfig) -> None:
 
 class ItemStream:
     """Training items in a fresh seeded shuffle every epoch; position ``cursor`` is all the
-    state there is, so resuming needs only that number."""
+    state there is, so resuming needs only that number. Which items to pass over (the retired
+    ones) is the caller's to say on each call: the stream holds no one else's record."""
 
-    def __init__(self, items: Sequence[Any], seed: int, cursor: int = 0, skip: set[int] | None = None):
+    def __init__(self, items: Sequence[Any], seed: int, cursor: int = 0):
         self.items = list(items)
         self.seed = seed
         self.cursor = cursor
-        self.skip = skip if skip is not None else set()  # retired item indices (the live set, not a copy)
         self._orders: dict[int, list[int]] = {}
 
-    @property
-    def live(self) -> int:
-        return len(self.items) - len(self.skip)
+    def live(self, skip: AbstractSet[int]) -> int:
+        """How many items are left to draw when ``skip`` are passed over."""
+        return len(self.items) - len(skip)
 
     def _order(self, epoch: int) -> list[int]:
         if epoch not in self._orders:
@@ -232,13 +234,14 @@ class ItemStream:
             self._orders[epoch] = order
         return self._orders[epoch]
 
-    def take(self, n: int) -> list[tuple[int, Any]]:
+    def take(self, n: int, skip: AbstractSet[int] = frozenset()) -> list[tuple[int, Any]]:
+        """The next ``n`` (index, item) pairs, passing over the indices in ``skip``."""
         out = []
-        while len(out) < n and self.live:
+        while len(out) < n and self.live(skip):
             epoch, offset = divmod(self.cursor, len(self.items))
             index = self._order(epoch)[offset]
             self.cursor += 1
-            if index not in self.skip:
+            if index not in skip:
                 out.append((index, self.items[index]))
         return out
 
@@ -257,9 +260,9 @@ def run_evaluation(run: Run, eval_items: list[Any], step: int) -> dict[str, floa
     return metrics
 
 
-def collect_batch(run: Run, stream: ItemStream, step: int) -> Batch:
-    """Sample and score ``batch_size`` groups; with dynamic sampling, replace flat groups with
-    fresh prompts for up to ``dynamic_sampling_waves`` more waves."""
+def collect_batch(run: Run, stream: ItemStream, step: int, retired: AbstractSet[int]) -> Batch:
+    """Sample and score ``batch_size`` groups of items not ``retired``; with dynamic sampling,
+    replace flat groups with fresh prompts for up to ``dynamic_sampling_waves`` more waves."""
     cfg = run.cfg
     sampler = run.training_client.save_weights_and_get_sampling_client(f"step_{step}")
     groups: list[ScoredGroup] = []
@@ -267,7 +270,7 @@ def collect_batch(run: Run, stream: ItemStream, step: int) -> Batch:
     timing = {"time/sample": 0.0, "time/score": 0.0}
     wanted = cfg.batch_size
     for wave in range(cfg.dynamic_sampling_waves + 1):
-        entries = stream.take(wanted)
+        entries = stream.take(wanted, retired)
         prompts = [run.adapter.make_prompt(item, run.tokenizer) for _, item in entries]
         t0 = time.perf_counter()
         rollouts = sample_rollouts(  # an AgentAdapter's rollouts are multi-turn episodes

@@ -138,7 +138,18 @@ def main(composed: DictConfig) -> float | None:
             sys.exit(2)
         except OSError as err:
             _disk_error(err)
+    print_where_to_look(run_dir)
     return _objective(run_dir, loop_cfg.objective, in_sweep, required)
+
+
+def print_where_to_look(run_dir: Path) -> None:
+    """The run's last lines: what a user opens next (the run directory, and its report)."""
+    from grpo.record.report import REPORT_NAME
+
+    print(f"[grpo] run directory: {run_dir}")
+    report = run_dir / REPORT_NAME
+    print(f"[grpo] report: {report}" if report.is_file()
+          else f"[grpo] report: none (report=false); python -m grpo.record.report {run_dir} writes it", flush=True)
 
 
 def _disk_error(err: OSError) -> None:

@@ -107,6 +107,15 @@ def test_rerunning_a_finished_run_changes_nothing(tmp_path):
     assert (tmp_path / "metrics.jsonl").read_text() == before
 
 
+def test_a_run_ends_by_naming_its_directory_and_its_report(tmp_path):
+    """What a user opens next is the last thing printed: the run directory, then report.html."""
+    result = grpo(*TOY, "steps=1", "eval_size=0", "report=true", f"hydra.run.dir={tmp_path}")
+    assert result.returncode == 0, result.stderr[-2000:]
+    last = result.stdout.strip().splitlines()[-2:]
+    assert last == [f"[grpo] run directory: {tmp_path}", f"[grpo] report: {tmp_path / 'report.html'}"]
+    assert (tmp_path / "report.html").is_file()
+
+
 @pytest.mark.slow  # end to end, minutes on 2 cores: CI's slow stage runs it
 def test_sweep_runs_into_separate_directories(tmp_path):
     result = grpo("-m", *TOY, "steps=1", "eval_size=0", "learning_rate=1e-5,2e-5", f"hydra.sweep.dir={tmp_path}")

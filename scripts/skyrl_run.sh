@@ -72,7 +72,7 @@ if [ "$MODE" = checks ]; then  # before the server starts: pip needs no server t
 fi
 
 export HF_HOME=$WORK/hf HF_HUB_OFFLINE=1 TINKER_API_KEY=tml-skyrl-local TINKER_TELEMETRY=0
-$CLIENT_VENV/bin/python -m grpo.models.hf_cache  # -> $HF_HOME/hub/models--HuggingFaceTB--SmolLM2-135M-Instruct
+$CLIENT_VENV/bin/python -m grpo.hf_cache  # -> $HF_HOME/hub/models--HuggingFaceTB--SmolLM2-135M-Instruct
 [ "$MODE" = setup ] && exit 0
 
 # A fresh server state each time: its SQLite futures and checkpoints.

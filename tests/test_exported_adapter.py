@@ -81,7 +81,7 @@ def test_hf_cache_makes_the_packaged_id_resolve_offline(tmp_path) -> None:
 def test_auto_peft_loads_a_final_adapter_of_the_packaged_model(tmp_path) -> None:
     """AutoPeftModelForCausalLM.from_pretrained(final) resolves the id the adapter names, in a
     process that sees only a Hugging Face cache holding the packaged model under that id
-    (``python -m grpo.models.hf_cache``), and computes the logprobs grpo's sampler computes."""
+    (``python -m grpo.hf_cache``), and computes the logprobs grpo's sampler computes."""
     from grpo.backends.local import ServiceClient
     from grpo.models import hf_cache
 

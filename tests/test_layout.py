@@ -201,3 +201,22 @@ def test_optional_packages_are_imported_only_where_they_are_needed() -> None:
             names = ([a.name for a in node.names] if isinstance(node, ast.Import)
                      else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
             assert not {n.split(".")[0] for n in names} & optional, f"{path} imports {names} at module level"
+
+
+def test_every_python_m_command_in_the_docs_names_a_module_that_runs() -> None:
+    """`python -m grpo.hf_cache` moved once and the docs kept the old path: every `python -m grpo...`
+    a user can copy from the README, docs/ or scripts/ must name a module with something to run."""
+    import importlib.util
+    import re
+
+    texts = [ROOT / "README.md", *(ROOT / "docs").glob("*.md"), *(ROOT / "scripts").glob("*.sh")]
+    named = {m for path in texts for m in re.findall(r"python -m (grpo(?:\.\w+)*)", path.read_text())}
+    assert "grpo.hf_cache" in named
+    for module in sorted(named):
+        spec = importlib.util.find_spec(module)
+        assert spec is not None, f"python -m {module}: no such module"
+        if spec.submodule_search_locations is not None:  # a package runs its __main__
+            spec = importlib.util.find_spec(module + ".__main__")
+            assert spec is not None, f"python -m {module}: a package without __main__"
+        text = Path(spec.origin).read_text()
+        assert spec.name.endswith("__main__") or 'if __name__ == "__main__":' in text, f"python -m {module} runs nothing"

@@ -5,7 +5,7 @@ An exported adapter names its base ``HuggingFaceTB/SmolLM2-135M-Instruct`` (see
 hub upload know what it adapts. On a machine without the hub that id resolves only if the model
 is in the local cache; this puts grpo's rebuilt copy there, as the hub would have::
 
-    python -m grpo.models.hf_cache                 # into $HF_HUB_CACHE, else $HF_HOME/hub, else ~/.cache/huggingface/hub
+    python -m grpo.hf_cache                        # into $HF_HUB_CACHE, else $HF_HOME/hub, else ~/.cache/huggingface/hub
     HF_HUB_OFFLINE=1 python -c "from transformers import AutoModelForCausalLM as M; M.from_pretrained('HuggingFaceTB/SmolLM2-135M-Instruct')"
 
 It is opt-in (a user's cache is theirs to fill) and offline only: the snapshot is grpo's rebuild of
@@ -63,6 +63,12 @@ def _link_or_copy(src: Path, dst: Path) -> None:
         shutil.copy2(src, dst)
 
 
-if __name__ == "__main__":
-    where = install(sys.argv[1] if len(sys.argv) > 1 else None)
+def main(argv: list[str] | None = None) -> None:
+    """``python -m grpo.hf_cache [HUB_CACHE_DIR]`` (or ``grpo.models.hf_cache``)."""
+    args = sys.argv[1:] if argv is None else argv
+    where = install(args[0] if args else None)
     print(f"{models.SMOLLM2_HUB_ID} -> {where}")
+
+
+if __name__ == "__main__":
+    main()

@@ -252,3 +252,25 @@ def test_the_registry_is_the_one_list_of_losses() -> None:
         assert set(spec.inputs) <= {"logprobs", "advantages", "weights"}
     with pytest.raises(ValueError, match="registered twice"):
         losses.register_loss("ppo")(losses.ppo)
+
+
+def _random_problem(n: int = 24, seed: int = 1) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    gen = torch.Generator().manual_seed(seed)
+    lp = (torch.randn(n, generator=gen, dtype=torch.float64) - 2).requires_grad_()
+    return lp, {"logprobs": torch.randn(n, generator=gen, dtype=torch.float64) - 2,
+                "advantages": torch.randn(n, generator=gen, dtype=torch.float64),
+                "weights": (torch.rand(n, generator=gen) > 0.3).double() * torch.rand(n, generator=gen).double()}
+
+
+def test_the_linear_surrogate_is_what_its_loss_declares() -> None:
+    """Every loss with a linear_config is ``-Σ w·A·lp`` over w > 0 under it (forward_backward_custom
+    backpropagates that), and linear_surrogate() finds one."""
+    declared = [spec for spec in losses.LOSSES.values() if spec.linear_config is not None]
+    assert declared and losses.linear_surrogate()[0] == declared[0].name
+    lp, inputs = _random_problem()
+    for spec in declared:
+        got = spec(lp, inputs, losses.resolve_config(spec.name, spec.linear_config))
+        mask = inputs["weights"] > 0
+        want = -(inputs["weights"] * inputs["advantages"] * lp)[mask].sum()
+        assert torch.allclose(torch.autograd.grad(got, lp)[0], torch.autograd.grad(want, lp)[0], atol=1e-6)
+        assert float(got) == pytest.approx(float(want), rel=1e-6)

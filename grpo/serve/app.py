@@ -26,7 +26,7 @@ from pydantic import ValidationError
 
 from grpo import models
 from grpo import types as g
-from grpo.api import names
+from grpo.api import losses, names
 from grpo.backends.local.clients import SamplingClient, ServiceClient, TrainingClient
 from grpo.serve import bodies, file_urls, wire
 from grpo.serve.futures import FutureStore, cancelled_result, error_result
@@ -37,7 +37,6 @@ from grpo.serve.ordering import SeqGate
 API_PREFIX = "/api/v1"
 PROTOBUF = "application/x-protobuf"
 TESTED_SDKS = ("0.22.0", "0.38.0")  # tinker SDK versions tests/test_serve*.py run against this server
-SUPPORTED_LOSSES = ("cross_entropy", "importance_sampling", "ppo", "cispo", "dro")
 
 
 def _fail(status: int, field_path: str, message: str) -> HTTPException:
@@ -309,9 +308,9 @@ def create_app(api_key: str, service: ServiceClient | None = None, long_poll_s: 
     async def loss_call(model_id: str, seq_id: int | None, data: list[g.Datum], loss_fn: str,
                         config: dict[str, float] | None, backward: bool) -> dict[str, Any]:
         model = state.model(model_id)
-        if loss_fn not in SUPPORTED_LOSSES:
+        if loss_fn not in losses.LOSSES:  # the registry: a loss registered with @register_loss is served
             raise _fail(422, "loss_fn", f"loss_fn {loss_fn!r} is not supported locally; use one of "
-                        f"{', '.join(SUPPORTED_LOSSES)} (stable_reinforce is server-defined and unpublished)")
+                        f"{', '.join(losses.LOSSES)} (stable_reinforce is server-defined and unpublished)")
         try:
             limits.check_datums((d.model_input.length for d in data), context_of(model.client.engine))
         except LimitError as err:

@@ -199,7 +199,7 @@ CLIPS = {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2}
 # --------------------------------------------------------------------------- the losses
 
 
-@register_loss("cross_entropy", inputs=())
+@register_loss("cross_entropy", inputs=(), aggregate_into="weights")
 def cross_entropy(lp: Tensor, inputs: Mapping[str, Tensor], params: Mapping[str, float]) -> Tensor:
     """``-Σ w·lp`` (supervised fine-tuning)."""
     if "weights" in inputs:

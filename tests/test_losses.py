@@ -252,3 +252,41 @@ def test_the_registry_is_the_one_list_of_losses() -> None:
         assert set(spec.inputs) <= {"logprobs", "advantages", "weights"}
     with pytest.raises(ValueError, match="registered twice"):
         losses.register_loss("ppo")(losses.ppo)
+
+
+def _random_problem(n: int = 24, seed: int = 1) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    gen = torch.Generator().manual_seed(seed)
+    lp = (torch.randn(n, generator=gen, dtype=torch.float64) - 2).requires_grad_()
+    return lp, {"logprobs": torch.randn(n, generator=gen, dtype=torch.float64) - 2,
+                "advantages": torch.randn(n, generator=gen, dtype=torch.float64),
+                "weights": (torch.rand(n, generator=gen) > 0.3).double() * torch.rand(n, generator=gen).double()}
+
+
+@pytest.mark.parametrize("loss_fn", list(CONFIGS))
+def test_the_aggregation_goes_where_the_loss_declares(loss_fn: str) -> None:
+    """build_datums multiplies a sequence's loss_agg factor s > 0 into spec.aggregate_into: that
+    must scale the loss, value and gradient, by s (so token_mean and seq_mean mean what they say)."""
+    spec = losses.LOSSES[loss_fn]
+    lp, inputs = _random_problem()
+    cfg = losses.resolve_config(loss_fn, CONFIGS[loss_fn] or None)
+    whole = spec(lp, inputs, cfg)
+    (grad_whole,) = torch.autograd.grad(whole, lp)
+    s = 0.125
+    scaled = spec(lp, {**inputs, spec.aggregate_into: inputs[spec.aggregate_into] * s}, cfg)
+    (grad_scaled,) = torch.autograd.grad(scaled, lp)
+    assert float(scaled) == pytest.approx(s * float(whole), rel=1e-6)
+    assert torch.allclose(grad_scaled, s * grad_whole, rtol=1e-6, atol=1e-9)
+
+
+def test_the_linear_surrogate_is_what_its_loss_declares() -> None:
+    """Every loss with a linear_config is ``-Σ w·A·lp`` over w > 0 under it (forward_backward_custom
+    backpropagates that), and linear_surrogate() finds one."""
+    declared = [spec for spec in losses.LOSSES.values() if spec.linear_config is not None]
+    assert declared and losses.linear_surrogate()[0] == declared[0].name
+    lp, inputs = _random_problem()
+    for spec in declared:
+        got = spec(lp, inputs, losses.resolve_config(spec.name, spec.linear_config))
+        mask = inputs["weights"] > 0
+        want = -(inputs["weights"] * inputs["advantages"] * lp)[mask].sum()
+        assert torch.allclose(torch.autograd.grad(got, lp)[0], torch.autograd.grad(want, lp)[0], atol=1e-6)
+        assert float(got) == pytest.approx(float(want), rel=1e-6)

@@ -22,7 +22,9 @@ null in the loop's config): off. Each loss function below therefore returns its 
 the sum is taken in one place.
 
 Adding a loss is one ``@register_loss`` next to its function: the config validation, the
-trainer's input check and the CLI's list of valid names all read ``LOSSES``. The functions use
+trainer's input check, the CLI's and the server's list of valid names, how the loop folds its
+aggregation (``aggregate_into``) and which loss backpropagates a custom loss (``linear_config``)
+all read ``LOSSES``; nothing else names a loss to decide what to do with it. The functions use
 tensor methods only, so importing this module does not import torch and a config can be
 validated before any heavy import.
 """
@@ -31,25 +33,40 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 if TYPE_CHECKING:
     from torch import Tensor
 
 LossFunction = Callable[["Tensor", Mapping[str, "Tensor"], Mapping[str, float]], "Tensor"]
 POLICY_INPUTS = ("logprobs", "advantages")
+AGGREGATE_INTO = ("advantages", "weights")
 
 
 @dataclass(frozen=True)
 class LossSpec:
     """One loss: its function, the loss inputs it needs besides ``target_tokens``, its config
-    keys with their defaults, and a check of a resolved config (an error message, or None)."""
+    keys with their defaults, a check of a resolved config (an error message, or None), and two
+    facts the callers act on:
+
+    ``aggregate_into``: the loss input a per-sequence factor ``s > 0`` (the loop's ``loss_agg``)
+    is multiplied into so that the loss's terms scale by ``s``: ``"advantages"`` for a loss whose
+    every term is linear in ``A`` (importance_sampling, ppo, cispo), ``"weights"`` for one with a
+    term ``A`` does not scale (dro's quadratic penalty) or that reads no advantage.
+
+    ``linear_config``: the config under which the loss is exactly ``-Σ w·A·lp`` over positions
+    with ``w > 0``, or None where it never is; forward_backward_custom backpropagates that linear
+    loss (grpo/backends/local/custom_loss.py, ``linear_surrogate`` below).
+
+    tests/test_losses.py holds every registered loss to both declarations."""
 
     name: str
     fn: LossFunction
     inputs: tuple[str, ...]
     defaults: Mapping[str, float] = field(default_factory=dict)
     check: Callable[[Mapping[str, float]], str | None] | None = None
+    aggregate_into: Literal["advantages", "weights"] = "advantages"
+    linear_config: Mapping[str, float] | None = None
 
     def __call__(self, lp: Tensor, inputs: Mapping[str, Tensor], params: Mapping[str, float]) -> Tensor:
         """The summed loss: the function's per-token terms, times the TIS weight where asked."""
@@ -81,11 +98,19 @@ LOSSES: dict[str, LossSpec] = {}
 
 
 def register_loss(name: str, *, inputs: tuple[str, ...] = POLICY_INPUTS, defaults: Mapping[str, float] | None = None,
-                  check: Callable[[Mapping[str, float]], str | None] | None = None) -> Callable[[LossFunction], LossFunction]:
+                  check: Callable[[Mapping[str, float]], str | None] | None = None,
+                  aggregate_into: Literal["advantages", "weights"] = "advantages",
+                  linear_config: Mapping[str, float] | None = None) -> Callable[[LossFunction], LossFunction]:
+    """Register ``fn`` as loss ``name``; the keywords are LossSpec's fields."""
+    if aggregate_into not in AGGREGATE_INTO:
+        raise ValueError(f"aggregate_into of loss_fn {name!r} must be one of {', '.join(AGGREGATE_INTO)}, "
+                         f"got {aggregate_into!r}")
+
     def register(fn: LossFunction) -> LossFunction:
         if name in LOSSES:
             raise ValueError(f"loss_fn {name!r} is registered twice")
-        LOSSES[name] = LossSpec(name, fn, tuple(inputs), dict(defaults or {}), check)
+        LOSSES[name] = LossSpec(name, fn, tuple(inputs), dict(defaults or {}), check, aggregate_into,
+                                None if linear_config is None else dict(linear_config))
         return fn
 
     return register
@@ -117,6 +142,15 @@ def resolve_config(loss_fn: str, loss_fn_config: Mapping[str, float] | None) -> 
     if problem:
         raise ValueError(f"loss_fn_config for {loss_fn!r}: {problem}")
     return params
+
+
+def linear_surrogate() -> tuple[str, dict[str, float]]:
+    """The first registered loss that declares a ``linear_config``, with that config resolved:
+    the loss ``-Σ w·A·lp`` that forward_backward_custom backpropagates."""
+    for spec in LOSSES.values():
+        if spec.linear_config is not None:
+            return spec.name, resolve_config(spec.name, spec.linear_config)
+    raise LookupError("no registered loss declares a linear_config (-Σ w·A·lp); forward_backward_custom needs one")
 
 
 def compute_loss(loss_fn: str, target_logprobs: Tensor, inputs: Mapping[str, Tensor],
@@ -165,7 +199,7 @@ CLIPS = {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2}
 # --------------------------------------------------------------------------- the losses
 
 
-@register_loss("cross_entropy", inputs=())
+@register_loss("cross_entropy", inputs=(), aggregate_into="weights")
 def cross_entropy(lp: Tensor, inputs: Mapping[str, Tensor], params: Mapping[str, float]) -> Tensor:
     """``-Σ w·lp`` (supervised fine-tuning)."""
     if "weights" in inputs:
@@ -203,7 +237,7 @@ def cispo(lp: Tensor, inputs: Mapping[str, Tensor], params: Mapping[str, float])
     return -(clipped * lp * _masked(inputs, "advantages", mask))
 
 
-@register_loss("dro", defaults={"beta": 0.05})
+@register_loss("dro", defaults={"beta": 0.05}, aggregate_into="weights", linear_config={"beta": 0.0})
 def dro(lp: Tensor, inputs: Mapping[str, Tensor], params: Mapping[str, float]) -> Tensor:
     """``-Σ w·[lp·A − ½β(lp − q)²]``."""
     mask = token_mask(inputs)

@@ -10,6 +10,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from grpo.api.losses import check_loss_fn
 from grpo.rl.rollouts import Group, Rollout, ScoredGroup
 from grpo.types import Datum, ModelInput
 
@@ -143,6 +144,7 @@ def build_datums(samples: Sequence[TrainSample], loss_fn: str, loss_agg: str, kl
     """Datums for the chosen samples; returns them with the KL-to-reference metric when the KL
     penalty is on (``ref_logprobs``: the reference's logprobs of each sample's tokens)."""
     scales = loss_scales([s.rollout.num_model_tokens for s in samples], loss_agg)
+    aggregate_into = check_loss_fn(loss_fn).aggregate_into
     metrics: dict[str, float] = {}
     use_kl = kl_penalty_coef > 0 and ref_logprobs is not None
     mean_kl = 0.0
@@ -158,10 +160,11 @@ def build_datums(samples: Sequence[TrainSample], loss_fn: str, loss_agg: str, kl
                                      kl_penalty_coef, mean_kl)
         else:
             token_adv = [sample.advantage] * len(sample.rollout.tokens)
-        # DRO's quadratic term does not scale with the advantage, so its aggregation goes into the
-        # weights; every other loss is linear in the advantage and takes it there, which also
-        # holds on services whose importance_sampling ignores weights.
-        if loss_fn == "dro":
+        # The loss declares where a per-sequence factor scales it (LossSpec.aggregate_into): a
+        # loss linear in the advantage takes it there, which also holds on services whose
+        # importance_sampling ignores weights; one with a term the advantage does not scale
+        # (dro's quadratic penalty) takes it in the weights.
+        if aggregate_into == "weights":
             datums.append(build_datum(sample.prompt_tokens, sample.rollout, token_adv, weight=scale))
         else:
             datums.append(build_datum(sample.prompt_tokens, sample.rollout, [a * scale for a in token_adv]))

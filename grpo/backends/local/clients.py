@@ -320,9 +320,9 @@ class TrainingClient(_ClientFuture):
             forward = run(prepared, "cross_entropy", None, False)
             loss, metrics, coeffs = custom_loss.loss_gradient(data, loss_fn, forward)
             linear = custom_loss.linear_surrogate(forward_data, forward, coeffs)
-            backward = run(trainer.prepare(linear, custom_loss.SURROGATE_LOSS, self.engine.vocab_size,
-                                           self.engine.check_tokens),
-                           custom_loss.SURROGATE_LOSS, custom_loss.SURROGATE_CONFIG, True)
+            surrogate, surrogate_config = custom_loss.surrogate_loss()
+            backward = run(trainer.prepare(linear, surrogate, self.engine.vocab_size, self.engine.check_tokens),
+                           surrogate, surrogate_config, True)
             out_metrics = {**metrics, "loss:sum": loss, "surrogate_loss:sum": backward.metrics["loss:sum"]}
             return ForwardBackwardOutput(loss_fn_output_type=forward.loss_fn_output_type,
                                          loss_fn_outputs=forward.loss_fn_outputs, metrics=out_metrics)

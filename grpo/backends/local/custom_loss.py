@@ -10,8 +10,9 @@ so the trainer's memory bounds (micro-batches, chunked unembedding) hold for cus
    with respect to the parameters is ``sum(c * d lp / d theta)``, which by the chain rule is the
    custom loss's gradient at these weights: exact, not an approximation.
 
-The linear loss is the built-in ``dro`` with ``beta = 0``: ``-sum(w * A * lp)`` over positions with
-``w > 0``; with ``w = 1`` where ``c != 0`` and ``A = -c`` it is ``sum(c * lp)``.
+The linear loss is the registered loss that declares itself ``-sum(w * A * lp)`` over positions
+with ``w > 0`` under some config (``LossSpec.linear_config``; the built-in ``dro`` with
+``beta = 0``); with ``w = 1`` where ``c != 0`` and ``A = -c`` it is ``sum(c * lp)``.
 """
 
 from __future__ import annotations
@@ -20,13 +21,16 @@ from collections.abc import Callable
 
 import torch
 
+from grpo.api import losses
 from grpo.types import Datum, ForwardBackwardOutput
 
 # (datums, one logprob tensor per datum) -> (scalar loss tensor, metrics)
 CustomLossFn = Callable[[list[Datum], list[torch.Tensor]], tuple[torch.Tensor, dict[str, float]]]
 
-SURROGATE_LOSS = "dro"
-SURROGATE_CONFIG = {"beta": 0.0}
+
+def surrogate_loss() -> tuple[str, dict[str, float]]:
+    """The loss and config whose value on linear_surrogate's datums is ``sum(c * lp)``."""
+    return losses.linear_surrogate()
 
 
 def forward_data(data: list[Datum]) -> list[Datum]:
@@ -61,7 +65,7 @@ def loss_gradient(data: list[Datum], loss_fn: CustomLossFn, forward: ForwardBack
 
 def linear_surrogate(forward_datums: list[Datum], forward: ForwardBackwardOutput,
                      coeffs: list[torch.Tensor]) -> list[Datum]:
-    """Datums whose SURROGATE_LOSS is ``sum(c * lp)`` (see the module docstring)."""
+    """Datums on which surrogate_loss() is ``sum(c * lp)`` (see the module docstring)."""
     return [Datum(d.model_input, {"target_tokens": d.loss_fn_inputs["target_tokens"],
                                   "weights": (c != 0).float().numpy(), "advantages": (-c).numpy(),
                                   "logprobs": out["logprobs"].to_numpy().reshape(-1)})

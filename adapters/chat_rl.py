@@ -30,7 +30,7 @@ SCORERS = ("judge", "rules", "judge+rules")
 class ChatAdapter(RLAdapter):
     def __init__(self, prompts: str | Sequence[Any] = "builtin", prompt_column: str = "prompt",
                  split: str = "train", subset: str | None = None, limit: int | None = None,
-                 eval_size: int = 0, system_prompt: str | None = None, scorer: str = "judge",
+                 eval_size: int = 12, system_prompt: str | None = None, scorer: str = "judge",
                  judge_model: str = "smollm2", judge_device: str | None = None, judge_dtype: str | None = "float32",
                  judge_max_response_tokens: int = 96, judge_batch_size: int = 32,
                  rules_weight: float = 0.5, seed: int = 0, reference_column: str | None = "reference"):

@@ -57,7 +57,7 @@ class MathAdapter(RLAdapter):
         digits: int = 1,
         terms: int = 2,
         num_train: int = 1000,
-        num_eval: int = 64,
+        num_eval: int = 32,
         seed: int = 0,
         source: str | Sequence[Mapping[str, Any]] | None = None,
         name: str | None = None,

@@ -53,7 +53,7 @@ class ToolsAdapter(AgentAdapter):
     """Arithmetic with a calculator (or word problems with Python), rewarded on the final answer."""
 
     def __init__(self, tool: str = "calc", ops: str = "+*", digits: int = 2, num_train: int = 2000,
-                 num_eval: int = 64, seed: int = 0, example: bool = True, call_cost: float = 0.02,
+                 num_eval: int = 32, seed: int = 0, example: bool = True, call_cost: float = 0.02,
                  max_turns: int = 3, max_context_tokens: int = 1024, tool_timeout_s: float = 5.0,
                  observation_style: str = "inline", tool_errors: str = "observe", system_prompt: str | None = None,
                  python_timeout_s: float = 5.0, python_memory_mb: int = 256):

@@ -28,9 +28,35 @@ SCORERS = ("judge", "rules", "judge+rules")
 
 
 class ChatAdapter(RLAdapter):
+    """Open-ended chat, rewarded by a judge LM's pairwise win rate within each group.
+
+      python -m grpo adapter=chat adapter.judge_model=smollm2 adapter.scorer=judge+rules
+      python -m grpo adapter=chat adapter.prompts=data/prompts.jsonl adapter.prompt_column=instruction
+
+    Args:
+        prompts: builtin | a datasets source: hub id, local jsonl/json/parquet/csv file or dir, or in-memory rows
+        prompt_column: column with an instruction string or a list of chat messages
+        split: split of a datasets source
+        subset: hub dataset config name
+        limit: use at most this many prompt rows
+        eval_size: held-out prompts: eval/win_rate of greedy answers vs the base model's (0 = off)
+        system_prompt: a system message before each prompt; null: none
+        scorer: judge | rules | judge+rules
+        judge_model: any causal LM grpo.models loads: smollm2 | tiny | local dir | hub id
+        judge_device: default: cuda when available, else cpu
+        judge_dtype: also on cuda: the judge's margins are small (bf16 costs ~5 points)
+        judge_max_response_tokens: longer responses are cut to this many tokens before judging
+        judge_batch_size: comparisons per judge forward (a group of 4 is 12)
+        rules_weight: judge+rules: reward = (1 - w) * win rate + w * rule score
+        seed: shuffle of the prompts before the eval hold-out
+        reference_column: a good answer per prompt (built-in: 28 of 60): adapter/judge_vs_reference
+    """
+
+    loop_overrides = {"max_tokens": (64, "room for a short answer; the judge reads up to judge_max_response_tokens")}
+
     def __init__(self, prompts: str | Sequence[Any] = "builtin", prompt_column: str = "prompt",
                  split: str = "train", subset: str | None = None, limit: int | None = None,
-                 eval_size: int = 0, system_prompt: str | None = None, scorer: str = "judge",
+                 eval_size: int = 12, system_prompt: str | None = None, scorer: str = "judge",
                  judge_model: str = "smollm2", judge_device: str | None = None, judge_dtype: str | None = "float32",
                  judge_max_response_tokens: int = 96, judge_batch_size: int = 32,
                  rules_weight: float = 0.5, seed: int = 0, reference_column: str | None = "reference"):

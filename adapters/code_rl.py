@@ -68,14 +68,26 @@ def _defines(code: str, name: str) -> bool:
 
 
 class CodeAdapter(RLAdapter):
-    """Function-writing problems scored by running tests in ``adapters.sandbox``.
+    """Code: write a Python function, scored by running its tests in the sandbox (adapters/sandbox.py).
 
-    problems: ``builtin`` (this project's set), ``humaneval`` (164, offline), ``all``, or a
-        datasets source (local jsonl/parquet or hub id) with HumanEval columns.
-    reward: ``fraction`` of tests passed, or ``all_or_nothing``.
-    eval_fraction: share of problems held out for evaluation (seeded split).
-    timeout_s / test_timeout_s / memory_mb / workers / guard: the sandbox (see docs/sandbox.md).
+      python -m grpo adapter=code adapter.problems=humaneval adapter.reward=all_or_nothing
+
+    Args:
+        problems: builtin | humaneval (164, offline) | all | jsonl/parquet path or hub id (HumanEval columns)
+        reward: fraction (of tests passed) | all_or_nothing
+        eval_fraction: share of problems held out for evaluation (seeded split)
+        seed: the held-out split
+        limit: keep only the first N problems
+        split: split of a hub dataset source
+        system_prompt: a system message before each problem; null: none
+        timeout_s: sandbox (docs/sandbox.md): wall clock per program, all tests
+        test_timeout_s: sandbox: per test
+        memory_mb: sandbox: address-space limit per program
+        workers: sandbox: programs run in parallel
+        guard: sandbox: in-interpreter audit hook on top of the OS limits
     """
+
+    loop_overrides = {"max_tokens": (256, "a function needs room; the loop's default (16) is for short answers")}
 
     def __init__(self, problems: str | Sequence[Any] = "builtin", reward: str = "fraction",
                  eval_fraction: float = 0.25, seed: int = 0, limit: int | None = None,

@@ -47,7 +47,37 @@ MathConfigError = ConfigError  # the name earlier versions raised; the one error
 
 
 class MathAdapter(RLAdapter):
-    """Math problems graded exactly (plain numbers in-process, anything else by math-verify)."""
+    """Math with exact verifiers: plain numbers compared in-process, anything else by math-verify.
+
+    Every key is overridable, e.g.
+      python -m grpo adapter=math adapter.task=gsm8k adapter.prompt_style=fewshot
+      python -m grpo adapter=math adapter.task=dataset adapter.source=data/train.jsonl adapter.answer_column=solution
+    Defaults are where SmolLM2-135M-Instruct's groups are mixed (27% of sampled answers to one-digit
+    sums right at T=0.8, 62% greedy: step 0 of make demo), so GRPO learns from the first step.
+
+    Args:
+        task: addition | arithmetic (reasoning-gym basic_arithmetic) | gsm8k | dataset
+        prompt_style: chat (chat template + instruction) | fewshot ("Q: ... A:" completion)
+        extraction: last_number | boxed | answer_line | auto (boxed, then Answer:, then last number)
+        digits: addition: operand digits; arithmetic: most digits per operand
+        terms: arithmetic: operands per expression
+        num_train: at most this many training problems (one-digit addition has 100 sums in all)
+        num_eval: held-out problems, never trained on (at most half of a small problem space)
+        seed: problem generation and the held-out split
+        source: task=gsm8k or task=dataset: a hub id (e.g. openai/gsm8k with name=main), a local
+            jsonl/parquet/csv file, or in-memory rows; null: generated problems
+        name: hub dataset config name
+        split: split of the source
+        eval_source: held-out rows from another file/id; null: same source
+        eval_split: e.g. test; with eval_source also null, held-out rows are carved off the training rows
+        question_column: column with the question
+        answer_column: column with the answer (GSM8K's "reasoning #### 42" is reduced to 42)
+        instruction: appended to the question
+        system_prompt: chat prompt_style: a system message; null: none
+        num_shots: fewshot: solved examples before the question
+        format_reward: partial credit in [0, 1) for a wrong answer in the right format
+        grade_timeout_s: hard limit per math-verify comparison (any thread)
+    """
 
     def __init__(
         self,
@@ -57,7 +87,7 @@ class MathAdapter(RLAdapter):
         digits: int = 1,
         terms: int = 2,
         num_train: int = 1000,
-        num_eval: int = 64,
+        num_eval: int = 32,
         seed: int = 0,
         source: str | Sequence[Mapping[str, Any]] | None = None,
         name: str | None = None,

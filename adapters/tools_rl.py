@@ -50,10 +50,40 @@ PYTHON_EXAMPLE = ("Tom has 3 boxes of 12 apples and eats 5. How many apples are 
 
 
 class ToolsAdapter(AgentAdapter):
-    """Arithmetic with a calculator (or word problems with Python), rewarded on the final answer."""
+    """Agentic RL: multi-turn episodes with a tool (protocol in grpo/rl/agent.py), rewarded on the final answer.
+
+      python -m grpo adapter=tools                         calculator on two-digit + and *
+      python -m grpo adapter=tools adapter.tool=none steps=0   the same held-out items without the tool
+      python -m grpo adapter=tools adapter.tool=python base_model=Qwen/Qwen3-0.6B max_tokens=256
+
+    Args:
+        tool: calc | python (word problems, code in the sandbox) | none (baseline: no tool)
+        ops: calc: operators of the problems (any of + - *)
+        digits: calc: operand digits
+        num_train: training problems
+        num_eval: held-out problems, never trained on
+        seed: problem generation and the held-out split
+        example: a worked tool call shown before the question
+        call_cost: subtracted from the reward per tool call
+        max_turns: model turns per episode
+        max_context_tokens: prompt + turns + observations; a turn never samples past it
+        tool_timeout_s: per tool call; a hanging tool becomes an error observation
+        observation_style: inline: <result>..</result> in the model's message | chat: a tool message
+        tool_errors: observe: the error message is the observation | end: it ends the episode
+        system_prompt: a system message before each problem; null: none
+        python_timeout_s: python tool: wall clock per program in the sandbox
+        python_memory_mb: python tool: address-space limit per program in the sandbox
+    """
+
+    loop_overrides = {
+        "max_tokens": (24, "per model turn: a tool call or a short final answer"),
+        "learning_rate": (3e-4, "LoRA on a 135M model learns the tool format in a few steps (docs/agentic.md)"),
+        "steps": (16, "the run docs/agentic.md measures"),
+        "eval_samples": (2, "pass@2 on the held-out problems"),
+    }
 
     def __init__(self, tool: str = "calc", ops: str = "+*", digits: int = 2, num_train: int = 2000,
-                 num_eval: int = 64, seed: int = 0, example: bool = True, call_cost: float = 0.02,
+                 num_eval: int = 32, seed: int = 0, example: bool = True, call_cost: float = 0.02,
                  max_turns: int = 3, max_context_tokens: int = 1024, tool_timeout_s: float = 5.0,
                  observation_style: str = "inline", tool_errors: str = "observe", system_prompt: str | None = None,
                  python_timeout_s: float = 5.0, python_memory_mb: int = 256):

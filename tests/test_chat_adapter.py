@@ -28,7 +28,7 @@ def test_builtin_prompts_and_eval_hold_out():
     assert len(train) + len(held_out) == len(PROMPTS) and len(held_out) == 5
     assert {i["instruction"] for i in train}.isdisjoint(i["instruction"] for i in held_out)
     assert {i["instruction"] for i in train + held_out} == set(PROMPTS)
-    assert ChatAdapter(scorer="rules", limit=7).build_dataset().__len__() == 7
+    assert ChatAdapter(scorer="rules", limit=7, eval_size=0).build_dataset().__len__() == 7
 
 
 def test_prompt_tokens_use_the_chat_template(tokenizer):
@@ -46,7 +46,7 @@ def test_prompts_from_a_jsonl_source_with_a_configured_column(tmp_path):
     rows = [{"instruction": "Say hi.", "id": 1},
             {"instruction": [{"role": "system", "content": "Be kind."}, {"role": "user", "content": "Name a color."}]}]
     path.write_text("\n".join(json.dumps(r) for r in rows))
-    items = ChatAdapter(prompts=str(path), prompt_column="instruction", scorer="rules").build_dataset()
+    items = ChatAdapter(prompts=str(path), prompt_column="instruction", scorer="rules", eval_size=0).build_dataset()
     assert sorted(i["instruction"] for i in items) == ["Name a color.", "Say hi."]
     chat = next(i for i in items if i["instruction"] == "Name a color.")
     assert chat["messages"][0] == {"role": "system", "content": "Be kind."}
@@ -104,7 +104,7 @@ def test_held_out_comparison_uses_the_training_measure():
 def test_training_metric_against_a_fixed_reference_answer():
     rows = [{"prompt": "What do bees make?", "reference": REFERENCE_ANSWERS["What do bees make?"]},
             {"prompt": "Name a colour.", "reference": ""}]
-    adapter = ChatAdapter(prompts=rows, judge_model="tiny")
+    adapter = ChatAdapter(prompts=rows, judge_model="tiny", eval_size=0)
     with_ref, without = sorted(adapter.build_dataset(), key=lambda i: i["reference"] is None)
     responses = ["Honey.", "", "Bees make honey and wax.", "bees bees bees"]
     adapter.compute_group_rewards(responses, with_ref)
@@ -153,7 +153,7 @@ def _check_run(run_dir: Path, adapter: ChatAdapter, steps: int, group_size: int)
 def test_end_to_end_tiny_policy_tiny_judge(tmp_path):
     from grpo.rl.loop import run_grpo
 
-    adapter = ChatAdapter(judge_model="tiny", limit=6)
+    adapter = ChatAdapter(judge_model="tiny", limit=6, eval_size=0)
     judge_weights = {k: v.clone() for k, v in adapter.judge.model.state_dict().items()}
     final = run_grpo(adapter, {"base_model": "tiny", "steps": 2, "batch_size": 2, "group_size": 4,
                                "max_tokens": 8, "learning_rate": 1e-3, "save_every": 0, "progress": False,
@@ -195,7 +195,7 @@ def test_held_out_win_rate_against_the_base_model(tmp_path, capsys):
 def test_end_to_end_smollm2_policy_and_judge(tmp_path):
     from grpo.rl.loop import run_grpo
 
-    adapter = ChatAdapter(judge_model="smollm2", scorer="judge", limit=8)
+    adapter = ChatAdapter(judge_model="smollm2", scorer="judge", limit=8, eval_size=0)
     run_grpo(adapter, {"base_model": "smollm2", "steps": 2, "batch_size": 2, "group_size": 4, "max_tokens": 32,
                        "learning_rate": 1e-4, "save_every": 0, "progress": False, "report": False}, run_dir=tmp_path)
     _check_run(tmp_path, adapter, steps=2, group_size=4)

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
 
 from grpo.rl import config_docs
 from grpo.rl.config import GRPOConfig
@@ -19,10 +20,11 @@ from grpo.rl.config import GRPOConfig
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_conf_help_and_the_docs_table_are_rendered_from_the_dataclass():
+def test_conf_help_and_the_docs_tables_are_rendered_from_the_dataclass_and_the_adapters():
     stale = [str(p.relative_to(ROOT)) for p, text in config_docs.targets(ROOT).items()
              if not p.is_file() or p.read_text() != text]
-    assert not stale, f"{stale} drifted from grpo/rl/config.py: run python -m grpo.rl.config_docs --write"
+    assert not stale, (f"{stale} drifted from grpo/rl/config.py or an adapter class: "
+                       "run python -m grpo.rl.config_docs --write")
 
 
 def test_every_key_says_what_it_means_and_the_yaml_composes_to_the_defaults():
@@ -33,6 +35,57 @@ def test_every_key_says_what_it_means_and_the_yaml_composes_to_the_defaults():
     loop_keys = {k: v for k, v in composed.items() if k not in ("adapter", "backend")}
     assert GRPOConfig.from_any(loop_keys) == GRPOConfig()
     assert set(loop_keys) == {f.name for f in dataclasses.fields(GRPOConfig)}
+
+
+BUILT_IN = {"math": "adapters.math_rl.MathAdapter", "chat": "adapters.chat_rl.ChatAdapter",
+            "code": "adapters.code_rl.CodeAdapter", "tools": "adapters.tools_rl.ToolsAdapter"}
+
+
+def test_every_adapter_group_composes_to_its_constructor_defaults():
+    """`python -m grpo adapter=X` and `XAdapter()` in Python start from the same values: the
+    composed adapter block is the signature's defaults, and the loop keys are GRPOConfig's
+    defaults changed only where the class's loop_overrides says so (and why)."""
+    import inspect
+
+    assert config_docs.adapter_groups() == BUILT_IN  # every built-in group is rendered from its class
+    for name, target in BUILT_IN.items():
+        cls = config_docs.adapter_class(target)
+        with initialize_config_dir(config_dir=str(config_docs.config_dir()), version_base="1.3"):
+            composed = compose(config_name="config", overrides=[f"adapter={name}"])
+        adapter = OmegaConf.to_container(composed.adapter)
+        assert adapter.pop("_target_") == target
+        defaults = {k: p.default for k, p in inspect.signature(cls).parameters.items()}
+        assert adapter == defaults, f"adapter={name}: the group file drifted from {target}.__init__"
+        loop = {k: v for k, v in composed.items() if k not in ("adapter", "backend")}
+        expected = dataclasses.replace(GRPOConfig(), **{k: v for k, (v, _) in cls.loop_overrides.items()})
+        assert GRPOConfig.from_any(loop) == expected, f"adapter={name}'s loop keys drifted from its loop_overrides"
+        summary, meanings = config_docs.adapter_meanings(cls)
+        assert summary and set(meanings) == set(defaults), f"{target}'s docstring Args: must name each argument"
+        assert all(len(m) > 8 for m in meanings.values())
+        assert all(len(why) > 8 for _, why in cls.loop_overrides.values())
+
+
+def test_an_undocumented_or_no_op_adapter_key_is_refused():
+    from grpo.rl.adapter import RLAdapter
+
+    class Quiet(RLAdapter):
+        """Says nothing about its argument.
+
+        Args:
+            other: documented, but not an argument
+        """
+
+        def __init__(self, size: int = 3):
+            pass
+
+    with pytest.raises(ValueError, match="no 'Args:' line for 'size'"):
+        config_docs.adapter_rows(Quiet)
+
+    class Idle(RLAdapter):
+        loop_overrides = {"steps": (20, "the loop's own default: changes nothing")}
+
+    with pytest.raises(ValueError, match="the loop's own default"):
+        config_docs.adapter_loop_rows(Idle)
 
 
 def test_every_setting_is_read_somewhere():
@@ -54,6 +107,10 @@ def test_help_lists_every_key_with_its_meaning():
     for key, value, meaning, _ in config_docs.rows():
         assert f"{key}={value}" in out if value else key in out
         assert meaning[:30] in out
+    for name, target in config_docs.adapter_groups().items():
+        assert f"-- adapter={name} ({target})" in out
+        for key, value, meaning in config_docs.adapter_rows(config_docs.adapter_class(target)):
+            assert f"adapter.{key}={value}" in out and meaning[:30] in out
 
 
 @pytest.mark.slow  # end to end, minutes on 2 cores: CI's slow stage runs it

@@ -9,11 +9,17 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 
 class RLAdapter(ABC):
     """Task logic for the GRPO loop: data, prompts, rewards."""
+
+    #: Loop keys (GRPOConfig fields) that this adapter's Hydra group sets for its task, each with
+    #: why: ``{"max_tokens": (256, "a function needs room")}``. A built-in adapter's group file
+    #: (conf/adapter/<name>.yaml) is rendered from its constructor, docstring and this
+    #: (grpo/rl/config_docs.py); the command line still wins. Python callers pass their own config.
+    loop_overrides: ClassVar[dict[str, tuple[Any, str]]] = {}
 
     # ------------------------------------------------------------------ required
 

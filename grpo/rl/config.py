@@ -79,7 +79,7 @@ class GRPOConfig:
     loss_fn: str = setting("importance_sampling", " | ".join(LOSSES), section="loss and advantages")
     loss_fn_config: dict[str, float] = setting({}, "the loss's parameters; null: its default (see below)")
     advantage_norm: str = setting("center", "center: r - mean | std: (r - mean) / std, within each group")
-    loss_agg: str = setting("sum", "sum | token_mean | seq_mean, folded into the advantages")
+    loss_agg: str = setting("sum", "sum | token_mean | seq_mean, folded into the advantages or the weights, as the loss declares")
     kl_penalty_coef: float = setting(0.0, "> 0: per-token KL to the base model (adapter disabled), folded into "
                                      "advantages")
     skip_flat_groups: bool = setting(True, "leave out groups whose rewards are all equal (no signal)")

@@ -220,3 +220,14 @@ def test_every_python_m_command_in_the_docs_names_a_module_that_runs() -> None:
             assert spec is not None, f"python -m {module}: a package without __main__"
         text = Path(spec.origin).read_text()
         assert spec.name.endswith("__main__") or 'if __name__ == "__main__":' in text, f"python -m {module} runs nothing"
+
+
+def test_every_package_is_listed_for_the_wheel():
+    """pyproject lists packages by hand: a new folder left out installs from a checkout but is
+    missing from the wheel (the slow wheel test finds it after minutes; this finds it at once)."""
+    import tomllib
+
+    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    found = {init.parent.relative_to(ROOT).as_posix().replace("/", ".")
+             for top in ("grpo", "adapters") for init in (ROOT / top).rglob("__init__.py")}
+    assert found <= listed, f"list {sorted(found - listed)} in pyproject.toml's [tool.setuptools] packages"

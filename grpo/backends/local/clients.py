@@ -36,6 +36,7 @@ from grpo.api.checkpoint_store import CheckpointStore, default_root
 from grpo.api.rest_client import RestClient
 from grpo.backends.local import age_export, custom_loss, heap, memory, sampler, trainer
 from grpo.backends.local.engine import Engine, LoraSpec
+from grpo.backends.local.sections import section
 from grpo.files import replace_dir, staging_path
 from grpo.models import precision
 from grpo.types import (
@@ -395,7 +396,8 @@ class TrainingClient(_ClientFuture):
                              "was not taken and the gradients were dropped, the weights are unchanged")
         if adam.grad_clip_norm > 0 and grads:
             torch.nn.utils.clip_grad_norm_(params, adam.grad_clip_norm)
-        self.optimizer.step()
+        with section("grpo.train.optimizer"):
+            self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.engine.versions[self.adapter] += 1
         return OptimStepResponse(metrics={"grad_norm": grad_norm, "learning_rate": adam.learning_rate})
@@ -768,8 +770,9 @@ class _SampleBatcher:
             with self.engine.sampling_model(adapter, snapshot) as model:
                 # As many rows at once as the memory budget holds; the next requests take the
                 # places of rows that finish (continuous batching).
-                sampler.generate(model, requests, self.engine.tokenizer, self.engine.device,
-                                 row_bytes=self.budget.row_bytes, budget=self.budget.bytes)
+                with section("grpo.sample.generate"):
+                    sampler.generate(model, requests, self.engine.tokenizer, self.engine.device,
+                                     row_bytes=self.budget.row_bytes, budget=self.budget.bytes)
         except Exception as err:  # delivered to every caller of this batch
             for it in live:
                 it[3].set_exception(err)

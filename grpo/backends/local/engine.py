@@ -23,9 +23,11 @@ from torch import nn
 from grpo import models
 from grpo.backends.local.folded_lora import FoldedAdapter, can_fold
 from grpo.backends.local.sampler_precision import SamplerCopy
+from grpo.backends.local.sections import section
 from grpo.checks import check_lora_targets
 from grpo.models import precision
 from grpo.models.cpu_linear import use_onednn_linears
+from grpo.models.lora_linear import fuse_lora_linears
 
 ATTN_PARENTS = ("attn", "attention")
 MLP_PARENTS = ("mlp", "feed_forward", "ffn")
@@ -135,6 +137,7 @@ class Engine:
                 else:
                     self.peft_model.add_adapter(name, config)
             use_onednn_linears(self.peft_model)  # peft's new lora_A/lora_B Linears too
+            fuse_lora_linears(self.peft_model)
             self.specs[name] = spec
             self.versions[name] = 0
             self._activate(name)
@@ -150,6 +153,7 @@ class Engine:
             else:
                 self.peft_model.load_adapter(str(path), adapter_name=name)
             use_onednn_linears(self.peft_model)
+            fuse_lora_linears(self.peft_model)
             self.versions[name] = 0
             self._activate(name)
             for p in self.adapter_parameters(name).values():
@@ -223,7 +227,9 @@ class Engine:
                     key = (None,)
                 else:
                     key = (adapter, id(weights)) if weights is not None else (adapter, self.versions[adapter], None)
-                yield self._sampler_copy.install(self.causal_lm(), adapter, weights, key)
+                with section("grpo.sample.install_lora"):
+                    model = self._sampler_copy.install(self.causal_lm(), adapter, weights, key)
+                yield model
                 return
             if adapter is not None and self.fold_lora_for_sampling and can_fold(self.peft_model, adapter):
                 key = (adapter, id(weights)) if weights is not None else (adapter, self.versions[adapter], None)
@@ -231,7 +237,8 @@ class Engine:
                     # The outdated copy's tensors are overwritten; were that to fail half way, no
                     # half-written copy may stay cached.
                     outdated, self._folded = self._folded, None
-                    self._folded = FoldedAdapter(self.peft_model, adapter, weights, key, recycle=outdated)
+                    with section("grpo.sample.install_lora"):
+                        self._folded = FoldedAdapter(self.peft_model, adapter, weights, key, recycle=outdated)
                 self._activate(adapter)
                 with self._folded.installed(self.peft_model) as model:
                     yield model

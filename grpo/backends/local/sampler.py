@@ -19,6 +19,7 @@ import torch
 from transformers import DynamicCache
 
 from grpo.backends.local.kv_cache import SlotCache
+from grpo.backends.local.sections import section
 from grpo.types import SampledSequence, SamplingParams
 
 # Stop strings are matched on the decoded tail of a row; this many tokens is plenty for any
@@ -127,8 +128,9 @@ def generate(model, requests: list[GenerationRequest], tokenizer, device: torch.
     while True:
         admitted = _admissions(pending, limit - len(batch), nothing_running=not batch)
         if admitted:
-            new_rows, new_logits = _admit(model, admitted, cache, len(batch), len(rows), max_context, tokenizer,
-                                          device)
+            with section("grpo.sample.prefill"):
+                new_rows, new_logits = _admit(model, admitted, cache, len(batch), len(rows), max_context, tokenizer,
+                                              device)
             rows += new_rows
             batch += new_rows
             logits = new_logits if logits is None else torch.cat([logits, new_logits])
@@ -138,7 +140,8 @@ def generate(model, requests: list[GenerationRequest], tokenizer, device: torch.
             break
         live = [b for b, row in enumerate(batch) if not row.done]
         live_logits = logits if len(live) == len(batch) else logits[torch.tensor(live, device=device)]
-        chosen, logprobs = _choose_tokens(live_logits, [batch[b] for b in live], device)
+        with section("grpo.sample.choose_tokens"):
+            chosen, logprobs = _choose_tokens(live_logits, [batch[b] for b in live], device)
         # One device-to-host copy per step, not two per row (each a sync on a GPU).
         for token, logprob, b in zip(chosen.tolist(), logprobs.tolist(), live, strict=True):
             row = batch[b]
@@ -161,8 +164,9 @@ def generate(model, requests: list[GenerationRequest], tokenizer, device: torch.
             logits = None
             continue  # admit what is pending, or end
         positions, mask = cache.set_step()
-        out = model(input_ids=tokens[:, None], attention_mask=mask, position_ids=positions, cache=cache,
-                    use_cache=True)
+        with section("grpo.sample.decode_forward"):
+            out = model(input_ids=tokens[:, None], attention_mask=mask, position_ids=positions, cache=cache,
+                        use_cache=True)
         logits = out.logits[:, -1].float()
         # a finished row riding along keeps its length: its slot never outgrows the capacity
         cache.lengths = [n + (not row.done) for n, row in zip(cache.lengths, batch, strict=True)]

@@ -24,10 +24,12 @@ import torch
 from torch import nn
 
 from grpo.backends.local.folded_lora import lora_layers
+from grpo.models.lora_linear import lora_side_path
 
 
 class LoraSidePath(nn.Module):
-    """``base(x) + scaling * (x @ A.T) @ B.T``, all in the base's dtype, without gradients."""
+    """``base(x) + scaling * (x @ A.T) @ B.T``, all in the base's dtype, without gradients (the
+    scale on the rank side, the sum inside the matmul: grpo/models/lora_linear.py)."""
 
     def __init__(self, base: nn.Module, a: torch.Tensor, b: torch.Tensor, scaling: float):
         super().__init__()
@@ -35,7 +37,7 @@ class LoraSidePath(nn.Module):
         self.a, self.b, self.scaling = a, b, scaling
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.base(x) + self.scaling * nn.functional.linear(nn.functional.linear(x, self.a), self.b)
+        return lora_side_path(self.base(x), x, self.a, self.b, self.scaling)
 
 
 class SamplerCopy:

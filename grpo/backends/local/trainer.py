@@ -27,6 +27,7 @@ from transformers import DynamicCache
 
 from grpo.api import losses
 from grpo.backends.local import packed_attention
+from grpo.backends.local.sections import section
 from grpo.types import Datum, ForwardBackwardOutput, TensorData, text_tokens
 
 LOGIT_CHUNK_POSITIONS = 256
@@ -289,7 +290,8 @@ def unembed_counted(lm_head, dec_out: DecoderOutput, chunk_loss=None) -> float |
         dec_out.entropy[dec_out.counted[sl]] = ent
         total += float(loss.detach())
     if dec_out.hidden.requires_grad:  # False when only lm_head is adapted
-        dec_out.hidden.backward(grad_hidden)
+        with section("grpo.train.decoder_backward"):
+            dec_out.hidden.backward(grad_hidden)
     return total
 
 
@@ -545,7 +547,7 @@ def run(model, data: list[PreparedDatum], loss_fn: str, loss_fn_config: Mapping[
     entropy_weight = 0.0
     for batch, units in work:
         inputs = {key: torch.cat([d.inputs[key] for d in batch]).to(device) for key in batch[0].inputs}
-        with torch.set_grad_enabled(backward):
+        with torch.set_grad_enabled(backward), section("grpo.train.decoder_forward"):
             if units is not None:
                 dec_out = decode_shared(model, units, device)
             else:
@@ -555,7 +557,8 @@ def run(model, data: list[PreparedDatum], loss_fn: str, loss_fn_config: Mapping[
             def chunk_loss(lp: torch.Tensor, positions: torch.Tensor, inputs=inputs) -> torch.Tensor:
                 return losses.LOSSES[loss_fn](lp, {k: v[positions] for k, v in inputs.items()}, params)
 
-            total_loss += unembed_counted(lm_head, dec_out, chunk_loss)
+            with section("grpo.train.unembed_loss_backward"):
+                total_loss += unembed_counted(lm_head, dec_out, chunk_loss)
         else:
             unembed_counted(lm_head, dec_out)
             total_loss += float(losses.LOSSES[loss_fn](dec_out.logprobs, inputs, params))

@@ -1,0 +1,173 @@
+"""Where one GRPO step of the benchmark's shape spends its time, from torch.profiler.
+
+Usage (from the repository root):
+
+    .venv/bin/python scripts/profile_step.py                       # fp32, the bench shape
+    .venv/bin/python scripts/profile_step.py --precision bf16       # train and sample in bf16
+    .venv/bin/python scripts/profile_step.py --precision bf16-sample --ops 20 --trace step.json
+
+The step is scripts/bench.py's (8 two-digit addition prompts x 4 samples, 32 tokens, SmolLM2-135M,
+LoRA r16 on every decoder Linear, ``forward_backward(ppo)`` + ``optim_step``), run through the
+client API after one warm-up step, with the profiler recording every thread: the engine's worker
+thread does the work, the main thread only waits on futures. The sections are the ranges the
+backend marks with ``record_function`` (``grpo.sample.*``, ``grpo.train.*``); "sampler, the rest"
+is the decode loop's own Python between them (row bookkeeping, stop checks, the KV cache's slot
+moves and masks), and "outside the engine" is the wall time no range covers (futures, building
+datums, the tokenizer). ``--ops`` lists the heaviest operators of the decoding forward.
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+PRECISIONS = {"fp32": ("fp32", "fp32"), "bf16": ("bf16", "bf16"), "bf16-sample": ("fp32", "bf16")}
+# (label, the range whose time it is, ranges nested inside it whose time is reported separately)
+SECTIONS = [
+    ("sampling: LoRA folded / installed for the sampler", "grpo.sample.install_lora", ()),
+    ("sampling: prefill", "grpo.sample.prefill", ()),
+    ("sampling: decoding forward (the model)", "grpo.sample.decode_forward", ()),
+    ("sampling: choosing tokens from logits", "grpo.sample.choose_tokens", ()),
+    ("training: decoder forward", "grpo.train.decoder_forward", ()),
+    ("training: unembedding + loss + its backward", "grpo.train.unembed_loss_backward", ("grpo.train.decoder_backward",)),
+    ("training: decoder backward", "grpo.train.decoder_backward", ()),
+    ("training: optimizer", "grpo.train.optimizer", ()),
+]
+
+
+def cpu_description() -> str:
+    model, flags = platform.processor() or platform.machine(), []
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.partition(":")[2].strip()
+            elif line.startswith("flags") and not flags:
+                flags = [f for f in line.partition(":")[2].split() if f.startswith(("avx", "amx"))]
+    except OSError:
+        pass
+    return f"{model}; {' '.join(flags) or 'no avx flags'}"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--precision", choices=sorted(PRECISIONS), default="fp32")
+    parser.add_argument("--model", default="smollm2")
+    parser.add_argument("--prompts", type=int, default=8)
+    parser.add_argument("--group", type=int, default=4)
+    parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--ops", type=int, default=12, help="heaviest operators of the decoding forward to list")
+    parser.add_argument("--trace", type=Path, help="also write a Chrome trace of the profiled sampling call here")
+    args = parser.parse_args()
+
+    import torch
+    from bench import make_problems, trl_default_datums
+
+    from grpo.backends.local import ServiceClient, sections
+    from grpo.rl import rollouts
+    from grpo.types import AdamParams, SamplingParams
+
+    train_dtype, sample_dtype = PRECISIONS[args.precision]
+    service = ServiceClient(device="cpu", train_dtype=train_dtype, sample_dtype=sample_dtype)
+    tc = service.create_lora_training_client(args.model, rank=16, seed=0, train_unembed=False)
+    tokenizer = tc.get_tokenizer()
+    adam = AdamParams(learning_rate=2e-5, grad_clip_norm=1.0)
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=1.0, seed=1, stop=[tokenizer.eos_token_id])
+
+    def step(seed: int) -> dict[str, float]:
+        problems = make_problems(args.prompts, seed=seed)
+        prompts = [tokenizer.apply_chat_template(p.messages, add_generation_prompt=True, tokenize=True,
+                                                 return_dict=False) for p in problems]
+        t0 = time.perf_counter()
+        sampler = tc.save_weights_and_get_sampling_client()
+        responses = rollouts.sample_groups(sampler, prompts, args.group, lambda _: params, tokenizer)
+        t1 = time.perf_counter()
+        groups = [rollouts.ScoredGroup(rollouts.Group(i, p, ids, rs), [0.1 * k for k in range(len(rs))],
+                                       [{} for _ in rs], [])
+                  for i, (p, ids, rs) in enumerate(zip(problems, prompts, responses, strict=True))]
+        datums = trl_default_datums(groups)
+        t2 = time.perf_counter()
+        tc.forward_backward(datums, "ppo").result()
+        tc.optim_step(adam).result()
+        t3 = time.perf_counter()
+        sampled = sum(len(r.tokens) for g in groups for r in g.group.rollouts)
+        return {"sample_s": t1 - t0, "datums_s": t2 - t1, "train_s": t3 - t2, "sampled": sampled}
+
+    step(seed=100)  # warm-up: first-touch allocations, the optimizer's state, the first fold
+    with sections.recording() as (seconds, calls):
+        wall0 = time.perf_counter()
+        timing = step(seed=0)
+        wall = time.perf_counter() - wall0
+
+    print(f"# one GRPO step, {args.prompts} prompts x {args.group} samples x {args.max_tokens} tokens, "
+          f"{args.model}, precision {args.precision}, {torch.get_num_threads()} threads, torch {torch.__version__}")
+    print(f"# CPU: {cpu_description()}")
+    print(f"# step {wall:.2f} s (sample {timing['sample_s']:.2f} s incl. LoRA install, datums "
+          f"{timing['datums_s']:.3f} s, train {timing['train_s']:.2f} s); {timing['sampled']} tokens sampled")
+    print()
+    print("| section | seconds | share of the step | calls |")
+    print("| --- | --- | --- | --- |")
+    rows = []
+    for label, name, nested in SECTIONS:
+        rows.append((label, seconds.get(name, 0.0) - sum(seconds.get(n, 0.0) for n in nested), calls.get(name, 0)))
+    in_generate = seconds.get("grpo.sample.generate", 0.0) - sum(
+        seconds.get(n, 0.0) for n in ("grpo.sample.prefill", "grpo.sample.decode_forward", "grpo.sample.choose_tokens"))
+    rows.append(("sampling: the decode loop's own Python (rows, stop checks, slots, masks)", in_generate, None))
+    sampling_rest = timing["sample_s"] - seconds.get("grpo.sample.generate", 0.0) - seconds.get("grpo.sample.install_lora", 0.0)
+    rows.append(("sampling: outside the sampler (futures, batching requests, snapshot)", sampling_rest, None))
+    training_rest = timing["train_s"] - sum(seconds.get(n, 0.0) for n in (
+        "grpo.train.decoder_forward", "grpo.train.unembed_loss_backward", "grpo.train.optimizer"))
+    rows.append(("training: outside the sections (datums to tensors, futures, gradient norm)", training_rest, None))
+    rows.append(("between (advantages, datums)", wall - timing["sample_s"] - timing["train_s"], None))
+    for label, secs, n in rows:
+        print(f"| {label} | {secs:.3f} | {secs / wall:.0%} | {'' if n is None else n} |")
+
+    if args.ops:
+        decode_operators(tc, tokenizer, params, args)
+
+
+def decode_operators(tc, tokenizer, params, args) -> None:
+    """The heaviest operators of the sampler's decoding forward: the same sampling call run on
+    this thread under torch.profiler (which records only the thread that starts it)."""
+    from bench import make_problems
+    from torch.profiler import ProfilerActivity, profile
+
+    from grpo.backends.local import sampler as local_sampler
+
+    engine = tc.engine
+    problems = make_problems(args.prompts, seed=1)
+    requests = [local_sampler.GenerationRequest(
+        tokenizer.apply_chat_template(p.messages, add_generation_prompt=True, tokenize=True, return_dict=False),
+        args.group, params) for p in problems]
+    with engine.sampling_model(tc.adapter) as model:
+        local_sampler.generate(model, requests, tokenizer, engine.device)  # warm
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            local_sampler.generate(model, requests, tokenizer, engine.device)
+    if args.trace:
+        prof.export_chrome_trace(str(args.trace))
+    events = prof.events()
+    spans = [(e.time_range.start, e.time_range.end) for e in events if e.name == "grpo.sample.decode_forward"]
+    forward = sum(end - start for start, end in spans) / 1e6
+    ops: dict[str, float] = defaultdict(float)
+    for e in events:
+        if not e.name.startswith("grpo.") and any(s <= e.time_range.start and e.time_range.end <= t for s, t in spans):
+            ops[e.name] += e.self_cpu_time_total / 1e6
+    print()
+    print(f"Decoding forward under torch.profiler (same call on the main thread): {forward:.3f} s over "
+          f"{len(spans)} steps, {1000 * forward / max(len(spans), 1):.1f} ms a step")
+    print()
+    print("| operator in the decoding forward | seconds (self) | share |")
+    print("| --- | --- | --- |")
+    for name, secs in sorted(ops.items(), key=lambda kv: -kv[1])[:args.ops]:
+        print(f"| {name} | {secs:.3f} | {secs / forward:.0%} |")
+    other = forward - sum(ops.values())
+    print(f"| (between operators: Python, dispatch) | {max(other, 0.0):.3f} | {max(other, 0.0) / forward:.0%} |")
+
+
+if __name__ == "__main__":
+    main()

@@ -12,7 +12,7 @@ from grpo import models
 from grpo.backends.local import ServiceClient
 from grpo.backends.local.engine import Engine, LoraSpec
 from grpo.models import cpu_linear
-from grpo.models.cpu_linear import OneDNNLinear
+from grpo.models.cpu_linear import OneDNNLinear, PackedLinear
 from grpo.rl.advantages import build_datum
 from grpo.rl.rollouts import Rollout
 from grpo.types import Datum, ModelInput, SamplingParams
@@ -134,13 +134,55 @@ def test_training_and_sampling_match_pytorch_kernels():
     assert lp_fast == pytest.approx(lp_torch, abs=1e-5)
 
 
-def test_folding_keeps_onednn():
+def test_folding_packs_the_folded_weights():
     engine = Engine("tiny", device="cpu", dtype="fp32")
     engine.add_adapter("policy", LoraSpec(rank=4))
+    layer = engine.peft_model.get_submodule("base_model.model.model.layers.0.self_attn.q_proj")
+    with torch.no_grad():  # a non-zero B, so that the fold is seen
+        layer.lora_B["policy"].weight.normal_(std=0.1)
+    expected_weight = (layer.base_layer.weight
+                       + layer.scaling["policy"] * layer.lora_B["policy"].weight @ layer.lora_A["policy"].weight).detach()
+    x = torch.randn(2, 3, 64)
     with engine.sampling_model("policy") as model:
-        folded = [m for m in model.modules() if isinstance(m, nn.Linear) and not hasattr(m, "lora_A")]
         assert engine._folded is not None  # can_fold accepted OneDNNLinear bases
-        assert all(type(m) is OneDNNLinear for m in folded)
-        x = torch.randn(2, 64)
+        folded = [m for m in model.modules() if isinstance(m, PackedLinear)]
+        assert folded and not [m for m in model.modules() if hasattr(m, "lora_A")]
         q = model.get_submodule("base_model.model.model.layers.0.self_attn.q_proj")
-        torch.testing.assert_close(q(x), F.linear(x, q.weight), rtol=1e-5, atol=1e-5)
+        assert type(q) is PackedLinear
+        torch.testing.assert_close(q(x), F.linear(x, expected_weight, layer.base_layer.bias), rtol=1e-5, atol=1e-5)
+    # the LoRA layers are back in place for training
+    assert type(engine.peft_model.get_submodule("base_model.model.model.layers.0.self_attn.q_proj")) is not PackedLinear
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(1, 48), (5, 48), (33, 48), (4, 1, 48), (2, 7, 48)])
+def test_packed_linear_equals_linear(dtype, shape):
+    torch.manual_seed(0)
+    weight, bias = torch.randn(96, 48, dtype=dtype), torch.randn(96, dtype=dtype)
+    x = torch.randn(shape, dtype=dtype)
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+    out = PackedLinear(weight, bias)(x)
+    assert out.dtype == dtype and out.shape == (*shape[:-1], 96)
+    torch.testing.assert_close(out.float(), F.linear(x.float(), weight.float(), bias.float()), rtol=tolerance,
+                               atol=tolerance * 10)
+
+
+def test_pack_for_inference_replaces_linears_and_keeps_tied_weights():
+    model = models.load_model("tiny", "cpu", torch.float32)
+    x = torch.randint(0, 100, (2, 9))
+    with torch.no_grad():
+        expected = model(input_ids=x).logits
+        assert cpu_linear.pack_for_inference(model) > 0
+        assert not [m for m in model.modules() if type(m) in (nn.Linear, OneDNNLinear)]
+        torch.testing.assert_close(model(input_ids=x).logits, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_inference_packed_layer_repacks_after_an_in_place_write():
+    _, fast = _pair(48, 96, True)
+    fast.weight.requires_grad_(False)
+    fast.inference_packed = True
+    x = torch.randn(3, 48)
+    with torch.no_grad():
+        torch.testing.assert_close(fast(x), F.linear(x, fast.weight, fast.bias), rtol=1e-5, atol=1e-5)
+        fast.weight.mul_(2.0)  # as folding writes: in place
+        torch.testing.assert_close(fast(x), F.linear(x, fast.weight, fast.bias), rtol=1e-5, atol=1e-5)

@@ -58,7 +58,18 @@ class _OneDNNLinearFunction(torch.autograd.Function):
 
 
 class OneDNNLinear(nn.Linear):
-    """``nn.Linear`` whose float32 CPU forward and backward run through oneDNN."""
+    """``nn.Linear`` whose float32 CPU forward and backward run through oneDNN.
+
+    Given a plain row-major weight, oneDNN reorders it into its blocked layout inside every call;
+    for a decoding step's few rows that reorder costs about as much as the product (SmolLM2's MLP
+    at 32 rows: 376 us plain, 270 us packed in fp32, 217 / 148 us in bf16; AMD EPYC Zen 4 with
+    avx512_bf16, docs/benchmark.md). The sampler's own layers therefore hold only the packed
+    weight (``PackedLinear``: folded_lora.py, sampler_precision.py). A layer that is also trained
+    through, the unembedding, is marked ``inference_packed``: it keeps its weight and a packed copy,
+    made on first gradient-free use and again whenever the weight changes.
+    """
+
+    inference_packed = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.device.type != "cpu" or x.dtype != torch.float32 or self.weight.dtype != torch.float32:
@@ -66,7 +77,62 @@ class OneDNNLinear(nn.Linear):
         if torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad
                                         or (self.bias is not None and self.bias.requires_grad)):
             return _OneDNNLinearFunction.apply(x, self.weight, self.bias)
-        return _onednn(x, self.weight, self.bias)
+        return _onednn(x, self._packed_weight() if self.inference_packed else self.weight, self.bias)
+
+    def _packed_weight(self) -> torch.Tensor:
+        key = (self.weight.data_ptr(), self.weight._version)
+        if getattr(self, "_packed_key", None) != key:
+            self._packed = pack_weight(self.weight)
+            self._packed_key = key
+        return self._packed
+
+
+# oneDNN's Linear takes these weight dtypes on a CPU; bf16 runs natively with avx512_bf16 or AMX.
+_ONEDNN_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def pack_weight(weight: torch.Tensor) -> torch.Tensor:
+    """``weight`` in oneDNN's blocked layout (an opaque mkldnn tensor ``_linear_pointwise`` takes)."""
+    # The batch size is a hint for the layout; 32 rows is what a decoding step carries at most
+    # as a rule, and the packed weight computes any number of rows.
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 32)
+
+
+class PackedLinear(nn.Module):
+    """A gradient-free Linear holding only oneDNN's packed weight (and the bias): the sampler's
+    layers, whose weights are built once per set of adapter weights and never trained."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        self.packed = pack_weight(weight)
+        self.bias = None if bias is None else bias.detach()
+        self.dtype = weight.dtype
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _onednn(x, self.packed, self.bias)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, dtype={self.dtype}, packed"
+
+
+def can_pack(weight: torch.Tensor) -> bool:
+    return (weight.device.type == "cpu" and weight.dtype in _ONEDNN_DTYPES and weight.dim() == 2
+            and wanted() and onednn_works())
+
+
+def pack_for_inference(model: nn.Module) -> int:
+    """Replace every CPU ``nn.Linear`` (float32 or bf16) of a gradient-free ``model`` by a
+    ``PackedLinear``; the number replaced. A weight shared with another module (a tied
+    unembedding) stays alive through that module; the others are dropped for their packed copy."""
+    count = 0
+    for name, module in list(model.named_modules()):
+        if type(module) in (nn.Linear, OneDNNLinear) and can_pack(module.weight):
+            parent_name, _, child = name.rpartition(".")
+            setattr(model.get_submodule(parent_name) if parent_name else model, child,
+                    PackedLinear(module.weight, module.bias))
+            count += 1
+    return count
 
 
 @functools.cache

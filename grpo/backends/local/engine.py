@@ -26,7 +26,7 @@ from grpo.backends.local.sampler_precision import SamplerCopy
 from grpo.backends.local.sections import section
 from grpo.checks import check_lora_targets
 from grpo.models import precision
-from grpo.models.cpu_linear import use_onednn_linears
+from grpo.models.cpu_linear import OneDNNLinear, use_onednn_linears
 from grpo.models.lora_linear import fuse_lora_linears
 
 ATTN_PARENTS = ("attn", "attention")
@@ -97,6 +97,11 @@ class Engine:
         self.tokenizer = models.load_tokenizer(base_model)
         self.model = models.load_model(base_model, device=self.device, dtype=train_dtype)
         self.dtype = next(self.model.parameters()).dtype
+        # The unembedding is never trained unless LoRA wraps it (its LoRA layer is folded then):
+        # sampling multiplies by its packed layout (cpu_linear.py), one more copy of its weight.
+        output = self.model.get_output_embeddings()
+        if isinstance(output, OneDNNLinear):
+            output.inference_packed = True
         for p in self.model.parameters():
             p.requires_grad_(False)
         # Made before any adapter is injected, so that it copies the plain base model.

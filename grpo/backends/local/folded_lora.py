@@ -3,7 +3,9 @@
 An unmerged LoRA layer costs two extra matmuls, a scale and an add on every decode step, for
 every adapted Linear (210 of them on SmolLM2 with all-linear LoRA): on a CPU that is ~10% of a
 decode step. For sampling, where no gradient is needed, each adapted Linear is swapped for a plain
-``nn.Linear`` whose weight is ``W + scaling * B @ A``, built once per set of adapter weights.
+``nn.Linear`` whose weight is ``W + scaling * B @ A``, built once per set of adapter weights. On a
+CPU with oneDNN it is kept only in oneDNN's packed layout (``PackedLinear``, cpu_linear.py): the
+folding pays one reorder per layer, and every decoding step multiplies without one.
 
 The swap replaces modules in the tree and puts the originals back afterwards; the base weights
 themselves are never written to, so nothing drifts (peft's merge/unmerge adds and subtracts the
@@ -20,7 +22,7 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
-from grpo.models.cpu_linear import OneDNNLinear
+from grpo.models.cpu_linear import OneDNNLinear, PackedLinear, can_pack
 
 
 class FoldedAdapter:
@@ -34,13 +36,26 @@ class FoldedAdapter:
         self.weights = weights  # held so that an id() in ``key`` cannot be reused while cached
         self.replacements: dict[str, nn.Linear] = {}
         old = recycle.replacements if recycle is not None else {}
+        for name in [n for n, m in old.items() if isinstance(m, PackedLinear)]:
+            del old[name]  # packed weights are not rewritten in place: free them before packing anew
+        scratch: dict[tuple, torch.Tensor] = {}  # one dense buffer per weight shape, for packing
         with torch.no_grad():
             for name, module in lora_layers(peft_model, adapter):
                 a = weights[f"{name}.lora_A.{adapter}.weight"] if weights else module.lora_A[adapter].weight
                 b = weights[f"{name}.lora_B.{adapter}.weight"] if weights else module.lora_B[adapter].weight
                 base = module.base_layer
+                if can_pack(base.weight):
+                    # Folded into a scratch buffer, then kept only in oneDNN's packed layout
+                    # (cpu_linear.py): the decoding steps multiply by it without a reorder each.
+                    key = (tuple(base.weight.shape), base.weight.dtype)
+                    if key not in scratch:
+                        scratch[key] = torch.empty_like(base.weight)
+                    torch.addmm(base.weight, b.to(base.weight.dtype), a.to(base.weight.dtype),
+                                alpha=module.scaling[adapter], out=scratch[key])
+                    self.replacements[name] = PackedLinear(scratch[key], base.bias)
+                    continue
                 folded = old.get(name)
-                if folded is None or folded.weight.shape != base.weight.shape:
+                if not isinstance(folded, nn.Linear) or folded.weight.shape != base.weight.shape:
                     # the base's own class: a OneDNNLinear stays one (cpu_linear.py)
                     folded = type(base)(base.in_features, base.out_features, bias=base.bias is not None, device="meta")
                     folded.weight = nn.Parameter(torch.empty_like(base.weight), requires_grad=False)

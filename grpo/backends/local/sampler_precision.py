@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from grpo.backends.local.folded_lora import lora_layers
+from grpo.models.cpu_linear import pack_for_inference
 from grpo.models.lora_linear import lora_side_path
 
 
@@ -48,6 +49,8 @@ class SamplerCopy:
         # embeddings stay tied (deepcopy keeps shared Parameters shared).
         self.model = copy.deepcopy(base_model).to(dtype)
         self.model.eval()
+        # never trained: its Linears multiply by oneDNN's packed layout (cpu_linear.py)
+        pack_for_inference(self.model)
         for p in self.model.parameters():
             p.requires_grad_(False)
         self.dtype = dtype

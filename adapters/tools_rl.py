@@ -35,18 +35,26 @@ TOOLS = ("calc", "python", "none")
 OPS = {"+": operator.add, "-": operator.sub, "*": operator.mul}
 
 # How the prompt sets the starting point, measured on SmolLM2-135M-Instruct (two-digit + and *, 24
-# problems x 4 samples, T=1): this instruction gets a tool call in 16% of episodes (9% correct,
-# 54% of groups mixed), so GRPO has signal and room to teach the tool's use. A terser one
-# ("Use the calculator: <calc>expression</calc>.", example answer "... 42") already calls it in
-# 57% (greedy held-out accuracy 0.88 before any training), leaving little to learn.
+# problems x 4 samples, T=1) with one worked example: this instruction got a tool call in 16% of
+# episodes (9% correct, 54% of groups mixed). A terser one ("Use the calculator:
+# <calc>expression</calc>.", example answer "... 42") already called it in 57% (greedy held-out
+# accuracy 0.88 before any training). Two worked examples (EXAMPLES below) are what a 135M model
+# needs to call a tool reliably (issue #38: 1 in 16 samples with one, 63 in 64 with two).
 CALC_INSTRUCTION = ("Always use the calculator: write the expression between <calc> and </calc>, and its "
                     "result appears between <result> and </result>. Then state the final answer.")
 PYTHON_INSTRUCTION = ("You can run Python. Write code between <python> and </python> that prints what you "
                       "need; its output appears between <result> and </result>. Then state the final answer.")
-# A worked exchange shown before the question, so a small model sees the call syntax in use.
-CALC_EXAMPLE = ("What is 12 + 30?", "<calc>12+30</calc><result>42</result> The answer is 42.")
-PYTHON_EXAMPLE = ("Tom has 3 boxes of 12 apples and eats 5. How many apples are left?",
-                  "<python>print(3 * 12 - 5)</python><result>31</result> The answer is 31.")
+# Worked exchanges shown before the question, so a small model sees the call syntax in use. Each
+# reads exactly as an episode's context does: the turn stops at the closing tag, and the inline
+# observation starts with a space (format_observation). Written "</calc><result>", the example
+# would teach SmolLM2's single "><" token, and a turn would end on "</calc><" (issue #38).
+OBSERVATION_SEPARATOR = " "
+CALC_EXAMPLES = (("What is 12 + 30?", "<calc>12+30</calc> <result>42</result> The answer is 42."),
+                 ("What is 7 * 8?", "<calc>7*8</calc> <result>56</result> The answer is 56."))
+PYTHON_EXAMPLES = (("Tom has 3 boxes of 12 apples and eats 5. How many apples are left?",
+                    "<python>print(3 * 12 - 5)</python> <result>31</result> The answer is 31."),
+                   ("A shelf holds 4 rows of 9 books; 6 are taken. How many books are on it?",
+                    "<python>print(4 * 9 - 6)</python> <result>30</result> The answer is 30."))
 
 
 class ToolsAdapter(AgentAdapter):
@@ -63,12 +71,13 @@ class ToolsAdapter(AgentAdapter):
         num_train: training problems
         num_eval: held-out problems, never trained on
         seed: problem generation and the held-out split
-        example: a worked tool call shown before the question
+        example: two worked tool calls shown before the question
         call_cost: subtracted from the reward per tool call
         max_turns: model turns per episode
         max_context_tokens: prompt + turns + observations; a turn never samples past it
         tool_timeout_s: per tool call; a hanging tool becomes an error observation
-        observation_style: inline: <result>..</result> in the model's message | chat: a tool message
+        tool_workers: threads that run tool calls; a hung call holds one until it returns
+        observation_style: inline: <result>..</result> after the call | chat: a tool message | user: a user message
         tool_errors: observe: the error message is the observation | end: it ends the episode
         system_prompt: a system message before each problem; null: none
         python_timeout_s: python tool: wall clock per program in the sandbox
@@ -85,7 +94,7 @@ class ToolsAdapter(AgentAdapter):
     def __init__(self, tool: str = "calc", ops: str = "+*", digits: int = 2, num_train: int = 2000,
                  num_eval: int = 32, seed: int = 0, example: bool = True, call_cost: float = 0.02,
                  max_turns: int = 3, max_context_tokens: int = 1024, tool_timeout_s: float = 5.0,
-                 observation_style: str = "inline", tool_errors: str = "observe", system_prompt: str | None = None,
+                 tool_workers: int = 32, observation_style: str = "inline", tool_errors: str = "observe", system_prompt: str | None = None,
                  python_timeout_s: float = 5.0, python_memory_mb: int = 256):
         check_choice("adapter.tool", tool, TOOLS)
         if tool == "python":  # its word problems come from reasoning-gym
@@ -95,7 +104,7 @@ class ToolsAdapter(AgentAdapter):
         self.tool, self.ops, self.digits, self.seed, self.example = tool, ops, digits, seed, example
         self.system_prompt = system_prompt
         self.max_turns, self.max_context_tokens, self.tool_timeout_s = max_turns, max_context_tokens, tool_timeout_s
-        self.tool_call_cost = call_cost
+        self.tool_call_cost, self.tool_workers = call_cost, tool_workers
         self.observation_style, self.tool_errors = observation_style, tool_errors
         self.check_agent_config()  # a bad limit fails here, before any model loads
         self.python_timeout_s, self.python_memory_mb = python_timeout_s, python_memory_mb
@@ -120,15 +129,19 @@ class ToolsAdapter(AgentAdapter):
         if self.tool == "none":
             messages.append({"role": "user", "content": f"{sample['question']}\nGive the final answer."})
             return chat_prompt_tokens(tokenizer, messages)
-        instruction, (question, answer) = ((PYTHON_INSTRUCTION, PYTHON_EXAMPLE) if self.tool == "python"
-                                           else (CALC_INSTRUCTION, CALC_EXAMPLE))
-        if self.example:
-            messages += [{"role": "user", "content": f"{instruction}\n{question}"},
-                         {"role": "assistant", "content": answer}]
-            messages.append({"role": "user", "content": sample["question"]})
-        else:
-            messages.append({"role": "user", "content": f"{instruction}\n{sample['question']}"})
+        instruction, examples = ((PYTHON_INSTRUCTION, PYTHON_EXAMPLES) if self.tool == "python"
+                                 else (CALC_INSTRUCTION, CALC_EXAMPLES))
+        prefix = f"{instruction}\n"  # the instruction opens the first user message
+        for question, answer in examples if self.example else ():
+            messages += [{"role": "user", "content": prefix + question}, {"role": "assistant", "content": answer}]
+            prefix = ""
+        messages.append({"role": "user", "content": prefix + sample["question"]})
         return chat_prompt_tokens(tokenizer, messages)
+
+    def format_observation(self, result: str, error: bool) -> str:
+        """``<result>..</result>``; inline, after a space, as the worked examples show it."""
+        text = super().format_observation(result, error)
+        return OBSERVATION_SEPARATOR + text if self.observation_style == "inline" else text
 
     def compute_reward(self, response: str, sample: Mapping[str, Any]) -> float:
         return 1.0 if self.grader.grade(extract_answer(response, "last_number"), sample["answer"]) else 0.0

@@ -83,7 +83,8 @@ def test_datum_is_the_token_sequence_the_sampler_saw_with_observations_weighted_
     for prompt, group in zip(prompts, groups, strict=True):
         for rollout in group:
             ep: Episode = rollout.episode
-            assert ep.model_turns == 3 and ep.tool_calls == 2 and ep.end_reason == "max_turns"
+            # the toy environment answers every turn, but no declared tool was called
+            assert ep.model_turns == 3 and ep.observations == 2 and ep.tool_calls == 0 and ep.end_reason == "max_turns"
             assert [t.role for t in ep.turns] == ["model", "observation"] * 2 + ["model"]
             # every later turn was sampled from exactly prompt + the episode so far
             context = prompt + rollout.tokens
@@ -198,15 +199,18 @@ def test_raising_hanging_and_garbage_tools_become_counted_error_observations(per
         obs = r.episode.turns[1]
         assert obs.text == "<result>error: RuntimeError: tool crashed on item 0</result>" and r.episode.model_turns == 2
     metrics = episode_metrics([r for g in groups for r in g])
-    assert metrics["episode/tool_error_rate"] == pytest.approx(6 / 8)
-    assert metrics["episode/tool_calls"] == 1.0 and metrics["episode/turns"] == 2.0
+    assert metrics["episode/observation_error_rate"] == pytest.approx(6 / 8)
+    assert metrics["episode/observations"] == 1.0 and metrics["episode/turns"] == 2.0
+    # observe answers without a declared tool: environment replies, not tool calls
+    assert metrics["episode/tool_calls"] == 0.0 and metrics["episode/tool_error_rate"] == 0.0
 
 
 def test_tool_errors_end_sets_the_episode_end(perturbed, tokenizer):
     _, sampler = perturbed
     _, _, groups = run(sampler, ToyAgent(max_turns=3, behaviour={0: "raise"}, tool_errors="end"), tokenizer)
     for r in groups[0]:
-        assert r.episode.end_reason == "tool_error" and r.episode.model_turns == 1 and r.episode.tool_errors == 1
+        assert r.episode.end_reason == "tool_error" and r.episode.model_turns == 1
+        assert r.episode.observation_errors == 1 and r.episode.tool_errors == 0  # observe raised, no tool was called
         assert all(r.mask)  # the error was recorded, not appended
     assert all(r.episode.end_reason == "max_turns" for r in groups[1])
 
@@ -232,8 +236,14 @@ def test_single_turn_adapters_still_sample_single_completions(service, tokenizer
 def test_bad_limits_name_the_attribute():
     with pytest.raises(ValueError, match=r"adapter.max_turns=0 is invalid"):
         ToyAgent(max_turns=0).check_agent_config()
-    with pytest.raises(ValueError, match=r"adapter.observation_style='xml' is invalid: valid values: inline, chat"):
+    with pytest.raises(ValueError, match=r"adapter.observation_style=.xml. is invalid: valid values: inline, chat, user"):
         ToyAgent(observation_style="xml").check_agent_config()
+    with pytest.raises(ValueError, match=r"valid values: inline, chat, user"):
+        ToyAgent(observation_style="xml").check_agent_config()
+    agent = ToyAgent()
+    agent.tool_workers = 0
+    with pytest.raises(ValueError, match=r"adapter.tool_workers=0 is invalid: must be an integer >= 1"):
+        agent.check_agent_config()
 
 
 def test_run_grpo_trains_on_episodes_with_faulty_tools_and_logs_traces(tmp_path):
@@ -246,10 +256,11 @@ def test_run_grpo_trains_on_episodes_with_faulty_tools_and_logs_traces(tmp_path)
         # on-policy over multi-turn datums: the trainer agrees with the sampler on model tokens
         assert abs(row["kl/sample_train"]) < 1e-4 and row["logprob/max_abs_diff"] < 1e-4
         assert 1 <= row["episode/turns"] <= 3 and row["episode/context_tokens"] > 0
-        assert {"episode/tool_calls", "episode/tool_error_rate", "time/turn", "episode/end_max_turns"} <= set(row)
+        assert {"episode/tool_calls", "episode/observations", "episode/tool_error_rate", "time/turn",
+                "episode/end_max_turns", "episode/tools_stuck"} <= set(row)
         # tokens/sampled counts what the model wrote, not observations
         assert row["tokens/sampled"] < 3 * 2 * 3 * 16
-    assert any(r["episode/tool_error_rate"] > 0 for r in steps)
+    assert any(r["episode/observation_error_rate"] > 0 for r in steps)
     rollouts = read_jsonl(tmp_path / "rollouts.jsonl")
     assert rollouts and all("turns" in r and "end_reason" in r for r in rollouts)
     errors = [t["error"] for r in rollouts for t in r["turns"] if t.get("error")]

@@ -485,7 +485,7 @@ def test_run_grpo_runs_multi_turn_episodes_through_the_sdk_unchanged(local_servi
     run_grpo(ToyAgent(num_items=4, max_turns=3), cfg, service_client=remote(local_service, sdk="tinker"),
              run_dir=tmp_path)
     (row,) = [r for r in read_jsonl(tmp_path / "metrics.jsonl") if "loss" in r]
-    assert row["episode/turns"] == 3 and row["episode/tool_calls"] == 2 and row["datums"] == 4
+    assert row["episode/turns"] == 3 and row["episode/observations"] == 2 and row["datums"] == 4
     # turn 1: one request per prompt; turns 2 and 3: one per episode, all through the SDK's types
     assert local_service.log.count(("submit", "sample")) == 2 + 4 + 4
     # on-policy through the service: the trainer's logprobs of model tokens equal the sampler's

@@ -36,7 +36,7 @@ def test_environment_answers_a_calc_call_and_ends_on_an_answer():
     item = {"question": "What is 37 * 48?", "answer": "1776"}
     assert adapter.observe("<calc>37*48</calc>", item, episode()) == "1776"
     assert adapter.observe("The answer is 1776.", item, episode()) is None
-    assert adapter.format_observation("1776", error=False) == "<result>1776</result>"
+    assert adapter.format_observation("1776", error=False) == " <result>1776</result>"  # after a space, as the examples
     assert "</calc>" in adapter.stop_sequences(type("Tok", (), {"eos_token_id": 2})())
     # reward: the final answer, minus the cost of each call
     solved = episode(("model", "<calc>37*48</calc>"), ("observation", "<result>1776</result>"), ("model", " 1776"))
@@ -109,5 +109,5 @@ def test_grpo_on_smollm2_calls_the_calculator(tmp_path):
     assert sum(r["episode/tool_calls"] for r in steps) > 0
     calls = [t for r in read_jsonl(tmp_path / "rollouts.jsonl") for t in r["turns"] if t["role"] == "observation"]
     answered = [t for t in calls if not t.get("error")]
-    assert answered and all(t["text"] == f"<result>{calculate(t['tool_input'])}</result>" for t in answered)
+    assert answered and all(t["text"] == f" <result>{calculate(t['tool_input'])}</result>" for t in answered)
     assert '"turns":[{"role":"model"' in (tmp_path / "report.html").read_text()  # traces embedded in the page

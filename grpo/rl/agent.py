@@ -14,12 +14,14 @@ A tool task needs the RLAdapter's methods plus ``tools()``::
         def tools(self): return {"calc": lambda expr: str(eval_arithmetic(expr))}
         def compute_reward(self, response, sample): return float(str(sample["a"]) in response)
 
-The model calls a tool by writing ``<calc>37*48</calc>``; the environment runs it in a thread
-with a time limit (``tool_timeout_s``) and answers ``<result>1776</result>``. A tool that
-raises, hangs or returns something that is not text becomes an error observation the model can
-read (or ends the episode, with ``tool_errors="end"``), is counted in the trace, and never takes
-training down. ``compute_reward`` scores the final model turn; ``episode_reward`` adds the
-process terms (``tool_call_cost`` per call by default) and may read the whole trace.
+The model calls a tool by writing ``<calc>37*48</calc>``; the environment runs it on a bounded
+pool of threads (``tool_workers``, grpo/rl/tool_pool.py) with a time limit (``tool_timeout_s``)
+and answers ``<result>1776</result>``. A tool that declares a ``sample`` parameter also gets the
+dataset item. A tool that raises, hangs or returns something that is not text becomes an error
+observation the model can read (or ends the episode, with ``tool_errors="end"``), is counted in
+the trace, and never takes training down. ``compute_reward`` scores the final model turn;
+``episode_reward`` adds the process terms (``tool_call_cost`` per tool call by default) and may
+read the whole trace.
 
 Limits (attributes, or constructor arguments of a subclass): ``max_turns`` model turns per
 episode; the loop's ``max_tokens`` per model turn; ``max_context_tokens`` for prompt + episode
@@ -30,15 +32,18 @@ episode; the loop's ``max_tokens`` per model turn; ``max_context_tokens`` for pr
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from grpo.checks import ConfigError, check, check_choice
 from grpo.rl.adapter import RLAdapter
 
-OBSERVATION_STYLES = ("inline", "chat")
+# Where an observation lands (render_observation): inline continues the model's text; chat and user
+# close the model's message and add a tool / user message in the chat template.
+OBSERVATION_STYLES = ("inline", "chat", "user")
 TOOL_ERROR_POLICIES = ("observe", "end")
 
 
@@ -59,7 +64,7 @@ class Turn:
     num_tokens: int
     seconds: float  # model: the turn's batched sampling call; observation: the environment call
     stop_reason: str | None = None  # model turns: "stop" | "length"
-    tool: str | None = None  # observation: the tool the model called (None: another environment reply)
+    tool: str | None = None  # observation: the declared tool the model called (None: another environment reply)
     tool_input: str | None = None
     error: str | None = None  # observation: why the environment call failed, if it did
 
@@ -75,18 +80,33 @@ class Episode:
     end_reason: str
     prompt_tokens: int
     context_tokens: int  # prompt + every turn and observation at the end
+    # environment calls still running past their time limit when the episode ended: threads held
+    # by tools that never returned (the adapter's pool, shared by its episodes; at most tool_workers)
+    tools_stuck: int = 0
 
     @property
     def model_turns(self) -> int:
         return sum(t.role == "model" for t in self.turns)
 
     @property
-    def tool_calls(self) -> int:
+    def observations(self) -> int:
+        """Every environment reply: tool results and anything else ``observe`` answered."""
         return sum(t.role == "observation" for t in self.turns)
 
     @property
+    def tool_calls(self) -> int:
+        """Observations that answered a call of a declared tool (``Turn.tool`` set)."""
+        return sum(t.role == "observation" and t.tool is not None for t in self.turns)
+
+    @property
     def tool_errors(self) -> int:
-        return sum(t.error is not None for t in self.turns)
+        """Tool calls that failed (raised, timed out, returned garbage, output cut)."""
+        return sum(t.role == "observation" and t.tool is not None and t.error is not None for t in self.turns)
+
+    @property
+    def observation_errors(self) -> int:
+        """Environment replies of any kind that failed (tool calls included)."""
+        return sum(t.role == "observation" and t.error is not None for t in self.turns)
 
     @property
     def final_text(self) -> str:
@@ -112,17 +132,24 @@ class AgentAdapter(RLAdapter):
     max_turns: int = 4  # model turns per episode; after the last one the episode ends
     max_context_tokens: int = 2048  # prompt + every turn and observation
     tool_timeout_s: float = 5.0  # wall clock per environment call (tool run); then an error observation
+    tool_workers: int = 32  # threads that run environment calls; a hung tool holds one (grpo/rl/tool_pool.py)
     tool_call_cost: float = 0.0  # subtracted from the reward per tool call (episode_reward's default)
     max_observation_chars: int = 2000  # longer tool output is cut and counted as an error
-    observation_style: str = "inline"  # inline: <result>..</result> in the same turn; chat: a tool message
+    observation_style: str = "inline"  # inline: right after the model's text; chat: a tool message; user: a user message
     tool_errors: str = "observe"  # observe: the error is the observation; end: it ends the episode
 
     # ------------------------------------------------------------------ tools and environment
 
-    def tools(self) -> Mapping[str, Callable[[str], Any]]:
+    def tools(self) -> Mapping[str, Callable[..., Any]]:
         """Tools by name. The model calls one by writing ``<name>input</name>``; the function gets
-        the input text and returns the result (text or a number)."""
+        the input text, and the dataset item as ``sample=`` when it declares a parameter of that
+        name (a per-problem secret or database), and returns the result (text or a number)."""
         return {}
+
+    def stop_strings(self) -> Sequence[str]:
+        """Strings that end a model turn besides the tools' closing tags (which stop it already),
+        so an environment without tools can answer there, e.g. ``["</guess>"]`` for ``observe``."""
+        return ()
 
     def find_tool_call(self, text: str) -> tuple[str, str] | None:
         """The (tool name, input) the model's turn asks for, or None when it calls no tool (its
@@ -141,18 +168,20 @@ class AgentAdapter(RLAdapter):
         if call is None:
             return None
         name, argument = call
-        return self.tools()[name](argument)
+        return call_tool(self.tools()[name], argument, sample)
 
     def format_observation(self, result: str, error: bool) -> str:
         """The text the model reads for a tool result (or an error message)."""
         return f"<result>{'error: ' if error else ''}{result}</result>"
 
     def render_observation(self, text: str, tokenizer: Any) -> list[int]:
-        """Tokens appended to the context for an observation. ``inline`` continues the model's
-        message (``<result>..</result>`` then the model goes on); ``chat`` closes the model's
-        message and opens a tool message, then a new assistant message, in the chat template."""
-        if self.observation_style == "chat":
-            return chat_observation_tokens(tokenizer, text)
+        """Tokens appended to the context for an observation. ``inline``: the text's tokens, right
+        after the model's last token (inside its message when the turn stopped at a tool's closing
+        tag). ``chat`` / ``user``: the end of the model's message, a ``tool`` / ``user`` message
+        holding the text, and the next assistant header, in the chat template. The episode adjusts
+        the join to how the turn ended (grpo/rl/episodes.py: an overhang, an end-of-message token)."""
+        if self.observation_style in ("chat", "user"):
+            return chat_observation_tokens(tokenizer, text, role="tool" if self.observation_style == "chat" else "user")
         return list(tokenizer.encode(text, add_special_tokens=False))
 
     def rebuild_context(self, prompt: list[int], episode: Episode, tokenizer: Any) -> list[int] | None:
@@ -164,14 +193,16 @@ class AgentAdapter(RLAdapter):
         return None
 
     def stop_sequences(self, tokenizer: Any) -> list[str | int]:
-        """End of turn, plus each tool's closing tag (the environment answers there)."""
-        return [*super().stop_sequences(tokenizer), *(f"</{name}>" for name in self.tools())]
+        """End of turn, each tool's closing tag (the environment answers there), and ``stop_strings()``."""
+        tags = [f"</{name}>" for name in self.tools()]
+        return [*super().stop_sequences(tokenizer), *tags, *(s for s in self.stop_strings() if s not in tags)]
 
     # ------------------------------------------------------------------ reward
 
     def episode_reward(self, episode: Episode, sample: Any) -> float:
         """Final outcome plus process terms: ``compute_reward`` of the last model turn minus
-        ``tool_call_cost`` per tool call. Override to read the whole trace (turns, errors)."""
+        ``tool_call_cost`` per call of a declared tool (other environment replies cost nothing).
+        Override to read the whole trace (turns, errors)."""
         return float(self.compute_reward(episode.final_text, sample)) - self.tool_call_cost * episode.tool_calls
 
     # ------------------------------------------------------------------ checks
@@ -186,10 +217,22 @@ class AgentAdapter(RLAdapter):
              "must be a positive integer")
         need(isinstance(self.tool_timeout_s, (int, float)) and self.tool_timeout_s > 0, "tool_timeout_s",
              "must be a positive number of seconds")
+        need(isinstance(self.tool_workers, int) and not isinstance(self.tool_workers, bool) and self.tool_workers >= 1,
+             "tool_workers", "must be an integer >= 1")
         need(self.tool_call_cost >= 0, "tool_call_cost", "must be >= 0")
         need(self.max_observation_chars > 0, "max_observation_chars", "must be a positive integer")
         check_choice("adapter.observation_style", self.observation_style, OBSERVATION_STYLES)
         check_choice("adapter.tool_errors", self.tool_errors, TOOL_ERROR_POLICIES)
+
+
+def call_tool(fn: Callable[..., Any], argument: str, sample: Any) -> Any:
+    """Call a tool with the model's input, adding ``sample=`` when its signature names a ``sample``
+    parameter (introspected, so plain one-argument tools keep working unchanged)."""
+    try:
+        wants_sample = "sample" in inspect.signature(fn).parameters
+    except (TypeError, ValueError):  # a builtin or C function without a signature: text only
+        wants_sample = False
+    return fn(argument, sample=sample) if wants_sample else fn(argument)
 
 
 def chat_observation_tokens(tokenizer: Any, text: str, role: str = "tool") -> list[int]:
@@ -207,6 +250,7 @@ def chat_observation_tokens(tokenizer: Any, text: str, role: str = "tool") -> li
         except Exception:
             continue
     else:
-        raise AgentConfigError("observation_style='chat' needs a tokenizer with a chat template")
+        raise AgentConfigError(f"observation_style={role!r} needs a tokenizer with a chat template; "
+                               "use observation_style='inline' for a tokenizer without one")
     tail = full[full.index(marker) + len(marker):]
     return list(tokenizer.encode(tail, add_special_tokens=False))

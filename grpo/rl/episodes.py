@@ -5,8 +5,18 @@ Turn 1 of every episode of a wave goes out as one ``sample`` request per prompt 
 sampling does). Every later turn of every live episode is one request on that episode's whole
 context; all requests of a turn are issued before any is awaited, so the local backend batches
 them into one generation and a remote service runs them in parallel. Between turns, the
-environment answers every episode that called it, all at once, each call in its own daemon
-thread under ``tool_timeout_s``: a hanging tool costs its time limit, never the run.
+environment answers every episode that called it, all at once, on the adapter's bounded pool of
+``tool_workers`` threads, each call under ``tool_timeout_s`` (grpo/rl/tool_pool.py): a hanging
+tool costs its time limit and holds one worker until it returns, never the run.
+
+Joining an observation to the turn before it. The trainer sees exactly the tokens the sampler
+produced, and the sampler keeps the whole token that completes a stop string: SmolLM2 has a
+single ``><`` token, so a turn closing ``</calc>`` may end on ``</calc><``. The text after the
+turn's first stop string is its *overhang*. An ``inline`` observation whose text starts with the
+overhang drops that prefix (``</calc><`` + ``result>2077</result>`` reads
+``</calc><result>2077</result>``); any other overhang stays and the observation follows it. A
+``chat``/``user`` observation leaves the overhang in the model's message; after a turn that ended
+on its end-of-message token (EOS), it does not close the message a second time.
 
 The context only ever grows by appending tokens (model tokens as sampled, observation tokens as
 rendered), so turn k's context is a token prefix of turn k+1's and one Datum covers the whole
@@ -25,7 +35,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -33,8 +42,9 @@ from typing import Any
 
 from grpo.api.protocols import SamplingClient
 from grpo.rl.adapter import RLAdapter
-from grpo.rl.agent import AgentAdapter, Episode, ToolError, Turn
+from grpo.rl.agent import AgentAdapter, Episode, Turn
 from grpo.rl.rollouts import Rollout, sample_groups
+from grpo.rl.tool_pool import pool_for
 from grpo.types import ModelInput, SamplingParams
 
 DEFAULT_TURN_TOKENS = 256  # a turn's max_tokens when the loop's SamplingParams leave it unset
@@ -58,6 +68,8 @@ class _Live:
     segments: list[tuple[list[int], Rollout]] = field(default_factory=list)  # closed ones
     segment_context: list[int] = field(default_factory=list)  # the open segment's starting context
     segment_start: int = 0  # where the open segment begins in ``tokens``
+    overhang: str = ""  # the last model turn's text after its first stop string (see the module doc)
+    closed: bool = False  # the last model turn ended on a stop token id (its end-of-message token)
 
     def __post_init__(self) -> None:
         self.context = list(self.prompt)
@@ -82,8 +94,9 @@ class _Live:
         return self.segment_context, Rollout(tokens=self.tokens[s:], logprobs=self.logprobs[s:], stop_reason="stop",
                                              text="", mask=tuple(self.mask[s:]))
 
-    def rollout(self) -> Rollout:
-        episode = Episode(tuple(self.turns), self.end_reason or "done", len(self.prompt), len(self.context))
+    def rollout(self, tools_stuck: int = 0) -> Rollout:
+        episode = Episode(tuple(self.turns), self.end_reason or "done", len(self.prompt), len(self.context),
+                          tools_stuck=tools_stuck)
         segments = tuple([*self.segments, self._open_segment()]) if self.segments else None
         return Rollout(tokens=list(self.tokens), logprobs=list(self.logprobs),
                        stop_reason="length" if episode.end_reason in TRUNCATING_ENDS else "stop",
@@ -121,7 +134,8 @@ def run_episodes(sampling_client: SamplingClient, adapter: AgentAdapter, items: 
                     ep.end_reason = "max_turns"
             break
         _observe(adapter, [(i, ep) for i, ep in sampled if ep.end_reason is None], items, tokenizer)
-    return [[ep.rollout() for ep in group] for group in groups]
+    stuck = pool_for(adapter).stuck()
+    return [[ep.rollout(stuck) for ep in group] for group in groups]
 
 
 # --------------------------------------------------------------------------- one model turn
@@ -140,7 +154,7 @@ def _sample_turn(client: SamplingClient, adapter: AgentAdapter, groups: list[lis
                  tokenizer: Any) -> list[tuple[int, _Live]]:
     """Sample one turn of every live episode (requests all in flight before any is awaited);
     return the episodes that got a turn."""
-    requests: list[tuple[list[tuple[int, _Live]], Any, int]] = []
+    requests: list[tuple[list[tuple[int, _Live]], Any, int, SamplingParams]] = []
     for i in range(len(groups)):
         mine = [(gi, ep) for gi, ep in live if gi == i]
         if not mine:
@@ -157,17 +171,21 @@ def _sample_turn(client: SamplingClient, adapter: AgentAdapter, groups: list[lis
             p = dataclasses.replace(params[i], max_tokens=min(wanted, room),
                                     seed=_turn_seed(params[i].seed, turn, ep.sample_index))
             future = client.sample(prompt=ModelInput.from_ints(ep.context), num_samples=len(batch), sampling_params=p)
-            requests.append((batch, future, wanted))
+            requests.append((batch, future, wanted, p))
     t0 = time.perf_counter()
-    results = [(batch, future.result(), wanted) for batch, future, wanted in requests]
+    results = [(batch, future.result(), wanted, p) for batch, future, wanted, p in requests]
     seconds = time.perf_counter() - t0
     done: list[tuple[int, _Live]] = []
-    for batch, response, wanted in results:
+    for batch, response, wanted, p in results:
+        stop_strings, stop_ids = p.stop_strings_and_ids()
         for (i, ep), seq in zip(batch, response.sequences, strict=True):
             tokens = list(seq.tokens)
             text = tokenizer.decode(tokens, skip_special_tokens=True)
             ep.add(tokens, [float(x) for x in (seq.logprobs or [0.0] * len(tokens))],
                    Turn("model", text, len(tokens), seconds, stop_reason=seq.stop_reason))
+            stopped = seq.stop_reason == "stop" and bool(tokens)
+            ep.closed = stopped and tokens[-1] in stop_ids
+            ep.overhang = _overhang(tokens, stop_strings, tokenizer) if stopped and not ep.closed else ""
             if seq.stop_reason == "length":
                 ep.end_reason = "length" if len(tokens) >= wanted else "context"
             done.append((i, ep))
@@ -177,53 +195,37 @@ def _sample_turn(client: SamplingClient, adapter: AgentAdapter, groups: list[lis
 # --------------------------------------------------------------------------- the environment
 
 
-@dataclass
-class _Call:
-    """One environment call running in its own daemon thread."""
-
-    fn: Callable[[], Any]
-    done: threading.Event = field(default_factory=threading.Event)
-    value: Any = None
-    error: str | None = None
-    started: float = 0.0
-    seconds: float = 0.0
-
-    def start(self) -> None:
-        self.started = time.perf_counter()
-        threading.Thread(target=self._run, name="grpo-tool", daemon=True).start()
-
-    def _run(self) -> None:
-        try:
-            self.value = self.fn()
-        except ToolError as err:
-            self.error = str(err) or "tool error"
-        except BaseException as err:  # noqa: BLE001 - anything a tool does becomes an observation
-            self.error = f"{type(err).__name__}: {err}"
-        finally:
-            self.seconds = time.perf_counter() - self.started
-            self.done.set()
+def _overhang(tokens: list[int], stop_strings: list[str], tokenizer: Any) -> str:
+    """The turn's text after the first stop string it contains: what the token that completed the
+    stop string wrote beyond it (``<`` of SmolLM2's ``><``); "" when it ends exactly there."""
+    text = tokenizer.decode(tokens, skip_special_tokens=False)
+    ends = [text.index(s) + len(s) for s in stop_strings if s and s in text]
+    return text[min(ends):] if ends else ""
 
 
 def _observe(adapter: AgentAdapter, episodes: list[tuple[int, _Live]], items: Sequence[Any], tokenizer: Any) -> None:
-    """Run the environment for every episode at once, each call under ``tool_timeout_s``, and
-    append each observation (or end the episode)."""
-    calls: list[tuple[_Live, _Call, tuple[str, str] | None]] = []
+    """Run the environment for every episode at once on the adapter's tool pool, each call under
+    ``tool_timeout_s``, and append each observation (or end the episode)."""
+    pool = pool_for(adapter)
+    calls = []
     for i, ep in episodes:
         text = ep.turns[-1].text
         snapshot = _snapshot(ep)
-        call = _Call(lambda text=text, item=items[i], snapshot=snapshot: adapter.observe(text, item, snapshot))
         try:
             requested = adapter.find_tool_call(text)
-        except Exception:
+        except Exception:  # noqa: BLE001 - a faulty parser is the observe call's to report, not a crash
             requested = None
-        call.start()
+        call = pool.submit(lambda text=text, item=items[i], snapshot=snapshot: adapter.observe(text, item, snapshot))
         calls.append((ep, call, requested))
     for ep, call, requested in calls:
-        finished = call.done.wait(max(0.0, call.started + adapter.tool_timeout_s - time.perf_counter()))
+        failed = pool.wait(call)
         name, argument = requested if requested else (None, None)
         result = ""
-        if not finished:
+        if failed == "timeout":
             error, seconds = f"timed out after {adapter.tool_timeout_s:g} s", adapter.tool_timeout_s
+        elif failed == "unavailable":
+            error, seconds = (f"tool unavailable: all {pool.workers} tool workers are still running calls that "
+                              f"timed out"), 0.0
         else:
             error, seconds = call.error, call.seconds
             if error is None:
@@ -236,8 +238,9 @@ def _observe(adapter: AgentAdapter, episodes: list[tuple[int, _Live]], items: Se
             ep.end_reason = "tool_error"
             continue
         # an error shows its message, except a cut output, which shows what was kept
-        text = adapter.format_observation(result or error or "", error is not None and not result)
-        tokens = adapter.render_observation(text, tokenizer)
+        text, tokens = _render_after_turn(adapter, ep, adapter.format_observation(result or error or "",
+                                                                                  error is not None and not result),
+                                          tokenizer)
         turn = Turn("observation", text, len(tokens), seconds, tool=name, tool_input=argument, error=error)
         rebuilt = adapter.rebuild_context(ep.prompt, _snapshot(ep, turn), tokenizer)
         if rebuilt is not None and list(rebuilt[:len(ep.context)]) == ep.context:
@@ -251,6 +254,19 @@ def _observe(adapter: AgentAdapter, episodes: list[tuple[int, _Live]], items: Se
             ep.restart(list(rebuilt), dataclasses.replace(turn, num_tokens=0))
         else:
             ep.add(tokens, None, turn)
+
+
+def _render_after_turn(adapter: AgentAdapter, ep: _Live, text: str, tokenizer: Any) -> tuple[str, list[int]]:
+    """The observation's text as it reads in the context, and its tokens, joined to how the model's
+    turn ended (module doc): an inline text drops the overhang the model already wrote; a chat/user
+    message does not close again a message the turn closed with its end-of-message token."""
+    inline = adapter.observation_style == "inline"
+    if inline and ep.overhang and text.startswith(ep.overhang):
+        text = text[len(ep.overhang):]
+    tokens = adapter.render_observation(text, tokenizer)
+    if not inline and ep.closed and tokens and tokens[0] == ep.tokens[-1]:
+        tokens = tokens[1:]
+    return text, tokens
 
 
 def _snapshot(ep: _Live, *more: Turn) -> Episode:
@@ -282,19 +298,25 @@ def episode_metrics(rollouts: Sequence[Rollout]) -> dict[str, float]:
         return {}
     n = len(episodes)
     calls = sum(e.tool_calls for e in episodes)
+    replies = sum(e.observations for e in episodes)
     model_turns = [t for e in episodes for t in e.turns if t.role == "model"]
-    tool_turns = [t for e in episodes for t in e.turns if t.role == "observation"]
+    obs_turns = [t for e in episodes for t in e.turns if t.role == "observation"]
     call_seconds = {t.seconds for t in model_turns}
     metrics = {
         "episode/turns": sum(e.model_turns for e in episodes) / n,
+        # calls of a declared tool; observations: every environment reply, tool results included
         "episode/tool_calls": calls / n,
+        "episode/observations": replies / n,
         "episode/tool_error_rate": sum(e.tool_errors for e in episodes) / calls if calls else 0.0,
+        "episode/observation_error_rate": sum(e.observation_errors for e in episodes) / replies if replies else 0.0,
         "episode/context_tokens": sum(e.context_tokens for e in episodes) / n,
         "episode/max_context_tokens": float(max(e.context_tokens for e in episodes)),
-        "episode/observation_tokens": sum(t.num_tokens for t in tool_turns) / n,
+        "episode/observation_tokens": sum(t.num_tokens for t in obs_turns) / n,
+        # environment calls still running past their time limit (threads held by hung tools)
+        "episode/tools_stuck": float(max(e.tools_stuck for e in episodes)),
         # one batched sampling call per turn (its wall time is shared by the turns it sampled)
         "time/turn": sum(call_seconds) / max(1, len(call_seconds)),
-        "time/tool_call": sum(t.seconds for t in tool_turns) / len(tool_turns) if tool_turns else 0.0,
+        "time/tool_call": sum(t.seconds for t in obs_turns) / len(obs_turns) if obs_turns else 0.0,
     }
     for reason in END_REASONS:
         metrics[f"episode/end_{reason}"] = sum(e.end_reason == reason for e in episodes) / n

@@ -24,7 +24,7 @@ from grpo import models
 from grpo.backends.local.folded_lora import FoldedAdapter, can_fold
 from grpo.backends.local.sampler_precision import SamplerCopy
 from grpo.checks import check_lora_targets
-from grpo.models import precision
+from grpo.models import dtype_probe, precision
 from grpo.models.cpu_linear import use_onednn_linears
 
 ATTN_PARENTS = ("attn", "attention")
@@ -86,12 +86,15 @@ class Engine:
     def __init__(self, base_model: str, device: str | torch.device | None = None, dtype: str | torch.dtype | None = None,
                  sample_dtype: str | torch.dtype | None = None):
         """``dtype``: the trainer's precision (``train_dtype``), ``sample_dtype`` the sampler's
-        (None: the trainer's); each fp32, bf16 or auto (grpo/models/precision.py)."""
+        (None: the same name as ``dtype``); each fp32, bf16 or auto (grpo/models/precision.py).
+        ``auto`` is decided per role: sampling and training may measure differently."""
         self.base_model = base_model
         self.device = torch.device(device) if device not in (None, "auto") else models.default_device()
-        train_dtype = precision.resolve("train_dtype", dtype, self.device)
-        self.sample_dtype = (train_dtype if sample_dtype is None
-                             else precision.resolve("sample_dtype", sample_dtype, self.device))
+        # The model's shapes, for timing fp32 against bf16 before the weights load in the winner
+        shapes = dtype_probe.Shapes.from_config(models.load_config(base_model)) if self.device.type == "cpu" else None
+        train_dtype = precision.resolve("train_dtype", dtype, self.device, shapes)
+        self.sample_dtype = precision.resolve("sample_dtype", dtype if sample_dtype is None else sample_dtype,
+                                              self.device, shapes)
         self.tokenizer = models.load_tokenizer(base_model)
         self.model = models.load_model(base_model, device=self.device, dtype=train_dtype)
         self.dtype = next(self.model.parameters()).dtype

@@ -1,0 +1,292 @@
+"""What ``auto`` means on this CPU: the model's own matmul shapes timed in fp32 and in bf16.
+
+Whether bf16 beats fp32 on a CPU is not written in its flags: on an AMX Xeon bf16 sampling ran
+1.3-1.7x slower than fp32, on CPUs without bf16 instructions up to 19x slower, and where bf16 is
+native the answer depends on the shapes (a decoding step streams the weights, where half the bytes
+help; training is compute-bound, where the kernel decides). So the first ``auto`` for a model on a
+machine times both precisions on that model's shapes, for each role separately:
+
+- ``sample``: a decoding step, a handful of rows (``DECODE_ROWS``) through every Linear of the
+  model, the weights spread over enough layer copies to be read from memory, not from cache;
+- ``train``: a forward and input-gradient pass (the base weights are frozen under LoRA) of
+  ``TRAIN_ROWS`` tokens through one layer's Linears and the unembedding.
+
+Only the Linears are timed (they are nearly all of the FLOPs and bytes); each role's time is scaled
+to the whole model (layers x layer + unembedding). fp32 and bf16 repetitions alternate, so load from
+other processes falls on both, and the medians are compared. bf16 is chosen for a role only when it
+measured at least ``MARGIN`` faster: ``auto`` is never slower than fp32 beyond measurement noise.
+
+The result is cached in ``$GRPO_CACHE/precision.json`` (and in this process) keyed by CPU model,
+torch version, thread count, fp32 Linear kernel and the shapes, so the ~2 s probe is paid once per
+machine and model shape; the choice and its numbers are printed once, when measured.
+``GRPO_PRECISION_PROBE=off`` skips the probe: ``auto`` is then fp32 on a CPU.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+ROLES = ("sample", "train")
+MARGIN = 1.10  # bf16 must be this many times faster than fp32 to be chosen
+DECODE_ROWS = 8  # rows of one decoding step: a group or two of responses
+TRAIN_ROWS = 128  # tokens of one training matmul chain
+DECODE_BYTES = 128 << 20  # fp32 layer weights cycled through per decoding step: well beyond a CPU's cache
+HEAD_DECODE_BYTES = 64 << 20  # the unembedding's rows timed per decoding step (scaled to the vocabulary)
+HEAD_TRAIN_ROWS = 4096  # the unembedding's rows timed per training pass (compute-bound: scales linearly)
+BUDGET_S = 2.0  # measuring time, both roles and both precisions
+MAX_REPS = 7
+ENV_SWITCH = "GRPO_PRECISION_PROBE"
+
+
+@dataclass(frozen=True)
+class Shapes:
+    """The Linear shapes of a decoder: what the probe times."""
+
+    hidden: int
+    intermediate: int
+    q_out: int  # attention heads x head dim
+    kv_out: int  # key/value heads x head dim
+    vocab: int
+    layers: int
+
+    @classmethod
+    def from_config(cls, config: Any) -> Shapes | None:
+        """The shapes of a transformers config; None where it does not name them (then ``auto`` is fp32)."""
+        config = config.get_text_config() if hasattr(config, "get_text_config") else config
+        try:
+            hidden, heads = int(config.hidden_size), int(config.num_attention_heads)
+            kv_heads = int(getattr(config, "num_key_value_heads", None) or heads)
+            head_dim = int(getattr(config, "head_dim", None) or hidden // heads)
+            return cls(hidden, int(config.intermediate_size), heads * head_dim, kv_heads * head_dim,
+                       int(config.vocab_size), int(config.num_hidden_layers))
+        except (AttributeError, TypeError, ValueError, ZeroDivisionError):
+            return None
+
+    def signature(self) -> str:
+        return (f"h{self.hidden}-i{self.intermediate}-q{self.q_out}-kv{self.kv_out}"
+                f"-v{self.vocab}-l{self.layers}")
+
+
+@dataclass(frozen=True)
+class Timing:
+    """One role's measured seconds per model step in fp32 and in bf16."""
+
+    fp32_s: float
+    bf16_s: float
+
+    @property
+    def choice(self) -> str:
+        return "bf16" if self.bf16_s * MARGIN <= self.fp32_s else "fp32"
+
+    @property
+    def bf16_slowdown(self) -> float:
+        """How many times slower bf16 measured than fp32 (below 1: faster)."""
+        return self.bf16_s / self.fp32_s
+
+
+# (shapes) -> {role: (fp32 seconds, bf16 seconds)}; tests pass a fake one
+Timer = Callable[[Shapes], dict[str, tuple[float, float]]]
+
+_memo: dict[str, dict[str, Timing]] = {}
+_lock = threading.Lock()
+
+
+def enabled() -> bool:
+    """Whether ``auto`` may time the model (``GRPO_PRECISION_PROBE``: on, the default, or off)."""
+    value = os.environ.get(ENV_SWITCH, "on").strip().lower() or "on"
+    if value not in ("on", "off"):
+        raise ValueError(f"{ENV_SWITCH}={os.environ[ENV_SWITCH]!r} is invalid; valid: on, off")
+    return value == "on"
+
+
+def cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.partition(":")[2].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "unknown CPU"
+
+
+def machine_key(shapes: Shapes) -> str:
+    """What a measurement depends on besides noise: CPU, torch, threads, fp32 kernel, shapes."""
+    import torch
+
+    from grpo.models import cpu_linear
+
+    kernel = "onednn" if cpu_linear.wanted() and cpu_linear.onednn_works() else "torch"
+    return f"{cpu_name()} | torch {torch.__version__} | {torch.get_num_threads()} threads | {kernel} | {shapes.signature()}"
+
+
+def cache_file() -> Path:
+    from grpo import models
+
+    return models.cache_dir() / "precision.json"
+
+
+def timings(shapes: Shapes, timer: Timer | None = None, cache: Path | None = None) -> dict[str, Timing]:
+    """Each role's Timing for ``shapes`` on this machine: from this process, else the cache file,
+    else measured (by ``timer``, default ``measure``), cached and printed once."""
+    key = machine_key(shapes)
+    cache = cache if cache is not None else cache_file()
+    memo_key = f"{cache} | {key}"
+    with _lock:  # two engines created at once measure once
+        if memo_key in _memo:
+            return _memo[memo_key]
+        stored = _read(cache)
+        entry = stored.get(key)
+        try:
+            result = {role: Timing(float(entry[role]["fp32_s"]), float(entry[role]["bf16_s"])) for role in ROLES}
+        except (KeyError, TypeError, ValueError):  # not measured yet, or a damaged entry: measure again
+            measured = (timer or measure)(shapes)
+            result = {role: Timing(*measured[role]) for role in ROLES}
+            stored = _read(cache)  # another process may have added machines meanwhile
+            stored[key] = {role: asdict(t) for role, t in result.items()}
+            _write(cache, stored)
+            print(f"grpo: {summary(result, key)}; cached in {cache}", file=sys.stderr, flush=True)
+        _memo[memo_key] = result
+        return result
+
+
+def summary(result: dict[str, Timing], key: str) -> str:
+    """One line: each role's choice and the numbers it was made from."""
+    cpu, _, rest = key.partition(" | ")
+    parts = []
+    for role, what in (("sample", "decoding step"), ("train", "training pass")):
+        t = result[role]
+        parts.append(f"{role}_dtype {t.choice} (per {what}: fp32 {t.fp32_s * 1e3:.1f} ms, "
+                     f"bf16 {t.bf16_s * 1e3:.1f} ms, bf16 {_relative(t)})")
+    return f"auto precision on {cpu} ({rest}): " + ", ".join(parts)
+
+
+def _relative(t: Timing) -> str:
+    s = t.bf16_slowdown
+    return f"{s:.2f}x slower" if s >= 1 else f"{1 / s:.2f}x faster"
+
+
+def _read(path: Path) -> dict:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def _write(path: Path, data: dict) -> None:
+    from grpo.files import atomic_write_text
+
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(path, json.dumps(data, indent=1, sort_keys=True) + "\n")
+    except OSError as err:  # a read-only cache costs a probe per process, nothing more
+        print(f"grpo: could not cache the precision probe in {path}: {err}", file=sys.stderr)
+
+
+# --------------------------------------------------------------------------- the real timer
+
+
+def measure(shapes: Shapes, budget_s: float = BUDGET_S) -> dict[str, tuple[float, float]]:
+    """Seconds per model step in fp32 and bf16 for each role, medians of alternating repetitions."""
+    import torch
+
+    out = {}
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        for role, share in (("sample", 0.4), ("train", 0.6)):
+            steps = {dtype: _STEPS[role](shapes, dtype) for dtype in (torch.float32, torch.bfloat16)}
+            out[role] = _alternate(steps[torch.float32], steps[torch.bfloat16], budget_s * share)
+    return out
+
+
+def _alternate(fp32: Callable[[], float], bf16: Callable[[], float], budget_s: float) -> tuple[float, float]:
+    fp32(), bf16()  # warm-up: oneDNN primitive creation, first-touch of the weights
+    times: tuple[list[float], list[float]] = ([], [])
+    start = time.perf_counter()
+    while len(times[0]) < MAX_REPS and (len(times[0]) < 3 or time.perf_counter() - start < budget_s):
+        times[0].append(fp32())
+        times[1].append(bf16())
+    return statistics.median(times[0]), statistics.median(times[1])
+
+
+def _linears(shapes: Shapes, dtype, copies: int, head_rows: int):
+    """``copies`` layers of the model's Linears and a ``head_rows``-row slice of the unembedding, in
+    ``dtype``, on the kernels the model runs (oneDNN for fp32 on a CPU: cpu_linear.py)."""
+    import torch
+    from torch import nn
+
+    from grpo.models.cpu_linear import use_onednn_linears
+
+    h, i, q, kv = shapes.hidden, shapes.intermediate, shapes.q_out, shapes.kv_out
+    layer_shapes = [(h, q), (h, kv), (h, kv), (q, h), (h, i), (h, i), (i, h)]  # q k v o gate up down
+
+    def linear(fan_in: int, fan_out: int) -> nn.Linear:
+        module = nn.Linear(fan_in, fan_out, bias=False, device="meta")
+        weight = torch.empty(fan_out, fan_in, dtype=dtype).uniform_(-fan_in ** -0.5, fan_in ** -0.5)
+        module.weight = nn.Parameter(weight, requires_grad=False)
+        return module
+
+    layers = nn.ModuleList(nn.ModuleList(linear(a, b) for a, b in layer_shapes) for _ in range(copies))
+    head = linear(h, head_rows)
+    use_onednn_linears(layers), use_onednn_linears(head)
+    return layers, head
+
+
+def _decode_step(shapes: Shapes, dtype) -> Callable[[], float]:
+    import torch
+
+    layer_bytes = 4 * (shapes.hidden * (2 * shapes.q_out + 2 * shapes.kv_out + 3 * shapes.intermediate))
+    copies = max(1, min(shapes.layers, -(-DECODE_BYTES // layer_bytes)))
+    head_rows = max(1, min(shapes.vocab, HEAD_DECODE_BYTES // (4 * shapes.hidden)))
+    layers, head = _linears(shapes, dtype, copies, head_rows)
+    x = torch.randn(DECODE_ROWS, shapes.hidden, dtype=dtype)
+    xq = torch.randn(DECODE_ROWS, shapes.q_out, dtype=dtype)
+    xi = torch.randn(DECODE_ROWS, shapes.intermediate, dtype=dtype)
+
+    @torch.no_grad()
+    def step() -> float:
+        start = time.perf_counter()
+        for lq, lk, lv, lo, lg, lu, ld in layers:
+            lq(x), lk(x), lv(x), lo(xq), lg(x), lu(x), ld(xi)
+        mid = time.perf_counter()
+        head(x)
+        end = time.perf_counter()
+        return (mid - start) * shapes.layers / copies + (end - mid) * shapes.vocab / head_rows
+
+    return step
+
+
+def _train_step(shapes: Shapes, dtype) -> Callable[[], float]:
+    import torch
+
+    head_rows = min(shapes.vocab, HEAD_TRAIN_ROWS)
+    (layer,), head = _linears(shapes, dtype, 1, head_rows)
+    inputs = {n: torch.randn(TRAIN_ROWS, n, dtype=dtype) for n in {shapes.hidden, shapes.q_out, shapes.intermediate}}
+
+    def chain(modules) -> None:
+        leaves = {n: x.clone().requires_grad_(True) for n, x in inputs.items()}
+        outs = [m(leaves[m.in_features]) for m in modules]
+        torch.autograd.backward(outs, [torch.ones_like(o) for o in outs])
+
+    def step() -> float:
+        start = time.perf_counter()
+        chain(layer)
+        mid = time.perf_counter()
+        chain([head])
+        end = time.perf_counter()
+        return (mid - start) * shapes.layers + (end - mid) * shapes.vocab / head_rows
+
+    return step
+
+
+_STEPS = {"sample": _decode_step, "train": _train_step}

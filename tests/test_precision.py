@@ -36,6 +36,7 @@ def probe(monkeypatch, tmp_path):
     monkeypatch.setenv(dtype_probe.ENV_SWITCH, "on")
     monkeypatch.setattr(dtype_probe, "_memo", {})
     monkeypatch.setattr(dtype_probe, "cache_file", lambda: tmp_path / "precision.json")
+    monkeypatch.setattr(dtype_probe, "machine_busy", lambda: None)  # however loaded this machine is now
 
     def use(timer: FakeTimer) -> FakeTimer:
         monkeypatch.setattr(dtype_probe, "measure", timer)
@@ -87,6 +88,21 @@ def test_auto_measures_once_per_machine_and_says_so_once(probe, tmp_path, capsys
     assert dtype_probe.timings(shapes)["sample"] == dtype_probe.Timing(0.030, 0.015)
     assert timer.calls == 1 and capsys.readouterr().err == ""
     assert list(json.loads((tmp_path / "precision.json").read_text())) == [dtype_probe.machine_key(shapes)]
+
+
+def test_a_busy_machine_is_not_measured_and_auto_is_fp32_until_a_quiet_run(probe, monkeypatch, tmp_path, capsys):
+    """Timing on an oversubscribed machine measures the other processes, and would be cached."""
+    timer = probe(FakeTimer(sample=(0.030, 0.015), train=(2.0, 1.0)))
+    monkeypatch.setattr(dtype_probe, "machine_busy", lambda: "load 6.4 on 2 cores")
+    assert precision.resolve("sample_dtype", "auto", CPU, SMOL) is torch.float32
+    assert precision.resolve("train_dtype", "auto", CPU, SMOL) is torch.float32
+    (line,) = capsys.readouterr().err.splitlines()  # said once per run
+    assert line == ("grpo: auto precision not measured, the machine is busy (load 6.4 on 2 cores): "
+                    "fp32 for this run, measured by a later one")
+    assert timer.calls == 0 and not (tmp_path / "precision.json").exists()
+    monkeypatch.setattr(dtype_probe, "machine_busy", lambda: None)
+    dtype_probe._memo.clear()  # a later run, on a quiet machine
+    assert precision.resolve("sample_dtype", "auto", CPU, SMOL) is torch.bfloat16 and timer.calls == 1
 
 
 def test_explicit_dtypes_are_not_timed(probe) -> None:
@@ -148,6 +164,7 @@ def test_shapes_come_from_the_model_config() -> None:
 def test_the_real_probe_returns_a_choice_per_role_and_caches_it(tmp_path, monkeypatch) -> None:
     """This machine's timing decides nothing here: only that measuring works and is reused."""
     monkeypatch.setattr(dtype_probe, "_memo", {})
+    monkeypatch.setattr(dtype_probe, "machine_busy", lambda: None)
     shapes = dtype_probe.Shapes.from_config(models.load_config("tiny"))
     first = dtype_probe.timings(shapes, timer=lambda s: dtype_probe.measure(s, budget_s=0.2), cache=tmp_path / "p.json")
     assert set(first) == {"sample", "train"}

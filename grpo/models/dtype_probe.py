@@ -13,21 +13,26 @@ machine times both precisions on that model's shapes, for each role separately:
 
 Only the Linears are timed (they are nearly all of the FLOPs and bytes); each role's time is scaled
 to the whole model (layers x layer + unembedding). fp32 and bf16 repetitions alternate, so load from
-other processes falls on both, and the medians are compared. bf16 is chosen for a role only when it
-measured at least ``MARGIN`` faster: ``auto`` is never slower than fp32 beyond measurement noise.
+other processes falls on both, and the fastest repetition of each is compared: other processes only
+ever add time (on a busy 2-core machine a 2-thread matmul can wait milliseconds for its second core),
+so the minimum is the machine's speed and a median its load. bf16 is chosen for a role only when it
+measured at least ``MARGIN`` faster: ``auto`` is never slower than fp32 beyond measurement noise, and
+noise (which slows both alike) leans towards fp32. Delete the cache file to measure again.
 
 The result is cached in ``$GRPO_CACHE/precision.json`` (and in this process) keyed by CPU model,
 torch version, thread count, fp32 Linear kernel and the shapes, so the ~2 s probe is paid once per
 machine and model shape; the choice and its numbers are printed once, when measured.
-``GRPO_PRECISION_PROBE=off`` skips the probe: ``auto`` is then fp32 on a CPU.
+``GRPO_PRECISION_PROBE=off`` skips the probe: ``auto`` is then fp32 on a CPU. So is it, for the run,
+where the load average is at least the number of cores: a measurement there would time the other
+processes, and be cached.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import platform
-import statistics
 import sys
 import threading
 import time
@@ -96,8 +101,9 @@ class Timing:
 
 # (shapes) -> {role: (fp32 seconds, bf16 seconds)}; tests pass a fake one
 Timer = Callable[[Shapes], dict[str, tuple[float, float]]]
+Op = Callable[[], Any]  # one matmul (forward, or forward and backward) of the probe
 
-_memo: dict[str, dict[str, Timing]] = {}
+_memo: dict[str, dict[str, Timing] | None] = {}
 _lock = threading.Lock()
 
 
@@ -135,9 +141,19 @@ def cache_file() -> Path:
     return models.cache_dir() / "precision.json"
 
 
-def timings(shapes: Shapes, timer: Timer | None = None, cache: Path | None = None) -> dict[str, Timing]:
+def machine_busy() -> str | None:
+    """Why timing now would measure other processes rather than this machine, or None."""
+    try:
+        load, cores = os.getloadavg()[0], len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # not Linux: no load known
+        return None
+    return f"load {load:.1f} on {cores} cores" if load >= cores else None
+
+
+def timings(shapes: Shapes, timer: Timer | None = None, cache: Path | None = None) -> dict[str, Timing] | None:
     """Each role's Timing for ``shapes`` on this machine: from this process, else the cache file,
-    else measured (by ``timer``, default ``measure``), cached and printed once."""
+    else measured (by ``timer``, default ``measure``), cached and printed once. None, printed once
+    per process, where the machine is too busy to measure: ``auto`` is fp32 until a run finds it quiet."""
     key = machine_key(shapes)
     cache = cache if cache is not None else cache_file()
     memo_key = f"{cache} | {key}"
@@ -149,6 +165,12 @@ def timings(shapes: Shapes, timer: Timer | None = None, cache: Path | None = Non
         try:
             result = {role: Timing(float(entry[role]["fp32_s"]), float(entry[role]["bf16_s"])) for role in ROLES}
         except (KeyError, TypeError, ValueError):  # not measured yet, or a damaged entry: measure again
+            busy = machine_busy()
+            if busy is not None:  # what would be cached for good would be the other processes' load
+                print(f"grpo: auto precision not measured, the machine is busy ({busy}): fp32 for this run, "
+                      "measured by a later one", file=sys.stderr, flush=True)
+                _memo[memo_key] = None
+                return None
             measured = (timer or measure)(shapes)
             result = {role: Timing(*measured[role]) for role in ROLES}
             stored = _read(cache)  # another process may have added machines meanwhile
@@ -197,26 +219,35 @@ def _write(path: Path, data: dict) -> None:
 
 
 def measure(shapes: Shapes, budget_s: float = BUDGET_S) -> dict[str, tuple[float, float]]:
-    """Seconds per model step in fp32 and bf16 for each role, medians of alternating repetitions."""
+    """Seconds per model step in fp32 and bf16 for each role (see the module docstring)."""
     import torch
 
     out = {}
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
         for role, share in (("sample", 0.4), ("train", 0.6)):
-            steps = {dtype: _STEPS[role](shapes, dtype) for dtype in (torch.float32, torch.bfloat16)}
-            out[role] = _alternate(steps[torch.float32], steps[torch.bfloat16], budget_s * share)
+            (fp32, counts), (bf16, _) = (_OPS[role](shapes, dtype) for dtype in (torch.float32, torch.bfloat16))
+            out[role] = _fastest(fp32, bf16, counts, budget_s * share)
     return out
 
 
-def _alternate(fp32: Callable[[], float], bf16: Callable[[], float], budget_s: float) -> tuple[float, float]:
-    fp32(), bf16()  # warm-up: oneDNN primitive creation, first-touch of the weights
-    times: tuple[list[float], list[float]] = ([], [])
-    start = time.perf_counter()
-    while len(times[0]) < MAX_REPS and (len(times[0]) < 3 or time.perf_counter() - start < budget_s):
-        times[0].append(fp32())
-        times[1].append(bf16())
-    return statistics.median(times[0]), statistics.median(times[1])
+def _fastest(fp32: list[Op], bf16: list[Op], counts: list[float], budget_s: float) -> tuple[float, float]:
+    """Each op's fastest run, fp32 and bf16 alternating op by op, summed with its count per model
+    step. Op by op, because on a loaded machine a whole model step rarely runs undisturbed while a
+    single matmul often does; alternating, so that the load falls on both precisions alike."""
+    for op in fp32 + bf16:  # warm-up: oneDNN primitive creation, first touch of the weights
+        op()
+    best = ([math.inf] * len(fp32), [math.inf] * len(bf16))
+    start, reps = time.perf_counter(), 0
+    while reps < MAX_REPS and (reps == 0 or (elapsed := time.perf_counter() - start) < budget_s
+                               or (reps < 3 and elapsed < 2 * budget_s)):
+        for j in range(len(fp32)):
+            for k, op in enumerate((fp32[j], bf16[j])):
+                t0 = time.perf_counter()
+                op()
+                best[k][j] = min(best[k][j], time.perf_counter() - t0)
+        reps += 1
+    return tuple(sum(c * t for c, t in zip(counts, b, strict=True)) for b in best)
 
 
 def _linears(shapes: Shapes, dtype, copies: int, head_rows: int):
@@ -239,54 +270,62 @@ def _linears(shapes: Shapes, dtype, copies: int, head_rows: int):
     layers = nn.ModuleList(nn.ModuleList(linear(a, b) for a, b in layer_shapes) for _ in range(copies))
     head = linear(h, head_rows)
     use_onednn_linears(layers), use_onednn_linears(head)
-    return layers, head
+    return [m for layer in layers for m in layer], head
 
 
-def _decode_step(shapes: Shapes, dtype) -> Callable[[], float]:
+def _decode_ops(shapes: Shapes, dtype) -> tuple[list[Op], list[float]]:
+    """One decoding step's matmuls: ``DECODE_ROWS`` rows through every Linear of enough layer
+    copies that the weights come from memory, as the model's do, and a slice of the unembedding."""
     import torch
 
     layer_bytes = 4 * (shapes.hidden * (2 * shapes.q_out + 2 * shapes.kv_out + 3 * shapes.intermediate))
     copies = max(1, min(shapes.layers, -(-DECODE_BYTES // layer_bytes)))
     head_rows = max(1, min(shapes.vocab, HEAD_DECODE_BYTES // (4 * shapes.hidden)))
-    layers, head = _linears(shapes, dtype, copies, head_rows)
-    x = torch.randn(DECODE_ROWS, shapes.hidden, dtype=dtype)
-    xq = torch.randn(DECODE_ROWS, shapes.q_out, dtype=dtype)
-    xi = torch.randn(DECODE_ROWS, shapes.intermediate, dtype=dtype)
+    linears, head = _linears(shapes, dtype, copies, head_rows)
+    inputs = {n: torch.randn(DECODE_ROWS, n, dtype=dtype) for n in {shapes.hidden, shapes.q_out, shapes.intermediate}}
 
-    @torch.no_grad()
-    def step() -> float:
-        start = time.perf_counter()
-        for lq, lk, lv, lo, lg, lu, ld in layers:
-            lq(x), lk(x), lv(x), lo(xq), lg(x), lu(x), ld(xi)
-        mid = time.perf_counter()
-        head(x)
-        end = time.perf_counter()
-        return (mid - start) * shapes.layers / copies + (end - mid) * shapes.vocab / head_rows
+    def op(module) -> Op:
+        x = inputs[module.in_features]
+        return torch.no_grad()(lambda: module(x))
 
-    return step
+    ops = [op(m) for m in linears] + [op(head)]
+    return ops, [shapes.layers / copies] * len(linears) + [shapes.vocab / head_rows]
 
 
-def _train_step(shapes: Shapes, dtype) -> Callable[[], float]:
+def _train_ops(shapes: Shapes, dtype) -> tuple[list[Op], list[float]]:
+    """One training pass's matmuls: ``TRAIN_ROWS`` tokens forward and back (input gradient only: the
+    base weights are frozen under LoRA) through one layer's Linears and a slice of the unembedding."""
     import torch
 
     head_rows = min(shapes.vocab, HEAD_TRAIN_ROWS)
-    (layer,), head = _linears(shapes, dtype, 1, head_rows)
+    linears, head = _linears(shapes, dtype, 1, head_rows)
     inputs = {n: torch.randn(TRAIN_ROWS, n, dtype=dtype) for n in {shapes.hidden, shapes.q_out, shapes.intermediate}}
 
-    def chain(modules) -> None:
-        leaves = {n: x.clone().requires_grad_(True) for n, x in inputs.items()}
-        outs = [m(leaves[m.in_features]) for m in modules]
-        torch.autograd.backward(outs, [torch.ones_like(o) for o in outs])
+    def op(module) -> Op:
+        x = inputs[module.in_features].clone().requires_grad_(True)
+        grad = torch.ones(TRAIN_ROWS, module.out_features, dtype=dtype)
+        return lambda: module(x).backward(grad)
 
-    def step() -> float:
-        start = time.perf_counter()
-        chain(layer)
-        mid = time.perf_counter()
-        chain([head])
-        end = time.perf_counter()
-        return (mid - start) * shapes.layers + (end - mid) * shapes.vocab / head_rows
-
-    return step
+    return [op(m) for m in linears] + [op(head)], [float(shapes.layers)] * len(linears) + [shapes.vocab / head_rows]
 
 
-_STEPS = {"sample": _decode_step, "train": _train_step}
+_OPS = {"sample": _decode_ops, "train": _train_ops}
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``python -m grpo.models.dtype_probe [base_model]``: measure now (the cache is neither read nor
+    written) and print the line ``auto`` would print."""
+    from grpo import models
+
+    args = sys.argv[1:] if argv is None else argv
+    name = args[0] if args else "smollm2"
+    shapes = Shapes.from_config(models.load_config(name))
+    if shapes is None:
+        raise SystemExit(f"grpo: the config of {name!r} names no decoder shapes; auto is fp32 for it")
+    busy = machine_busy()
+    result = {role: Timing(*seconds) for role, seconds in measure(shapes).items()}
+    print(summary(result, machine_key(shapes)) + (f" (busy machine: {busy}; auto would not measure now)" if busy else ""))
+
+
+if __name__ == "__main__":
+    main()

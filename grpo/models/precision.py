@@ -55,8 +55,8 @@ def auto_dtype(device: torch.device, key: str, shapes: dtype_probe.Shapes | None
         return torch.bfloat16
     if device.type != "cpu" or shapes is None or not dtype_probe.enabled():
         return torch.float32
-    choice = dtype_probe.timings(shapes)[KEYS[key]].choice
-    return torch.bfloat16 if choice == "bf16" else torch.float32
+    measured = dtype_probe.timings(shapes)
+    return torch.bfloat16 if measured is not None and measured[KEYS[key]].choice == "bf16" else torch.float32
 
 
 def resolve(key: str, value: Any, device: torch.device, shapes: dtype_probe.Shapes | None = None) -> torch.dtype:
@@ -69,8 +69,9 @@ def resolve(key: str, value: Any, device: torch.device, shapes: dtype_probe.Shap
         return auto_dtype(device, key, shapes)
     dtype = value if _is_dtype(value) else {"fp32": torch.float32, "bf16": torch.bfloat16}[NAMES[value.lower()]]
     if dtype == torch.bfloat16 and device.type == "cpu" and shapes is not None and dtype_probe.enabled():
-        timing = dtype_probe.timings(shapes)[KEYS[key]]
-        if timing.bf16_slowdown > 1:
+        measured = dtype_probe.timings(shapes)
+        timing = measured[KEYS[key]] if measured is not None else None
+        if timing is not None and timing.bf16_slowdown > 1:
             what = "a decoding step" if KEYS[key] == "sample" else "a training pass"
             warnings.warn(f"{key}=bf16 measured {timing.bf16_slowdown:.2f}x slower than fp32 on this CPU "
                           f"({dtype_probe.cpu_name()}) for {what} of this model ({timing.bf16_s * 1e3:.1f} ms "

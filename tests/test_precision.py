@@ -105,6 +105,27 @@ def test_a_busy_machine_is_not_measured_and_auto_is_fp32_until_a_quiet_run(probe
     assert precision.resolve("sample_dtype", "auto", CPU, SMOL) is torch.bfloat16 and timer.calls == 1
 
 
+def test_a_second_process_waits_for_the_first_measurement_and_uses_it(probe, tmp_path) -> None:
+    """Jobs of a sweep starting together must not time each other: one measures, the others wait."""
+    import fcntl
+    import threading
+
+    timer = probe(FakeTimer(sample=(1.0, 1.0), train=(1.0, 1.0)))
+    shapes, cache = SMOL, tmp_path / "precision.json"
+    with open(tmp_path / "precision.json.lock", "a") as other:  # another process is measuring
+        fcntl.flock(other, fcntl.LOCK_EX)
+        done = []
+        waiter = threading.Thread(target=lambda: done.append(dtype_probe.timings(shapes)))
+        waiter.start()
+        waiter.join(0.5)
+        assert waiter.is_alive() and not done
+        entry = {"fp32_s": 0.02, "bf16_s": 0.01}  # what the other process measured
+        cache.write_text(json.dumps({dtype_probe.machine_key(shapes): {"sample": entry, "train": entry}}))
+    waiter.join(10)
+    assert done == [{"sample": dtype_probe.Timing(0.02, 0.01), "train": dtype_probe.Timing(0.02, 0.01)}]
+    assert timer.calls == 0
+
+
 def test_explicit_dtypes_are_not_timed(probe) -> None:
     timer = probe(FakeTimer(sample=(1.0, 1.0), train=(1.0, 1.0)))
     engine = ServiceClient(device="cpu", dtype="fp32").create_lora_training_client("tiny", rank=2).engine

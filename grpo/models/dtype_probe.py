@@ -29,6 +29,7 @@ processes, and be cached.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -36,7 +37,7 @@ import platform
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -157,7 +158,9 @@ def timings(shapes: Shapes, timer: Timer | None = None, cache: Path | None = Non
     key = machine_key(shapes)
     cache = cache if cache is not None else cache_file()
     memo_key = f"{cache} | {key}"
-    with _lock:  # two engines created at once measure once
+    # Two engines created at once measure once; so do two processes (the jobs of a sweep), which
+    # measuring side by side would time each other.
+    with _lock, _file_lock(cache):
         if memo_key in _memo:
             return _memo[memo_key]
         stored = _read(cache)
@@ -179,6 +182,21 @@ def timings(shapes: Shapes, timer: Timer | None = None, cache: Path | None = Non
             print(f"grpo: {summary(result, key)}; cached in {cache}", file=sys.stderr, flush=True)
         _memo[memo_key] = result
         return result
+
+
+@contextlib.contextmanager
+def _file_lock(cache: Path) -> Iterator[None]:
+    try:
+        import fcntl
+
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        handle = open(cache.with_name(cache.name + ".lock"), "a")  # noqa: SIM115 (held across the yield)
+    except (ImportError, OSError):  # not POSIX, or a read-only cache: unlocked (at worst, measured twice)
+        yield
+        return
+    with handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        yield
 
 
 def summary(result: dict[str, Timing], key: str) -> str:

@@ -80,6 +80,21 @@ def lora_target_modules(model: nn.Module, spec: LoraSpec) -> list[str]:
     return targets
 
 
+def _probe_shapes(base_model: str, device: torch.device, dtypes: tuple) -> dtype_probe.Shapes | None:
+    """The model's shapes, for timing fp32 against bf16 before the weights load in the winner;
+    None where nothing is to be timed (a GPU, fp32 asked for, the probe off) or the config names no
+    shapes (then ``auto`` is fp32)."""
+    def fp32(value) -> bool:
+        return value == torch.float32 or (isinstance(value, str) and precision.NAMES.get(value.lower()) == "fp32")
+
+    if device.type != "cpu" or all(fp32(d) for d in dtypes) or not dtype_probe.enabled():
+        return None
+    try:
+        return dtype_probe.Shapes.from_config(models.load_config(base_model))
+    except (OSError, ValueError):  # not a model config (an adapter directory...): load_model says what is wrong
+        return None
+
+
 class Engine:
     """A base model on one device plus its named LoRA adapters."""
 
@@ -90,11 +105,10 @@ class Engine:
         ``auto`` is decided per role: sampling and training may measure differently."""
         self.base_model = base_model
         self.device = torch.device(device) if device not in (None, "auto") else models.default_device()
-        # The model's shapes, for timing fp32 against bf16 before the weights load in the winner
-        shapes = dtype_probe.Shapes.from_config(models.load_config(base_model)) if self.device.type == "cpu" else None
+        sample_dtype = dtype if sample_dtype is None else sample_dtype
+        shapes = _probe_shapes(base_model, self.device, (dtype, sample_dtype))
         train_dtype = precision.resolve("train_dtype", dtype, self.device, shapes)
-        self.sample_dtype = precision.resolve("sample_dtype", dtype if sample_dtype is None else sample_dtype,
-                                              self.device, shapes)
+        self.sample_dtype = precision.resolve("sample_dtype", sample_dtype, self.device, shapes)
         self.tokenizer = models.load_tokenizer(base_model)
         self.model = models.load_model(base_model, device=self.device, dtype=train_dtype)
         self.dtype = next(self.model.parameters()).dtype

@@ -7,11 +7,15 @@ help; training is compute-bound, where the kernel decides). So the first ``auto`
 machine times both precisions on that model's shapes, for each role separately:
 
 - ``sample``: a decoding step, a handful of rows (``DECODE_ROWS``) through every Linear of the
-  model, the weights spread over enough layer copies to be read from memory, not from cache;
-- ``train``: a forward and input-gradient pass (the base weights are frozen under LoRA) of
-  ``TRAIN_ROWS`` tokens through one layer's Linears and the unembedding.
+  model, the weights spread over enough layer copies to be read from memory, not from cache, each
+  Linear as the sampler runs it: fp32 with LoRA folded in, bf16 with LoRA as a bf16 side path;
+- ``train``: a forward and backward pass of ``TRAIN_ROWS`` tokens through one layer's Linears and
+  the unembedding, as peft trains them: the frozen base in the precision timed (input gradient
+  only), LoRA in fp32 beside it.
 
-Only the Linears are timed (they are nearly all of the FLOPs and bytes); each role's time is scaled
+Only the Linears (with their LoRA) are timed: they are nearly all of the FLOPs and bytes, but
+attention, norms and sampling are not, so the probe ranks the precisions rather than predicting a
+step's time. Each role's time is scaled
 to the whole model (layers x layer + unembedding). fp32 and bf16 repetitions alternate, so load from
 other processes falls on both, and the fastest repetition of each is compared: other processes only
 ever add time (on a busy 2-core machine a 2-thread matmul can wait milliseconds for its second core),
@@ -49,6 +53,8 @@ TRAIN_ROWS = 128  # tokens of one training matmul chain
 DECODE_BYTES = 128 << 20  # fp32 layer weights cycled through per decoding step: well beyond a CPU's cache
 HEAD_DECODE_BYTES = 64 << 20  # the unembedding's rows timed per decoding step (scaled to the vocabulary)
 HEAD_TRAIN_ROWS = 4096  # the unembedding's rows timed per training pass (compute-bound: scales linearly)
+LORA_RANK = 16  # the API's default rank; every Linear adapted (train_attn/mlp/unembed default on)
+LORA_SCALING = 2.0  # alpha = 2 * rank
 BUDGET_S = 2.0  # measuring time, both roles and both precisions
 MAX_REPS = 7
 ENV_SWITCH = "GRPO_PRECISION_PROBE"
@@ -291,9 +297,28 @@ def _linears(shapes: Shapes, dtype, copies: int, head_rows: int):
     return [m for layer in layers for m in layer], head
 
 
+def _lora(module, dtype, trainable: bool):
+    """LoRA's A and B for ``module`` (rank ``LORA_RANK``) as nn.Linears in ``dtype``."""
+    import torch
+    from torch import nn
+
+    from grpo.models.cpu_linear import use_onednn_linears
+
+    a = nn.Linear(module.in_features, LORA_RANK, bias=False, dtype=dtype)
+    b = nn.Linear(LORA_RANK, module.out_features, bias=False, dtype=dtype)
+    with torch.no_grad():
+        b.weight.normal_(std=0.01)  # peft starts B at zero; not a number a kernel should see
+    for p in (*a.parameters(), *b.parameters()):
+        p.requires_grad_(trainable)
+    use_onednn_linears(a), use_onednn_linears(b)
+    return a, b
+
+
 def _decode_ops(shapes: Shapes, dtype) -> tuple[list[Op], list[float]]:
     """One decoding step's matmuls: ``DECODE_ROWS`` rows through every Linear of enough layer
-    copies that the weights come from memory, as the model's do, and a slice of the unembedding."""
+    copies that the weights come from memory, as the model's do, and a slice of the unembedding.
+    As the sampler runs them: fp32 with LoRA folded into the weights (folded_lora.py), bf16 with
+    LoRA as a side path in bf16 (sampler_precision.py: folding would round it away)."""
     import torch
 
     layer_bytes = 4 * (shapes.hidden * (2 * shapes.q_out + 2 * shapes.kv_out + 3 * shapes.intermediate))
@@ -304,15 +329,19 @@ def _decode_ops(shapes: Shapes, dtype) -> tuple[list[Op], list[float]]:
 
     def op(module) -> Op:
         x = inputs[module.in_features]
-        return torch.no_grad()(lambda: module(x))
+        if dtype == torch.float32:
+            return torch.no_grad()(lambda: module(x))
+        a, b = _lora(module, dtype, trainable=False)
+        return torch.no_grad()(lambda: module(x) + LORA_SCALING * b(a(x)))
 
     ops = [op(m) for m in linears] + [op(head)]
     return ops, [shapes.layers / copies] * len(linears) + [shapes.vocab / head_rows]
 
 
 def _train_ops(shapes: Shapes, dtype) -> tuple[list[Op], list[float]]:
-    """One training pass's matmuls: ``TRAIN_ROWS`` tokens forward and back (input gradient only: the
-    base weights are frozen under LoRA) through one layer's Linears and a slice of the unembedding."""
+    """One training pass's matmuls: ``TRAIN_ROWS`` tokens forward and back through one layer's
+    Linears and a slice of the unembedding, as peft runs them: the frozen base in ``dtype`` (input
+    gradient only), LoRA in fp32 beside it (the input cast to fp32 and the sum back to ``dtype``)."""
     import torch
 
     head_rows = min(shapes.vocab, HEAD_TRAIN_ROWS)
@@ -322,7 +351,13 @@ def _train_ops(shapes: Shapes, dtype) -> tuple[list[Op], list[float]]:
     def op(module) -> Op:
         x = inputs[module.in_features].clone().requires_grad_(True)
         grad = torch.ones(TRAIN_ROWS, module.out_features, dtype=dtype)
-        return lambda: module(x).backward(grad)
+        a, b = _lora(module, torch.float32, trainable=True)
+
+        def run() -> None:
+            (module(x) + LORA_SCALING * b(a(x.to(torch.float32)))).to(dtype).backward(grad)
+            a.weight.grad = b.weight.grad = None
+
+        return run
 
     return [op(m) for m in linears] + [op(head)], [float(shapes.layers)] * len(linears) + [shapes.vocab / head_rows]
 

@@ -64,6 +64,18 @@ def test_auto_picks_for_each_role_what_measured_faster_by_the_margin(probe) -> N
     assert dtype_probe.Timing(1.0, 0.95).choice == "fp32" and dtype_probe.Timing(1.1, 1.0).choice == "bf16"
 
 
+def test_auto_trains_in_bf16_only_beside_a_bf16_sampler(probe, capsys) -> None:
+    """An fp32 sampler beside a bf16 trainer keeps its own fp32 copy with LoRA unmerged: slower than
+    the folded fp32 sampler the probe timed, so auto does not pair them."""
+    probe(FakeTimer(sample=(0.020, 0.030), train=(3.0, 1.5)))  # bf16 samples slower, trains 2x faster
+    assert precision.resolve("train_dtype", "auto", CPU, SMOL) is torch.float32
+    assert precision.resolve("sample_dtype", "auto", CPU, SMOL) is torch.float32
+    assert "train_dtype fp32 (per training pass: fp32 3000.0 ms, bf16 1500.0 ms, bf16 2.00x faster; fp32 kept " \
+           "beside the fp32 sampler)" in capsys.readouterr().err
+    assert dtype_probe.choose({"sample": dtype_probe.Timing(2.0, 1.0), "train": dtype_probe.Timing(2.0, 1.0)}) == \
+        {"sample": "bf16", "train": "bf16"}
+
+
 @pytest.mark.parametrize("bf16_slower", [1.02, 1.4, 20.0])
 def test_auto_is_never_slower_than_fp32(probe, bf16_slower) -> None:
     """A CPU where bf16 measures slower in both roles (emulated bf16, AMX sampling): auto is fp32

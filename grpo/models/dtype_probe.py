@@ -20,8 +20,9 @@ to the whole model (layers x layer + unembedding). fp32 and bf16 repetitions alt
 other processes falls on both, and the fastest repetition of each is compared: other processes only
 ever add time (on a busy 2-core machine a 2-thread matmul can wait milliseconds for its second core),
 so the minimum is the machine's speed and a median its load. bf16 is chosen for a role only when it
-measured at least ``MARGIN`` faster: ``auto`` is never slower than fp32 beyond measurement noise, and
-noise (which slows both alike) leans towards fp32. Delete the cache file to measure again.
+measured at least ``MARGIN`` faster, and for training only where sampling is bf16 too (``choose``):
+``auto`` is never slower than fp32 beyond measurement noise, and noise (which slows both alike)
+leans towards fp32. Delete the cache file to measure again.
 
 The result is cached in ``$GRPO_CACHE/precision.json`` (and in this process) keyed by CPU model,
 torch version, thread count, fp32 Linear kernel and the shapes, so the ~2 s probe is paid once per
@@ -205,14 +206,25 @@ def _file_lock(cache: Path) -> Iterator[None]:
         yield
 
 
+def choose(result: dict[str, Timing]) -> dict[str, str]:
+    """Each role's precision: the faster one by ``MARGIN``, except bf16 training beside an fp32
+    sampler. The probe times fp32 sampling as it runs beside an fp32 trainer, with LoRA folded into
+    the weights; beside a bf16 trainer the sampler runs its own fp32 copy with LoRA unmerged
+    (sampler_precision.py), slower than what was timed, so sampling could end up slower than fp32.
+    ``train_dtype=bf16`` asks for that pair explicitly."""
+    sample, train = result["sample"].choice, result["train"].choice
+    return {"sample": sample, "train": "fp32" if sample == "fp32" else train}
+
+
 def summary(result: dict[str, Timing], key: str) -> str:
     """One line: each role's choice and the numbers it was made from."""
     cpu, _, rest = key.partition(" | ")
-    parts = []
+    chosen, parts = choose(result), []
     for role, what in (("sample", "decoding step"), ("train", "training pass")):
         t = result[role]
-        parts.append(f"{role}_dtype {t.choice} (per {what}: fp32 {t.fp32_s * 1e3:.1f} ms, "
-                     f"bf16 {t.bf16_s * 1e3:.1f} ms, bf16 {_relative(t)})")
+        kept = "; fp32 kept beside the fp32 sampler" if chosen[role] != t.choice else ""
+        parts.append(f"{role}_dtype {chosen[role]} (per {what}: fp32 {t.fp32_s * 1e3:.1f} ms, "
+                     f"bf16 {t.bf16_s * 1e3:.1f} ms, bf16 {_relative(t)}{kept})")
     return f"auto precision on {cpu} ({rest}): " + ", ".join(parts)
 
 

@@ -6,9 +6,11 @@
 - on a CUDA GPU, bf16 (tensor cores; no probe);
 - on a CPU, whichever of fp32 and bf16 ran the model's own shapes faster on this machine, bf16 only
   when at least 10% faster (dtype_probe.py: timed once per CPU model, torch version and model shape,
-  cached under ``$GRPO_CACHE``, printed once when measured). CPU flags decide nothing: on an Intel
-  Xeon with AMX bf16 sampling ran 1.3-1.7x slower than fp32, while on an AMD EPYC with avx512_bf16
-  bf16 decoding ran about 2x faster and bf16 training 2x slower. ``GRPO_PRECISION_PROBE=off`` skips
+  cached under ``$GRPO_CACHE``, printed once when measured; bf16 training only beside bf16 sampling,
+  since an fp32 sampler beside a bf16 trainer cannot fold LoRA). CPU flags decide nothing: on an Intel
+  Xeon with AMX bf16 sampling ran 1.3-1.7x slower than fp32, and on an AMD EPYC with avx512_bf16
+  the bf16 sampler ran 1.8x slower (its LoRA unmerged) while a bf16 forward pass ran 2.5x faster
+  (docs/benchmark.md). ``GRPO_PRECISION_PROBE=off`` skips
   the probe, and ``auto`` is then fp32 on a CPU, as it is for a model whose config names no shapes.
 
 Sampling in bf16 beside an fp32 trainer moves the sampler's logprobs off the trainer's by bf16
@@ -56,7 +58,7 @@ def auto_dtype(device: torch.device, key: str, shapes: dtype_probe.Shapes | None
     if device.type != "cpu" or shapes is None or not dtype_probe.enabled():
         return torch.float32
     measured = dtype_probe.timings(shapes)
-    return torch.bfloat16 if measured is not None and measured[KEYS[key]].choice == "bf16" else torch.float32
+    return torch.bfloat16 if measured is not None and dtype_probe.choose(measured)[KEYS[key]] == "bf16" else torch.float32
 
 
 def resolve(key: str, value: Any, device: torch.device, shapes: dtype_probe.Shapes | None = None) -> torch.dtype:

@@ -60,8 +60,8 @@ def test_auto_picks_for_each_role_what_measured_faster_by_the_margin(probe) -> N
     probe(FakeTimer(sample=(0.020, 0.010), train=(3.0, 6.0)))  # bf16 2x faster decoding, 2x slower training
     assert precision.resolve("sample_dtype", "auto", CPU, SMOL) is torch.bfloat16
     assert precision.resolve("train_dtype", "auto", CPU, SMOL) is torch.float32
-    # 5% faster is within noise: fp32; 10% is the margin
-    assert dtype_probe.Timing(1.0, 0.95).choice == "fp32" and dtype_probe.Timing(1.1, 1.0).choice == "bf16"
+    # 20% faster is within what the probe misses (only Linears timed): fp32; 25% is the margin
+    assert dtype_probe.Timing(1.2, 1.0).choice == "fp32" and dtype_probe.Timing(1.25, 1.0).choice == "bf16"
 
 
 def test_auto_trains_in_bf16_only_beside_a_bf16_sampler(probe, capsys) -> None:

@@ -5,7 +5,7 @@
 
 - on a CUDA GPU, bf16 (tensor cores; no probe);
 - on a CPU, whichever of fp32 and bf16 ran the model's own shapes faster on this machine, bf16 only
-  when at least 10% faster (dtype_probe.py: timed once per CPU model, torch version and model shape,
+  when at least 25% faster (dtype_probe.py: timed once per CPU model, torch version and model shape,
   cached under ``$GRPO_CACHE``, printed once when measured; bf16 training only beside bf16 sampling,
   since an fp32 sampler beside a bf16 trainer cannot fold LoRA). CPU flags decide nothing: on an Intel
   Xeon with AMX bf16 sampling ran 1.3-1.7x slower than fp32, and on an AMD EPYC with avx512_bf16

@@ -15,18 +15,19 @@ machine times both precisions on that model's shapes, for each role separately:
 
 Only the Linears (with their LoRA) are timed: they are nearly all of the FLOPs and bytes, but
 attention, norms and sampling are not, so the probe ranks the precisions rather than predicting a
-step's time. Each role's time is scaled
-to the whole model (layers x layer + unembedding). fp32 and bf16 repetitions alternate, so load from
-other processes falls on both, and the fastest repetition of each is compared: other processes only
-ever add time (on a busy 2-core machine a 2-thread matmul can wait milliseconds for its second core),
-so the minimum is the machine's speed and a median its load. bf16 is chosen for a role only when it
-measured at least ``MARGIN`` faster, and for training only where sampling is bf16 too (``choose``):
-``auto`` is never slower than fp32 beyond measurement noise, and noise (which slows both alike)
-leans towards fp32. Delete the cache file to measure again.
+step's time. Each role's time is scaled to the whole model (layers x layer + unembedding). fp32
+and bf16 runs alternate matmul by matmul, so load from other processes falls on both, and each
+matmul's fastest run counts: other processes only ever add time (on a busy 2-core machine a
+2-thread matmul can wait milliseconds for its second core), so the minimum is the machine's speed
+and a median its load. bf16 is chosen for a role only when it measured at least ``MARGIN``
+faster, and for training only where sampling is bf16 too (``choose``): ``auto`` is never slower
+than fp32 beyond measurement noise, and noise (which slows both alike) leans towards fp32. Delete
+the cache file to measure again.
 
 The result is cached in ``$GRPO_CACHE/precision.json`` (and in this process) keyed by CPU model,
-torch version, thread count, fp32 Linear kernel and the shapes, so the ~2 s probe is paid once per
-machine and model shape; the choice and its numbers are printed once, when measured.
+torch version, thread count, fp32 Linear kernel and the shapes, so the probe (about 2 s on a quiet
+machine) is paid once per machine and model shape; the choice and its numbers are printed once,
+when measured.
 ``GRPO_PRECISION_PROBE=off`` skips the probe: ``auto`` is then fp32 on a CPU. So is it, for the run,
 where the load average is at least the number of cores: a measurement there would time the other
 processes, and be cached.

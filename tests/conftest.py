@@ -13,6 +13,10 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("WANDB_SILENT", "true")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# ``auto`` precision is fp32 on a CPU without timing the model (grpo/models/dtype_probe.py): what a
+# test computes must not depend on this machine's timing, nor write to the user's cache.
+# tests/test_precision.py turns the probe on with fake and real timers.
+os.environ["GRPO_PRECISION_PROBE"] = "off"
 
 
 @pytest.fixture(scope="session")

@@ -1,60 +1,213 @@
-"""Sampling and training precision: what ``auto`` picks, bad input, and a bf16 sampler beside an
-fp32 trainer (its own bf16 copy of the base weights, LoRA unmerged, refreshed as training moves)."""
+"""Sampling and training precision: what ``auto`` picks (measured, with faked timings: this machine's
+decide nothing here), bad input, and a bf16 sampler beside an fp32 trainer (its own bf16 copy of the
+base weights, LoRA unmerged, refreshed as training moves)."""
 
 from __future__ import annotations
 
+import json
 import warnings
 
 import pytest
 import torch
 
-from grpo import types
+from grpo import models, types
 from grpo.backends.local import ServiceClient
-from grpo.models import precision
+from grpo.models import dtype_probe, precision
 
-ZEN3_FLAGS = "flags\t\t: fpu sse2 avx avx2 fma avx512f avx512bw avx512_vnni\n"  # avx512, no bf16
-ZEN4_FLAGS = "flags\t\t: fpu sse2 avx avx2 avx512f avx512bw avx512_bf16\n"
-SPR_FLAGS = "flags\t\t: fpu avx2 avx512f amx_tile amx_int8 amx_bf16\n"
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")
 PROMPT = [1, 504, 3457, 28, 216, 17, 1183, 19, 30, 40, 41]
+SMOL = dtype_probe.Shapes(hidden=576, intermediate=1536, q_out=576, kv_out=192, vocab=49152, layers=30)
 
 
-def test_the_flags_tell_which_cpus_multiply_bf16_natively() -> None:
-    """Used for the warning below only: a default is never decided from flags."""
-    assert not precision.cpu_supports_bf16(precision.cpu_flags(ZEN3_FLAGS))
-    assert precision.cpu_supports_bf16(precision.cpu_flags(ZEN4_FLAGS))
-    assert precision.cpu_supports_bf16(precision.cpu_flags(SPR_FLAGS))
+class FakeTimer:
+    """Seconds per step {role: (fp32, bf16)} as a machine would measure them; counts its calls."""
+
+    def __init__(self, sample: tuple[float, float], train: tuple[float, float]):
+        self.result, self.calls = {"sample": sample, "train": train}, 0
+
+    def __call__(self, shapes: dtype_probe.Shapes) -> dict[str, tuple[float, float]]:
+        self.calls += 1
+        return self.result
 
 
-def test_auto_is_fp32_on_every_cpu_and_bf16_on_cuda() -> None:
-    """Whatever the flags (bf16 measured slower than fp32 for sampling on an AMX Xeon, and off
-    policy on SmolLM2: precision.py), until auto is decided by timing the model."""
-    assert precision.auto_dtype(CPU) is torch.float32
-    assert precision.auto_dtype(CUDA) is torch.bfloat16
-    assert precision.resolve("train_dtype", "auto", CPU) is torch.float32
-    svc = ServiceClient(device="cpu")  # nothing asked: auto for both
-    engine = svc.create_lora_training_client("tiny", seed=0, rank=2).engine
+@pytest.fixture
+def probe(monkeypatch, tmp_path):
+    """The probe on (conftest turns it off), caching in a tmp file, timed by the FakeTimer given."""
+    monkeypatch.setenv(dtype_probe.ENV_SWITCH, "on")
+    monkeypatch.setattr(dtype_probe, "_memo", {})
+    monkeypatch.setattr(dtype_probe, "cache_file", lambda: tmp_path / "precision.json")
+    monkeypatch.setattr(dtype_probe, "machine_busy", lambda: None)  # however loaded this machine is now
+
+    def use(timer: FakeTimer) -> FakeTimer:
+        monkeypatch.setattr(dtype_probe, "measure", timer)
+        return timer
+
+    return use
+
+
+def test_auto_is_bf16_on_cuda_and_fp32_on_a_cpu_that_was_not_measured(monkeypatch) -> None:
+    def no_timing(shapes):
+        raise AssertionError("auto timed the model")
+
+    monkeypatch.setattr(dtype_probe, "measure", no_timing)
+    assert precision.auto_dtype(CUDA, "sample_dtype", SMOL) is torch.bfloat16  # no probe on CUDA
+    assert precision.resolve("train_dtype", "auto", CPU, SMOL) is torch.float32  # GRPO_PRECISION_PROBE=off
+    monkeypatch.setenv(dtype_probe.ENV_SWITCH, "on")
+    assert precision.resolve("train_dtype", None, CPU, shapes=None) is torch.float32  # shapes unknown
+
+
+def test_auto_picks_for_each_role_what_measured_faster_by_the_margin(probe) -> None:
+    probe(FakeTimer(sample=(0.020, 0.010), train=(3.0, 6.0)))  # bf16 2x faster decoding, 2x slower training
+    assert precision.resolve("sample_dtype", "auto", CPU, SMOL) is torch.bfloat16
+    assert precision.resolve("train_dtype", "auto", CPU, SMOL) is torch.float32
+    # 20% faster is within what the probe misses (only Linears timed): fp32; 25% is the margin
+    assert dtype_probe.Timing(1.2, 1.0).choice == "fp32" and dtype_probe.Timing(1.25, 1.0).choice == "bf16"
+
+
+def test_auto_trains_in_bf16_only_beside_a_bf16_sampler(probe, capsys) -> None:
+    """An fp32 sampler beside a bf16 trainer keeps its own fp32 copy with LoRA unmerged: slower than
+    the folded fp32 sampler the probe timed, so auto does not pair them."""
+    probe(FakeTimer(sample=(0.020, 0.030), train=(3.0, 1.5)))  # bf16 samples slower, trains 2x faster
+    assert precision.resolve("train_dtype", "auto", CPU, SMOL) is torch.float32
+    assert precision.resolve("sample_dtype", "auto", CPU, SMOL) is torch.float32
+    assert "train_dtype fp32 (per training pass: fp32 3000.0 ms, bf16 1500.0 ms, bf16 2.00x faster; fp32 kept " \
+           "beside the fp32 sampler)" in capsys.readouterr().err
+    assert dtype_probe.choose({"sample": dtype_probe.Timing(2.0, 1.0), "train": dtype_probe.Timing(2.0, 1.0)}) == \
+        {"sample": "bf16", "train": "bf16"}
+
+
+@pytest.mark.parametrize("bf16_slower", [1.02, 1.4, 20.0])
+def test_auto_is_never_slower_than_fp32(probe, bf16_slower) -> None:
+    """A CPU where bf16 measures slower in both roles (emulated bf16, AMX sampling): auto is fp32
+    throughout, through the whole ServiceClient path."""
+    probe(FakeTimer(sample=(0.02, 0.02 * bf16_slower), train=(1.0, bf16_slower)))
+    engine = ServiceClient(device="cpu").create_lora_training_client("tiny", seed=0, rank=2).engine
     assert engine.dtype is torch.float32 and engine.sample_dtype is torch.float32
+    assert engine._sampler_copy is None
 
 
-def test_unknown_dtype_fails_in_one_line_naming_the_key_and_the_valid_values() -> None:
+def test_auto_measures_once_per_machine_and_says_so_once(probe, tmp_path, capsys) -> None:
+    timer = probe(FakeTimer(sample=(0.030, 0.015), train=(2.0, 1.0)))  # bf16 2x faster in both
+    engine = ServiceClient(device="cpu").create_lora_training_client("tiny", seed=0, rank=2).engine
+    assert engine.dtype is torch.bfloat16 and engine.sample_dtype is torch.bfloat16
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line.startswith(f"grpo: auto precision on {dtype_probe.cpu_name()} (torch {torch.__version__}")
+    assert "sample_dtype bf16 (per decoding step: fp32 30.0 ms, bf16 15.0 ms, bf16 2.00x faster)" in line
+    assert "train_dtype bf16 (per training pass: fp32 2000.0 ms, bf16 1000.0 ms, bf16 2.00x faster)" in line
+    ServiceClient(device="cpu").create_lora_training_client("tiny", seed=0, rank=2)  # same process
+    dtype_probe._memo.clear()  # as a new process: the cache file answers
+    shapes = dtype_probe.Shapes.from_config(models.load_config("tiny"))
+    assert dtype_probe.timings(shapes)["sample"] == dtype_probe.Timing(0.030, 0.015)
+    assert timer.calls == 1 and capsys.readouterr().err == ""
+    assert list(json.loads((tmp_path / "precision.json").read_text())) == [dtype_probe.machine_key(shapes)]
+
+
+def test_a_busy_machine_is_not_measured_and_auto_is_fp32_until_a_quiet_run(probe, monkeypatch, tmp_path, capsys):
+    """Timing on an oversubscribed machine measures the other processes, and would be cached."""
+    timer = probe(FakeTimer(sample=(0.030, 0.015), train=(2.0, 1.0)))
+    monkeypatch.setattr(dtype_probe, "machine_busy", lambda: "load 6.4 on 2 cores")
+    assert precision.resolve("sample_dtype", "auto", CPU, SMOL) is torch.float32
+    assert precision.resolve("train_dtype", "auto", CPU, SMOL) is torch.float32
+    (line,) = capsys.readouterr().err.splitlines()  # said once per run
+    assert line == ("grpo: auto precision not measured, the machine is busy (load 6.4 on 2 cores): "
+                    "fp32 for this run, measured by a later one")
+    assert timer.calls == 0 and not (tmp_path / "precision.json").exists()
+    monkeypatch.setattr(dtype_probe, "machine_busy", lambda: None)
+    dtype_probe._memo.clear()  # a later run, on a quiet machine
+    assert precision.resolve("sample_dtype", "auto", CPU, SMOL) is torch.bfloat16 and timer.calls == 1
+
+
+def test_a_second_process_waits_for_the_first_measurement_and_uses_it(probe, tmp_path) -> None:
+    """Jobs of a sweep starting together must not time each other: one measures, the others wait."""
+    import fcntl
+    import threading
+
+    timer = probe(FakeTimer(sample=(1.0, 1.0), train=(1.0, 1.0)))
+    shapes, cache = SMOL, tmp_path / "precision.json"
+    with open(tmp_path / "precision.json.lock", "a") as other:  # another process is measuring
+        fcntl.flock(other, fcntl.LOCK_EX)
+        done = []
+        waiter = threading.Thread(target=lambda: done.append(dtype_probe.timings(shapes)))
+        waiter.start()
+        waiter.join(0.5)
+        assert waiter.is_alive() and not done
+        entry = {"fp32_s": 0.02, "bf16_s": 0.01}  # what the other process measured
+        cache.write_text(json.dumps({dtype_probe.machine_key(shapes): {"sample": entry, "train": entry}}))
+    waiter.join(10)
+    assert done == [{"sample": dtype_probe.Timing(0.02, 0.01), "train": dtype_probe.Timing(0.02, 0.01)}]
+    assert timer.calls == 0
+
+
+def test_explicit_dtypes_are_not_timed(probe) -> None:
+    timer = probe(FakeTimer(sample=(1.0, 1.0), train=(1.0, 1.0)))
+    engine = ServiceClient(device="cpu", dtype="fp32").create_lora_training_client("tiny", rank=2).engine
+    assert engine.dtype is torch.float32 and timer.calls == 0
+
+
+def test_forced_bf16_where_it_measured_slower_runs_after_one_line_saying_how_much(probe) -> None:
+    probe(FakeTimer(sample=(0.020, 0.028), train=(1.0, 0.5)))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert precision.resolve("sample_dtype", "bf16", CPU, SMOL) is torch.bfloat16
+    (warning,) = caught
+    message = str(warning.message)
+    assert message.startswith(f"sample_dtype=bf16 measured 1.40x slower than fp32 on this CPU ({dtype_probe.cpu_name()})")
+    assert "28.0 ms vs 20.0 ms" in message and "\n" not in message
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no warning where bf16 measured faster
+        assert precision.resolve("train_dtype", "bfloat16", CPU, SMOL) is torch.bfloat16
+
+
+def test_unknown_dtype_fails_in_one_line_naming_the_key_and_the_valid_values(monkeypatch) -> None:
     with pytest.raises(ValueError, match=r"^sample_dtype='fp8' is invalid; valid: auto, fp32, bf16") as err:
         ServiceClient(device="cpu", sample_dtype="fp8")  # before any model loads
     assert "\n" not in str(err.value)
     with pytest.raises(ValueError, match=r"^train_dtype='half' is invalid; valid: auto, fp32, bf16"):
         precision.resolve("train_dtype", "half", CPU)
+    monkeypatch.setenv(dtype_probe.ENV_SWITCH, "maybe")
+    with pytest.raises(ValueError, match=r"^GRPO_PRECISION_PROBE='maybe' is invalid; valid: on, off$"):
+        precision.resolve("train_dtype", "auto", CPU, SMOL)
 
 
-def test_bf16_on_a_cpu_without_bf16_warns_once_naming_the_key() -> None:
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        assert precision.resolve("sample_dtype", "bf16", CPU, cpu_bf16=False) is torch.bfloat16
-    (warning,) = caught
-    assert str(warning.message).startswith("sample_dtype=bf16 on a CPU without avx512_bf16/AMX")
-    assert "\n" not in str(warning.message)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")  # no warning where bf16 is native
-        assert precision.resolve("sample_dtype", "bf16", CPU, cpu_bf16=True) is torch.bfloat16
+def test_the_server_takes_the_backend_configs_two_keys() -> None:
+    from grpo.serve.__main__ import parse_args
+
+    args = parse_args([])
+    assert (args.train_dtype, args.sample_dtype, args.dtype) == (None, None, None)  # auto, as in-process
+    args = parse_args(["--sample-dtype", "bf16", "--dtype", "fp32"])
+    svc = ServiceClient(dtype=args.dtype, train_dtype=args.train_dtype, sample_dtype=args.sample_dtype)
+    assert (svc.train_dtype, svc.sample_dtype) == ("fp32", "bf16")
+
+
+def test_the_server_refuses_an_unknown_dtype_in_one_line(capsys) -> None:
+    from grpo.serve.__main__ import parse_args
+
+    with pytest.raises(SystemExit):
+        parse_args(["--train-dtype", "fp8"])
+    assert capsys.readouterr().err.splitlines()[-1].endswith(
+        "error: --train-dtype='fp8' is invalid; valid: auto, fp32, bf16, float32, bfloat16")
+
+
+def test_shapes_come_from_the_model_config() -> None:
+    config = models.load_config("smollm2")
+    assert dtype_probe.Shapes.from_config(config) == SMOL
+    assert dtype_probe.Shapes.from_config(object()) is None  # no shapes named: auto stays fp32
+
+
+def test_the_real_probe_returns_a_choice_per_role_and_caches_it(tmp_path, monkeypatch) -> None:
+    """This machine's timing decides nothing here: only that measuring works and is reused."""
+    monkeypatch.setattr(dtype_probe, "_memo", {})
+    monkeypatch.setattr(dtype_probe, "machine_busy", lambda: None)
+    shapes = dtype_probe.Shapes.from_config(models.load_config("tiny"))
+    first = dtype_probe.timings(shapes, timer=lambda s: dtype_probe.measure(s, budget_s=0.2), cache=tmp_path / "p.json")
+    assert set(first) == {"sample", "train"}
+    assert all(t.fp32_s > 0 and t.bf16_s > 0 and t.choice in ("fp32", "bf16") for t in first.values())
+    dtype_probe._memo.clear()
+
+    def no_timing(shapes):
+        raise AssertionError("measured again")
+
+    assert dtype_probe.timings(shapes, timer=no_timing, cache=tmp_path / "p.json") == first
 
 
 def _logprob_gap(sampler_lp: list[float], trainer_lp: list[float]) -> float:
@@ -64,7 +217,7 @@ def _logprob_gap(sampler_lp: list[float], trainer_lp: list[float]) -> float:
 @pytest.fixture(scope="module")
 def mixed():
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # bf16 on this CPU warns; tested above
+        warnings.simplefilter("ignore")  # bf16 where it measured slower warns; tested above
         svc = ServiceClient(device="cpu", train_dtype="fp32", sample_dtype="bf16")
         return svc.create_lora_training_client("tiny", seed=3, rank=4)
 

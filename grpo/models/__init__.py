@@ -264,15 +264,13 @@ def load_model(name: str, device: torch.device | str | None = None, dtype: torch
     spec = resolve(name)
     device = torch.device(device) if device is not None else default_device()
     dtype = _as_dtype(dtype) if dtype is not None else default_dtype(device)
-    from transformers import AutoModelForCausalLM, LlamaConfig
+    from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
     # A per-tensor "Loading weights" bar on every load buries the run's own progress display.
     hf_logging.disable_progress_bar()
     if spec.kind == "tiny":
-        tokenizer = load_tokenizer(name)
-        config = LlamaConfig(vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id,
-                             eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, **TINY_CONFIG)
+        config = _tiny_config(name)
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
             model = AutoModelForCausalLM.from_config(config, dtype=dtype)
@@ -287,6 +285,27 @@ def load_model(name: str, device: torch.device | str | None = None, dtype: torch
 
     use_onednn_linears(model)  # float32 on the CPU: oneDNN's Linear kernel (cpu_linear.py)
     return model
+
+
+def load_config(name: str) -> Any:
+    """The transformers config of ``name``, without its weights (the precision probe reads the
+    model's shapes from it before the model loads in the precision it chose)."""
+    spec = resolve(name)
+    from transformers import AutoConfig
+
+    if spec.kind == "tiny":
+        return _tiny_config(name)
+    if spec.kind == "packaged":
+        return AutoConfig.from_pretrained(_ensure_packaged_smollm2())
+    return _from_pretrained(AutoConfig, name, spec)
+
+
+def _tiny_config(name: str) -> Any:
+    from transformers import LlamaConfig
+
+    tokenizer = load_tokenizer(name)
+    return LlamaConfig(vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id,
+                       eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, **TINY_CONFIG)
 
 
 def _as_dtype(dtype: torch.dtype | str) -> torch.dtype:

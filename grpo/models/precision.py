@@ -1,83 +1,85 @@
 """The precision the sampler and the trainer run the base weights in: ``fp32``, ``bf16`` or ``auto``.
 
-``auto`` is bf16 on a CUDA GPU and fp32 on a CPU. It used to be bf16 on CPUs reporting
-``avx512_bf16`` or AMX, chosen from the flags alone, and measurement said otherwise: on an Intel
-Xeon with AMX, bf16 sampling ran 1.3-1.7x slower than fp32 and ``make demo`` 30% slower, and on
-SmolLM2 the MinT quick-start's sampler/trainer ratios strayed 0.33 from 1 (AMD EPYC Zen 4,
-avx512_bf16), where fp32 keeps them within 1e-3. A default that is never slower than fp32 and
-on-policy to fp32 rounding is fp32 until ``auto`` is decided by timing the model on the machine
-(issue #41). bf16 on a CPU stays one key away (``train_dtype``/``sample_dtype=bf16``). Whatever
-the precision of the base weights, LoRA weights and the optimizer state stay fp32 (peft keeps
-adapters in fp32, engine.py checks it).
+``auto`` is decided by measurement, separately for sampling (``sample_dtype``) and training
+(``train_dtype``):
 
-Asking for bf16 on a CPU without bf16 instructions runs (slowly) after a one-line warning naming
-the key; an unknown name fails in one line naming the key and the valid values.
+- on a CUDA GPU, bf16 (tensor cores; no probe);
+- on a CPU, whichever of fp32 and bf16 ran the model's own shapes faster on this machine, bf16 only
+  when at least 25% faster (dtype_probe.py: timed once per CPU model, torch version and model shape,
+  cached under ``$GRPO_CACHE``, printed once when measured; bf16 training only beside bf16 sampling,
+  since an fp32 sampler beside a bf16 trainer cannot fold LoRA). CPU flags decide nothing: on an Intel
+  Xeon with AMX bf16 sampling ran 1.3-1.7x slower than fp32, and on an AMD EPYC with avx512_bf16
+  the bf16 sampler ran 1.8x slower (its LoRA unmerged) while a bf16 forward pass ran 2.5x faster
+  (docs/benchmark.md). ``GRPO_PRECISION_PROBE=off`` skips
+  the probe, and ``auto`` is then fp32 on a CPU, as it is for a model whose config names no shapes.
+
+Sampling in bf16 beside an fp32 trainer moves the sampler's logprobs off the trainer's by bf16
+rounding (sampler_precision.py; the loop logs ``kl/sample_train`` and ``loss_fn_config.tis_cap``
+corrects it). Whatever the precision of the base weights, LoRA weights and the optimizer state stay
+fp32 (peft keeps adapters in fp32, engine.py checks it).
+
+Asking for bf16 on a CPU where it measured slower runs, after one line saying how much slower; an
+unknown name fails in one line naming the key and the valid values. The server (``python -m
+grpo.serve --train-dtype/--sample-dtype``) and the backend config go through the same functions.
+
+Torch is imported only where a dtype is made, so checking a name costs nothing.
 """
 
 from __future__ import annotations
 
-import functools
 import warnings
-from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
-import torch
+from grpo.models import dtype_probe
 
-# name -> dtype; "auto" is resolved per device by resolve()
-NAMES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16}
+if TYPE_CHECKING:
+    import torch
+
+# name -> short name; "auto" is resolved per device and role by resolve()
+NAMES = {"fp32": "fp32", "float32": "fp32", "bf16": "bf16", "bfloat16": "bf16"}
 VALID = ("auto", "fp32", "bf16", "float32", "bfloat16")
-# /proc/cpuinfo flags of native bf16 arithmetic: AVX512-BF16 (Zen 4, Cooper Lake) and AMX (Sapphire Rapids)
-BF16_CPU_FLAGS = ("avx512_bf16", "amx_bf16")
+KEYS = {"train_dtype": "train", "sample_dtype": "sample"}  # config key -> dtype_probe role
 
 
-def cpu_flags(cpuinfo: str | None = None) -> set[str]:
-    """The CPU's feature flags (from ``/proc/cpuinfo``, or the text given); empty where unknown."""
-    if cpuinfo is None:
-        try:
-            cpuinfo = Path("/proc/cpuinfo").read_text()
-        except OSError:  # not Linux: no flags known, so "auto" stays fp32
-            return set()
-    for line in cpuinfo.splitlines():
-        if line.startswith("flags"):
-            return set(line.partition(":")[2].split())
-    return set()
-
-
-@functools.cache
-def cpu_has_bf16() -> bool:
-    return cpu_supports_bf16(cpu_flags())
-
-
-def cpu_supports_bf16(flags: set[str]) -> bool:
-    return any(f in flags for f in BF16_CPU_FLAGS)
-
-
-def auto_dtype(device: torch.device) -> torch.dtype:
-    """What ``auto`` means on ``device``: bf16 on CUDA, fp32 elsewhere (see the module docstring)."""
-    return torch.bfloat16 if device.type == "cuda" else torch.float32
-
-
-def resolve(key: str, value: str | torch.dtype | None, device: torch.device, cpu_bf16: bool | None = None
-            ) -> torch.dtype:
-    """The dtype config ``key`` asks for on ``device`` (None and "auto": ``auto_dtype``).
-
-    ``cpu_bf16`` overrides what this CPU reports (for tests)."""
-    check(key, value)
-    if value is None or value == "auto":
-        return auto_dtype(device)
-    dtype = value if isinstance(value, torch.dtype) else NAMES[value.lower()]
-    native = cpu_has_bf16() if cpu_bf16 is None else cpu_bf16
-    if dtype == torch.bfloat16 and device.type == "cpu" and not native:
-        warnings.warn(f"{key}=bf16 on a CPU without avx512_bf16/AMX: bf16 matmuls are emulated and run slower "
-                      f"than fp32; {key}=auto (fp32 on a CPU) is faster here", stacklevel=2)
-    return dtype
-
-
-def check(key: str, value: str | torch.dtype | None) -> None:
+def check(key: str, value: Any) -> None:
     """Fail fast on a bad name, before any model loads."""
-    if not (value is None or isinstance(value, torch.dtype) or value == "auto"
+    if not (value is None or _is_dtype(value) or value == "auto"
             or (isinstance(value, str) and value.lower() in NAMES)):
         raise ValueError(f"{key}={value!r} is invalid; valid: {', '.join(VALID)}")
 
 
-def short_name(dtype: torch.dtype) -> str:
-    return {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype, str(dtype))
+def auto_dtype(device: torch.device, key: str, shapes: dtype_probe.Shapes | None) -> torch.dtype:
+    """What ``auto`` means for ``key`` (train_dtype or sample_dtype) on ``device`` for a model of
+    ``shapes`` (see the module docstring)."""
+    import torch
+
+    if device.type == "cuda":
+        return torch.bfloat16
+    if device.type != "cpu" or shapes is None or not dtype_probe.enabled():
+        return torch.float32
+    measured = dtype_probe.timings(shapes)
+    return torch.bfloat16 if measured is not None and dtype_probe.choose(measured)[KEYS[key]] == "bf16" else torch.float32
+
+
+def resolve(key: str, value: Any, device: torch.device, shapes: dtype_probe.Shapes | None = None) -> torch.dtype:
+    """The dtype config ``key`` asks for on ``device`` (None and "auto": ``auto_dtype``); ``shapes``:
+    the model's, for measuring (None: auto is fp32 on a CPU, and a forced bf16 is not timed)."""
+    import torch
+
+    check(key, value)
+    if value is None or value == "auto":
+        return auto_dtype(device, key, shapes)
+    dtype = value if _is_dtype(value) else {"fp32": torch.float32, "bf16": torch.bfloat16}[NAMES[value.lower()]]
+    if dtype == torch.bfloat16 and device.type == "cpu" and shapes is not None and dtype_probe.enabled():
+        measured = dtype_probe.timings(shapes)
+        timing = measured[KEYS[key]] if measured is not None else None
+        if timing is not None and timing.bf16_slowdown > 1:
+            what = "a decoding step" if KEYS[key] == "sample" else "a training pass"
+            warnings.warn(f"{key}=bf16 measured {timing.bf16_slowdown:.2f}x slower than fp32 on this CPU "
+                          f"({dtype_probe.cpu_name()}) for {what} of this model ({timing.bf16_s * 1e3:.1f} ms "
+                          f"vs {timing.fp32_s * 1e3:.1f} ms); {key}=auto would run fp32 here", stacklevel=2)
+    return dtype
+
+
+def _is_dtype(value: Any) -> bool:
+    return type(value).__module__ == "torch" and type(value).__name__ == "dtype"

@@ -11,6 +11,7 @@ import os
 import secrets
 import sys
 
+from grpo.models import precision
 from grpo.serve import limits
 
 KEY_VAR = "GRPO_SERVE_API_KEY"
@@ -27,13 +28,26 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--checkpoint-dir", default=None,
                         help="the checkpoint store tinker:// paths live in (default $GRPO_CACHE/checkpoints)")
     parser.add_argument("--device", default=None, help="cpu, cuda, ... (default: cuda if available)")
-    parser.add_argument("--dtype", default=None, help="float32 or bfloat16 (default: bf16 on CUDA, else fp32)")
+    # The backend config's two keys, checked and resolved by the same code (grpo/models/precision.py)
+    parser.add_argument("--train-dtype", default=None,
+                        help="precision of the base weights in training: fp32, bf16 or auto (default auto: "
+                             "bf16 on CUDA; on a CPU whichever this machine measured faster for the model)")
+    parser.add_argument("--sample-dtype", default=None,
+                        help="the same for sampling, decided separately (default auto)")
+    parser.add_argument("--dtype", default=None,
+                        help="both at once where --train-dtype/--sample-dtype are not given (older flag)")
     parser.add_argument("--long-poll", type=float, default=30.0,
                         help="seconds a result poll is held open before the client is told to try again")
     parser.add_argument("--fwdbwd-chunk-len", type=int, default=None,
                         help="datums per forward_backward request the SDK sends (default: the SDK's, 1024)")
     limits.add_arguments(parser)
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    for flag in ("--train-dtype", "--sample-dtype", "--dtype"):
+        try:
+            precision.check(flag, getattr(args, flag[2:].replace("-", "_")))
+        except ValueError as err:
+            parser.error(str(err))
+    return args
 
 
 def resolve_api_key(explicit: str | None) -> tuple[str, bool]:
@@ -67,7 +81,8 @@ def main(argv: list[str] | None = None) -> None:
     from grpo.backends.local.clients import ServiceClient
     from grpo.serve.app import create_app
 
-    service = ServiceClient(checkpoint_dir=args.checkpoint_dir, device=args.device, dtype=args.dtype)
+    service = ServiceClient(checkpoint_dir=args.checkpoint_dir, device=args.device, dtype=args.dtype,
+                            train_dtype=args.train_dtype, sample_dtype=args.sample_dtype)
     app = create_app(key, service, long_poll_s=args.long_poll, fwdbwd_chunk_len=args.fwdbwd_chunk_len,
                      limits=limits.from_args(args))
     url = f"http://{'127.0.0.1' if args.host in ('0.0.0.0', '::') else args.host}:{args.port}"

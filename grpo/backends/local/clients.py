@@ -89,7 +89,8 @@ class ServiceClient:
     Args beyond the SDK's (all optional): ``checkpoint_dir`` where named states are written
     (default ``$GRPO_CHECKPOINT_DIR``, else ``$GRPO_CACHE/checkpoints``), ``device``, ``train_dtype`` and ``sample_dtype`` (the
     precision of the base weights the trainer and the sampler run: fp32, bf16 or "auto": bf16 on
-    CUDA, fp32 on a CPU; LoRA weights and optimizer state stay fp32;
+    CUDA, on a CPU whichever this machine measured faster for the model, decided for each of the
+    two; LoRA weights and optimizer state stay fp32;
     see grpo/models/precision.py), ``dtype`` (both at once, where the two are not given),
     ``memory_budget_mb`` (working memory of one training micro-batch
     or of the rows the sampler decodes at once; "auto": a share of the device's memory, 0:

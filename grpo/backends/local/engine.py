@@ -25,7 +25,7 @@ from grpo.backends.local.folded_lora import FoldedAdapter, can_fold
 from grpo.backends.local.sampler_precision import SamplerCopy
 from grpo.backends.local.sections import section
 from grpo.checks import check_lora_targets
-from grpo.models import precision
+from grpo.models import dtype_probe, precision
 from grpo.models.cpu_linear import OneDNNLinear, use_onednn_linears
 from grpo.models.lora_linear import fuse_lora_linears
 
@@ -82,18 +82,35 @@ def lora_target_modules(model: nn.Module, spec: LoraSpec) -> list[str]:
     return targets
 
 
+def _probe_shapes(base_model: str, device: torch.device, dtypes: tuple) -> dtype_probe.Shapes | None:
+    """The model's shapes, for timing fp32 against bf16 before the weights load in the winner;
+    None where nothing is to be timed (a GPU, fp32 asked for, the probe off) or the config names no
+    shapes (then ``auto`` is fp32)."""
+    def fp32(value) -> bool:
+        return value == torch.float32 or (isinstance(value, str) and precision.NAMES.get(value.lower()) == "fp32")
+
+    if device.type != "cpu" or all(fp32(d) for d in dtypes) or not dtype_probe.enabled():
+        return None
+    try:
+        return dtype_probe.Shapes.from_config(models.load_config(base_model))
+    except (OSError, ValueError):  # not a model config (an adapter directory...): load_model says what is wrong
+        return None
+
+
 class Engine:
     """A base model on one device plus its named LoRA adapters."""
 
     def __init__(self, base_model: str, device: str | torch.device | None = None, dtype: str | torch.dtype | None = None,
                  sample_dtype: str | torch.dtype | None = None):
         """``dtype``: the trainer's precision (``train_dtype``), ``sample_dtype`` the sampler's
-        (None: the trainer's); each fp32, bf16 or auto (grpo/models/precision.py)."""
+        (None: the same name as ``dtype``); each fp32, bf16 or auto (grpo/models/precision.py).
+        ``auto`` is decided per role: sampling and training may measure differently."""
         self.base_model = base_model
         self.device = torch.device(device) if device not in (None, "auto") else models.default_device()
-        train_dtype = precision.resolve("train_dtype", dtype, self.device)
-        self.sample_dtype = (train_dtype if sample_dtype is None
-                             else precision.resolve("sample_dtype", sample_dtype, self.device))
+        sample_dtype = dtype if sample_dtype is None else sample_dtype
+        shapes = _probe_shapes(base_model, self.device, (dtype, sample_dtype))
+        train_dtype = precision.resolve("train_dtype", dtype, self.device, shapes)
+        self.sample_dtype = precision.resolve("sample_dtype", sample_dtype, self.device, shapes)
         self.tokenizer = models.load_tokenizer(base_model)
         self.model = models.load_model(base_model, device=self.device, dtype=train_dtype)
         self.dtype = next(self.model.parameters()).dtype

@@ -1,0 +1,409 @@
+"""What ``auto`` means on this CPU: the model's own matmul shapes timed in fp32 and in bf16.
+
+Whether bf16 beats fp32 on a CPU is not written in its flags: on an AMX Xeon bf16 sampling ran
+1.3-1.7x slower than fp32, on CPUs without bf16 instructions up to 19x slower, and where bf16 is
+native the answer depends on the shapes (a decoding step streams the weights, where half the bytes
+help; training is compute-bound, where the kernel decides). So the first ``auto`` for a model on a
+machine times both precisions on that model's shapes, for each role separately:
+
+- ``sample``: a decoding step, a handful of rows (``DECODE_ROWS``) through every Linear of the
+  model, the weights spread over enough layer copies to be read from memory, not from cache, each
+  Linear as the sampler runs it: packed weights, fp32 with LoRA folded in, bf16 with LoRA as a
+  bf16 side path;
+- ``train``: a forward and backward pass of ``TRAIN_ROWS`` tokens through one layer's Linears and
+  the unembedding, as the trainer runs them: the frozen base in the precision timed (input
+  gradient only), LoRA's fp32 weights cast to it and added inside the matmul (lora_linear.py).
+
+Only the Linears (with their LoRA) are timed: they are nearly all of the FLOPs and bytes, but
+attention, norms and sampling are not, so the probe ranks the precisions rather than predicting a
+step's time. Each role's time is scaled to the whole model (layers x layer + unembedding). fp32
+and bf16 runs alternate matmul by matmul, so load from other processes falls on both, and each
+matmul's fastest run counts: other processes only ever add time (on a busy 2-core machine a
+2-thread matmul can wait milliseconds for its second core), so the minimum is the machine's speed
+and a median its load. bf16 is chosen for a role only when it measured at least ``MARGIN``
+faster, and for training only where sampling is bf16 too (``choose``): ``auto`` is never slower
+than fp32 beyond measurement noise, and noise (which slows both alike) leans towards fp32. Delete
+the cache file to measure again.
+
+The result is cached in ``$GRPO_CACHE/precision.json`` (and in this process) keyed by CPU model,
+torch version, thread count, fp32 Linear kernel and the shapes, so the probe (about 2 s on a quiet
+machine) is paid once per machine and model shape; the choice and its numbers are printed once,
+when measured.
+``GRPO_PRECISION_PROBE=off`` skips the probe: ``auto`` is then fp32 on a CPU. So is it, for the run,
+where the load average is at least the number of cores: a measurement there would time the other
+processes, and be cached.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import platform
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+ROLES = ("sample", "train")
+# bf16 must measure this many times faster than fp32 to be chosen: the probe times the Linears
+# only, and on the reference EPYC it measured bf16 decoding 1.04x slower to 1.12x faster while the
+# whole bf16 sampler ran 1.5-1.8x slower (docs/benchmark.md); 10% would be within that error.
+MARGIN = 1.25
+DECODE_ROWS = 8  # rows of one decoding step: a group or two of responses
+TRAIN_ROWS = 128  # tokens of one training matmul chain
+DECODE_BYTES = 128 << 20  # fp32 layer weights cycled through per decoding step: well beyond a CPU's cache
+HEAD_DECODE_BYTES = 64 << 20  # the unembedding's rows timed per decoding step (scaled to the vocabulary)
+HEAD_TRAIN_ROWS = 4096  # the unembedding's rows timed per training pass (compute-bound: scales linearly)
+LORA_RANK = 16  # the API's default rank; every Linear adapted (train_attn/mlp/unembed default on)
+LORA_SCALING = 2.0  # alpha = 2 * rank
+BUDGET_S = 2.0  # measuring time, both roles and both precisions
+MAX_REPS = 7
+ENV_SWITCH = "GRPO_PRECISION_PROBE"
+
+
+@dataclass(frozen=True)
+class Shapes:
+    """The Linear shapes of a decoder: what the probe times."""
+
+    hidden: int
+    intermediate: int
+    q_out: int  # attention heads x head dim
+    kv_out: int  # key/value heads x head dim
+    vocab: int
+    layers: int
+
+    @classmethod
+    def from_config(cls, config: Any) -> Shapes | None:
+        """The shapes of a transformers config; None where it does not name them (then ``auto`` is fp32)."""
+        config = config.get_text_config() if hasattr(config, "get_text_config") else config
+        try:
+            hidden, heads = int(config.hidden_size), int(config.num_attention_heads)
+            kv_heads = int(getattr(config, "num_key_value_heads", None) or heads)
+            head_dim = int(getattr(config, "head_dim", None) or hidden // heads)
+            return cls(hidden, int(config.intermediate_size), heads * head_dim, kv_heads * head_dim,
+                       int(config.vocab_size), int(config.num_hidden_layers))
+        except (AttributeError, TypeError, ValueError, ZeroDivisionError):
+            return None
+
+    def signature(self) -> str:
+        return (f"h{self.hidden}-i{self.intermediate}-q{self.q_out}-kv{self.kv_out}"
+                f"-v{self.vocab}-l{self.layers}")
+
+
+@dataclass(frozen=True)
+class Timing:
+    """One role's measured seconds per model step in fp32 and in bf16."""
+
+    fp32_s: float
+    bf16_s: float
+
+    @property
+    def choice(self) -> str:
+        return "bf16" if self.bf16_s * MARGIN <= self.fp32_s else "fp32"
+
+    @property
+    def bf16_slowdown(self) -> float:
+        """How many times slower bf16 measured than fp32 (below 1: faster)."""
+        return self.bf16_s / self.fp32_s
+
+
+# (shapes) -> {role: (fp32 seconds, bf16 seconds)}; tests pass a fake one
+Timer = Callable[[Shapes], dict[str, tuple[float, float]]]
+Op = Callable[[], Any]  # one matmul (forward, or forward and backward) of the probe
+
+_memo: dict[str, dict[str, Timing] | None] = {}
+_lock = threading.Lock()
+
+
+def enabled() -> bool:
+    """Whether ``auto`` may time the model (``GRPO_PRECISION_PROBE``: on, the default, or off)."""
+    value = os.environ.get(ENV_SWITCH, "on").strip().lower() or "on"
+    if value not in ("on", "off"):
+        raise ValueError(f"{ENV_SWITCH}={os.environ[ENV_SWITCH]!r} is invalid; valid: on, off")
+    return value == "on"
+
+
+def cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.partition(":")[2].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "unknown CPU"
+
+
+def machine_key(shapes: Shapes) -> str:
+    """What a measurement depends on besides noise: CPU, torch, threads, fp32 kernel, shapes."""
+    import torch
+
+    from grpo.models import cpu_linear
+
+    kernel = "onednn" if cpu_linear.wanted() and cpu_linear.onednn_works() else "torch"
+    return f"{cpu_name()} | torch {torch.__version__} | {torch.get_num_threads()} threads | {kernel} | {shapes.signature()}"
+
+
+def cache_file() -> Path:
+    from grpo import models
+
+    return models.cache_dir() / "precision.json"
+
+
+def machine_busy() -> str | None:
+    """Why timing now would measure other processes rather than this machine, or None."""
+    try:
+        load, cores = os.getloadavg()[0], len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # not Linux: no load known
+        return None
+    return f"load {load:.1f} on {cores} cores" if load >= cores else None
+
+
+def timings(shapes: Shapes, timer: Timer | None = None, cache: Path | None = None) -> dict[str, Timing] | None:
+    """Each role's Timing for ``shapes`` on this machine: from this process, else the cache file,
+    else measured (by ``timer``, default ``measure``), cached and printed once. None, printed once
+    per process, where the machine is too busy to measure: ``auto`` is fp32 until a run finds it quiet."""
+    key = machine_key(shapes)
+    cache = cache if cache is not None else cache_file()
+    memo_key = f"{cache} | {key}"
+    # Two engines created at once measure once; so do two processes (the jobs of a sweep), which
+    # measuring side by side would time each other.
+    with _lock, _file_lock(cache):
+        if memo_key in _memo:
+            return _memo[memo_key]
+        stored = _read(cache)
+        entry = stored.get(key)
+        try:
+            result = {role: Timing(float(entry[role]["fp32_s"]), float(entry[role]["bf16_s"])) for role in ROLES}
+        except (KeyError, TypeError, ValueError):  # not measured yet, or a damaged entry: measure again
+            busy = machine_busy()
+            if busy is not None:  # what would be cached for good would be the other processes' load
+                print(f"grpo: auto precision not measured, the machine is busy ({busy}): fp32 for this run, "
+                      "measured by a later one", file=sys.stderr, flush=True)
+                _memo[memo_key] = None
+                return None
+            measured = (timer or measure)(shapes)
+            result = {role: Timing(*measured[role]) for role in ROLES}
+            stored = _read(cache)  # another process may have added machines meanwhile
+            stored[key] = {role: asdict(t) for role, t in result.items()}
+            _write(cache, stored)
+            print(f"grpo: {summary(result, key)}; cached in {cache}", file=sys.stderr, flush=True)
+        _memo[memo_key] = result
+        return result
+
+
+@contextlib.contextmanager
+def _file_lock(cache: Path) -> Iterator[None]:
+    try:
+        import fcntl
+
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        handle = open(cache.with_name(cache.name + ".lock"), "a")  # noqa: SIM115 (held across the yield)
+    except (ImportError, OSError):  # not POSIX, or a read-only cache: unlocked (at worst, measured twice)
+        yield
+        return
+    with handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        yield
+
+
+def choose(result: dict[str, Timing]) -> dict[str, str]:
+    """Each role's precision: the faster one by ``MARGIN``, except bf16 training beside an fp32
+    sampler. The probe times fp32 sampling as it runs beside an fp32 trainer, with LoRA folded into
+    the weights; beside a bf16 trainer the sampler runs its own fp32 copy with LoRA unmerged
+    (sampler_precision.py), slower than what was timed, so sampling could end up slower than fp32.
+    ``train_dtype=bf16`` asks for that pair explicitly."""
+    sample, train = result["sample"].choice, result["train"].choice
+    return {"sample": sample, "train": "fp32" if sample == "fp32" else train}
+
+
+def summary(result: dict[str, Timing], key: str) -> str:
+    """One line: each role's choice and the numbers it was made from."""
+    cpu, _, rest = key.partition(" | ")
+    chosen, parts = choose(result), []
+    for role, what in (("sample", "decoding step"), ("train", "training pass")):
+        t = result[role]
+        kept = "; fp32 kept beside the fp32 sampler" if chosen[role] != t.choice else ""
+        parts.append(f"{role}_dtype {chosen[role]} (per {what}: fp32 {t.fp32_s * 1e3:.1f} ms, "
+                     f"bf16 {t.bf16_s * 1e3:.1f} ms, bf16 {_relative(t)}{kept})")
+    return f"auto precision on {cpu} ({rest}): " + ", ".join(parts)
+
+
+def _relative(t: Timing) -> str:
+    s = t.bf16_slowdown
+    return f"{s:.2f}x slower" if s >= 1 else f"{1 / s:.2f}x faster"
+
+
+def _read(path: Path) -> dict:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def _write(path: Path, data: dict) -> None:
+    from grpo.files import atomic_write_text
+
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(path, json.dumps(data, indent=1, sort_keys=True) + "\n")
+    except OSError as err:  # a read-only cache costs a probe per process, nothing more
+        print(f"grpo: could not cache the precision probe in {path}: {err}", file=sys.stderr)
+
+
+# --------------------------------------------------------------------------- the real timer
+
+
+def measure(shapes: Shapes, budget_s: float = BUDGET_S) -> dict[str, tuple[float, float]]:
+    """Seconds per model step in fp32 and bf16 for each role (see the module docstring)."""
+    import torch
+
+    out = {}
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        for role, share in (("sample", 0.4), ("train", 0.6)):
+            (fp32, counts), (bf16, _) = (_OPS[role](shapes, dtype) for dtype in (torch.float32, torch.bfloat16))
+            out[role] = _fastest(fp32, bf16, counts, budget_s * share)
+    return out
+
+
+def _fastest(fp32: list[Op], bf16: list[Op], counts: list[float], budget_s: float) -> tuple[float, float]:
+    """Each op's fastest run, fp32 and bf16 alternating op by op, summed with its count per model
+    step. Op by op, because on a loaded machine a whole model step rarely runs undisturbed while a
+    single matmul often does; alternating, so that the load falls on both precisions alike."""
+    for op in fp32 + bf16:  # warm-up: oneDNN primitive creation, first touch of the weights
+        op()
+    best = ([math.inf] * len(fp32), [math.inf] * len(bf16))
+    start, reps = time.perf_counter(), 0
+    while reps < MAX_REPS and (reps == 0 or (elapsed := time.perf_counter() - start) < budget_s
+                               or (reps < 3 and elapsed < 2 * budget_s)):
+        for j in range(len(fp32)):
+            for k, op in enumerate((fp32[j], bf16[j])):
+                t0 = time.perf_counter()
+                op()
+                best[k][j] = min(best[k][j], time.perf_counter() - t0)
+        reps += 1
+    return tuple(sum(c * t for c, t in zip(counts, b, strict=True)) for b in best)
+
+
+def _linears(shapes: Shapes, dtype, copies: int, head_rows: int):
+    """``copies`` layers of the model's Linears and a ``head_rows``-row slice of the unembedding, in
+    ``dtype``, on the kernels the model runs (oneDNN for fp32 on a CPU: cpu_linear.py)."""
+    import torch
+    from torch import nn
+
+    from grpo.models.cpu_linear import use_onednn_linears
+
+    h, i, q, kv = shapes.hidden, shapes.intermediate, shapes.q_out, shapes.kv_out
+    layer_shapes = [(h, q), (h, kv), (h, kv), (q, h), (h, i), (h, i), (i, h)]  # q k v o gate up down
+
+    def linear(fan_in: int, fan_out: int) -> nn.Linear:
+        module = nn.Linear(fan_in, fan_out, bias=False, device="meta")
+        weight = torch.empty(fan_out, fan_in, dtype=dtype).uniform_(-fan_in ** -0.5, fan_in ** -0.5)
+        module.weight = nn.Parameter(weight, requires_grad=False)
+        return module
+
+    layers = nn.ModuleList(nn.ModuleList(linear(a, b) for a, b in layer_shapes) for _ in range(copies))
+    head = linear(h, head_rows)
+    use_onednn_linears(layers), use_onednn_linears(head)
+    return [m for layer in layers for m in layer], head
+
+
+def _lora(module, dtype, trainable: bool):
+    """LoRA's A and B for ``module`` (rank ``LORA_RANK``) as nn.Linears in ``dtype``."""
+    import torch
+    from torch import nn
+
+    from grpo.models.cpu_linear import use_onednn_linears
+
+    a = nn.Linear(module.in_features, LORA_RANK, bias=False, dtype=dtype)
+    b = nn.Linear(LORA_RANK, module.out_features, bias=False, dtype=dtype)
+    with torch.no_grad():
+        b.weight.normal_(std=0.01)  # peft starts B at zero; not a number a kernel should see
+    for p in (*a.parameters(), *b.parameters()):
+        p.requires_grad_(trainable)
+    use_onednn_linears(a), use_onednn_linears(b)
+    return a, b
+
+
+def _decode_ops(shapes: Shapes, dtype) -> tuple[list[Op], list[float]]:
+    """One decoding step's matmuls: ``DECODE_ROWS`` rows through every Linear of enough layer
+    copies that the weights come from memory, as the model's do, and a slice of the unembedding.
+    As the sampler runs them: packed weights (cpu_linear.PackedLinear), fp32 with LoRA folded in
+    (folded_lora.py), bf16 with LoRA as a side path in bf16 (sampler_precision.py: folding would
+    round it away)."""
+    import torch
+
+    from grpo.models.cpu_linear import PackedLinear, can_pack
+    from grpo.models.lora_linear import lora_side_path
+
+    layer_bytes = 4 * (shapes.hidden * (2 * shapes.q_out + 2 * shapes.kv_out + 3 * shapes.intermediate))
+    copies = max(1, min(shapes.layers, -(-DECODE_BYTES // layer_bytes)))
+    head_rows = max(1, min(shapes.vocab, HEAD_DECODE_BYTES // (4 * shapes.hidden)))
+    linears, head = _linears(shapes, dtype, copies, head_rows)
+    inputs = {n: torch.randn(DECODE_ROWS, n, dtype=dtype) for n in {shapes.hidden, shapes.q_out, shapes.intermediate}}
+
+    def op(module) -> Op:
+        x = inputs[module.in_features]
+        packed = PackedLinear(module.weight, None) if can_pack(module.weight) else module
+        if dtype == torch.float32:
+            return torch.no_grad()(lambda: packed(x))
+        a, b = _lora(module, dtype, trainable=False)
+        return torch.no_grad()(lambda: lora_side_path(packed(x), x, a.weight, b.weight, LORA_SCALING))
+
+    ops = [op(m) for m in linears] + [op(head)]
+    return ops, [shapes.layers / copies] * len(linears) + [shapes.vocab / head_rows]
+
+
+def _train_ops(shapes: Shapes, dtype) -> tuple[list[Op], list[float]]:
+    """One training pass's matmuls: ``TRAIN_ROWS`` tokens forward and back through one layer's
+    Linears and a slice of the unembedding, as the trainer runs them: the frozen base in ``dtype``
+    (input gradient only), fp32 LoRA weights cast to ``dtype`` and added inside the matmul
+    (lora_linear.py)."""
+    import torch
+
+    from grpo.models.lora_linear import lora_side_path
+
+    head_rows = min(shapes.vocab, HEAD_TRAIN_ROWS)
+    linears, head = _linears(shapes, dtype, 1, head_rows)
+    inputs = {n: torch.randn(TRAIN_ROWS, n, dtype=dtype) for n in {shapes.hidden, shapes.q_out, shapes.intermediate}}
+
+    def op(module) -> Op:
+        x = inputs[module.in_features].clone().requires_grad_(True)
+        grad = torch.ones(TRAIN_ROWS, module.out_features, dtype=dtype)
+        a, b = _lora(module, torch.float32, trainable=True)
+
+        def run() -> None:
+            lora_side_path(module(x), x, a.weight.to(dtype), b.weight.to(dtype), LORA_SCALING).backward(grad)
+            a.weight.grad = b.weight.grad = None
+
+        return run
+
+    return [op(m) for m in linears] + [op(head)], [float(shapes.layers)] * len(linears) + [shapes.vocab / head_rows]
+
+
+_OPS = {"sample": _decode_ops, "train": _train_ops}
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``python -m grpo.models.dtype_probe [base_model]``: measure now (the cache is neither read nor
+    written) and print the line ``auto`` would print."""
+    from grpo import models
+
+    args = sys.argv[1:] if argv is None else argv
+    name = args[0] if args else "smollm2"
+    shapes = Shapes.from_config(models.load_config(name))
+    if shapes is None:
+        raise SystemExit(f"grpo: the config of {name!r} names no decoder shapes; auto is fp32 for it")
+    busy = machine_busy()
+    result = {role: Timing(*seconds) for role, seconds in measure(shapes).items()}
+    print(summary(result, machine_key(shapes)) + (f" (busy machine: {busy}; auto would not measure now)" if busy else ""))
+
+
+if __name__ == "__main__":
+    main()

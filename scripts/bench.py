@@ -119,7 +119,10 @@ def sync(device: str) -> None:
 
 
 def worker_grpo(args: argparse.Namespace) -> None:
-    from grpo.backends.local import ServiceClient
+    import hardware_floors
+
+    from grpo.backends.local import ServiceClient, sections
+    from grpo.backends.local import sampler as local_sampler
     from grpo.rl import rollouts
     from grpo.types import AdamParams, SamplingParams
 
@@ -127,6 +130,15 @@ def worker_grpo(args: argparse.Namespace) -> None:
     service = ServiceClient(device=device, dtype=dtype)
     tc = service.create_lora_training_client(args.model, rank=args.rank, seed=0, train_unembed=False)
     tokenizer = tc.get_tokenizer()
+    decode = {"steps": 0, "rows": 0}  # the sampler picks tokens once per decoding step
+    choose = local_sampler._choose_tokens
+
+    def counted(logits, rows, device):
+        decode["steps"] += 1
+        decode["rows"] += len(rows)
+        return choose(logits, rows, device)
+
+    local_sampler._choose_tokens = counted
     problems = make_problems(args.prompts * (args.warmup + args.steps))
     prompt_ids = [tokenizer.apply_chat_template(p.messages, add_generation_prompt=True, tokenize=True,
                                                 return_dict=False) for p in problems]
@@ -138,25 +150,39 @@ def worker_grpo(args: argparse.Namespace) -> None:
             break
         batch = range(step * args.prompts, (step + 1) * args.prompts)
         sync(device)
-        t0 = time.perf_counter()
-        sampler = tc.save_weights_and_get_sampling_client()
-        responses = rollouts.sample_groups(sampler, [prompt_ids[i] for i in batch], args.group,
-                                           lambda _: params, tokenizer)
-        groups = [rollouts.ScoredGroup(rollouts.Group(i, problems[i], prompt_ids[i], rs),
-                                       [exact_match(r.text, problems[i].answer) for r in rs], [{} for _ in rs], [])
-                  for i, rs in zip(batch, responses, strict=True)]
-        t1 = time.perf_counter()
-        datums = trl_default_datums(groups)
-        fb = tc.forward_backward(datums, "ppo")
-        opt = tc.optim_step(adam)
-        fb.result()
-        opt.result()
-        sync(device)
-        t2 = time.perf_counter()
+        decode.update(steps=0, rows=0)
+        with sections.recording() as (seconds, _):
+            t0 = time.perf_counter()
+            sampler = tc.save_weights_and_get_sampling_client()
+            responses = rollouts.sample_groups(sampler, [prompt_ids[i] for i in batch], args.group,
+                                               lambda _: params, tokenizer)
+            groups = [rollouts.ScoredGroup(rollouts.Group(i, problems[i], prompt_ids[i], rs),
+                                           [exact_match(r.text, problems[i].answer) for r in rs], [{} for _ in rs], [])
+                      for i, rs in zip(batch, responses, strict=True)]
+            t1 = time.perf_counter()
+            datums = trl_default_datums(groups)
+            fb = tc.forward_backward(datums, "ppo")
+            opt = tc.optim_step(adam)
+            fb.result()
+            opt.result()
+            sync(device)
+            t2 = time.perf_counter()
         tokens = sum(len(r.tokens) for g in groups for r in g.group.rollouts)
+        prompt_tokens = sum(len(prompt_ids[i]) for i in batch)
         reward = statistics.mean(x for g in groups for x in g.rewards)
-        emit(event="step", seconds=t2 - t0, sample_s=t1 - t0, train_s=t2 - t1, tokens=tokens, reward=reward)
-    emit(event="done", **memory_report(device))
+        emit(event="step", seconds=t2 - t0, sample_s=t1 - t0, train_s=t2 - t1, tokens=tokens, reward=reward,
+             decode_steps=decode["steps"], rows_decoded=decode["rows"], prompt_tokens=prompt_tokens,
+             # each group's prompt is trained once, shared by its samples (trainer.plan_sharing)
+             processed_tokens=prompt_tokens + tokens,
+             decode_forward_s=seconds.get("grpo.sample.decode_forward", 0.0),
+             train_compute_s=seconds.get("grpo.train.decoder_forward", 0.0)
+             + seconds.get("grpo.train.unembed_loss_backward", 0.0))
+    config = tc.engine.model.config
+    floors = hardware_floors.measure(config.hidden_size, config.intermediate_size,
+                                     "bf16" if dtype == "bfloat16" else "fp32") if device == "cpu" else None
+    size = hardware_floors.ModelSize.of(tc.engine.model)
+    emit(event="done", **memory_report(device),
+         **({"floors": hardware_floors.as_dict(floors, size)} if floors else {}))
 
 
 # --------------------------------------------------------------------------- TRL worker
@@ -515,8 +541,59 @@ def summarize(args: argparse.Namespace, step_result: dict[str, Any], micro: dict
         print(f"\n== training, forward+backward+AdamW on the same {args.prompts * args.group} sequences")
         print(f"  grpo {train['grpo_train']:.2f} s   plain peft {train['peft_train']:.2f} s   "
               f"ratio {summary['train_ratio']:.2f}  (target <= 1.10)")
+    floors = step_result["memory"]["grpo"].get("floors")
+    if floors:
+        summary["against_hardware"] = against_hardware(steps["grpo"], floors, summary.get("step_ratio"))
     print(f"\nmachine: {summary['machine']}\nversions: {summary['versions']}")
     return summary
+
+
+# Goals (issue #41): ratios measured in one run, reported against their goal, never asserted.
+GOALS = {"step_vs_trl": 0.40, "decode_vs_stream": 1.5, "train_of_peak": 0.50}
+
+
+def against_hardware(events: list[dict[str, Any]], floors: dict[str, Any], step_ratio: float | None) -> dict[str, float]:
+    """grpo's step against TRL and against the machine's floors (scripts/hardware_floors.py), as
+    one table: each row a measured ratio, its goal, and whether it is met."""
+    import hardware_floors
+
+    machine = hardware_floors.Machine(**floors["machine"])
+    size = hardware_floors.ModelSize(**floors["model"])
+    med = {k: median([e[k] for e in events]) for k in (
+        "seconds", "sample_s", "train_s", "decode_steps", "rows_decoded", "prompt_tokens", "processed_tokens",
+        "tokens", "decode_forward_s", "train_compute_s")}
+    rows = med["rows_decoded"] / max(med["decode_steps"], 1)
+    decode = hardware_floors.decode_step_floor_s(size, machine, rows)
+    decode_ms = 1000 * med["decode_forward_s"] / max(med["decode_steps"], 1)
+    floor = hardware_floors.step_floor_s(size, machine, int(med["decode_steps"]), int(med["rows_decoded"]),
+                                         int(med["prompt_tokens"]), int(med["processed_tokens"]), int(med["tokens"]))
+    train_gflops = hardware_floors.train_flops(size, med["processed_tokens"], med["tokens"]) / max(
+        med["train_compute_s"], 1e-9) / 1e9
+    out = {"decode_ms": decode_ms, "decode_stream_floor_ms": 1000 * decode["stream_s"],
+           "decode_compute_floor_ms": 1000 * decode["compute_s"], "rows_per_decode_step": rows,
+           "train_gflops": train_gflops, "peak_gflops": machine.peak_gflops, "bandwidth_gbs": machine.bandwidth_gbs,
+           "step_s": med["seconds"], "step_floor_s": floor["step_s"]}
+    table = []
+    if step_ratio is not None:
+        table.append(("step, grpo / TRL (time)", f"{step_ratio:.2f}", f"<= {GOALS['step_vs_trl']:.2f}",
+                      step_ratio <= GOALS["step_vs_trl"]))
+    ratio = decode_ms / out["decode_stream_floor_ms"]
+    table.append((f"decoding step / weight-stream floor ({decode_ms:.1f} ms / {out['decode_stream_floor_ms']:.1f} ms; "
+                  f"{rows:.1f} rows, compute floor {out['decode_compute_floor_ms']:.1f} ms)", f"{ratio:.2f}x",
+                  f"<= {GOALS['decode_vs_stream']:.1f}x", ratio <= GOALS["decode_vs_stream"]))
+    share = train_gflops / machine.peak_gflops
+    table.append((f"training matmul rate / peak ({train_gflops:.0f} / {machine.peak_gflops:.0f} {machine.dtype} GFLOP/s)",
+                  f"{share:.0%}", f">= {GOALS['train_of_peak']:.0%}", share >= GOALS["train_of_peak"]))
+    table.append((f"step / hardware floor ({med['seconds']:.2f} s / {floor['step_s']:.2f} s: sampling "
+                  f"{floor['sample_s']:.2f} s, training {floor['train_s']:.2f} s)", f"{med['seconds'] / floor['step_s']:.2f}x",
+                  "-", None))
+    print(f"\n== grpo against TRL and the hardware ({machine.peak_gflops:.0f} {machine.dtype} GFLOP/s matmul peak, "
+          f"{machine.bandwidth_gbs:.1f} GB/s copy, measured in this run)")
+    print("| what | measured | goal | met |")
+    print("| --- | --- | --- | --- |")
+    for what, value, goal, met in table:
+        print(f"| {what} | {value} | {goal} | {'-' if met is None else ('yes' if met else 'no')} |")
+    return out
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

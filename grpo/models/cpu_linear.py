@@ -65,19 +65,24 @@ class OneDNNLinear(nn.Linear):
     at 32 rows: 376 us plain, 270 us packed in fp32, 217 / 148 us in bf16; AMD EPYC Zen 4 with
     avx512_bf16, docs/benchmark.md). The sampler's own layers therefore hold only the packed
     weight (``PackedLinear``: folded_lora.py, sampler_precision.py). A layer that is also trained
-    through, the unembedding, is marked ``inference_packed``: it keeps its weight and a packed copy,
-    made on first gradient-free use and again whenever the weight changes.
+    through (the unembedding; every base Linear of a bf16 model, which samples through its LoRA
+    layers unfolded) is marked ``inference_packed`` (``keep_packed_copies``): it keeps its weight
+    and a packed copy, made on first gradient-free use and again whenever the weight changes.
     """
 
     inference_packed = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.device.type != "cpu" or x.dtype != torch.float32 or self.weight.dtype != torch.float32:
+        if x.device.type != "cpu" or x.dtype not in _ONEDNN_DTYPES or self.weight.dtype != x.dtype:
             return super().forward(x)
         if torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad
                                         or (self.bias is not None and self.bias.requires_grad)):
+            if x.dtype != torch.float32:  # bf16 training: PyTorch's own path (as fast at training's rows)
+                return super().forward(x)
             return _OneDNNLinearFunction.apply(x, self.weight, self.bias)
-        return _onednn(x, self._packed_weight() if self.inference_packed else self.weight, self.bias)
+        if self.inference_packed:
+            return _onednn(x, self._packed_weight(), self.bias)
+        return _onednn(x, self.weight, self.bias) if x.dtype == torch.float32 else super().forward(x)
 
     def _packed_weight(self) -> torch.Tensor:
         key = (self.weight.data_ptr(), self.weight._version)
@@ -114,6 +119,19 @@ class PackedLinear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, dtype={self.dtype}, packed"
+
+
+def keep_packed_copies(modules: list[nn.Module]) -> int:
+    """Mark these CPU Linears (float32 or bf16) to keep a packed copy of their weight for
+    gradient-free calls beside the weight training uses; the number marked. Costs one more copy
+    of each weight, made on first use."""
+    count = 0
+    for module in modules:
+        if type(module) in (nn.Linear, OneDNNLinear) and can_pack(module.weight):
+            module.__class__ = OneDNNLinear
+            module.inference_packed = True
+            count += 1
+    return count
 
 
 def can_pack(weight: torch.Tensor) -> bool:

@@ -26,7 +26,7 @@ from grpo.backends.local.sampler_precision import SamplerCopy
 from grpo.backends.local.sections import section
 from grpo.checks import check_lora_targets
 from grpo.models import dtype_probe, precision
-from grpo.models.cpu_linear import OneDNNLinear, use_onednn_linears
+from grpo.models.cpu_linear import keep_packed_copies, use_onednn_linears
 from grpo.models.lora_linear import fuse_lora_linears
 
 ATTN_PARENTS = ("attn", "attention")
@@ -114,11 +114,12 @@ class Engine:
         self.tokenizer = models.load_tokenizer(base_model)
         self.model = models.load_model(base_model, device=self.device, dtype=train_dtype)
         self.dtype = next(self.model.parameters()).dtype
-        # The unembedding is never trained unless LoRA wraps it (its LoRA layer is folded then):
-        # sampling multiplies by its packed layout (cpu_linear.py), one more copy of its weight.
-        output = self.model.get_output_embeddings()
-        if isinstance(output, OneDNNLinear):
-            output.inference_packed = True
+        # Sampling multiplies by oneDNN's packed layout (cpu_linear.py), at the cost of one more
+        # copy of the weights it reads there: the unembedding's in fp32 (the LoRA layers are
+        # folded into packed copies of their own), every Linear's in bf16 (nothing is folded).
+        keep_packed_copies([m for m in self.model.modules() if isinstance(m, nn.Linear)]
+                           if self.dtype == torch.bfloat16 == self.sample_dtype
+                           else [self.model.get_output_embeddings()])
         for p in self.model.parameters():
             p.requires_grad_(False)
         # Made before any adapter is injected, so that it copies the plain base model.

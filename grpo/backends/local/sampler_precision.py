@@ -25,20 +25,25 @@ from torch import nn
 
 from grpo.backends.local.folded_lora import lora_layers
 from grpo.models.cpu_linear import pack_for_inference
-from grpo.models.lora_linear import lora_side_path
+from grpo.models.lora_linear import FEW_ROWS, lora_side_path
 
 
 class LoraSidePath(nn.Module):
     """``base(x) + scaling * (x @ A.T) @ B.T``, all in the base's dtype, without gradients (the
     scale on the rank side, the sum inside the matmul: grpo/models/lora_linear.py)."""
 
-    def __init__(self, base: nn.Module, a: torch.Tensor, b: torch.Tensor, scaling: float):
+    def __init__(self, base: nn.Module, a: torch.Tensor, b: torch.Tensor, scaling: float, dtype: torch.dtype):
         super().__init__()
         self.base = base
-        self.a, self.b, self.scaling = a, b, scaling
+        self.scaling = scaling
+        # fp32 for a decoding step's few rows, ``dtype`` for a prefill's many (lora_linear.py)
+        self.a, self.b = a.detach().float().clone(), b.detach().float().clone()
+        self.a_low, self.b_low = a.detach().to(dtype), b.detach().to(dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return lora_side_path(self.base(x), x, self.a, self.b, self.scaling)
+        few = x.numel() <= FEW_ROWS * x.shape[-1]
+        return lora_side_path(self.base(x), x, self.a if few else self.a_low, self.b if few else self.b_low,
+                              self.scaling)
 
 
 class SamplerCopy:
@@ -74,8 +79,7 @@ class SamplerCopy:
                 parent = self.model.get_submodule(parent_name)
                 original = getattr(parent, child)
                 self._installed[name] = original
-                setattr(parent, child, LoraSidePath(original, a.detach().to(self.dtype).clone(),
-                                                    b.detach().to(self.dtype).clone(), module.scaling[adapter]))
+                setattr(parent, child, LoraSidePath(original, a, b, module.scaling[adapter], self.dtype))
         self.key, self.weights = key, weights
         return self.model
 

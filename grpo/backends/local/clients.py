@@ -662,6 +662,8 @@ class SamplingClient(_ClientFuture):
         only grow: take the difference of two calls for a window (grpo.rl.loop does, per step)."""
         return self.handle.batcher.stats()
 
+    sampler_stats_async = async_twin("sampler_stats")
+
 
 def _prompt_tokens(prompt: ModelInput, engine: Engine) -> list[int]:
     if not isinstance(prompt, ModelInput):

@@ -97,7 +97,7 @@ class ServiceClient:
     overrides what the budget gives), ``prefix_cache_mb`` (the sampler's prefix cache, which keeps
     the keys and values of prompts and finished samples so that a later prompt extending them --
     the next turn of an episode -- is prefilled only on its new tokens; "auto": as large as the
-    memory budget, 0: off; see prefix_cache.py).
+    memory budget, or ``$GRPO_PREFIX_CACHE_MB`` where set; 0: off; see prefix_cache.py).
     The SDK's own arguments come first, in its order (``user_metadata``, ``project_id``, then
     keyword-only ``display_name``, ``base_url``, ``api_key``...); they are accepted and unused, so
     ``ServiceClient(base_url=...)`` written for the service runs unchanged. grpo's are keyword-only.
@@ -122,6 +122,9 @@ class ServiceClient:
         self.micro_batch_tokens = micro_batch_tokens
         memory.resolve_budget(memory_budget_mb, torch.device("cpu"))  # fail fast on a bad value
         self.memory_budget_mb = memory_budget_mb
+        if prefix_cache_mb in (None, "auto") and os.environ.get("GRPO_PREFIX_CACHE_MB"):
+            # for programs that make their own ServiceClient (python -m grpo.tinker_run ...)
+            prefix_cache_mb = _number_or_auto(os.environ["GRPO_PREFIX_CACHE_MB"])
         memory.resolve_prefix_cache(prefix_cache_mb, None)  # fail fast on a bad value
         self.prefix_cache_mb = prefix_cache_mb
         self.store = CheckpointStore(self.checkpoint_dir)
@@ -828,6 +831,13 @@ class _SampleBatcher:
         out["prefix_cache_bytes"] = float(cache.bytes if cache is not None else 0)
         out["prefix_cache_entries"] = float(len(cache) if cache is not None else 0)
         return out
+
+
+def _number_or_auto(text: str) -> float | str:
+    try:
+        return float(text)
+    except ValueError:
+        return text  # "auto", or refused by resolve_prefix_cache with the setting's name
 
 
 def _read_state(folder: Path, path: str | None = None) -> dict:

@@ -119,7 +119,7 @@ def check_guess_number_step(row: dict, episodes: int) -> None:
     # turn k's observation holds the k-1 turns before it: far longer than one action
     assert row["env/all/ob_tokens_per_turn"] > 5 * row["env/all/ac_tokens_per_turn"]
     assert -10 <= row["env/all/reward/total"] <= 1
-    assert 0 <= row["optim/kl_sample_train_v1"] < 1e-3  # the trainer saw the sampler's tokens
+    assert abs(row["optim/kl_sample_train_v1"]) < 1e-3  # the trainer saw the sampler's tokens (an estimate: may be < 0)
     assert math.isfinite(row["grad_norm"])
 
 

@@ -77,34 +77,3 @@ def test_math_rl_arithmetic_through_the_server(setup, tmp_path) -> None:
     print("math_rl reward per step (server):", [round(m["env/all/reward/total"], 3) for m in rows])
     assert len(rows) == steps
     assert all(m["env/all/ac_tokens_per_turn"] > 0 for m in rows if "env/all/ac_tokens_per_turn" in m)
-
-
-def test_multiplayer_guess_number_through_the_server(setup, tmp_path) -> None:
-    """The multi-turn recipe through the SDK: every turn is an asample on the step's sampling
-    session, so after the step the server's sampler shows prefix-cache hits (turn k's prompt starts
-    with turn k-1's). Slow and not in CI's slow set (minutes on 2 cores; see the in-process test)."""
-    from test_cookbook_inprocess import GUESS_NUMBER, check_guess_number_step
-
-    server, client_env, _ = setup
-    stats_path = sampler_stats_route(server)
-    before = server.call("GET", stats_path)[1]
-    run(server, ["-m", *GUESS_NUMBER, f"log_path={tmp_path / 'rl'}"], client_env, timeout=1500)
-    rows = [m for m in metrics(tmp_path / "rl") if "env/all/total_episodes" in m]
-    assert len(rows) == 1
-    check_guess_number_step(rows[0], episodes=2)
-    after = server.call("GET", stats_path)[1]
-    stats = {k: after[k] - before[k] for k in ("prefix_hits", "prefix_hit_tokens", "prompt_tokens")}
-    turns = rows[0]["env/all/total_turns"]
-    # every turn after an episode's first read most of its prompt from the cache
-    assert stats["prefix_hits"] >= turns - 2, stats
-    assert stats["prefix_hit_tokens"] > 0.5 * stats["prompt_tokens"], stats
-
-
-def sampler_stats_route(server: Server) -> str:
-    """The stats route of a sampling session of MODEL: its numbers are those of the base model's
-    one sampler, which every session of that model (the recipe's too) goes through."""
-    session = server.call("POST", "/api/v1/create_session", {})[1]["session_id"]
-    status, body = server.call("POST", "/api/v1/create_sampling_session", {"session_id": session, "base_model": MODEL,
-                                                                            "sampling_session_seq_id": 0})
-    assert status == 200, body
-    return f"/api/v1/samplers/{body['sampling_session_id']}/stats"

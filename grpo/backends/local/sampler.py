@@ -7,9 +7,8 @@ a step with more rows than one batch holds keeps the batch full instead of waiti
 batch's longest answer (kv_cache.py keeps each row at its own position). With a prefix cache
 (prefix_cache.py), a prompt is prefilled only after its longest prefix whose keys and values an
 earlier prompt or finished row left there, so a multi-turn episode's turn costs its new tokens.
-Logprobs are those of
-the untempered policy (what the trainer computes); temperature, top-k and top-p shape only the
-choice of token.
+Logprobs are those of the untempered policy (what the trainer computes); temperature, top-k and
+top-p shape only the choice of token.
 """
 
 from __future__ import annotations

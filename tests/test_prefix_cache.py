@@ -168,3 +168,31 @@ def test_a_sampling_client_reads_the_cache_until_its_weights_change(tmp_path):
     assert max(abs(a - b) for a, b in zip(again.logprobs, full, strict=True)) <= 1e-4
     assert max(abs(a - b) for a, b in zip(full, old, strict=True)) > 1e-3  # the step did move them
     service.close()
+
+
+@pytest.mark.parametrize("layer_types", [["full_attention"] * 2, ["sliding_attention", "full_attention"]])
+def test_a_turn_read_from_the_cache_has_a_plain_forward_pass_logprobs(tokenizer, layer_types):
+    """A small random model, sliding-window layers too (the suffix's attention after a cached
+    prefix must still see only the window): turn 2 of two episodes is prefilled after its cached
+    turn 1, and every sampled token's logprob equals the model's own full forward pass."""
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    config = Qwen2Config(num_hidden_layers=2, hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
+                         intermediate_size=64, vocab_size=tokenizer.vocab_size, sliding_window=3, use_sliding_window=True,
+                         layer_types=layer_types, max_window_layers=0)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval()
+    cache = PrefixCache(2**24)
+    params = SamplingParams(max_tokens=6, temperature=1.0, seed=3)
+    first = [sampler.GenerationRequest([1, 504, 3458, 314, 253, 1345, 28], 2, params)]
+    sampler.generate(model, first, tokenizer, CPU, prefix_cache=cache)
+    second = [sampler.GenerationRequest(first[0].prompt + s.tokens + [42, 43, 44], 1, params) for s in first[0].sequences]
+    stats = sampler.generate(model, second, tokenizer, CPU, prefix_cache=cache)
+    assert stats.prefix_hits == 2 and stats.prefilled_tokens <= 2 * 4
+    for req in second:
+        seq = req.sequences[0]
+        ids = torch.tensor([req.prompt + seq.tokens])
+        with torch.no_grad():
+            logits = model(input_ids=ids).logits[0, len(req.prompt) - 1:-1].float()
+        plain = torch.log_softmax(logits, -1).gather(-1, ids[0, len(req.prompt):, None])[:, 0]
+        assert seq.logprobs == pytest.approx(plain.tolist(), abs=1e-5)

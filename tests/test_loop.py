@@ -21,7 +21,8 @@ STEP_KEYS = {
     "reward/mean", "reward/std", "accuracy", "groups/all_correct", "groups/all_wrong", "groups/mixed",
     "datums", "tokens/sampled", "response/mean_length", "response/truncation_rate", "entropy",
     "kl/sample_train", "loss", "grad_norm", "lr", "time/sample", "time/score", "time/train",
-    "throughput/tokens_per_s", "adapter/chars",
+    "throughput/tokens_per_s", "adapter/chars", "sampler/prompt_tokens", "sampler/prefilled_tokens",
+    "sampler/prefix_hit_rate",
 }
 
 

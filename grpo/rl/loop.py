@@ -268,6 +268,7 @@ def collect_batch(run: Run, stream: ItemStream, step: int, retired: AbstractSet[
     groups: list[ScoredGroup] = []
     first_wave: list[ScoredGroup] = []
     timing = {"time/sample": 0.0, "time/score": 0.0}
+    counters_before = sampler_counters(sampler)
     wanted = cfg.batch_size
     for wave in range(cfg.dynamic_sampling_waves + 1):
         entries = stream.take(wanted, retired)
@@ -291,7 +292,26 @@ def collect_batch(run: Run, stream: ItemStream, step: int, retired: AbstractSet[
         if wanted == 0:
             break
     timing["dynamic/waves"] = float(wave + 1)
+    timing.update(sampler_metrics(counters_before, sampler_counters(sampler)))
     return Batch(groups, first_wave, timing)
+
+
+def sampler_counters(sampler: Any) -> dict[str, float] | None:
+    """The local backend's sampler counters (its SamplingClient.sampler_stats); None on a service."""
+    stats = getattr(sampler, "sampler_stats", None)
+    return stats() if callable(stats) else None
+
+
+def sampler_metrics(before: dict[str, float] | None, after: dict[str, float] | None) -> dict[str, float]:
+    """What the local sampler did during a step: prompt tokens, those it prefilled, and the share
+    of prompt tokens read from its prefix cache (multi-turn episodes: most of each later turn)."""
+    if before is None or after is None:
+        return {}
+    prompt = after["prompt_tokens"] - before["prompt_tokens"]
+    return {"sampler/prompt_tokens": prompt,
+            "sampler/prefilled_tokens": after["prefilled_tokens"] - before["prefilled_tokens"],
+            "sampler/prefix_hit_rate": (after["prefix_hit_tokens"] - before["prefix_hit_tokens"]) / prompt if prompt else 0.0,
+            "sampler/prefix_evictions": after["prefix_evictions"] - before["prefix_evictions"]}
 
 
 def stop_if_rewards_fail(run: Run, batch: Batch, step: int, state_at_start: checkpoint.LoopState) -> None:

@@ -40,6 +40,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="seconds a result poll is held open before the client is told to try again")
     parser.add_argument("--fwdbwd-chunk-len", type=int, default=None,
                         help="datums per forward_backward request the SDK sends (default: the SDK's, 1024)")
+    parser.add_argument("--prefix-cache-mb", default="auto", type=_mb,
+                        help="the sampler's prefix cache, which lets a client sampling turn after turn on a "
+                             "growing context prefill only the new tokens (auto: the memory budget; 0: off)")
     limits.add_arguments(parser)
     args = parser.parse_args(argv)
     for flag in ("--train-dtype", "--sample-dtype", "--dtype"):
@@ -48,6 +51,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         except ValueError as err:
             parser.error(str(err))
     return args
+
+
+def _mb(value: str) -> str | float:
+    if value == "auto":
+        return value
+    try:
+        return float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be 'auto' or a number of MB, got {value!r}") from None
 
 
 def resolve_api_key(explicit: str | None) -> tuple[str, bool]:
@@ -82,7 +94,8 @@ def main(argv: list[str] | None = None) -> None:
     from grpo.serve.app import create_app
 
     service = ServiceClient(checkpoint_dir=args.checkpoint_dir, device=args.device, dtype=args.dtype,
-                            train_dtype=args.train_dtype, sample_dtype=args.sample_dtype)
+                            train_dtype=args.train_dtype, sample_dtype=args.sample_dtype,
+                            prefix_cache_mb=args.prefix_cache_mb)
     app = create_app(key, service, long_poll_s=args.long_poll, fwdbwd_chunk_len=args.fwdbwd_chunk_len,
                      limits=limits.from_args(args))
     url = f"http://{'127.0.0.1' if args.host in ('0.0.0.0', '::') else args.host}:{args.port}"

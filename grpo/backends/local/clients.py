@@ -36,6 +36,7 @@ from grpo.api.checkpoint_store import CheckpointStore, default_root
 from grpo.api.rest_client import RestClient
 from grpo.backends.local import age_export, custom_loss, heap, memory, sampler, trainer
 from grpo.backends.local.engine import Engine, LoraSpec
+from grpo.backends.local.prefix_cache import PrefixCache
 from grpo.backends.local.sections import section
 from grpo.files import replace_dir, staging_path
 from grpo.models import precision
@@ -95,7 +96,10 @@ class ServiceClient:
     ``memory_budget_mb`` (working memory of one training micro-batch
     or of the rows the sampler decodes at once; "auto": a share of the device's memory, 0:
     unbounded; see memory.py), ``micro_batch_tokens`` (padded tokens per training micro-batch;
-    overrides what the budget gives).
+    overrides what the budget gives), ``prefix_cache_mb`` (the sampler's prefix cache, which keeps
+    the keys and values of prompts and finished samples so that a later prompt extending them --
+    the next turn of an episode -- is prefilled only on its new tokens; "auto": as large as the
+    memory budget, or ``$GRPO_PREFIX_CACHE_MB`` where set; 0: off; see prefix_cache.py).
     The SDK's own arguments come first, in its order (``user_metadata``, ``project_id``, then
     keyword-only ``display_name``, ``base_url``, ``api_key``...); they are accepted and unused, so
     ``ServiceClient(base_url=...)`` written for the service runs unchanged. grpo's are keyword-only.
@@ -107,7 +111,8 @@ class ServiceClient:
                  checkpoint_dir: str | os.PathLike | None = None, device: str | None = None,
                  dtype: str | None = None, micro_batch_tokens: int | None = None,
                  memory_budget_mb: int | float | str | None = "auto", train_dtype: str | None = None,
-                 sample_dtype: str | None = None, **_sdk_kwargs: Any):
+                 sample_dtype: str | None = None, prefix_cache_mb: int | float | str | None = "auto",
+                 **_sdk_kwargs: Any):
         self.checkpoint_dir = Path(checkpoint_dir) if checkpoint_dir else default_root()
         self.device = device
         for key, value in (("dtype", dtype), ("train_dtype", train_dtype), ("sample_dtype", sample_dtype)):
@@ -119,6 +124,11 @@ class ServiceClient:
         self.micro_batch_tokens = micro_batch_tokens
         memory.resolve_budget(memory_budget_mb, torch.device("cpu"))  # fail fast on a bad value
         self.memory_budget_mb = memory_budget_mb
+        if prefix_cache_mb in (None, "auto") and os.environ.get("GRPO_PREFIX_CACHE_MB"):
+            # for programs that make their own ServiceClient (python -m grpo.tinker_run ...)
+            prefix_cache_mb = _number_or_auto(os.environ["GRPO_PREFIX_CACHE_MB"])
+        memory.resolve_prefix_cache(prefix_cache_mb, None)  # fail fast on a bad value
+        self.prefix_cache_mb = prefix_cache_mb
         self.store = CheckpointStore(self.checkpoint_dir)
         # Whether a save may name a plain directory of this machine (in-process: yes; grpo.serve
         # turns it off, so no client of a server can write outside its store).
@@ -135,7 +145,8 @@ class ServiceClient:
             if key not in self._engines:
                 engine = Engine(base_model, self.device, self.train_dtype, self.sample_dtype)
                 budget = memory.Budget.for_model(self.memory_budget_mb, engine.model, engine.device)
-                self._engines[key] = _EngineHandle(engine, budget)
+                cache_bytes = memory.resolve_prefix_cache(self.prefix_cache_mb, budget.bytes, engine.device)
+                self._engines[key] = _EngineHandle(engine, budget, cache_bytes)
             return self._engines[key]
 
     # ------------------------------------------------------------------ session
@@ -255,11 +266,11 @@ class ServiceClient:
 class _EngineHandle:
     """An engine plus its two workers: an ordered training queue and a sampling batcher."""
 
-    def __init__(self, engine: Engine, budget: memory.Budget):
+    def __init__(self, engine: Engine, budget: memory.Budget, prefix_cache_bytes: int = 0):
         self.engine = engine
         self.budget = budget
         self.train_executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="grpo-train")
-        self.batcher = _SampleBatcher(engine, budget)
+        self.batcher = _SampleBatcher(engine, budget, prefix_cache_bytes)
 
 
 class TrainingClient(_ClientFuture):
@@ -340,6 +351,8 @@ class TrainingClient(_ClientFuture):
             # This call's gradients are made apart from those accumulated before it and added to
             # them only when finite: a non-finite loss fails this call alone and leaves the model
             # trainable (a NaN gradient would make every later step write NaN weights).
+            if backward:
+                self.handle.batcher.release_prefix_cache(self.adapter)
             params = list(self.engine.adapter_parameters(self.adapter).values()) if backward else []
             kept = [p.grad for p in params]
             for p in params:
@@ -650,6 +663,15 @@ class SamplingClient(_ClientFuture):
     def get_telemetry(self) -> None:
         return None
 
+    def sampler_stats(self) -> dict[str, float]:
+        """grpo's own (not in the SDK): what the sampler of this client's base model has done since
+        it was loaded, summed over every generation -- prompt tokens, tokens prefilled, prefix-cache
+        hits, the tokens they covered, evictions -- and what the prefix cache holds now. Counters
+        only grow: take the difference of two calls for a window (grpo.rl.loop does, per step)."""
+        return self.handle.batcher.stats()
+
+    sampler_stats_async = async_twin("sampler_stats")
+
 
 def _prompt_tokens(prompt: ModelInput, engine: Engine) -> list[int]:
     if not isinstance(prompt, ModelInput):
@@ -707,9 +729,13 @@ class _SampleBatcher:
 
     IDLE_CLOSE_S = 0.5
 
-    def __init__(self, engine: Engine, budget: memory.Budget):
+    def __init__(self, engine: Engine, budget: memory.Budget, prefix_cache_bytes: int = 0):
         self.engine = engine
         self.budget = budget
+        # One prefix cache per engine: every sampling client (and every session of grpo.serve)
+        # of this base model reads from it, each generation bound to its own weights.
+        self.prefix_cache = PrefixCache(prefix_cache_bytes) if prefix_cache_bytes > 0 else None
+        self.totals = sampler.GenerationStats()
         self._cond = threading.Condition()
         self._open: list = []  # submitted, batch still open
         self._closed: list = []  # waiting for the worker
@@ -769,11 +795,14 @@ class _SampleBatcher:
         requests = [it[0] for it in live]
         try:
             with self.engine.sampling_model(adapter, snapshot) as model:
+                self._bind_prefix_cache(adapter, snapshot)
                 # As many rows at once as the memory budget holds; the next requests take the
                 # places of rows that finish (continuous batching).
                 with section("grpo.sample.generate"):
-                    sampler.generate(model, requests, self.engine.tokenizer, self.engine.device,
-                                     row_bytes=self.budget.row_bytes, budget=self.budget.bytes)
+                    stats = sampler.generate(model, requests, self.engine.tokenizer, self.engine.device,
+                                             row_bytes=self.budget.row_bytes, budget=self.budget.bytes,
+                                             prefix_cache=self.prefix_cache)
+            self._count(stats)
         except Exception as err:  # delivered to every caller of this batch
             for it in live:
                 it[3].set_exception(err)
@@ -782,6 +811,48 @@ class _SampleBatcher:
             heap.release_free_memory(self.engine.device)  # before the callers go on to train
         for request, _, _, future in live:
             future.set_result(SampleResponse(sequences=request.sequences, prompt_logprobs=request.prompt_logprobs))
+
+    def _bind_prefix_cache(self, adapter: str | None, snapshot) -> None:
+        """Name the weights this generation samples with; the cache drops what other weights
+        computed. A snapshot is named by its identity (and held, so that no later snapshot can
+        take its address), live adapter weights by their version, which every optimizer step
+        and every load moves on. The sampler's precision is fixed per engine."""
+        if self.prefix_cache is None:
+            return
+        if snapshot is not None and adapter is not None:
+            self.prefix_cache.bind((adapter, "snapshot", id(snapshot[1])), keepalive=snapshot)
+        else:
+            self.prefix_cache.bind((adapter, "live", self.engine.versions.get(adapter) if adapter else None))
+
+    def release_prefix_cache(self, adapter: str) -> None:
+        """Empty the prefix cache if it holds ``adapter``'s keys and values: its training step is
+        about to need the memory, and the optimizer step that follows makes them stale. Called
+        with the engine's lock held, so no generation is reading the cache."""
+        cache = self.prefix_cache
+        if cache is not None and len(cache) and isinstance(cache.identity, tuple) and cache.identity[0] == adapter:
+            cache.stats.invalidations += 1
+            cache.clear()
+
+    def _count(self, stats: sampler.GenerationStats) -> None:
+        with self._cond:
+            for key, value in stats.__dict__.items():
+                setattr(self.totals, key, max(self.totals.peak_rows, value) if key == "peak_rows"
+                        else getattr(self.totals, key) + value)
+
+    def stats(self) -> dict[str, float]:
+        with self._cond:
+            out = {key: float(value) for key, value in self.totals.__dict__.items()}
+        cache = self.prefix_cache
+        out["prefix_cache_bytes"] = float(cache.bytes if cache is not None else 0)
+        out["prefix_cache_entries"] = float(len(cache) if cache is not None else 0)
+        return out
+
+
+def _number_or_auto(text: str) -> float | str:
+    try:
+        return float(text)
+    except ValueError:
+        return text  # "auto", or refused by resolve_prefix_cache with the setting's name
 
 
 def _read_state(folder: Path, path: str | None = None) -> dict:

@@ -128,6 +128,12 @@ class SlotCache(Cache):
                               theirs.values[source_row:source_row + 1, :, start:])
         self.lengths[first:first + count] = [prompt_cache.layers[0].keys.shape[-2] - start] * count
 
+    def read_row(self, slot: int, length: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """A copy of slot ``slot``'s first ``length`` columns, per layer ``[1, heads, length, dim]``
+        keys and values (for the prefix cache: the slot itself is reused by the next row)."""
+        return [(layer._keys[slot:slot + 1, :, :length].clone(), layer._values[slot:slot + 1, :, :length].clone())
+                for layer in self.layers]
+
     def keep(self, survivors: list[int]) -> list[int]:
         """Keep the rows at batch positions ``survivors`` (ascending) and return the new batch
         order as old positions. Survivors already inside the first ``len(survivors)`` slots stay

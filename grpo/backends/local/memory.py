@@ -47,6 +47,20 @@ def resolve_budget(setting: int | float | str | None, device: torch.device) -> i
     return None if setting == 0 else int(setting * 2**20)
 
 
+def resolve_prefix_cache(setting: int | float | str | None, budget: int | None,
+                         device: torch.device | None = None) -> int:
+    """``prefix_cache_mb`` as bytes (0: no prefix cache). "auto"/None: as much as the memory budget
+    (``budget`` bytes; the default budget where that is unbounded), a second working set's worth
+    that a multi-turn step fills with its episodes' contexts. ``device`` None only checks."""
+    if setting is None or setting == "auto":
+        if device is None:
+            return 0
+        return budget if budget is not None else default_budget(device)
+    if isinstance(setting, bool) or not isinstance(setting, (int, float)) or setting < 0:
+        raise ValueError(f"prefix_cache_mb must be 'auto', 0 (off) or a positive number of MB, got {setting!r}")
+    return int(setting * 2**20)
+
+
 def _dims(config: Any) -> tuple[int, int, int, int, int]:
     hidden = int(config.hidden_size)
     heads = int(config.num_attention_heads)

@@ -4,9 +4,11 @@ Requests are admitted in order while the memory budget has room for their rows; 
 request's prompt is prefilled once and its KV cache fanned out to the rows of its group. Rows
 leave the batch as soon as they stop, and the next requests' rows take their slots at once, so
 a step with more rows than one batch holds keeps the batch full instead of waiting for each
-batch's longest answer (kv_cache.py keeps each row at its own position). Logprobs are those of
-the untempered policy (what the trainer computes); temperature, top-k and top-p shape only the
-choice of token.
+batch's longest answer (kv_cache.py keeps each row at its own position). With a prefix cache
+(prefix_cache.py), a prompt is prefilled only after its longest prefix whose keys and values an
+earlier prompt or finished row left there, so a multi-turn episode's turn costs its new tokens.
+Logprobs are those of the untempered policy (what the trainer computes); temperature, top-k and
+top-p shape only the choice of token.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import torch
 from transformers import DynamicCache
 
 from grpo.backends.local.kv_cache import SlotCache
+from grpo.backends.local.prefix_cache import PrefixCache
 from grpo.backends.local.sections import section
 from grpo.types import SampledSequence, SamplingParams
 
@@ -55,12 +58,20 @@ class _Row:
 @dataclass
 class GenerationStats:
     """What one ``generate`` call did: prefills (admissions of requests), decoding steps, the
-    rows those steps carried, and the most rows in the batch at once."""
+    rows those steps carried, and the most rows in the batch at once; the prompts' tokens, those
+    actually prefilled (a prompt shared by several requests of one admission counts once, a
+    prefix read from the prefix cache not at all), and the prefix cache's hits, the tokens they
+    covered and its evictions."""
 
     admissions: int = 0
     decode_steps: int = 0
     rows_decoded: int = 0
     peak_rows: int = 0
+    prompt_tokens: int = 0
+    prefilled_tokens: int = 0
+    prefix_hits: int = 0
+    prefix_hit_tokens: int = 0
+    prefix_evictions: int = 0
 
 
 def _position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
@@ -98,7 +109,7 @@ def prompt_logprobs(model, prompts: list[list[int]], device: torch.device) -> li
 @torch.no_grad()
 def generate(model, requests: list[GenerationRequest], tokenizer, device: torch.device, max_context: int | None = None,
              compact: str | None = None, row_bytes: Callable[[int], int] | None = None,
-             budget: int | None = None) -> GenerationStats:
+             budget: int | None = None, prefix_cache: PrefixCache | None = None) -> GenerationStats:
     """Sample every request's ``num_samples`` continuations; results go into the requests.
 
     At most ``batch_rows(requests, row_bytes, budget)`` rows decode at once; requests are
@@ -108,6 +119,9 @@ def generate(model, requests: list[GenerationRequest], tokenizer, device: torch.
     CUDA, where the decode step is launch-bound and each new batch shape costs more than a row
     saves. Finished rows that stay draw no random numbers, and a request's rows draw in their
     own order wherever they sit in the batch, so seeded samples depend on neither.
+
+    ``prefix_cache`` (bound by the caller to the weights of ``model``): prompts are prefilled after
+    their longest cached prefix, and every prompt and every finished row is stored there.
     """
     compact = compact or ("half" if device.type == "cuda" else "eager")
     if compact not in ("eager", "half"):
@@ -124,13 +138,14 @@ def generate(model, requests: list[GenerationRequest], tokenizer, device: torch.
     rows: list[_Row] = []
     batch: list[_Row] = []  # rows in slot order
     logits = None  # next-token logits of the batch's rows
+    before = prefix_cache.stats.snapshot() if prefix_cache is not None else None
 
     while True:
         admitted = _admissions(pending, limit - len(batch), nothing_running=not batch)
         if admitted:
             with section("grpo.sample.prefill"):
                 new_rows, new_logits = _admit(model, admitted, cache, len(batch), len(rows), max_context, tokenizer,
-                                              device)
+                                              device, prefix_cache, stats)
             rows += new_rows
             batch += new_rows
             logits = new_logits if logits is None else torch.cat([logits, new_logits])
@@ -151,6 +166,8 @@ def generate(model, requests: list[GenerationRequest], tokenizer, device: torch.
                 row.stop_reason, row.done = "stop", True
             elif len(row.tokens) >= row.max_tokens:
                 row.stop_reason, row.done = "length", True
+        if prefix_cache is not None:  # before their slots are reused
+            _store_finished(prefix_cache, cache, batch, live)
         still = [b for b in live if not batch[b].done]
         tokens = torch.full((len(batch),), _pad_id(tokenizer), dtype=torch.long, device=device)
         tokens[torch.tensor(live, device=device)] = chosen  # finished rows ride along on padding
@@ -175,6 +192,9 @@ def generate(model, requests: list[GenerationRequest], tokenizer, device: torch.
 
     for row in rows:
         row.request.sequences.append(SampledSequence(tokens=row.tokens, logprobs=row.logprobs, stop_reason=row.stop_reason))
+    if prefix_cache is not None:
+        done = prefix_cache.stats.since(before)
+        stats.prefix_hits, stats.prefix_hit_tokens, stats.prefix_evictions = done.hits, done.hit_tokens, done.evictions
     return stats
 
 
@@ -193,27 +213,57 @@ def _admissions(pending: deque, free: int, nothing_running: bool) -> list[Genera
 
 
 def _admit(model, requests: list[GenerationRequest], cache: SlotCache, first_slot: int, first_index: int,
-           max_context: int | None, tokenizer, device: torch.device) -> tuple[list[_Row], torch.Tensor]:
-    """Prefill each request's prompt once (left-padded into one batch), write its KV cache into
-    the slots of its rows from ``first_slot`` on; the new rows and their next-token logits."""
-    prompts = [req.prompt for req in requests]
-    width = max(len(p) for p in prompts)
-    input_ids = torch.full((len(prompts), width), _pad_id(tokenizer), dtype=torch.long, device=device)
-    attention = torch.zeros((len(prompts), width), dtype=torch.long, device=device)
-    for i, p in enumerate(prompts):
-        input_ids[i, width - len(p):] = torch.tensor(p, device=device)
-        attention[i, width - len(p):] = 1
-    prefill = DynamicCache()
-    # Only the last position's logits are needed: the unembedding over every prompt position
-    # would cost a quarter of the prefill on a small model with a large vocabulary.
-    out = model(input_ids=input_ids, attention_mask=attention, position_ids=_position_ids(attention),
-                cache=prefill, use_cache=True, logits_to_keep=1)
-    last_logits = out.logits[:, -1].float()
+           max_context: int | None, tokenizer, device: torch.device, prefix_cache: PrefixCache | None,
+           stats: GenerationStats) -> tuple[list[_Row], torch.Tensor]:
+    """Prefill each request's prompt, write its KV cache into the slots of its rows from
+    ``first_slot`` on; the new rows and their next-token logits.
+
+    A prompt with a prefix in ``prefix_cache`` is prefilled on its own after that prefix; the
+    others are prefilled together, left-padded, each distinct prompt once (the requests of one
+    group, or episodes that start alike, share it). Every prompt is stored in the prefix cache."""
+    sources: list[tuple[DynamicCache, int, int]] = [None] * len(requests)  # type: ignore[list-item]  # cache, row, start
+    next_logits: list[torch.Tensor] = [None] * len(requests)  # type: ignore[list-item]
+    fresh: dict[tuple[int, ...], list[int]] = {}  # prompts with nothing cached -> their requests
+    for i, req in enumerate(requests):
+        stats.prompt_tokens += len(req.prompt)
+        hit = prefix_cache.lookup(req.prompt) if prefix_cache is not None else None
+        if hit is None:
+            fresh.setdefault(tuple(req.prompt), []).append(i)
+            continue
+        known, kv = hit
+        prompt_cache, next_logits[i] = _prefill_after(model, req.prompt, known, kv, device)
+        sources[i] = (prompt_cache, 0, 0)
+        stats.prefilled_tokens += len(req.prompt) - known
+        # the prompt's keys and values are new tensors (the past concatenated with the suffix's)
+        prefix_cache.store(req.prompt, [(layer.keys, layer.values) for layer in prompt_cache.layers])
+    if fresh:
+        prompts = list(fresh)
+        width = max(len(p) for p in prompts)
+        input_ids = torch.full((len(prompts), width), _pad_id(tokenizer), dtype=torch.long, device=device)
+        attention = torch.zeros((len(prompts), width), dtype=torch.long, device=device)
+        for j, p in enumerate(prompts):
+            input_ids[j, width - len(p):] = torch.tensor(p, device=device)
+            attention[j, width - len(p):] = 1
+        prefill = DynamicCache()
+        # Only the last position's logits are needed: the unembedding over every prompt position
+        # would cost a quarter of the prefill on a small model with a large vocabulary.
+        out = model(input_ids=input_ids, attention_mask=attention, position_ids=_position_ids(attention),
+                    cache=prefill, use_cache=True, logits_to_keep=1)
+        last_logits = out.logits[:, -1].float()
+        for j, p in enumerate(prompts):
+            start = width - len(p)
+            for i in fresh[p]:
+                sources[i], next_logits[i] = (prefill, j, start), last_logits[j]
+            stats.prefilled_tokens += len(p)
+            if prefix_cache is not None:  # copies: the batch's padded tensors are not kept
+                prefix_cache.store(p, [(layer.keys[j:j + 1, :, start:].clone(), layer.values[j:j + 1, :, start:].clone())
+                                       for layer in prefill.layers])
 
     rows: list[_Row] = []
     owner: list[int] = []
     for i, req in enumerate(requests):
-        cache.write_prompt(first_slot + len(rows), req.num_samples, prefill, i, width - len(req.prompt))
+        prompt_cache, source_row, start = sources[i]
+        cache.write_prompt(first_slot + len(rows), req.num_samples, prompt_cache, source_row, start)
         stop_strings, stop_ids = req.params.stop_strings_and_ids()
         generator = None
         if req.params.seed is not None:
@@ -223,7 +273,32 @@ def _admit(model, requests: list[GenerationRequest], cache: SlotCache, first_slo
             rows.append(_Row(first_index + len(rows), req, _max_tokens(req, max_context), frozenset(stop_ids),
                              stop_strings, generator))
             owner.append(i)
-    return rows, last_logits[torch.tensor(owner, device=device)]
+    return rows, torch.stack([next_logits[i] for i in owner])
+
+
+def _prefill_after(model, prompt: list[int], known: int, kv, device: torch.device
+                   ) -> tuple[DynamicCache, torch.Tensor]:
+    """Prefill ``prompt[known:]`` after the cached keys and values of ``prompt[:known]``: the
+    prompt's whole cache and its next-token logits."""
+    past = DynamicCache()
+    for layer, (keys, values) in enumerate(kv):
+        past.update(keys, values, layer)
+    ids = torch.tensor([prompt[known:]], device=device)
+    out = model(input_ids=ids, attention_mask=torch.ones((1, len(prompt)), dtype=torch.long, device=device),
+                position_ids=torch.arange(known, len(prompt), device=device)[None], cache=past, use_cache=True,
+                logits_to_keep=1)
+    return past, out.logits[0, -1].float()
+
+
+def _store_finished(prefix_cache: PrefixCache, cache: SlotCache, batch: list[_Row], live: list[int]) -> None:
+    """Store the rows of ``live`` that have just finished: their slot holds the keys and values
+    of the prompt and every sampled token but the last (which was never fed back), which is
+    where the next turn of a multi-turn episode starts."""
+    for b in live:
+        row = batch[b]
+        if row.done:
+            known = row.request.prompt + row.tokens[:-1]
+            prefix_cache.store(known, cache.read_row(b, cache.lengths[b]))
 
 
 def _max_tokens(req: GenerationRequest, max_context: int | None) -> int:

@@ -44,6 +44,14 @@ def build(state: ServerState, limits: Limits) -> APIRouter:
         sampler = state.sampler(sampler_id)
         return {"sampler_id": sampler.sampler_id, "base_model": sampler.base_model, "model_path": sampler.model_path}
 
+    @router.get("/samplers/{sampler_id}/stats")
+    async def sampler_stats(sampler_id: bodies.RefInPath) -> dict[str, Any]:
+        """grpo's own: what the sampler of this session's base model has done (prompt tokens,
+        tokens prefilled, prefix-cache hits and the tokens they covered, evictions), summed since
+        the model loaded; every session of one base model shares that sampler and its cache."""
+        sampler = state.sampler(sampler_id)
+        return {"sampler_id": sampler.sampler_id, **sampler.client.sampler_stats()}
+
     @router.post("/asample")
     async def asample(body: bodies.Sample) -> dict[str, Any]:
         tokens = [t for chunk in body.prompt.chunks for t in chunk.tokens]

@@ -35,15 +35,15 @@ test-slow: venv
 # The end-to-end runs CI affords on 2 cores: the MinT quick-start loop, one short training run per
 # adapter on the packaged SmolLM2, the Tinker server against the newest SDK (own venv, built once),
 # the CLI's kill-and-resume runs, the sweep launchers, the judge's calibration, and the
-# tinker-cookbook's programs in-process and through grpo.serve (its overlay built once), and the
-# fuzzer of grpo.serve's routes.
+# tinker-cookbook's programs in-process and through grpo.serve (its overlay built once; its multi-turn
+# guess_number too, a few minutes each), the prefix cache on SmolLM2, and the fuzzer of grpo.serve's routes.
 CI_SLOW ?= tests/test_serve_sdk038.py tests/test_mint_quickstart.py tests/test_math_adapter.py tests/test_code_adapter.py \
 	tests/test_chat_adapter.py tests/test_tools_adapter.py tests/test_tinker_tour.py tests/test_mint_compat.py \
 	tests/test_exported_adapter.py tests/test_reproducibility.py tests/test_cli.py tests/test_sweep.py \
 	tests/test_serve_backend.py tests/test_judge.py tests/test_serve_chunks.py tests/test_config_docs.py \
 	tests/test_scaling_script.py tests/test_cookbook_inprocess.py tests/test_cookbook_serve.py \
 	tests/test_restart_hygiene.py tests/test_serve_hostile.py tests/test_tinker_types.py \
-	tests/test_serve_fuzz.py tests/test_prefix_cache.py
+	tests/test_serve_fuzz.py tests/test_prefix_cache.py tests/test_cookbook_multiturn.py
 test-ci-slow: venv
 	$(BIN)/python -m pytest -q -n 2 -m slow $(CI_SLOW)
 

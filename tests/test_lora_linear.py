@@ -103,16 +103,3 @@ def test_engine_adapters_use_the_fused_forward():
     layers = [m for m in engine.peft_model.modules() if isinstance(m, LoraLinear)]
     assert layers and all(getattr(m, MARK, False) for m in layers)
 
-
-def test_bf16_decoding_rows_take_the_fp32_delta_and_match():
-    fused = _peft(base_dtype=torch.bfloat16)
-    fuse_lora_linears(fused)
-    up = fused.base_model.model.up
-    s = up.scaling["default"]
-    x = torch.randn(3, 24, dtype=torch.bfloat16)  # a decoding step's few rows, no gradient
-    with torch.no_grad():
-        out = up(x)
-        expected = (up.base_layer(x).float()
-                    + s * (x.float() @ up.lora_A["default"].weight.t()) @ up.lora_B["default"].weight.t())
-    assert out.dtype == torch.bfloat16
-    torch.testing.assert_close(out.float(), expected, rtol=1e-2, atol=2e-2)

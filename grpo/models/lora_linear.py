@@ -28,8 +28,6 @@ import torch
 from torch import nn
 
 MARK = "_grpo_fused_lora"
-# Up to this many rows (a decoding step) a gradient-free bf16 layer computes its LoRA delta in fp32.
-FEW_ROWS = 64
 
 
 def fused_forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
@@ -41,9 +39,6 @@ def fused_forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
         return type(self).forward(self, x, *args, **kwargs)
     result = self.base_layer(x)
     a, b = self.lora_A[adapter].weight, self.lora_B[adapter].weight
-    if a.dtype != x.dtype and not torch.is_grad_enabled() and x.numel() <= FEW_ROWS * x.shape[-1]:
-        # a decoding step's few rows: the rank-wide products are faster in fp32 than in bf16
-        return lora_side_path(result, x, a, b, self.scaling[adapter])
     if a.dtype != x.dtype:  # fp32 master weights, bf16 activations: compute in bf16 (see above)
         a, b = a.to(x.dtype), b.to(x.dtype)
     return lora_side_path(result, x, a, b, self.scaling[adapter])
@@ -51,15 +46,7 @@ def fused_forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
 
 def lora_side_path(base_out: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
                    scaling: float) -> torch.Tensor:
-    """``base_out + scaling * (x @ a.T) @ b.T``, the scale on the rank side, the sum in the matmul.
-
-    With fp32 ``a``/``b`` beside bf16 activations (gradient-free, a few rows: a decoding step) the
-    rank-wide products run in fp32 on the few rows and the delta is added into the bf16 output in
-    place: bf16 kernels on a [rows, 16] product cost more than fp32 ones (AMD EPYC Zen 4, 20 rows of
-    SmolLM2: ~110 us against ~75 us a layer, docs/benchmark.md)."""
-    if a.dtype != x.dtype:
-        delta = ((nn.functional.linear(x.to(a.dtype), a) * scaling) @ b.t()).view(base_out.shape)
-        return base_out + delta.to(base_out.dtype) if torch.is_grad_enabled() else base_out.add_(delta)
+    """``base_out + scaling * (x @ a.T) @ b.T``, the scale on the rank side, the sum in the matmul."""
     down = nn.functional.linear(x, a) * scaling
     flat = torch.addmm(base_out.reshape(-1, base_out.shape[-1]), down.reshape(-1, down.shape[-1]), b.t())
     return flat.view(base_out.shape)

@@ -25,7 +25,7 @@ from torch import nn
 
 from grpo.backends.local.folded_lora import lora_layers
 from grpo.models.cpu_linear import pack_for_inference
-from grpo.models.lora_linear import FEW_ROWS, lora_side_path
+from grpo.models.lora_linear import lora_side_path
 
 
 class LoraSidePath(nn.Module):
@@ -35,15 +35,10 @@ class LoraSidePath(nn.Module):
     def __init__(self, base: nn.Module, a: torch.Tensor, b: torch.Tensor, scaling: float, dtype: torch.dtype):
         super().__init__()
         self.base = base
-        self.scaling = scaling
-        # fp32 for a decoding step's few rows, ``dtype`` for a prefill's many (lora_linear.py)
-        self.a, self.b = a.detach().float().clone(), b.detach().float().clone()
-        self.a_low, self.b_low = a.detach().to(dtype), b.detach().to(dtype)
+        self.a, self.b, self.scaling = a.detach().to(dtype).clone(), b.detach().to(dtype).clone(), scaling
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        few = x.numel() <= FEW_ROWS * x.shape[-1]
-        return lora_side_path(self.base(x), x, self.a if few else self.a_low, self.b if few else self.b_low,
-                              self.scaling)
+        return lora_side_path(self.base(x), x, self.a, self.b, self.scaling)
 
 
 class SamplerCopy:

@@ -73,6 +73,36 @@ def trl_default_datums(groups) -> list:
     return advantages.build_datums(samples, "ppo", "token_mean")[0]
 
 
+def trainable_groups(problems, prompt_ids, responses) -> list:
+    """Scored groups whose rewards always spread (exact match plus 0.1 per sample index): exact
+    match rarely fires on a small or random model, and a flat group would be skipped, so every
+    group stays trainable and a timed step always trains the same amount."""
+    from grpo.rl import rollouts
+
+    return [rollouts.ScoredGroup(rollouts.Group(i, p, ids, rs),
+                                 [exact_match(r.text, p.answer) + 0.1 * k for k, r in enumerate(rs)],
+                                 [{} for _ in rs], [])
+            for i, (p, ids, rs) in enumerate(zip(problems, prompt_ids, responses, strict=True))]
+
+
+def count_decode_steps() -> dict[str, int]:
+    """Count the sampler's decode steps and the rows they carried (it picks tokens once a step).
+    Rows per step is what sets sampling's cost per token on a CPU: a matmul over 4 rows reaches a
+    fraction of the FLOP/s of one over 64."""
+    from grpo.backends.local import sampler
+
+    counts = {"steps": 0, "rows": 0}
+    choose = sampler._choose_tokens
+
+    def counted(logits, rows, device):
+        counts["steps"] += 1
+        counts["rows"] += len(rows)
+        return choose(logits, rows, device)
+
+    sampler._choose_tokens = counted
+    return counts
+
+
 def device_and_dtype(requested: str) -> tuple[str, str]:
     import torch
 
@@ -122,7 +152,6 @@ def worker_grpo(args: argparse.Namespace) -> None:
     import hardware_floors
 
     from grpo.backends.local import ServiceClient, sections
-    from grpo.backends.local import sampler as local_sampler
     from grpo.rl import rollouts
     from grpo.types import AdamParams, SamplingParams
 
@@ -130,15 +159,7 @@ def worker_grpo(args: argparse.Namespace) -> None:
     service = ServiceClient(device=device, dtype=dtype)
     tc = service.create_lora_training_client(args.model, rank=args.rank, seed=0, train_unembed=False)
     tokenizer = tc.get_tokenizer()
-    decode = {"steps": 0, "rows": 0}  # the sampler picks tokens once per decoding step
-    choose = local_sampler._choose_tokens
-
-    def counted(logits, rows, device):
-        decode["steps"] += 1
-        decode["rows"] += len(rows)
-        return choose(logits, rows, device)
-
-    local_sampler._choose_tokens = counted
+    decode = count_decode_steps()
     problems = make_problems(args.prompts * (args.warmup + args.steps))
     prompt_ids = [tokenizer.apply_chat_template(p.messages, add_generation_prompt=True, tokenize=True,
                                                 return_dict=False) for p in problems]

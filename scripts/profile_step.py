@@ -66,7 +66,7 @@ def main() -> None:
     args = parser.parse_args()
 
     import torch
-    from bench import make_problems, trl_default_datums
+    from bench import make_problems, trainable_groups, trl_default_datums
 
     from grpo.backends.local import ServiceClient, sections
     from grpo.rl import rollouts
@@ -87,9 +87,7 @@ def main() -> None:
         sampler = tc.save_weights_and_get_sampling_client()
         responses = rollouts.sample_groups(sampler, prompts, args.group, lambda _: params, tokenizer)
         t1 = time.perf_counter()
-        groups = [rollouts.ScoredGroup(rollouts.Group(i, p, ids, rs), [0.1 * k for k in range(len(rs))],
-                                       [{} for _ in rs], [])
-                  for i, (p, ids, rs) in enumerate(zip(problems, prompts, responses, strict=True))]
+        groups = trainable_groups(problems, prompts, responses)
         datums = trl_default_datums(groups)
         t2 = time.perf_counter()
         tc.forward_backward(datums, "ppo").result()

@@ -130,26 +130,8 @@ def current_peak_mb() -> float | None:
     return None
 
 
-def count_decode_steps() -> dict[str, int]:
-    """Count the sampler's decode steps and the rows they carried (it picks tokens once a step).
-    Rows per step is what sets sampling's cost per token on a CPU: a matmul over 4 rows reaches a
-    fraction of the FLOP/s of one over 64."""
-    from grpo.backends.local import sampler
-
-    counts = {"steps": 0, "rows": 0}
-    choose = sampler._choose_tokens
-
-    def counted(logits, rows, device):
-        counts["steps"] += 1
-        counts["rows"] += len(rows)
-        return choose(logits, rows, device)
-
-    sampler._choose_tokens = counted
-    return counts
-
-
 def worker(row: dict[str, Any]) -> None:
-    from bench import exact_match, make_problems, trl_default_datums
+    from bench import count_decode_steps, make_problems, trainable_groups, trl_default_datums
 
     from grpo.backends.local import ServiceClient
     from grpo.rl import rollouts
@@ -183,11 +165,7 @@ def worker(row: dict[str, Any]) -> None:
         sampler = tc.save_weights_and_get_sampling_client()
         responses = rollouts.sample_groups(sampler, prompt_ids, group, lambda _: params, tokenizer)
         t1 = time.perf_counter()
-        # exact match rarely fires on a random model; a fixed spread keeps every group trainable
-        groups = [rollouts.ScoredGroup(rollouts.Group(i, p, ids, rs),
-                                       [exact_match(r.text, p.answer) + 0.1 * k for k, r in enumerate(rs)],
-                                       [{} for _ in rs], [])
-                  for i, (p, ids, rs) in enumerate(zip(problems, prompt_ids, responses, strict=True))]
+        groups = trainable_groups(problems, prompt_ids, responses)
         datums = trl_default_datums(groups)
         t2 = time.perf_counter()
         tc.forward_backward(datums, "ppo").result()

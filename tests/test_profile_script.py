@@ -1,0 +1,48 @@
+"""scripts/profile_step.py and the floors scripts/bench.py reports against (scripts/hardware_floors.py)
+run and add up, so the profile and the goals table in docs/benchmark.md cannot silently rot."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "scripts"))
+
+import hardware_floors  # noqa: E402
+
+
+def test_floors_follow_their_formulas():
+    machine = hardware_floors.Machine(peak_gflops=100.0, bandwidth_gbs=20.0, dtype="fp32")
+    size = hardware_floors.ModelSize(decoder_matmul_params=1_000_000, head_params=500_000, weight_bytes=6_000_000)
+    few = hardware_floors.decode_step_floor_s(size, machine, rows=1)
+    assert few["stream_s"] == pytest.approx(6e6 / 20e9)  # the weights once
+    assert few["compute_s"] == pytest.approx(2 * 1.5e6 / 100e9)
+    assert few["floor_s"] == few["stream_s"]  # one row: bound by the weight stream
+    many = hardware_floors.decode_step_floor_s(size, machine, rows=64)
+    assert many["floor_s"] == many["compute_s"] == pytest.approx(2 * 1.5e6 * 64 / 100e9)
+    # forward + input backward through the decoder for every processed token, the head for the counted
+    assert hardware_floors.train_flops(size, processed_tokens=10, counted_tokens=4) == 4 * 1e6 * 10 + 4 * 5e5 * 4
+    step = hardware_floors.step_floor_s(size, machine, decode_steps=2, rows_decoded=128, prompt_tokens=30,
+                                        processed_tokens=100, counted_tokens=60)
+    assert step["sample_s"] == pytest.approx(2 * many["floor_s"] + 2 * 1e6 * 30 / 100e9)
+    assert step["step_s"] == pytest.approx(step["sample_s"] + step["train_s"])
+
+
+def test_profile_of_a_step_names_every_section():
+    proc = subprocess.run([sys.executable, "scripts/profile_step.py", "--model", "tiny", "--prompts", "2", "--group", "2",
+                           "--max-tokens", "4", "--ops", "5"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    out = proc.stdout
+    step = float(re.search(r"# step ([0-9.]+) s", out).group(1))
+    rows = dict(re.findall(r"^\| ([^|]+?) \| ([0-9.]+) \| [0-9]+% \|", out, flags=re.M))
+    for section in ("sampling: prefill", "sampling: decoding forward (the model)", "training: decoder forward",
+                    "training: decoder backward", "training: optimizer"):
+        assert float(rows[section]) > 0, section
+    # the sections and the rest account for the step, none counted twice
+    assert sum(float(v) for v in rows.values()) == pytest.approx(step, rel=0.05, abs=0.05)
+    assert "| operator in the decoding forward |" in out

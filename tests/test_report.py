@@ -450,8 +450,10 @@ def test_episode_traces_reach_the_page_data(agent_run, tmp_path):
         assert [t["text"] for t in s["turns"]] == [t["text"] for t in r["turns"]]
         assert [t.get("error") for t in s["turns"]] == [t.get("error") for t in r["turns"]]
         assert s["end_reason"] == r["end_reason"]
-    assert {p["id"]: p["keys"] for p in data["panels"]}["episode"] == [
-        "episode/turns", "episode/tool_calls", "episode/tool_error_rate"]
+    panels = {p["id"]: p["keys"] for p in data["panels"]}
+    assert panels["episode"] == ["episode/turns", "episode/tool_calls", "episode/observations",
+                                 "episode/tool_error_rate"]
+    assert panels["prefix"] == ["sampler/prefix_hit_rate"]
 
 
 def test_browser_shows_multi_turn_traces(browser, agent_run, tmp_path):

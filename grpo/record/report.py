@@ -71,9 +71,11 @@ PANELS: tuple[Panel, ...] = (
     Panel("length", "Response length (tokens)", ("response/mean_length",)),
     Panel("truncation", "Truncation rate", ("response/truncation_rate",)),
     Panel("time", "Time per phase (s)", ("time/sample", "time/score", "time/train", "time/*")),
-    Panel("episode", "Episodes: turns, tool calls, tool error rate",
-          ("episode/turns", "episode/tool_calls", "episode/tool_error_rate"),
+    Panel("episode", "Episodes: turns, tool calls, environment replies, tool error rate",
+          ("episode/turns", "episode/tool_calls", "episode/observations", "episode/tool_error_rate"),
           empty="single-turn run (no episodes)"),
+    Panel("prefix", "Sampler: share of prompt tokens read from the prefix cache",
+          ("sampler/prefix_hit_rate",), empty="no prefix-cache metrics in this run"),
     Panel("loss", "Loss", ("loss",)),
     Panel("grad_norm", "Gradient norm", ("grad_norm",)),
 )

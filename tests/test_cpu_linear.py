@@ -186,3 +186,15 @@ def test_inference_packed_layer_repacks_after_an_in_place_write():
         torch.testing.assert_close(fast(x), F.linear(x, fast.weight, fast.bias), rtol=1e-5, atol=1e-5)
         fast.weight.mul_(2.0)  # as folding writes: in place
         torch.testing.assert_close(fast(x), F.linear(x, fast.weight, fast.bias), rtol=1e-5, atol=1e-5)
+
+
+def test_a_cpu_that_cannot_pack_keeps_plain_layers(monkeypatch):
+    # e.g. a bf16 layout refused on a CPU without bf16 instructions: nothing is packed, all still runs
+    monkeypatch.setattr(cpu_linear, "packing_works", lambda dtype: False)
+    model = models.load_model("tiny", "cpu", torch.float32)
+    x = torch.randint(0, 100, (2, 5))
+    with torch.no_grad():
+        expected = model(input_ids=x).logits
+        assert cpu_linear.pack_for_inference(model) == 0
+        assert cpu_linear.keep_packed_copies([model.get_output_embeddings()]) == 0
+        torch.testing.assert_close(model(input_ids=x).logits, expected)

@@ -136,7 +136,21 @@ def keep_packed_copies(modules: list[nn.Module]) -> int:
 
 def can_pack(weight: torch.Tensor) -> bool:
     return (weight.device.type == "cpu" and weight.dtype in _ONEDNN_DTYPES and weight.dim() == 2
-            and wanted() and onednn_works())
+            and wanted() and onednn_works() and packing_works(weight.dtype))
+
+
+@functools.cache
+def packing_works(dtype: torch.dtype) -> bool:
+    """Whether this torch build and CPU pack a ``dtype`` weight and multiply by it as ``F.linear``
+    does (a CPU without bf16 instructions may refuse a bf16 layout: its layers stay plain)."""
+    try:
+        gen = torch.Generator().manual_seed(0)
+        x, w, b = (torch.randn(shape, generator=gen).to(dtype) for shape in ((3, 5, 16), (24, 16), (24,)))
+        tolerance = 1e-4 if dtype == torch.float32 else 5e-2
+        return torch.allclose(_onednn(x, pack_weight(w), b).float(), F.linear(x, w, b).float(),
+                              rtol=tolerance, atol=tolerance)
+    except (AttributeError, RuntimeError, NotImplementedError):
+        return False
 
 
 def pack_for_inference(model: nn.Module) -> int:

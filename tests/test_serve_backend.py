@@ -27,8 +27,13 @@ def grpo(args: list[str], run_dir: Path, pythonpath: list[Path], extra_env: dict
                           capture_output=True, text=True, timeout=600)
 
 
+# The local backend's sampler counters (SamplingClient.sampler_stats: the prefix cache's hits): the
+# SDK's sampling client has no such call, so a run through a service logs none of them.
+LOCAL_SAMPLER_PREFIX = "sampler/"
+
+
 def comparable(rows: list[dict]) -> list[dict]:
-    return [{k: v for k, v in r.items() if not k.startswith(TIMING_PREFIXES)} for r in rows]
+    return [{k: v for k, v in r.items() if not k.startswith((*TIMING_PREFIXES, LOCAL_SAMPLER_PREFIX))} for r in rows]
 
 
 @pytest.mark.slow  # end to end, minutes on 2 cores: CI's slow stage runs it
@@ -48,6 +53,9 @@ def test_backend_tinker_on_grpo_server_with_newest_sdk_matches_local(tmp_path):
         assert remote.returncode == 0, remote.stderr[-3000:] + server.log.read_text()[-2000:]
     finally:
         server.stop()
+    assert any("sampler/prefix_hit_rate" in row for row in read_jsonl(tmp_path / "local" / "metrics.jsonl"))
+    assert not any(k.startswith(LOCAL_SAMPLER_PREFIX) for row in read_jsonl(tmp_path / "remote" / "metrics.jsonl")
+                   for k in row)
     for name in ("metrics.jsonl", "rollouts.jsonl"):
         expected = comparable(read_jsonl(tmp_path / "local" / name))
         got = comparable(read_jsonl(tmp_path / "remote" / name))

@@ -85,6 +85,25 @@ def trainable_groups(problems, prompt_ids, responses) -> list:
             for i, (p, ids, rs) in enumerate(zip(problems, prompt_ids, responses, strict=True))]
 
 
+def timed_trainable_step(tc, problems, prompt_ids, group: int, params, tokenizer, adam) -> tuple[list, dict[str, float]]:
+    """One GRPO step through the client API on ``trainable_groups``: a fresh sampling client,
+    ``group`` samples per prompt, TRL-default datums, ``forward_backward(ppo)`` + ``optim_step``.
+    Returns the scored groups and the seconds of sampling, building datums and training."""
+    from grpo.rl import rollouts
+
+    t0 = time.perf_counter()
+    sampler = tc.save_weights_and_get_sampling_client()
+    responses = rollouts.sample_groups(sampler, prompt_ids, group, lambda _: params, tokenizer)
+    t1 = time.perf_counter()
+    groups = trainable_groups(problems, prompt_ids, responses)
+    datums = trl_default_datums(groups)
+    t2 = time.perf_counter()
+    tc.forward_backward(datums, "ppo").result()
+    tc.optim_step(adam).result()
+    t3 = time.perf_counter()
+    return groups, {"sample_s": t1 - t0, "datums_s": t2 - t1, "train_s": t3 - t2}
+
+
 def count_decode_steps() -> dict[str, int]:
     """Count the sampler's decode steps and the rows they carried (it picks tokens once a step).
     Rows per step is what sets sampling's cost per token on a CPU: a matmul over 4 rows reaches a

@@ -66,10 +66,9 @@ def main() -> None:
     args = parser.parse_args()
 
     import torch
-    from bench import make_problems, trainable_groups, trl_default_datums
+    from bench import make_problems, timed_trainable_step
 
     from grpo.backends.local import ServiceClient, sections
-    from grpo.rl import rollouts
     from grpo.types import AdamParams, SamplingParams
 
     train_dtype, sample_dtype = PRECISIONS[args.precision]
@@ -83,18 +82,8 @@ def main() -> None:
         problems = make_problems(args.prompts, seed=seed)
         prompts = [tokenizer.apply_chat_template(p.messages, add_generation_prompt=True, tokenize=True,
                                                  return_dict=False) for p in problems]
-        t0 = time.perf_counter()
-        sampler = tc.save_weights_and_get_sampling_client()
-        responses = rollouts.sample_groups(sampler, prompts, args.group, lambda _: params, tokenizer)
-        t1 = time.perf_counter()
-        groups = trainable_groups(problems, prompts, responses)
-        datums = trl_default_datums(groups)
-        t2 = time.perf_counter()
-        tc.forward_backward(datums, "ppo").result()
-        tc.optim_step(adam).result()
-        t3 = time.perf_counter()
-        sampled = sum(len(r.tokens) for g in groups for r in g.group.rollouts)
-        return {"sample_s": t1 - t0, "datums_s": t2 - t1, "train_s": t3 - t2, "sampled": sampled}
+        groups, seconds = timed_trainable_step(tc, problems, prompts, args.group, params, tokenizer, adam)
+        return {**seconds, "sampled": sum(len(r.tokens) for g in groups for r in g.group.rollouts)}
 
     step(seed=100)  # warm-up: first-touch allocations, the optimizer's state, the first fold
     with sections.recording() as (seconds, calls):

@@ -131,10 +131,9 @@ def current_peak_mb() -> float | None:
 
 
 def worker(row: dict[str, Any]) -> None:
-    from bench import count_decode_steps, make_problems, trainable_groups, trl_default_datums
+    from bench import count_decode_steps, make_problems, timed_trainable_step
 
     from grpo.backends.local import ServiceClient
-    from grpo.rl import rollouts
     from grpo.types import AdamParams, SamplingParams
 
     model_name = row["model"]
@@ -161,21 +160,12 @@ def worker(row: dict[str, Any]) -> None:
         params = SamplingParams(max_tokens=max_tokens, temperature=1.0, seed=1,
                                 stop=[tokenizer.eos_token_id] if stop else None)
         decode.update(steps=0, rows=0)
-        t0 = time.perf_counter()
-        sampler = tc.save_weights_and_get_sampling_client()
-        responses = rollouts.sample_groups(sampler, prompt_ids, group, lambda _: params, tokenizer)
-        t1 = time.perf_counter()
-        groups = trainable_groups(problems, prompt_ids, responses)
-        datums = trl_default_datums(groups)
-        t2 = time.perf_counter()
-        tc.forward_backward(datums, "ppo").result()
-        tc.optim_step(adam).result()
-        t3 = time.perf_counter()
+        groups, seconds = timed_trainable_step(tc, problems, prompt_ids, group, params, tokenizer, adam)
         sampled = sum(len(r.tokens) for g in groups for r in g.group.rollouts)
         prompt_tokens = sum(len(ids) for ids in prompt_ids)
         # what the decoder processes in training: each group's prompt once (shared), every response
         processed = prompt_tokens + sampled
-        return {"sample_s": t1 - t0, "train_s": t3 - t2, "sampled": sampled, "prompt_tokens": prompt_tokens,
+        return {"sample_s": seconds["sample_s"], "train_s": seconds["train_s"], "sampled": sampled, "prompt_tokens": prompt_tokens,
                 "processed": processed, "decode_steps": decode["steps"], "decode_rows": decode["rows"]}
 
     steps, prompts = row.get("steps", 2), row["prompts"]

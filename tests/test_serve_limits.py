@@ -124,15 +124,21 @@ def test_a_json_tensor_without_shape_is_held_to_the_element_limits(env):
     trains_on(env)
 
 
+def refused_while_arriving(env, route: str, body: bytes, flag: str) -> None:
+    """``body`` is refused by its JSON item count (422 naming ``flag``) before a parser builds it:
+    the server grows by less than 60 MB."""
+    grew, answer = rss_growth(env, lambda: env["srv"].call("POST", route, body))
+    refused(answer, 422, "body", "JSON items")
+    assert flag in answer[1]["detail"]
+    assert grew < 60, f"the server grew by {grew:.0f} MB for a refused {len(body) >> 20} MB body"
+
+
 def test_a_json_body_with_more_numbers_than_a_request_may_declare_is_refused_while_it_arrives(env):
     # 5 million numbers (11 MB) for a route that may declare 2000 + 1000 + slack: refused by the
     # body's item count before any parser builds a list of them.
     body = json.dumps({"model_id": env["model_id"], "forward_backward_input": {"data": [
         datum(target_tokens={"data": [0.5] * 5_000_000, "dtype": "float32"})]}}, separators=(",", ":")).encode()
-    grew, answer = rss_growth(env, lambda: env["srv"].call("POST", "/api/v1/forward_backward", body))
-    refused(answer, 422, "body", "JSON items")
-    assert "--max-request-elements" in answer[1]["detail"]
-    assert grew < 60, f"the server grew by {grew:.0f} MB for a refused {len(body) >> 20} MB body"
+    refused_while_arriving(env, "/api/v1/forward_backward", body, "--max-request-elements")
     trains_on(env)
 
 
@@ -141,10 +147,7 @@ def test_a_huge_sample_prompt_is_refused_before_it_is_parsed(env):
     tokens = ",".join(["1"] * (11 * 2**20))
     body = (f'{{"sampling_session_id":"{env["sampler"]}","prompt":{{"chunks":[{{"tokens":[{tokens}]}}]}},'
             '"sampling_params":{"max_tokens":2}}').encode()
-    grew, answer = rss_growth(env, lambda: env["srv"].call("POST", "/api/v1/asample", body))
-    refused(answer, 422, "body", "JSON items")
-    assert "--max-prompt-tokens" in answer[1]["detail"]
-    assert grew < 60, f"the server grew by {grew:.0f} MB for a refused {len(body) >> 20} MB body"
+    refused_while_arriving(env, "/api/v1/asample", body, "--max-prompt-tokens")
     samples_on(env)
 
 

@@ -25,17 +25,21 @@ def build(state: ServerState) -> APIRouter:
         except names.UnsafeName as err:
             raise fail(422, "path", str(err)) from err
 
+    async def save_to_store(model, body: bodies.SaveWeights, kind: str, save) -> dict[str, Any]:
+        """Run ``save(name)`` in the model's turn on the checked ``body.path``; a refused name is a
+        422 on ``path``; the future answers ``kind`` with the saved checkpoint's path."""
+        async with model.gate.turn(body.seq_id):
+            try:
+                future = save(checked_name(body.path))
+            except ValueError as err:
+                raise fail(422, "path", str(err)) from err
+        return {"request_id": state.futures.add(api_future(future), lambda r, _p: {"type": kind, "path": r.path})}
+
     @router.post("/save_weights")
     async def save_weights(body: bodies.SaveWeights) -> dict[str, Any]:
         model = state.model(body.model_id)
-        async with model.gate.turn(body.seq_id):
-            try:
-                future = model.client.save_state(checked_name(body.path), ttl_seconds=body.ttl_seconds,
-                                                 overwrite=body.overwrite, user_metadata=body.user_metadata)
-            except ValueError as err:
-                raise fail(422, "path", str(err)) from err
-        return {"request_id": state.futures.add(
-            api_future(future), lambda r, _p: {"type": "save_weights", "path": r.path})}
+        return await save_to_store(model, body, "save_weights", lambda name: model.client.save_state(
+            name, ttl_seconds=body.ttl_seconds, overwrite=body.overwrite, user_metadata=body.user_metadata))
 
     @router.post("/save_weights_for_sampler")
     async def save_weights_for_sampler(body: bodies.SaveWeights) -> dict[str, Any]:
@@ -51,14 +55,9 @@ def build(state: ServerState) -> APIRouter:
                 state.samplers[sampler_id] = Sampler(sampler_id, model.base_model, snap.result())
             return {"request_id": state.futures.add(chain(snap, lambda _c: {
                 "type": "save_weights_for_sampler", "sampling_session_id": sampler_id}))}
-        async with model.gate.turn(body.seq_id):
-            try:
-                future = model.client.save_weights_for_sampler(checked_name(body.path), ttl_seconds=body.ttl_seconds,
-                                                               user_metadata=body.user_metadata)
-            except ValueError as err:
-                raise fail(422, "path", str(err)) from err
-        return {"request_id": state.futures.add(
-            api_future(future), lambda r, _p: {"type": "save_weights_for_sampler", "path": r.path})}
+        return await save_to_store(model, body, "save_weights_for_sampler",
+                                   lambda name: model.client.save_weights_for_sampler(
+                                       name, ttl_seconds=body.ttl_seconds, user_metadata=body.user_metadata))
 
     @router.post("/save_weights_external")
     async def save_weights_external(body: bodies.SaveWeightsExternal) -> dict[str, Any]:

@@ -40,7 +40,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="seconds a result poll is held open before the client is told to try again")
     parser.add_argument("--fwdbwd-chunk-len", type=int, default=None,
                         help="datums per forward_backward request the SDK sends (default: the SDK's, 1024)")
-    parser.add_argument("--prefix-cache-mb", default="auto", type=_mb,
+    parser.add_argument("--prefix-cache-mb", default="auto", type=_prefix_cache_mb,
                         help="the sampler's prefix cache, which lets a client sampling turn after turn on a "
                              "growing context prefill only the new tokens (auto: the memory budget; 0: off)")
     limits.add_arguments(parser)
@@ -53,13 +53,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def _mb(value: str) -> str | float:
-    if value == "auto":
-        return value
+def _prefix_cache_mb(text: str) -> str | float:
+    """--prefix-cache-mb by the backend's own rule for ``prefix_cache_mb`` (the default "auto" is
+    taken as it is, so a plain start does not import the backend before the flags are read)."""
+    if text == "auto":
+        return text
+    from grpo.backends.local import memory
+
+    value = memory.megabytes_from_text(text)
     try:
-        return float(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be 'auto' or a number of MB, got {value!r}") from None
+        memory.resolve_prefix_cache(value, None)  # checks only
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+    return value
 
 
 def resolve_api_key(explicit: str | None) -> tuple[str, bool]:

@@ -126,7 +126,7 @@ class ServiceClient:
         self.memory_budget_mb = memory_budget_mb
         if prefix_cache_mb in (None, "auto") and os.environ.get("GRPO_PREFIX_CACHE_MB"):
             # for programs that make their own ServiceClient (python -m grpo.tinker_run ...)
-            prefix_cache_mb = _number_or_auto(os.environ["GRPO_PREFIX_CACHE_MB"])
+            prefix_cache_mb = memory.megabytes_from_text(os.environ["GRPO_PREFIX_CACHE_MB"])
         memory.resolve_prefix_cache(prefix_cache_mb, None)  # fail fast on a bad value
         self.prefix_cache_mb = prefix_cache_mb
         self.store = CheckpointStore(self.checkpoint_dir)
@@ -813,16 +813,11 @@ class _SampleBatcher:
             future.set_result(SampleResponse(sequences=request.sequences, prompt_logprobs=request.prompt_logprobs))
 
     def _bind_prefix_cache(self, adapter: str | None, snapshot) -> None:
-        """Name the weights this generation samples with; the cache drops what other weights
-        computed. A snapshot is named by its identity (and held, so that no later snapshot can
-        take its address), live adapter weights by their version, which every optimizer step
-        and every load moves on. The sampler's precision is fixed per engine."""
-        if self.prefix_cache is None:
-            return
-        if snapshot is not None and adapter is not None:
-            self.prefix_cache.bind((adapter, "snapshot", id(snapshot[1])), keepalive=snapshot)
-        else:
-            self.prefix_cache.bind((adapter, "live", self.engine.versions.get(adapter) if adapter else None))
+        """Name the weights this generation samples with (the engine's key for them; the snapshot
+        is held while bound); the cache drops what other weights computed. The sampler's precision
+        is fixed per engine."""
+        if self.prefix_cache is not None:
+            self.prefix_cache.bind(self.engine.sampling_weights_key(adapter, snapshot), keepalive=snapshot)
 
     def release_prefix_cache(self, adapter: str) -> None:
         """Empty the prefix cache if it holds ``adapter``'s keys and values: its training step is
@@ -846,13 +841,6 @@ class _SampleBatcher:
         out["prefix_cache_bytes"] = float(cache.bytes if cache is not None else 0)
         out["prefix_cache_entries"] = float(len(cache) if cache is not None else 0)
         return out
-
-
-def _number_or_auto(text: str) -> float | str:
-    try:
-        return float(text)
-    except ValueError:
-        return text  # "auto", or refused by resolve_prefix_cache with the setting's name
 
 
 def _read_state(folder: Path, path: str | None = None) -> dict:

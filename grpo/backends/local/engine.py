@@ -233,6 +233,18 @@ class Engine:
                 if live is not None:
                     self.load_adapter_state(adapter, live)
 
+    def sampling_weights_key(self, adapter: str | None, snapshot: tuple[int, dict[str, torch.Tensor]] | None
+                             ) -> tuple:
+        """The weights a sampling call runs, as a key for what is built from them (the folded or
+        side-path copy, the prefix cache): the bare base model; a snapshot, by identity (whoever
+        keys by it holds the snapshot, so that no later one takes its address); or the live adapter
+        at its version, which every optimizer step and every load moves on."""
+        if adapter is None or self.peft_model is None:
+            return (None,)
+        if snapshot is not None:
+            return (adapter, id(snapshot[1]))
+        return (adapter, self.versions[adapter], None)
+
     @contextlib.contextmanager
     def sampling_model(self, adapter: str | None, snapshot: tuple[int, dict[str, torch.Tensor]] | None = None
                        ) -> Iterator[nn.Module]:
@@ -245,17 +257,13 @@ class Engine:
         """
         with self.lock:
             weights = snapshot[1] if snapshot is not None else None
+            key = self.sampling_weights_key(adapter, snapshot)
             if self._sampler_copy is not None:  # sample_dtype != train_dtype (sampler_precision.py)
-                if adapter is None or self.peft_model is None:
-                    key = (None,)
-                else:
-                    key = (adapter, id(weights)) if weights is not None else (adapter, self.versions[adapter], None)
                 with section("grpo.sample.install_lora"):
                     model = self._sampler_copy.install(self.causal_lm(), adapter, weights, key)
                 yield model
                 return
             if adapter is not None and self.fold_lora_for_sampling and can_fold(self.peft_model, adapter):
-                key = (adapter, id(weights)) if weights is not None else (adapter, self.versions[adapter], None)
                 if self._folded is None or self._folded.key != key:
                     # The outdated copy's tensors are overwritten; were that to fail half way, no
                     # half-written copy may stay cached.

@@ -42,9 +42,7 @@ def resolve_budget(setting: int | float | str | None, device: torch.device) -> i
     """``memory_budget_mb`` as bytes: "auto"/None -> the default, 0 -> None (unbounded)."""
     if setting is None or setting == "auto":
         return default_budget(device)
-    if isinstance(setting, bool) or not isinstance(setting, (int, float)) or setting < 0:
-        raise ValueError(f"memory_budget_mb must be 'auto', 0 (unbounded) or a positive number of MB, got {setting!r}")
-    return None if setting == 0 else int(setting * 2**20)
+    return _megabytes("memory_budget_mb", setting, "unbounded") or None
 
 
 def resolve_prefix_cache(setting: int | float | str | None, budget: int | None,
@@ -56,9 +54,23 @@ def resolve_prefix_cache(setting: int | float | str | None, budget: int | None,
         if device is None:
             return 0
         return budget if budget is not None else default_budget(device)
+    return _megabytes("prefix_cache_mb", setting, "off")
+
+
+def _megabytes(key: str, setting: Any, zero: str) -> int:
+    """A number of MB as bytes; anything but a non-negative number is refused naming ``key``."""
     if isinstance(setting, bool) or not isinstance(setting, (int, float)) or setting < 0:
-        raise ValueError(f"prefix_cache_mb must be 'auto', 0 (off) or a positive number of MB, got {setting!r}")
+        raise ValueError(f"{key} must be 'auto', 0 ({zero}) or a positive number of MB, got {setting!r}")
     return int(setting * 2**20)
+
+
+def megabytes_from_text(text: str) -> float | str:
+    """A megabytes setting given as text (a flag, an environment variable): "auto" stays a word,
+    a number becomes one; anything else is returned as it is for the setting's check to refuse."""
+    try:
+        return float(text)
+    except ValueError:
+        return text
 
 
 def _dims(config: Any) -> tuple[int, int, int, int, int]:

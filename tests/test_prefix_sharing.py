@@ -25,14 +25,16 @@ def _prepare(data: list[types.Datum], loss_fn: str) -> list[trainer.PreparedDatu
     return trainer.prepare(data, loss_fn, VOCAB, lambda tokens, what: None)
 
 
-def grpo_batch(seed: int = 0) -> list[types.Datum]:
+def grpo_batch(seed: int = 0, trunk: int = 0) -> list[types.Datum]:
     """Groups of 4, 3 and 2 samples (prompts of 20, 13 and 30 tokens, responses of different
     lengths) with a lone datum in between that shares its prompt with nobody. Each datum counts
-    from its last prompt position, so the shared prefix is the prompt less its last token."""
+    from its last prompt position, so the shared prefix is the prompt less its last token.
+    ``trunk``: the groups' prompts begin with the same ``trunk`` tokens (a system prompt)."""
     gen = torch.Generator().manual_seed(seed)
+    common = _tokens(gen, trunk)
     data = []
     for g, (prompt_len, size) in enumerate([(20, 4), (13, 3), (30, 2)]):
-        prompt = _tokens(gen, prompt_len)
+        prompt = common + _tokens(gen, prompt_len)
         for j in range(size):
             response = _tokens(gen, 3 + 4 * j + g)
             # Near the tiny model's own (about uniform) logprobs, so the ratios are O(1), ppo
@@ -152,3 +154,36 @@ def test_shared_forward_matches_and_leaves_no_gradient(client) -> None:
     for a, b in zip(got.loss_fn_outputs, ref.loss_fn_outputs, strict=True):
         assert float((a["logprobs"].to_torch() - b["logprobs"].to_torch()).abs().max()) <= 1e-5
     assert got.metrics["loss:sum"] == pytest.approx(ref.metrics["loss:sum"], rel=1e-5)
+
+
+def test_a_trunk_every_group_shares_runs_once_and_changes_nothing(client) -> None:
+    """Prompts under one system prompt: the trunk runs once per micro-batch, then each group's own
+    part of the prompt, then the answers; logprobs, loss and gradients equal the unshared path."""
+    data = grpo_batch(seed=2, trunk=16)
+    prepared = trainer.prepare(data, "ppo", client.engine.vocab_size, client.engine.check_tokens)
+    groups, _ = trainer.plan_sharing(prepared)
+    assert trainer.common_trunk(groups) == 16
+    assert trainer.common_trunk(groups[:1]) == 0  # one group: nothing to share across groups
+    assert trainer.common_trunk(groups, min_prefix=17) == 0
+
+    embed = client.engine.causal_lm().get_input_embeddings()
+    seen: list[int] = []
+    hook = embed.register_forward_pre_hook(lambda _m, args: seen.append(args[0].numel()))
+    try:
+        ref, ref_grads = _run(client, prepared, "ppo", 4096, backward=True, share=False)
+        seen.clear()
+        got, grads = _run(client, prepared, "ppo", 4096, backward=True, share=True)
+    finally:
+        hook.remove()
+    shared = [d for g in groups for d in g.members]
+    lone = [d for d in prepared if d not in shared]
+    # the trunk once, each group's prompt past it once, each member's own part
+    want = 16 + sum(len(g.prefix) - 16 + sum(len(d.input_ids) - len(g.prefix) for d in g.members) for g in groups)
+    assert sorted(seen) == sorted([*(len(d.input_ids) for d in lone), 16, sum(len(g.prefix) - 16 for g in groups),
+                                   want - 16 - sum(len(g.prefix) - 16 for g in groups)])
+    for a, b in zip(got.loss_fn_outputs, ref.loss_fn_outputs, strict=True):
+        assert float((a["logprobs"].to_torch() - b["logprobs"].to_torch()).abs().max()) <= 1e-5
+    assert got.metrics["loss:sum"] == pytest.approx(ref.metrics["loss:sum"], rel=1e-5)
+    assert set(grads) == set(ref_grads) and max(float(g.abs().max()) for g in ref_grads.values()) > 0.1
+    for name, g in ref_grads.items():
+        assert torch.allclose(grads[name], g, atol=1e-5, rtol=1e-4), (name, (grads[name] - g).abs().max())

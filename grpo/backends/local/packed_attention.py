@@ -12,7 +12,9 @@ work on these models, so the padding inside those blocks costs little.
 
 A pass can record every layer's keys and values (a GRPO group's shared prompt) for the sequences
 of a later pass to attend to as their prefix: gradients flow back into the recording pass through
-autograd, as through a KV cache.
+autograd, as through a KV cache. Passes chain: a recording pass may itself continue an earlier
+one (a system prompt every group shares, then each group's question, then the group's answers),
+and a sequence of the last pass attends to the whole chain of prefixes it continues.
 """
 
 from __future__ import annotations
@@ -86,23 +88,29 @@ class PackedPass:
                  prefix: PackedPass | None = None, prefix_of: Sequence[int] | None = None):
         if (prefix is None) != (prefix_of is None):
             raise ValueError("prefix and prefix_of go together")
+        if prefix is not None and not prefix.record:
+            raise ValueError("a prefix pass must record its keys and values (record=True)")
         self.lengths = [int(n) for n in lengths]
         self.record = record
         self.prefix = prefix
+        # per layer, the keys and values of every row this pass's sequences can see: the prefix
+        # chain's rows first, then this pass's own ``(rows, kv_heads, dim)``; set when recording
         self.recorded: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.calls = 0
         n = sum(self.lengths)
         starts = [0, *accumulate(self.lengths)][:-1]
-        if prefix is not None:
-            p_lens = [prefix.lengths[j] for j in prefix_of]
-            p_starts = [prefix.starts[j] for j in prefix_of]
-        else:
-            p_lens = p_starts = [0] * len(self.lengths)
+        # the rows (of the prefix chain's recorded keys) each sequence continues
+        p_rows = [prefix.key_rows[j] for j in prefix_of] if prefix is not None else [[]] * len(self.lengths)
+        p_lens = [len(rows) for rows in p_rows]
         self.starts = starts
         self.tokens = n
+        prefix_rows = prefix.key_space if prefix is not None else 0
+        # sequence i's keys: its prefix chain's rows, then its own, in the space [prefix chain; own]
+        self.key_space = prefix_rows + n
+        self.key_rows = [[*rows, *range(prefix_rows + s, prefix_rows + s + m)]
+                         for rows, s, m in zip(p_rows, starts, self.lengths, strict=True)]
         self.position_ids = torch.cat([torch.arange(p, p + m) for p, m in zip(p_lens, self.lengths, strict=True)]
                                       ).to(device)[None] if n else torch.zeros((1, 0), dtype=torch.long, device=device)
-        prefix_rows = prefix.tokens if prefix is not None else 0
         q_zero, k_zero = n, prefix_rows + n  # index of the zero row appended to queries and keys
         order = sorted(range(len(self.lengths)), key=lambda i: (p_lens[i] + self.lengths[i], i))
         self.blocks: list[_Block] = []
@@ -122,8 +130,7 @@ class PackedPass:
                 m, p = self.lengths[i], p_lens[i]
                 q_index[s, :m] = torch.arange(starts[i], starts[i] + m)
                 q_pos[s] = torch.arange(p, p + q_len)
-                k_index[s, :p] = torch.arange(p_starts[i], p_starts[i] + p)
-                k_index[s, p:p + m] = torch.arange(prefix_rows + starts[i], prefix_rows + starts[i] + m)
+                k_index[s, :p + m] = torch.tensor(self.key_rows[i], dtype=torch.long)
                 q_valid[s, :m] = True
                 k_valid[s, :p + m] = True
                 out_rows.append(torch.arange(done + s * q_len, done + s * q_len + m))
@@ -148,14 +155,14 @@ class PackedPass:
         the recorded prefix's); returns ``(1, n, heads, dim)`` as transformers' kernels do."""
         self.calls += 1
         layer = module.layer_idx
-        if self.record:
-            self.recorded[layer] = (key, value)
         heads, dim = query.shape[1], query.shape[3]
         q = query[0].transpose(0, 1)  # (n, heads, dim)
         k, v = key[0].transpose(0, 1), value[0].transpose(0, 1)  # (n, kv_heads, dim)
         if self.prefix is not None:
             pk, pv = self.prefix.recorded[layer]
-            k, v = torch.cat([pk[0].transpose(0, 1), k]), torch.cat([pv[0].transpose(0, 1), v])
+            k, v = torch.cat([pk, k]), torch.cat([pv, v])
+        if self.record:
+            self.recorded[layer] = (k, v)
         q = torch.cat([q, q.new_zeros(1, *q.shape[1:])])
         k = torch.cat([k, k.new_zeros(1, *k.shape[1:])])
         v = torch.cat([v, v.new_zeros(1, *v.shape[1:])])

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from itertools import accumulate, pairwise
 
 import torch
 from transformers import DynamicCache
@@ -388,20 +389,6 @@ def shared_micro_batches(groups: list[SharedGroup], max_tokens: int | None,
     return by_suffix if cost(by_suffix) <= cost(by_group) else by_group
 
 
-@torch.no_grad()
-def _prefix_logprobs(lm_head, hidden: torch.Tensor, targets: list[list[int]]) -> list[torch.Tensor]:
-    """Logprobs of each member's own targets over one shared prefix's hidden states: the logits
-    are computed once; the targets differ at least at the last prefix position."""
-    device = hidden.device
-    target_ids = torch.tensor(targets, dtype=torch.long, device=device)  # (members, p)
-    pieces = []
-    for sl in _chunks(hidden.shape[0]):
-        logits = lm_head(hidden[sl]).float()
-        logz = torch.logsumexp(logits, dim=-1)
-        pieces.append(logits.gather(-1, target_ids[:, sl].T).T - logz)
-    return list(torch.cat(pieces, dim=1).unbind(0))
-
-
 def _fan_out(cache: DynamicCache, counts: list[int], owner: torch.Tensor) -> None:
     """Repeat each unit's cached K/V once per member (a unit's members are contiguous), so that
     autograd sums the members' gradients back into the one prefix pass.
@@ -423,17 +410,37 @@ def _fan_out(cache: DynamicCache, counts: list[int], owner: torch.Tensor) -> Non
             layer.keys, layer.values = repeat(layer.keys), repeat(layer.values)
 
 
-def _fill_prefix_logprobs(lm_head, dec_out: DecoderOutput, units: list[SharedGroup],
-                          prefix_hidden: Sequence[torch.Tensor]) -> None:
-    """Each member's logprobs over its unit's prefix (``prefix_hidden[k]``: unit k's one prefix
-    pass, ``(len(prefix), hidden)``), written where the member's positions start in ``dec_out``."""
-    starts = torch.cumsum(dec_out.lengths, 0) - dec_out.lengths
+@torch.no_grad()
+def _fill_prefix_logprobs(lm_head, dec_out: DecoderOutput, units: list[SharedGroup], hidden: torch.Tensor,
+                          unit_rows: Sequence[Sequence[int]]) -> None:
+    """Each member's logprobs over its unit's prefix, written where the member's positions start
+    in ``dec_out``. ``hidden``: the prefix passes' hidden states, each row once (a trunk the
+    units share is one set of rows); ``unit_rows[k]``: the rows of unit k's prefix, in order.
+
+    The unembedding runs once per row, in chunks of every unit's rows together (not one small
+    product per unit); each member then reads its own targets from its unit's rows: members of
+    a unit differ at least at its last prefix position, units at the trunk's last."""
+    device = hidden.device
+    starts = (torch.cumsum(dec_out.lengths, 0) - dec_out.lengths).tolist()
+    rows, targets, out = [], [], []
     i = 0
-    for u, hidden in zip(units, prefix_hidden, strict=True):
+    for u, own_rows in zip(units, unit_rows, strict=True):
         p = len(u.prefix)
-        for lp in _prefix_logprobs(lm_head, hidden.detach(), [d.targets[:p] for d in u.members]):
-            dec_out.logprobs[int(starts[i]):int(starts[i]) + p] = lp
+        for d in u.members:
+            rows += own_rows
+            targets += d.targets[:p]
+            out += range(starts[i], starts[i] + p)
             i += 1
+    rows_t = torch.tensor(rows, dtype=torch.long, device=device)
+    targets_t = torch.tensor(targets, dtype=torch.long, device=device)
+    out_t = torch.tensor(out, dtype=torch.long, device=device)
+    hidden = hidden.detach()
+    for sl in _chunks(hidden.shape[0]):
+        logits = lm_head(hidden[sl]).float()
+        logz = torch.logsumexp(logits, dim=-1)
+        here = ((rows_t >= sl.start) & (rows_t < sl.start + logits.shape[0])).nonzero()[:, 0]
+        local = rows_t[here] - sl.start
+        dec_out.logprobs[out_t[here]] = logits[local, targets_t[here]] - logz[local]
 
 
 def run_decoder_shared(model, units: list[SharedGroup], device: torch.device) -> DecoderOutput:
@@ -486,20 +493,46 @@ def run_decoder_shared(model, units: list[SharedGroup], device: torch.device) ->
     lengths = torch.tensor([len(d.input_ids) for d in members])
     dec_out = _split_counted(lm_head, hidden[valid], stargets[valid], scounted[valid], where[valid], offset, lengths)
 
-    _fill_prefix_logprobs(lm_head, dec_out, units, [prefix_hidden[k, :len(u.prefix)] for k, u in enumerate(units)])
+    starts = [0, *accumulate(len(u.prefix) for u in units)]
+    _fill_prefix_logprobs(lm_head, dec_out, units, prefix_hidden[pmask.bool()],
+                          [range(a, b) for a, b in pairwise(starts)])
     return dec_out
 
 
+def common_trunk(units: list[SharedGroup], min_prefix: int = MIN_SHARED_PREFIX) -> int:
+    """How many leading tokens every unit's prefix shares (a system prompt, few-shot examples),
+    when worth a pass of their own: at least ``min_prefix``, over two or more units, and short
+    of every prefix by a token at least (each unit keeps a part of its own)."""
+    if len(units) < 2:
+        return 0
+    first = units[0].prefix
+    n = min(len(u.prefix) for u in units) - 1
+    for u in units[1:]:
+        n = next((i for i, (a, b) in enumerate(zip(first[:n], u.prefix[:n], strict=True)) if a != b), n)
+    return n if n >= min_prefix else 0
+
+
 def run_decoder_shared_packed(model, units: list[SharedGroup], device: torch.device) -> DecoderOutput:
-    """``run_decoder_shared`` with both passes packed: the prefixes in one row, recording their
-    keys and values; the members' suffixes in another, each attending to its unit's prefix."""
+    """``run_decoder_shared`` with its passes packed: the prefixes in one row, recording their
+    keys and values; the members' suffixes in another, each attending to its unit's prefix.
+
+    Where the units' prefixes begin alike (``common_trunk``: GRPO prompts under one chat
+    template's system prompt or one few-shot preamble), that trunk runs once in a pass of its
+    own and each prefix pass continues it: the trunk's forward and backward are paid once per
+    micro-batch instead of once per group."""
     decoder = model.get_decoder()
     lm_head = model.get_output_embeddings()
     members = [d for u in units for d in u.members]
     owner = [k for k, u in enumerate(units) for _ in u.members]
-    prefixes = packed_attention.PackedPass([len(u.prefix) for u in units], device, record=True)
-    prefix_hidden = prefixes.run(decoder, torch.tensor([t for u in units for t in u.prefix], dtype=torch.long,
-                                                       device=device))
+    trunk = common_trunk(units)
+    before = None
+    if trunk:
+        before = packed_attention.PackedPass([trunk], device, record=True)
+        trunk_hidden = before.run(decoder, torch.tensor(units[0].prefix[:trunk], dtype=torch.long, device=device))
+    prefixes = packed_attention.PackedPass([len(u.prefix) - trunk for u in units], device, record=True,
+                                           prefix=before, prefix_of=[0] * len(units) if trunk else None)
+    prefix_hidden = prefixes.run(decoder, torch.tensor([t for u in units for t in u.prefix[trunk:]],
+                                                       dtype=torch.long, device=device))
 
     plens = [len(units[k].prefix) for k in owner]
     suffix_lengths = [len(d.input_ids) - p for d, p in zip(members, plens, strict=True)]
@@ -517,7 +550,11 @@ def run_decoder_shared_packed(model, units: list[SharedGroup], device: torch.dev
     hidden = suffixes.run(decoder, ids)
     dec_out = _split_counted(lm_head, hidden, targets, counted, where, int(lengths.sum()), lengths)
 
-    _fill_prefix_logprobs(lm_head, dec_out, units, torch.split(prefix_hidden, prefixes.lengths))
+    # prefix rows: the trunk's (if any), then each unit's own part, as the passes' keys are laid out
+    hidden_rows = torch.cat([trunk_hidden, prefix_hidden]) if trunk else prefix_hidden
+    rows = [[*range(trunk), *(trunk + r for r in range(s, s + n))]
+            for s, n in zip(prefixes.starts, prefixes.lengths, strict=True)]
+    _fill_prefix_logprobs(lm_head, dec_out, units, hidden_rows, rows)
     return dec_out
 
 

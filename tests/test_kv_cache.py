@@ -121,6 +121,37 @@ def test_continuous_batching_draws_what_each_request_draws_alone(tokenizer):
     assert stats.rows_decoded >= sum(len(s.tokens) for s in alone) - 16  # a row's first token needs no step
 
 
+def test_prompts_under_one_trunk_prefill_it_once_and_draw_what_each_draws_alone(tokenizer):
+    """Prompts that begin alike (a system prompt) run the trunk once and the rest of each prompt
+    after it, one admission; each request draws what it draws alone, with the logprobs of a plain
+    forward pass of the whole sequence."""
+    model = models.load_model("tiny")
+    trunk = [1, *range(600, 612)]  # 13 tokens
+    prompts = [trunk + [504, 3458, 314], trunk + [9906], trunk + [*range(42, 52)]]
+    assert sampler.common_trunk(prompts) == 13
+    assert sampler.common_trunk(prompts[:1]) == 0 and sampler.common_trunk([trunk + [5], [1, 2, 3]]) == 0
+    assert sampler.common_trunk([trunk + [5], trunk + [5, 6]]) == 13  # each prompt keeps a token of its own
+    alone = []
+    for req in requests(prompts):
+        sampler.generate(model, [req], tokenizer, torch.device("cpu"))
+        alone += req.sequences
+    batched = requests(prompts)
+    stats = sampler.generate(model, batched, tokenizer, torch.device("cpu"))
+    assert stats.admissions == 1
+    assert stats.prefilled_tokens == 13 + 3 + 1 + 10 and stats.prompt_tokens == sum(map(len, prompts))
+    together = [s for req in batched for s in req.sequences]
+    assert [s.tokens for s in together] == [s.tokens for s in alone]
+    for a, b in zip(together, alone, strict=True):
+        assert a.logprobs == pytest.approx(b.logprobs, abs=1e-5)
+    for req in batched:
+        for seq in req.sequences:
+            ids = torch.tensor([req.prompt + seq.tokens])
+            with torch.no_grad():
+                logits = model(input_ids=ids).logits[0, len(req.prompt) - 1:-1].float()
+            plain = torch.log_softmax(logits, -1).gather(-1, ids[0, len(req.prompt):, None])[:, 0]
+            assert seq.logprobs == pytest.approx(plain.tolist(), abs=1e-5)
+
+
 @pytest.mark.parametrize("layer_types", [["full_attention"] * 2, ["sliding_attention", "full_attention"]])
 def test_sampled_logprobs_equal_a_plain_forward(tokenizer, layer_types):
     """Rows of different prompt lengths admitted at different times, decoding past a 3-token

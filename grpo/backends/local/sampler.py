@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers import DynamicCache
 
-from grpo.backends.local.kv_cache import SlotCache
+from grpo.backends.local.kv_cache import SlotCache, attention_layers
 from grpo.backends.local.prefix_cache import PrefixCache
 from grpo.backends.local.sections import section
 from grpo.types import SampledSequence, SamplingParams
@@ -237,24 +237,14 @@ def _admit(model, requests: list[GenerationRequest], cache: SlotCache, first_slo
         # the prompt's keys and values are new tensors (the past concatenated with the suffix's)
         prefix_cache.store(req.prompt, [(layer.keys, layer.values) for layer in prompt_cache.layers])
     if fresh:
-        prompts = list(fresh)
-        width = max(len(p) for p in prompts)
-        input_ids = torch.full((len(prompts), width), _pad_id(tokenizer), dtype=torch.long, device=device)
-        attention = torch.zeros((len(prompts), width), dtype=torch.long, device=device)
-        for j, p in enumerate(prompts):
-            input_ids[j, width - len(p):] = torch.tensor(p, device=device)
-            attention[j, width - len(p):] = 1
-        prefill = DynamicCache()
-        # Only the last position's logits are needed: the unembedding over every prompt position
-        # would cost a quarter of the prefill on a small model with a large vocabulary.
-        out = model(input_ids=input_ids, attention_mask=attention, position_ids=_position_ids(attention),
-                    cache=prefill, use_cache=True, logits_to_keep=1)
-        last_logits = out.logits[:, -1].float()
-        for j, p in enumerate(prompts):
+        prompts = [list(p) for p in fresh]
+        prefill, last_logits, stats_tokens = _prefill_together(model, prompts, _pad_id(tokenizer), device)
+        stats.prefilled_tokens += stats_tokens
+        width = prefill.layers[0].keys.shape[-2]
+        for j, p in enumerate(fresh):
             start = width - len(p)
             for i in fresh[p]:
                 sources[i], next_logits[i] = (prefill, j, start), last_logits[j]
-            stats.prefilled_tokens += len(p)
             if prefix_cache is not None:  # copies: the batch's padded tensors are not kept
                 prefix_cache.store(p, [(layer.keys[j:j + 1, :, start:].clone(), layer.values[j:j + 1, :, start:].clone())
                                        for layer in prefill.layers])
@@ -274,6 +264,61 @@ def _admit(model, requests: list[GenerationRequest], cache: SlotCache, first_slo
                              stop_strings, generator))
             owner.append(i)
     return rows, torch.stack([next_logits[i] for i in owner])
+
+
+def _prefill_together(model, prompts: list[list[int]], pad_id: int, device: torch.device
+                      ) -> tuple[DynamicCache, torch.Tensor, int]:
+    """Prefill distinct prompts in one batch: a cache whose row j holds prompt j left-padded (from
+    column ``width - len(prompt)`` on), each prompt's next-token logits, and the tokens run.
+
+    Prompts that begin alike (``common_trunk``: a chat template's system prompt, a few-shot
+    preamble) run that trunk once and the rest of each prompt after it; the cache is then laid
+    out as if each prompt had been run whole. Only the last position's logits are computed: the
+    unembedding over every prompt position would cost a quarter of the prefill on a small model
+    with a large vocabulary."""
+    trunk = common_trunk(prompts) if attention_layers(model.config)[1] is None else 0
+    width = max(len(p) for p in prompts) - trunk
+    input_ids = torch.full((len(prompts), width), pad_id, dtype=torch.long, device=device)
+    attention = torch.zeros((len(prompts), trunk + width), dtype=torch.long, device=device)
+    attention[:, :trunk] = 1
+    for j, p in enumerate(prompts):
+        input_ids[j, trunk + width - len(p):] = torch.tensor(p[trunk:], device=device)
+        attention[j, 2 * trunk + width - len(p):] = 1
+    cache = DynamicCache()
+    if trunk:
+        model.get_decoder()(input_ids=torch.tensor([prompts[0][:trunk]], device=device), cache=cache, use_cache=True)
+        for layer in cache.layers:  # every prompt continues the one trunk
+            layer.keys = layer.keys.expand(len(prompts), *layer.keys.shape[1:])
+            layer.values = layer.values.expand(len(prompts), *layer.values.shape[1:])
+    out = model(input_ids=input_ids, attention_mask=attention, position_ids=_position_ids(attention)[:, trunk:],
+                cache=cache, use_cache=True, logits_to_keep=1)
+    if trunk:  # [trunk, padding, rest] -> [padding, trunk, rest]: each row as if prefilled whole
+        for layer in cache.layers:
+            layer.keys, layer.values = _trunk_after_padding(layer.keys, prompts, trunk), \
+                _trunk_after_padding(layer.values, prompts, trunk)
+    return cache, out.logits[:, -1].float(), trunk + sum(len(p) - trunk for p in prompts)
+
+
+def common_trunk(prompts: list[list[int]], min_tokens: int = 8) -> int:
+    """Leading tokens every one of two or more prompts shares, when at least ``min_tokens``;
+    each prompt keeps at least one token of its own (whose logits are the prefill's result)."""
+    if len(prompts) < 2:
+        return 0
+    n = min(len(p) for p in prompts) - 1
+    first = prompts[0]
+    for p in prompts[1:]:
+        n = next((i for i in range(n) if first[i] != p[i]), n)
+    return n if n >= min_tokens else 0
+
+
+def _trunk_after_padding(t: torch.Tensor, prompts: list[list[int]], trunk: int) -> torch.Tensor:
+    width = t.shape[-2]
+    out = t.new_zeros(t.shape)
+    for j, p in enumerate(prompts):
+        start = width - len(p)
+        out[j, :, start:start + trunk] = t[j, :, :trunk]
+        out[j, :, start + trunk:] = t[j, :, width - len(p) + trunk:]
+    return out
 
 
 def _prefill_after(model, prompt: list[int], known: int, kv, device: torch.device

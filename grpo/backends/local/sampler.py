@@ -1,7 +1,8 @@
 """Batched sampling with continuous batching: many prompts, many samples each, one decode loop.
 
 Requests are admitted in order while the memory budget has room for their rows; each new
-request's prompt is prefilled once and its KV cache fanned out to the rows of its group. Rows
+request's prompt is prefilled once and its KV cache fanned out to the rows of its group (and the
+start the admitted prompts share, a chat template's system prompt, is prefilled once for all). Rows
 leave the batch as soon as they stop, and the next requests' rows take their slots at once, so
 a step with more rows than one batch holds keeps the batch full instead of waiting for each
 batch's longest answer (kv_cache.py keeps each row at its own position). With a prefix cache

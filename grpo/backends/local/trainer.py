@@ -14,7 +14,9 @@ Prefix sharing: datums whose leading positions the loss does not count are the s
 GRPO group: one prompt, several responses) run that prefix through the decoder once; its KV cache
 is fanned out to the group, so the prompt's forward and backward are paid once per group instead
 of once per datum. Autograd carries the group's gradient back through the fan-out into the one
-prefix pass, so results equal the unshared path up to float summation order.
+prefix pass, so results equal the unshared path up to float summation order. Where the groups'
+prompts themselves begin alike (a chat template's system prompt, a few-shot preamble), the packed
+path runs that common trunk once per micro-batch and each group's prompt after it.
 """
 
 from __future__ import annotations

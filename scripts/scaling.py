@@ -134,6 +134,7 @@ def worker(row: dict[str, Any]) -> None:
     from bench import count_decode_steps, make_problems, timed_trainable_step
 
     from grpo.backends.local import ServiceClient
+    from grpo.backends.local.sampler import common_trunk
     from grpo.types import AdamParams, SamplingParams
 
     model_name = row["model"]
@@ -162,7 +163,9 @@ def worker(row: dict[str, Any]) -> None:
         decode.update(steps=0, rows=0)
         groups, seconds = timed_trainable_step(tc, problems, prompt_ids, group, params, tokenizer, adam)
         sampled = sum(len(r.tokens) for g in groups for r in g.group.rollouts)
-        prompt_tokens = sum(len(ids) for ids in prompt_ids)
+        # each group's prompt once, their common start once (sampler.common_trunk; the trainer too)
+        trunk = common_trunk(prompt_ids)
+        prompt_tokens = trunk + sum(len(ids) - trunk for ids in prompt_ids)
         # what the decoder processes in training: each group's prompt once (shared), every response
         processed = prompt_tokens + sampled
         return {"sample_s": seconds["sample_s"], "train_s": seconds["train_s"], "sampled": sampled, "prompt_tokens": prompt_tokens,

@@ -211,6 +211,10 @@ def test_loss_config_rejects_unknown_keys_and_bad_clip_range() -> None:
     with pytest.raises(ValueError, match="clip_low_threshold <= 1 <= clip_high_threshold"):
         losses.resolve_config("cispo", {"clip_low_threshold": 1.5})
     assert losses.resolve_config("dro", {"beta": 0.2}) == {"beta": 0.2}
+    assert losses.resolve_config("dro", {"beta": 0}) == {"beta": 0.0}  # the linear surrogate's
+    for bad in (-0.1, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="beta must be a finite number >= 0"):
+            losses.resolve_config("dro", {"beta": bad})
 
 
 @pytest.mark.parametrize("loss_fn", list(CONFIGS))

@@ -237,7 +237,15 @@ def cispo(lp: Tensor, inputs: Mapping[str, Tensor], params: Mapping[str, float])
     return -(clipped * lp * _masked(inputs, "advantages", mask))
 
 
-@register_loss("dro", defaults={"beta": 0.05}, aggregate_into="weights", linear_config={"beta": 0.0})
+def _beta_range(params: Mapping[str, float]) -> str | None:
+    beta = params["beta"]
+    if not 0 <= beta < float("inf"):
+        return f"beta must be a finite number >= 0 (a negative beta would reward drifting from the sampler), got {beta}"
+    return None
+
+
+@register_loss("dro", defaults={"beta": 0.05}, check=_beta_range, aggregate_into="weights",
+               linear_config={"beta": 0.0})
 def dro(lp: Tensor, inputs: Mapping[str, Tensor], params: Mapping[str, float]) -> Tensor:
     """``-Σ w·[lp·A − ½β(lp − q)²]``."""
     mask = token_mask(inputs)

@@ -276,3 +276,33 @@ def test_bf16_sampler_tracks_the_fp32_trainer_through_training(mixed) -> None:
     again = before.sample(types.ModelInput.from_ints(PROMPT), 4, params).result().sequences
     assert [s.tokens for s in again] == [s.tokens for s in seqs]
     assert [s.logprobs for s in again] == [s.logprobs for s in seqs]
+
+
+def test_a_resumed_run_keeps_the_precision_auto_first_resolved_to(tmp_path, capsys) -> None:
+    """The run directory records what auto resolved to; a resume takes it instead of deciding
+    again (the machine may have been too busy to measure the first time, or measures otherwise
+    now), an explicit setting still wins, and a record that cannot be read is refused by name."""
+    from grpo.backends import create_service_client
+
+    record = tmp_path / "precision.json"
+    service = create_service_client({"name": "local", "train_dtype": "auto", "sample_dtype": "auto"}, tmp_path)
+    assert service.precision_record == record
+    service.create_lora_training_client("tiny", rank=4, seed=0)
+    key = models.public_id("tiny")
+    assert json.loads(record.read_text()) == {key: {"train_dtype": "fp32", "sample_dtype": "fp32"}}
+
+    # the run began sampling in bf16 (measured faster then); auto here would now say fp32
+    record.write_text(json.dumps({key: {"train_dtype": "fp32", "sample_dtype": "bf16"}}))
+    capsys.readouterr()
+    resumed = create_service_client({"name": "local", "train_dtype": "auto", "sample_dtype": "auto"}, tmp_path)
+    engine = resumed.create_lora_training_client("tiny", rank=4, seed=0).engine
+    assert (engine.dtype, engine.sample_dtype) == (torch.float32, torch.bfloat16)
+    assert f"sample_dtype bf16: auto as this run first resolved it ({record})" in capsys.readouterr().out
+
+    explicit = create_service_client({"name": "local", "sample_dtype": "fp32"}, tmp_path)
+    assert explicit.create_lora_training_client("tiny", rank=4, seed=0).engine.sample_dtype == torch.float32
+    assert json.loads(record.read_text())[key]["sample_dtype"] == "fp32"  # what the run last ran in
+
+    record.write_text('{"cut off')
+    with pytest.raises(ValueError, match=f"precision record {record} cannot be read.*delete it"):
+        create_service_client({"name": "local"}, tmp_path)

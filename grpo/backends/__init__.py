@@ -18,7 +18,9 @@ def create_service_client(backend: Mapping[str, Any], run_dir: Path) -> Any:
     if name == "local":
         from grpo.backends.local import ServiceClient
 
-        return ServiceClient(checkpoint_dir=Path(run_dir) / "checkpoints", **options)
+        # precision.json: what auto resolved to when the run began, kept for its resumes
+        return ServiceClient(checkpoint_dir=Path(run_dir) / "checkpoints",
+                             precision_record=Path(run_dir) / "precision.json", **options)
     from grpo.backends.remote import RemoteServiceClient
 
     return RemoteServiceClient(sdk=name, **options)

@@ -84,6 +84,20 @@ class _ClientFuture:
         return self.result_async().__await__()
 
 
+def _read_precision_record(path: Path | None) -> dict[str, dict[str, str]]:
+    """A precision record's contents; none yet (or no file asked for): empty. One that is not a
+    record (hand-edited, cut) is an error naming it: guessing would silently change precision."""
+    if path is None or not path.exists():
+        return {}
+    try:
+        record = json.loads(path.read_text())
+    except (OSError, ValueError) as err:
+        raise ValueError(f"precision record {path} cannot be read ({err}); delete it to resolve auto again") from err
+    if not isinstance(record, dict) or not all(isinstance(v, dict) for v in record.values()):
+        raise ValueError(f"precision record {path} is not a mapping of model -> roles; delete it to resolve auto again")
+    return record
+
+
 class ServiceClient:
     """Entry point, as ``tinker.ServiceClient`` / ``mint.ServiceClient``.
 
@@ -99,7 +113,11 @@ class ServiceClient:
     overrides what the budget gives), ``prefix_cache_mb`` (the sampler's prefix cache, which keeps
     the keys and values of prompts and finished samples so that a later prompt extending them --
     the next turn of an episode -- is prefilled only on its new tokens; "auto": as large as the
-    memory budget, or ``$GRPO_PREFIX_CACHE_MB`` where set; 0: off; see prefix_cache.py).
+    memory budget, or ``$GRPO_PREFIX_CACHE_MB`` where set; 0: off; see prefix_cache.py),
+    ``precision_record`` (a JSON file keeping, per base model, the precision each role ran in:
+    where it exists, a role left at ``auto`` takes the recorded precision instead of resolving
+    again, so a resumed run trains and samples as it began even where ``auto`` would now decide
+    otherwise -- another measurement, a machine that was too busy to measure the first time).
     The SDK's own arguments come first, in its order (``user_metadata``, ``project_id``, then
     keyword-only ``display_name``, ``base_url``, ``api_key``...); they are accepted and unused, so
     ``ServiceClient(base_url=...)`` written for the service runs unchanged. grpo's are keyword-only.
@@ -112,7 +130,7 @@ class ServiceClient:
                  dtype: str | None = None, micro_batch_tokens: int | None = None,
                  memory_budget_mb: int | float | str | None = "auto", train_dtype: str | None = None,
                  sample_dtype: str | None = None, prefix_cache_mb: int | float | str | None = "auto",
-                 **_sdk_kwargs: Any):
+                 precision_record: str | os.PathLike | None = None, **_sdk_kwargs: Any):
         self.checkpoint_dir = Path(checkpoint_dir) if checkpoint_dir else default_root()
         self.device = device
         for key, value in (("dtype", dtype), ("train_dtype", train_dtype), ("sample_dtype", sample_dtype)):
@@ -129,6 +147,8 @@ class ServiceClient:
             prefix_cache_mb = memory.megabytes_from_text(os.environ["GRPO_PREFIX_CACHE_MB"])
         memory.resolve_prefix_cache(prefix_cache_mb, None)  # fail fast on a bad value
         self.prefix_cache_mb = prefix_cache_mb
+        self.precision_record = Path(precision_record) if precision_record is not None else None
+        _read_precision_record(self.precision_record)  # fail fast on one that cannot be read
         self.store = CheckpointStore(self.checkpoint_dir)
         # Whether a save may name a plain directory of this machine (in-process: yes; grpo.serve
         # turns it off, so no client of a server can write outside its store).
@@ -143,11 +163,37 @@ class ServiceClient:
         key = models.public_id(base_model)
         with self._lock:
             if key not in self._engines:
-                engine = Engine(base_model, self.device, self.train_dtype, self.sample_dtype)
+                train_dtype, sample_dtype = self._recorded_precision(key)
+                engine = Engine(base_model, self.device, train_dtype, sample_dtype)
+                self._record_precision(key, engine)
                 budget = memory.Budget.for_model(self.memory_budget_mb, engine.model, engine.device)
                 cache_bytes = memory.resolve_prefix_cache(self.prefix_cache_mb, budget.bytes, engine.device)
                 self._engines[key] = _EngineHandle(engine, budget, cache_bytes)
             return self._engines[key]
+
+    def _recorded_precision(self, key: str) -> tuple[Any, Any]:
+        """This client's train_dtype and sample_dtype, a role left at ``auto`` replaced by the
+        precision ``precision_record`` kept for ``key`` (when there is one)."""
+        chosen = {"train_dtype": self.train_dtype, "sample_dtype": self.sample_dtype}
+        recorded = _read_precision_record(self.precision_record).get(key, {})
+        for role, value in chosen.items():
+            if value in (None, "auto") and recorded.get(role) in ("fp32", "bf16"):
+                chosen[role] = recorded[role]
+                print(f"[grpo] {role} {recorded[role]}: auto as this run first resolved it ({self.precision_record})",
+                      flush=True)
+        return chosen["train_dtype"], chosen["sample_dtype"]
+
+    def _record_precision(self, key: str, engine: Engine) -> None:
+        if self.precision_record is None:
+            return
+        names = {torch.float32: "fp32", torch.bfloat16: "bf16"}
+        record = _read_precision_record(self.precision_record)
+        record[key] = {"train_dtype": names.get(engine.dtype, str(engine.dtype)),
+                       "sample_dtype": names.get(engine.sample_dtype, str(engine.sample_dtype))}
+        self.precision_record.parent.mkdir(parents=True, exist_ok=True)
+        staging = self.precision_record.with_name(f"{self.precision_record.name}.{os.getpid()}.tmp")
+        staging.write_text(json.dumps(record, indent=1, sort_keys=True) + "\n")
+        staging.replace(self.precision_record)  # whole or not at all, if interrupted
 
     # ------------------------------------------------------------------ session
 

@@ -132,8 +132,11 @@ def test_episodes_sample_the_same_through_the_cache_and_prefill_only_new_tokens(
     assert stats[0].prefilled_tokens == stats[0].prompt_tokens
     for turn in (1, 2):
         assert stats[turn].prefix_hits == 2 and stats[turn].prefilled_tokens <= 2 * (reply + 1)
-        # without the cache, every distinct context is prefilled whole (alike ones once)
-        assert plain_stats[turn].prefilled_tokens == sum(len(c) for c in {tuple(c) for c, _ in plain[turn]})
+        # without the cache, every distinct context is prefilled (alike ones once), the start
+        # they share (the episode so far, up to where the samples parted) once for all
+        distinct = [list(c) for c in {tuple(c) for c, _ in plain[turn]}]
+        trunk = sampler.common_trunk(distinct)
+        assert plain_stats[turn].prefilled_tokens == trunk + sum(len(c) - trunk for c in distinct)
     assert stats[2].prefix_hit_tokens / stats[2].prompt_tokens > 0.8
 
 

@@ -171,7 +171,7 @@ def worker_grpo(args: argparse.Namespace) -> None:
     import hardware_floors
 
     from grpo.backends.local import ServiceClient, sections
-    from grpo.backends.local import sampler as local_sampler
+    from grpo.backends.local.trunk import common_trunk
     from grpo.rl import rollouts
     from grpo.types import AdamParams, SamplingParams
 
@@ -210,9 +210,9 @@ def worker_grpo(args: argparse.Namespace) -> None:
             t2 = time.perf_counter()
         tokens = sum(len(r.tokens) for g in groups for r in g.group.rollouts)
         # the prompt tokens the step runs: each group's prompt once, their common start once
-        # (sampler.common_trunk: the trainer and the sampler's prefill both share it)
+        # (trunk.common_trunk: the trainer and the sampler's prefill both share it)
         prompts = [prompt_ids[i] for i in batch]
-        trunk = local_sampler.common_trunk(prompts)
+        trunk = common_trunk(prompts)
         prompt_tokens = trunk + sum(len(p) - trunk for p in prompts)
         reward = statistics.mean(x for g in groups for x in g.rewards)
         emit(event="step", seconds=t2 - t0, sample_s=t1 - t0, train_s=t2 - t1, tokens=tokens, reward=reward,

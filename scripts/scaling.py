@@ -134,7 +134,7 @@ def worker(row: dict[str, Any]) -> None:
     from bench import count_decode_steps, make_problems, timed_trainable_step
 
     from grpo.backends.local import ServiceClient
-    from grpo.backends.local.sampler import common_trunk
+    from grpo.backends.local.trunk import common_trunk
     from grpo.types import AdamParams, SamplingParams
 
     model_name = row["model"]
@@ -163,7 +163,7 @@ def worker(row: dict[str, Any]) -> None:
         decode.update(steps=0, rows=0)
         groups, seconds = timed_trainable_step(tc, problems, prompt_ids, group, params, tokenizer, adam)
         sampled = sum(len(r.tokens) for g in groups for r in g.group.rollouts)
-        # each group's prompt once, their common start once (sampler.common_trunk; the trainer too)
+        # each group's prompt once, their common start once (trunk.common_trunk: the sampler and the trainer)
         trunk = common_trunk(prompt_ids)
         prompt_tokens = trunk + sum(len(ids) - trunk for ids in prompt_ids)
         # what the decoder processes in training: each group's prompt once (shared), every response

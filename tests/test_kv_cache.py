@@ -11,6 +11,7 @@ from transformers import AutoModelForCausalLM, DynamicCache, LlamaConfig, Qwen2C
 from grpo import models
 from grpo.backends.local import sampler
 from grpo.backends.local.kv_cache import SlotCache
+from grpo.backends.local.trunk import common_trunk
 from grpo.types import SamplingParams
 
 STOP_IDS = list(range(3000, 9000))
@@ -128,9 +129,10 @@ def test_prompts_under_one_trunk_prefill_it_once_and_draw_what_each_draws_alone(
     model = models.load_model("tiny")
     trunk = [1, *range(600, 612)]  # 13 tokens
     prompts = [trunk + [504, 3458, 314], trunk + [9906], trunk + [*range(42, 52)]]
-    assert sampler.common_trunk(prompts) == 13
-    assert sampler.common_trunk(prompts[:1]) == 0 and sampler.common_trunk([trunk + [5], [1, 2, 3]]) == 0
-    assert sampler.common_trunk([trunk + [5], trunk + [5, 6]]) == 13  # each prompt keeps a token of its own
+    assert common_trunk(prompts) == 13
+    assert common_trunk(prompts[:1]) == 0 and common_trunk([trunk + [5], [1, 2, 3]]) == 0
+    assert common_trunk([trunk + [5], trunk + [5, 6]]) == 13  # each prompt keeps a token of its own
+    assert common_trunk(prompts, min_tokens=14) == 0
     alone = []
     for req in requests(prompts):
         sampler.generate(model, [req], tokenizer, torch.device("cpu"))

@@ -12,6 +12,7 @@ from grpo import models
 from grpo.backends.local import sampler
 from grpo.backends.local.clients import ServiceClient
 from grpo.backends.local.prefix_cache import PrefixCache
+from grpo.backends.local.trunk import common_trunk
 from grpo.types import AdamParams, Datum, ModelInput, SamplingParams, TensorData
 
 CPU = torch.device("cpu")
@@ -135,7 +136,7 @@ def test_episodes_sample_the_same_through_the_cache_and_prefill_only_new_tokens(
         # without the cache, every distinct context is prefilled (alike ones once), the start
         # they share (the episode so far, up to where the samples parted) once for all
         distinct = [list(c) for c in {tuple(c) for c, _ in plain[turn]}]
-        trunk = sampler.common_trunk(distinct)
+        trunk = common_trunk(distinct)
         assert plain_stats[turn].prefilled_tokens == trunk + sum(len(c) - trunk for c in distinct)
     assert stats[2].prefix_hit_tokens / stats[2].prompt_tokens > 0.8
 

@@ -12,6 +12,7 @@ from backend_helpers import adapter_tensors, perturb_adapter, plain_logprobs, rl
 
 from grpo import types
 from grpo.backends.local import ServiceClient, trainer
+from grpo.backends.local.trunk import common_trunk
 
 VOCAB = 4000
 LOG_UNIFORM = -10.8  # log(1 / 49152), the tiny model's vocabulary
@@ -162,9 +163,8 @@ def test_a_trunk_every_group_shares_runs_once_and_changes_nothing(client) -> Non
     data = grpo_batch(seed=2, trunk=16)
     prepared = trainer.prepare(data, "ppo", client.engine.vocab_size, client.engine.check_tokens)
     groups, _ = trainer.plan_sharing(prepared)
-    assert trainer.common_trunk(groups) == 16
-    assert trainer.common_trunk(groups[:1]) == 0  # one group: nothing to share across groups
-    assert trainer.common_trunk(groups, min_prefix=17) == 0
+    assert common_trunk([g.prefix for g in groups]) == 16
+    assert common_trunk([groups[0].prefix]) == 0  # one group: nothing to share across groups
 
     embed = client.engine.causal_lm().get_input_embeddings()
     seen: list[int] = []

@@ -24,6 +24,7 @@ from transformers import DynamicCache
 from grpo.backends.local.kv_cache import SlotCache, attention_layers
 from grpo.backends.local.prefix_cache import PrefixCache
 from grpo.backends.local.sections import section
+from grpo.backends.local.trunk import common_trunk
 from grpo.types import SampledSequence, SamplingParams
 
 # Stop strings are matched on the decoded tail of a row; this many tokens is plenty for any
@@ -298,18 +299,6 @@ def _prefill_together(model, prompts: list[list[int]], pad_id: int, device: torc
             layer.keys, layer.values = _trunk_after_padding(layer.keys, prompts, trunk), \
                 _trunk_after_padding(layer.values, prompts, trunk)
     return cache, out.logits[:, -1].float(), trunk + sum(len(p) - trunk for p in prompts)
-
-
-def common_trunk(prompts: list[list[int]], min_tokens: int = 8) -> int:
-    """Leading tokens every one of two or more prompts shares, when at least ``min_tokens``;
-    each prompt keeps at least one token of its own (whose logits are the prefill's result)."""
-    if len(prompts) < 2:
-        return 0
-    n = min(len(p) for p in prompts) - 1
-    first = prompts[0]
-    for p in prompts[1:]:
-        n = next((i for i in range(n) if first[i] != p[i]), n)
-    return n if n >= min_tokens else 0
 
 
 def _trunk_after_padding(t: torch.Tensor, prompts: list[list[int]], trunk: int) -> torch.Tensor:

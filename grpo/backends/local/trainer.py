@@ -31,6 +31,7 @@ from transformers import DynamicCache
 from grpo.api import losses
 from grpo.backends.local import packed_attention
 from grpo.backends.local.sections import section
+from grpo.backends.local.trunk import common_trunk
 from grpo.types import Datum, ForwardBackwardOutput, TensorData, text_tokens
 
 LOGIT_CHUNK_POSITIONS = 256
@@ -501,19 +502,6 @@ def run_decoder_shared(model, units: list[SharedGroup], device: torch.device) ->
     return dec_out
 
 
-def common_trunk(units: list[SharedGroup], min_prefix: int = MIN_SHARED_PREFIX) -> int:
-    """How many leading tokens every unit's prefix shares (a system prompt, few-shot examples),
-    when worth a pass of their own: at least ``min_prefix``, over two or more units, and short
-    of every prefix by a token at least (each unit keeps a part of its own)."""
-    if len(units) < 2:
-        return 0
-    first = units[0].prefix
-    n = min(len(u.prefix) for u in units) - 1
-    for u in units[1:]:
-        n = next((i for i, (a, b) in enumerate(zip(first[:n], u.prefix[:n], strict=True)) if a != b), n)
-    return n if n >= min_prefix else 0
-
-
 def run_decoder_shared_packed(model, units: list[SharedGroup], device: torch.device) -> DecoderOutput:
     """``run_decoder_shared`` with its passes packed: the prefixes in one row, recording their
     keys and values; the members' suffixes in another, each attending to its unit's prefix.
@@ -526,7 +514,7 @@ def run_decoder_shared_packed(model, units: list[SharedGroup], device: torch.dev
     lm_head = model.get_output_embeddings()
     members = [d for u in units for d in u.members]
     owner = [k for k, u in enumerate(units) for _ in u.members]
-    trunk = common_trunk(units)
+    trunk = common_trunk([u.prefix for u in units])
     before = None
     if trunk:
         before = packed_attention.PackedPass([trunk], device, record=True)

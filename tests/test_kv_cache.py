@@ -122,6 +122,17 @@ def test_continuous_batching_draws_what_each_request_draws_alone(tokenizer):
     assert stats.rows_decoded >= sum(len(s.tokens) for s in alone) - 16  # a row's first token needs no step
 
 
+def assert_logprobs_of_a_plain_forward(model, requests_done: list[sampler.GenerationRequest]) -> None:
+    """Every sampled token's logprob equals the model's own forward pass over the whole sequence."""
+    for req in requests_done:
+        for seq in req.sequences:
+            ids = torch.tensor([req.prompt + seq.tokens])
+            with torch.no_grad():
+                logits = model(input_ids=ids).logits[0, len(req.prompt) - 1:-1].float()
+            plain = torch.log_softmax(logits, -1).gather(-1, ids[0, len(req.prompt):, None])[:, 0]
+            assert seq.logprobs == pytest.approx(plain.tolist(), abs=1e-5)
+
+
 def test_prompts_under_one_trunk_prefill_it_once_and_draw_what_each_draws_alone(tokenizer):
     """Prompts that begin alike (a system prompt) run the trunk once and the rest of each prompt
     after it, one admission; each request draws what it draws alone, with the logprobs of a plain
@@ -145,13 +156,7 @@ def test_prompts_under_one_trunk_prefill_it_once_and_draw_what_each_draws_alone(
     assert [s.tokens for s in together] == [s.tokens for s in alone]
     for a, b in zip(together, alone, strict=True):
         assert a.logprobs == pytest.approx(b.logprobs, abs=1e-5)
-    for req in batched:
-        for seq in req.sequences:
-            ids = torch.tensor([req.prompt + seq.tokens])
-            with torch.no_grad():
-                logits = model(input_ids=ids).logits[0, len(req.prompt) - 1:-1].float()
-            plain = torch.log_softmax(logits, -1).gather(-1, ids[0, len(req.prompt):, None])[:, 0]
-            assert seq.logprobs == pytest.approx(plain.tolist(), abs=1e-5)
+    assert_logprobs_of_a_plain_forward(model, batched)
 
 
 @pytest.mark.parametrize("layer_types", [["full_attention"] * 2, ["sliding_attention", "full_attention"]])
@@ -167,13 +172,7 @@ def test_sampled_logprobs_equal_a_plain_forward(tokenizer, layer_types):
     batched = requests(prompts)
     stats = sampler.generate(model, batched, tokenizer, torch.device("cpu"), row_bytes=lambda n: 1, budget=6)
     assert stats.admissions >= 2
-    for req in batched:
-        for seq in req.sequences:
-            ids = torch.tensor([req.prompt + seq.tokens])
-            with torch.no_grad():
-                logits = model(input_ids=ids).logits[0, len(req.prompt) - 1:-1].float()
-            plain = torch.log_softmax(logits, -1).gather(-1, ids[0, len(req.prompt):, None])[:, 0]
-            assert seq.logprobs == pytest.approx(plain.tolist(), abs=1e-5)
+    assert_logprobs_of_a_plain_forward(model, batched)
 
 
 def test_slot_buffers_are_freed_when_generate_returns(tokenizer, monkeypatch):

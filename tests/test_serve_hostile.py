@@ -425,3 +425,34 @@ def test_a_planted_checkpoint_leaves_every_listing_answering(env):
     finally:
         for p in planted:
             p.unlink()
+
+
+def test_a_flood_of_empty_protobuf_datums_is_refused_before_it_is_parsed(env):
+    """An empty datum is two bytes on the wire: 400,000 of them fit a small body and would become
+    400,000 messages; the wire is counted first and the request refused at the datum limit."""
+    refused(env["srv"].call("POST", "/api/v1/forward_backward", b"\x1a\x00" * 400_000,
+                            content_type="application/x-protobuf"), 422, "data", "--max-datums")
+    answers_normally(env)
+
+
+def test_protobuf_fields_are_counted_at_every_depth_before_parsing():
+    """Empty chunks inside one datum, or unknown fields, count like datums: past the field limit
+    (--max-datums and --max-request-tokens set it) the body is refused before protobuf runs."""
+    from grpo.serve import wire
+    from grpo.serve.limits import Limits
+
+    limits = Limits(max_datums=4, max_request_tokens=50)
+    assert limits.proto_fields()[0] == 64 * 4 + 50
+    request = proto.ForwardBackwardRequest(model_id="m", loss_fn="cross_entropy")
+    for _ in range(4):
+        request.data.add().model_input.add().encoded_text.tokens = np.asarray([1, 2, 3], dtype=np.int32).tobytes()
+    assert len(wire.forward_backward_from_proto(request.SerializeToString(), limits)["data"]) == 4
+    for _ in range(400):
+        request.data[0].model_input.add()
+    with pytest.raises(wire.WireError, match="more than 306 protobuf fields.*--max-datums \\+ --max-request-tokens"):
+        wire.forward_backward_from_proto(request.SerializeToString(), limits)
+    unknown = b"\xf8\x01\x00" * 400  # field 31, a varint: no message declares it
+    with pytest.raises(wire.WireError, match="protobuf fields"):
+        wire.forward_backward_from_proto(unknown, limits)
+    with pytest.raises(wire.WireError, match="varint runs past its end"):
+        wire.forward_backward_from_proto(b"\x1a\xff", limits)

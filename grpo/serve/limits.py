@@ -85,6 +85,13 @@ class Limits:
                     "--max-request-elements + --max-request-tokens")
         return self.max_prompt_tokens + JSON_SLACK, "--max-prompt-tokens"
 
+    def proto_fields(self) -> tuple[int, str]:
+        """How many protobuf fields (at any depth) a forward / forward_backward body may hold, and
+        what sets that: counted on the wire before protobuf builds a message (grpo.serve.wire). A
+        datum's tokens and tensor values travel as packed bytes, a few fields each; a body of
+        empty datums or chunks would otherwise become millions of objects in a few megabytes."""
+        return PROTO_FIELDS_PER_DATUM * self.max_datums + self.max_request_tokens, "--max-datums + --max-request-tokens"
+
     def budget(self) -> RequestBudget:
         """A tally of one request's declared sizes, each added before anything of it is built."""
         return RequestBudget(self)
@@ -92,6 +99,7 @@ class Limits:
 
 JSON_SLACK = 1 << 20  # keys, stop strings, metadata beside a prompt: a parse of at most ~30 MB
 JSON_SLACK_PER_DATUM = 64  # a datum's keys and shapes beside its tokens and tensor elements
+PROTO_FIELDS_PER_DATUM = 64  # a datum's chunks, inputs, dtypes and shapes (its tokens: a chunk each at most)
 MAX_DIMS = 8  # a loss input is one entry per position, at most with a few trailing dimensions
 
 

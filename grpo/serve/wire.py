@@ -131,8 +131,55 @@ def _proto_tokens(chunks: Any, field: str) -> g.ModelInput:
     return g.ModelInput(chunks=out)
 
 
+def _varint(body: bytes, pos: int) -> tuple[int, int]:
+    value = shift = 0
+    while True:
+        if pos >= len(body) or shift > 63:
+            raise WireError("body", "not a tinker_public.ForwardBackwardRequest (a varint runs past its end)")
+        byte = body[pos]
+        value |= (byte & 0x7F) << shift
+        pos, shift = pos + 1, shift + 7
+        if byte < 0x80:
+            return value, pos
+
+
+def _count_fields(body: bytes, descriptor: Any, limit: int, flag: str, max_datums: int) -> None:
+    """Walk ``body``'s protobuf wire format, into every submessage ``descriptor`` declares, and
+    refuse it at its ``limit + 1``-th field, or its ``max_datums + 1``-th datum: before protobuf
+    makes an object per field (an empty datum is two bytes, so a 256 MB body could otherwise hold
+    134 million of them)."""
+    count = datums = 0
+    data = descriptor.fields_by_name["data"].number
+    stack = [(descriptor, 0, len(body))]
+    while stack:
+        message, pos, end = stack.pop()
+        while pos < end:
+            tag, pos = _varint(body, pos)
+            count += 1
+            if count > limit:
+                raise WireError("body", f"holds more than {limit} protobuf fields, this server's limit (set by {flag})")
+            number, wire_type = tag >> 3, tag & 7
+            if message is descriptor and number == data:
+                datums += 1
+                if datums > max_datums:
+                    raise WireError("data", f"more than {max_datums} datums, this server's limit (set by --max-datums)")
+            if wire_type == 0:
+                _, pos = _varint(body, pos)
+            elif wire_type in (1, 5):
+                pos += 8 if wire_type == 1 else 4
+            elif wire_type == 2:
+                size, pos = _varint(body, pos)
+                field = message.fields_by_number.get(number) if message is not None else None
+                if field is not None and field.message_type is not None:
+                    stack.append((field.message_type, pos, min(pos + size, end)))
+                pos += size
+            else:  # groups (3, 4) are in no message of this protocol; 6, 7 are not wire types
+                raise WireError("body", f"not a tinker_public.ForwardBackwardRequest (wire type {wire_type})")
+
+
 def forward_backward_from_proto(body: bytes, limits: Limits = DEFAULT_LIMITS) -> dict[str, Any]:
     """A ForwardBackwardRequest as {model_id, seq_id, data, loss_fn, loss_fn_config, forward_only}."""
+    _count_fields(body, proto.ForwardBackwardRequest.DESCRIPTOR, *limits.proto_fields(), limits.max_datums)
     request = proto.ForwardBackwardRequest()
     try:
         request.ParseFromString(body)

@@ -431,7 +431,8 @@ def test_a_flood_of_empty_protobuf_datums_is_refused_before_it_is_parsed(env):
     """An empty datum is two bytes on the wire: 400,000 of them fit a small body and would become
     400,000 messages; the wire is counted first and the request refused at the datum limit."""
     refused(env["srv"].call("POST", "/api/v1/forward_backward", b"\x1a\x00" * 400_000,
-                            content_type="application/x-protobuf"), 422, "data", "--max-datums")
+                            content_type="application/x-protobuf"), 422, "data",
+            "more than 4096 datums, this server's limit (set by --max-datums)")
     answers_normally(env)
 
 

@@ -59,10 +59,8 @@ def _within(add: Any, n: int, field: str) -> None:
 
 def _proto_sizes(request: Any, limits: Limits) -> None:
     """Every datum's tokens and every tensor's elements as declared (shapes, buffer lengths),
-    summed over the request and refused past its limits before any array is made."""
-    if len(request.data) > limits.max_datums:
-        raise WireError("data", f"{len(request.data)} datums is more than this server's limit of "
-                        f"{limits.max_datums} (set by --max-datums)")
+    summed over the request and refused past its limits before any array is made (the number of
+    datums was counted on the wire, ``_count_fields``)."""
     budget = limits.budget()
     for i, datum in enumerate(request.data):
         n = sum(len(c.encoded_text.tokens) // 4 for c in datum.model_input if c.WhichOneof("chunk") == "encoded_text")

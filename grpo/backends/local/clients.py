@@ -38,7 +38,7 @@ from grpo.backends.local import age_export, custom_loss, heap, memory, sampler, 
 from grpo.backends.local.engine import Engine, LoraSpec
 from grpo.backends.local.prefix_cache import PrefixCache
 from grpo.backends.local.sections import section
-from grpo.files import replace_dir, staging_path
+from grpo.files import atomic_write_text, replace_dir, staging_path
 from grpo.models import precision
 from grpo.types import (
     AdamParams,
@@ -163,19 +163,20 @@ class ServiceClient:
         key = models.public_id(base_model)
         with self._lock:
             if key not in self._engines:
-                train_dtype, sample_dtype = self._recorded_precision(key)
+                record = _read_precision_record(self.precision_record)
+                train_dtype, sample_dtype = self._recorded_precision(key, record)
                 engine = Engine(base_model, self.device, train_dtype, sample_dtype)
-                self._record_precision(key, engine)
+                self._record_precision(key, engine, record)
                 budget = memory.Budget.for_model(self.memory_budget_mb, engine.model, engine.device)
                 cache_bytes = memory.resolve_prefix_cache(self.prefix_cache_mb, budget.bytes, engine.device)
                 self._engines[key] = _EngineHandle(engine, budget, cache_bytes)
             return self._engines[key]
 
-    def _recorded_precision(self, key: str) -> tuple[Any, Any]:
+    def _recorded_precision(self, key: str, record: dict[str, dict[str, str]]) -> tuple[Any, Any]:
         """This client's train_dtype and sample_dtype, a role left at ``auto`` replaced by the
-        precision ``precision_record`` kept for ``key`` (when there is one)."""
+        precision ``record`` (the precision record's contents) keeps for ``key``, if any."""
         chosen = {"train_dtype": self.train_dtype, "sample_dtype": self.sample_dtype}
-        recorded = _read_precision_record(self.precision_record).get(key, {})
+        recorded = record.get(key, {})
         for role, value in chosen.items():
             if value in (None, "auto") and recorded.get(role) in ("fp32", "bf16"):
                 chosen[role] = recorded[role]
@@ -183,17 +184,15 @@ class ServiceClient:
                       flush=True)
         return chosen["train_dtype"], chosen["sample_dtype"]
 
-    def _record_precision(self, key: str, engine: Engine) -> None:
+    def _record_precision(self, key: str, engine: Engine, record: dict[str, dict[str, str]]) -> None:
+        """Write ``record`` back with ``key``'s precision as ``engine`` resolved it."""
         if self.precision_record is None:
             return
         names = {torch.float32: "fp32", torch.bfloat16: "bf16"}
-        record = _read_precision_record(self.precision_record)
-        record[key] = {"train_dtype": names.get(engine.dtype, str(engine.dtype)),
-                       "sample_dtype": names.get(engine.sample_dtype, str(engine.sample_dtype))}
+        record = {**record, key: {"train_dtype": names.get(engine.dtype, str(engine.dtype)),
+                                  "sample_dtype": names.get(engine.sample_dtype, str(engine.sample_dtype))}}
         self.precision_record.parent.mkdir(parents=True, exist_ok=True)
-        staging = self.precision_record.with_name(f"{self.precision_record.name}.{os.getpid()}.tmp")
-        staging.write_text(json.dumps(record, indent=1, sort_keys=True) + "\n")
-        staging.replace(self.precision_record)  # whole or not at all, if interrupted
+        atomic_write_text(self.precision_record, json.dumps(record, indent=1, sort_keys=True) + "\n")
 
     # ------------------------------------------------------------------ session
 

@@ -529,14 +529,9 @@ def run_micro(args: argparse.Namespace, log_dir: Path) -> dict[str, Any]:
 def machine() -> str:
     import torch
 
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
+    from grpo.models.dtype_probe import cpu_description
+
+    cpu = cpu_description()
     gpu = f", GPU {torch.cuda.get_device_name()}" if torch.cuda.is_available() else ""
     return (f"{cpu}, {os.cpu_count()} CPUs (torch threads {torch.get_num_threads()}){gpu}; "
             f"python {platform.python_version()}, torch {torch.__version__}")

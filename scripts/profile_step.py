@@ -19,7 +19,6 @@ datums, the tokenizer). ``--ops`` lists the heaviest operators of the decoding f
 from __future__ import annotations
 
 import argparse
-import platform
 import sys
 import time
 from collections import defaultdict
@@ -41,19 +40,6 @@ SECTIONS = [
 ]
 
 
-def cpu_description() -> str:
-    model, flags = platform.processor() or platform.machine(), []
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                model = line.partition(":")[2].strip()
-            elif line.startswith("flags") and not flags:
-                flags = [f for f in line.partition(":")[2].split() if f.startswith(("avx", "amx"))]
-    except OSError:
-        pass
-    return f"{model}; {' '.join(flags) or 'no avx flags'}"
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--precision", choices=sorted(PRECISIONS), default="fp32")
@@ -69,6 +55,7 @@ def main() -> None:
     from bench import make_problems, timed_trainable_step
 
     from grpo.backends.local import ServiceClient, sections
+    from grpo.models import dtype_probe
     from grpo.types import AdamParams, SamplingParams
 
     train_dtype, sample_dtype = PRECISIONS[args.precision]
@@ -93,7 +80,7 @@ def main() -> None:
 
     print(f"# one GRPO step, {args.prompts} prompts x {args.group} samples x {args.max_tokens} tokens, "
           f"{args.model}, precision {args.precision}, {torch.get_num_threads()} threads, torch {torch.__version__}")
-    print(f"# CPU: {cpu_description()}")
+    print(f"# CPU: {dtype_probe.cpu_description()}")
     print(f"# step {wall:.2f} s (sample {timing['sample_s']:.2f} s incl. LoRA install, datums "
           f"{timing['datums_s']:.3f} s, train {timing['train_s']:.2f} s); {timing['sampled']} tokens sampled")
     print()

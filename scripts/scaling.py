@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import resource
 import subprocess
 import sys
@@ -273,7 +272,9 @@ def main() -> None:
               f"peak {results[-1]['peak_rss_mb']:.0f} MB", file=sys.stderr, flush=True)
     import torch
 
-    print(f"Machine: {platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, "
+    from grpo.models.dtype_probe import cpu_description
+
+    print(f"Machine: {cpu_description()}, {torch.get_num_threads()} threads, "
           f"torch {torch.__version__}; total {time.perf_counter() - t0:.0f} s\n")
     print(table(results))
     if args.json:

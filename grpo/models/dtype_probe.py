@@ -129,13 +129,25 @@ def enabled() -> bool:
 
 
 def cpu_name() -> str:
+    return _cpuinfo("model name") or platform.processor() or platform.machine() or "unknown CPU"
+
+
+def cpu_description() -> str:
+    """The CPU model and its vector and matrix instruction sets (avx*, amx*), as every recorded
+    number is to name them."""
+    flags = [f for f in _cpuinfo("flags").split() if f.startswith(("avx", "amx"))]
+    return f"{cpu_name()}; {' '.join(flags) or 'no avx flags'}"
+
+
+def _cpuinfo(field: str) -> str:
+    """The first ``field`` line of /proc/cpuinfo (empty where there is none)."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
+            if line.startswith(field):
                 return line.partition(":")[2].strip()
     except OSError:
         pass
-    return platform.processor() or platform.machine() or "unknown CPU"
+    return ""
 
 
 def machine_key(shapes: Shapes) -> str:

@@ -540,11 +540,10 @@ def run_decoder_shared_packed(model, units: list[SharedGroup], device: torch.dev
     hidden = suffixes.run(decoder, ids)
     dec_out = _split_counted(lm_head, hidden, targets, counted, where, int(lengths.sum()), lengths)
 
-    # prefix rows: the trunk's (if any), then each unit's own part, as the passes' keys are laid out
+    # the hidden states laid out as the passes' keys are: the trunk's rows (if any), then each
+    # unit's own part; each unit's prefix is then its key rows there
     hidden_rows = torch.cat([trunk_hidden, prefix_hidden]) if trunk else prefix_hidden
-    rows = [[*range(trunk), *(trunk + r for r in range(s, s + n))]
-            for s, n in zip(prefixes.starts, prefixes.lengths, strict=True)]
-    _fill_prefix_logprobs(lm_head, dec_out, units, hidden_rows, rows)
+    _fill_prefix_logprobs(lm_head, dec_out, units, hidden_rows, prefixes.key_rows)
     return dec_out
 
 

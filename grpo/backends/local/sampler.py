@@ -306,8 +306,8 @@ def _trunk_after_padding(t: torch.Tensor, prompts: list[list[int]], trunk: int) 
     out = t.new_zeros(t.shape)
     for j, p in enumerate(prompts):
         start = width - len(p)
-        out[j, :, start:start + trunk] = t[j, :, :trunk]
-        out[j, :, start + trunk:] = t[j, :, width - len(p) + trunk:]
+        out[j, :, start:start + trunk] = t[j, :, :trunk]  # the trunk moves after the padding
+        out[j, :, start + trunk:] = t[j, :, start + trunk:]  # the prompt's own part stays where it is
     return out
 
 

@@ -151,7 +151,9 @@ class Server:
         """tests/tinker_sdk_loop.py under ``python`` (an interpreter with some tinker SDK)."""
         done = subprocess.run([python, str(SDK_LOOP), base_model], env=self.client_env(), capture_output=True,
                               text=True, timeout=timeout, cwd=REPO)
-        assert done.returncode == 0, f"SDK loop failed:\n{done.stderr[-4000:]}\nserver log:\n{self.log.read_text()[-4000:]}"
+        # the exit status too: a negative one is the signal that ended it (no traceback then)
+        assert done.returncode == 0, (f"SDK loop failed with exit status {done.returncode}:\n{done.stderr[-4000:]}\n"
+                                      f"server log:\n{self.log.read_text()[-4000:]}")
         return json.loads(done.stdout.strip().splitlines()[-1])
 
     def stop(self) -> None:

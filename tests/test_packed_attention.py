@@ -208,3 +208,25 @@ def test_packed_micro_batches_equal_padded_ones(client, loss_fn, share, max_toke
     assert max(float(g.abs().max()) for g in ref_grads.values()) > 0.1
     for name, g in ref_grads.items():
         torch.testing.assert_close(grads[name], g, atol=1e-5, rtol=1e-4, msg=name)
+
+
+def test_half_precision_attention_runs_in_float32_on_a_cpu(monkeypatch) -> None:
+    """bf16 queries, keys and values are attended in float32 (PyTorch's CPU flash-attention
+    backward is several times slower in bf16): the output is the float32 attention of the same
+    bf16 values, rounded once to bf16, and gradients come back in bf16."""
+    lengths = [3, 7, 5]
+    packed = packed_attention.PackedPass(lengths, CPU)
+    layer = torch.nn.Module()
+    layer.layer_idx = 0
+    gen = torch.Generator().manual_seed(3)
+    n, heads, kv_heads, dim = sum(lengths), 4, 2, 8
+    q, k, v = (torch.randn((1, h, n, dim), generator=gen).to(torch.bfloat16).requires_grad_()
+               for h in (heads, kv_heads, kv_heads))
+    out = packed.attend(layer, q, k, v, None, 0.0, None)
+    assert out.dtype == torch.bfloat16
+    in_float32 = packed.attend(layer, q.float(), k.float(), v.float(), None, 0.0, None)
+    assert torch.equal(out, in_float32.to(torch.bfloat16))
+    out.float().square().sum().backward()
+    assert q.grad.dtype == k.grad.dtype == torch.bfloat16 and q.grad.abs().sum() > 0
+    monkeypatch.setattr(packed_attention, "FP32_ATTENTION_ON_CPU", False)
+    assert not torch.equal(packed.attend(layer, q, k, v, None, 0.0, None), out)  # bf16 SDPA rounds otherwise

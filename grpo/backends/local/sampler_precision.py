@@ -14,6 +14,10 @@ the sampler drawing from the base policy while the trainer moves on. Kept as its
 delta reaches the activations at its own scale (the usual bf16 LoRA inference of vLLM and peft).
 The remaining sampler/trainer gap is bf16 rounding, which the loop measures
 (``kl/sample_train``, ``logprob/max_abs_diff``) and ``tis_cap`` corrects (grpo/api/losses.py).
+
+Sibling Linears (q/k/v, gate/up) are stacked into one packed weight each with their LoRA side
+paths stacked too (fused_projections.py): a decoding step's matmul calls, not their arithmetic,
+were what made this copy slower than the folded fp32 sampler on CPUs with fast bf16 units.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from torch import nn
 
 from grpo.backends.local.folded_lora import lora_layers
 from grpo.models.cpu_linear import pack_for_inference
+from grpo.models.fused_projections import FusedProjections, fuse, sibling_sets, stackable
 from grpo.models.lora_linear import lora_side_path
 
 
@@ -49,7 +54,13 @@ class SamplerCopy:
         # embeddings stay tied (deepcopy keeps shared Parameters shared).
         self.model = copy.deepcopy(base_model).to(dtype)
         self.model.eval()
-        # never trained: its Linears multiply by oneDNN's packed layout (cpu_linear.py)
+        # never trained: siblings stacked, every Linear in oneDNN's packed layout (cpu_linear.py)
+        self._groups: dict[tuple[str, ...], FusedProjections] = {}
+        for paths in sibling_sets(self.model):
+            linears = [self.model.get_submodule(p) for p in paths]
+            if stackable(linears):
+                biases = None if linears[0].bias is None else [m.bias.detach() for m in linears]
+                self._groups[tuple(paths)] = fuse(self.model, paths, [m.weight.detach() for m in linears], biases)
         pack_for_inference(self.model)
         for p in self.model.parameters():
             p.requires_grad_(False)
@@ -67,22 +78,36 @@ class SamplerCopy:
         self.key, self.weights = None, None  # a failure half way must not leave a stale key behind
         self._restore()
         if adapter is not None:
-            for name, module in lora_layers(causal_lm, adapter):
+            layers = lora_layers(causal_lm, adapter)
+            loras = {}
+            for name, module in layers:
                 a = _snapshot_tensor(weights, name, "lora_A", adapter) if weights else module.lora_A[adapter].weight
                 b = _snapshot_tensor(weights, name, "lora_B", adapter) if weights else module.lora_B[adapter].weight
+                loras[name] = (a, b, module.scaling[adapter])
+            for paths, group in self._groups.items():
+                if any(p in loras for p in paths):  # a sibling without LoRA gets a rank-0 part
+                    group.set_lora([loras.pop(p) if p in loras else _no_lora(self.model.get_submodule(p))
+                                    for p in paths])
+            for name, (a, b, scaling) in loras.items():
                 parent_name, _, child = name.rpartition(".")
                 parent = self.model.get_submodule(parent_name)
                 original = getattr(parent, child)
                 self._installed[name] = original
-                setattr(parent, child, LoraSidePath(original, a, b, module.scaling[adapter], self.dtype))
+                setattr(parent, child, LoraSidePath(original, a, b, scaling, self.dtype))
         self.key, self.weights = key, weights
         return self.model
 
     def _restore(self) -> None:
+        for group in self._groups.values():
+            group.set_lora(None)
         for name, original in self._installed.items():
             parent_name, _, child = name.rpartition(".")
             setattr(self.model.get_submodule(parent_name), child, original)
         self._installed = {}
+
+
+def _no_lora(member: nn.Module) -> tuple[torch.Tensor, torch.Tensor, float]:
+    return torch.zeros(0, member.in_features), torch.zeros(member.out_features, 0), 1.0
 
 
 def _snapshot_tensor(weights: dict[str, torch.Tensor], name: str, which: str, adapter: str) -> torch.Tensor:

@@ -51,8 +51,13 @@ class SamplerCopy:
 
     def __init__(self, base_model: nn.Module, dtype: torch.dtype):
         # Called before any adapter is injected, so the copy is the plain transformers model; tied
-        # embeddings stay tied (deepcopy keeps shared Parameters shared).
-        self.model = copy.deepcopy(base_model).to(dtype)
+        # embeddings stay tied (deepcopy keeps shared Parameters shared). Only the parameters take
+        # ``dtype``, as when transformers loads a model in it: buffers keep theirs -- rotary
+        # embeddings' float32 frequencies rounded to bf16 put every position's angle off, and the
+        # sampler's logprobs up to 1.4 nats from the trainer's on SmolLM2.
+        self.model = copy.deepcopy(base_model)
+        for p in self.model.parameters():
+            p.data = p.data.to(dtype)
         self.model.eval()
         # never trained: siblings stacked, every Linear in oneDNN's packed layout (cpu_linear.py)
         self._groups: dict[tuple[str, ...], FusedProjections] = {}

@@ -15,7 +15,13 @@ from torch import nn
 from grpo import models
 from grpo.models import fused_projections
 from grpo.models.cpu_linear import packing_works
-from grpo.models.fused_projections import FusedMember, FusedProjections, fuse, sibling_sets, stackable
+from grpo.models.fused_projections import (
+    FusedMember,
+    FusedProjections,
+    fuse,
+    sibling_sets,
+    stackable,
+)
 
 CPU = torch.device("cpu")
 DTYPES = [torch.float32, pytest.param(torch.bfloat16, marks=pytest.mark.skipif(

@@ -9,12 +9,12 @@ import warnings
 
 import pytest
 import torch
-
 from backend_helpers import perturb_adapter
 
 from grpo import models, types
 from grpo.backends.local import ServiceClient
 from grpo.models import dtype_probe, precision
+from grpo.models.cpu_linear import packing_works
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")
 PROMPT = [1, 504, 3457, 28, 216, 17, 1183, 19, 30, 40, 41]
@@ -210,6 +210,28 @@ def test_the_real_probe_returns_a_choice_per_role_and_caches_it(tmp_path, monkey
         raise AssertionError("measured again")
 
     assert dtype_probe.timings(shapes, timer=no_timing, cache=tmp_path / "p.json") == first
+
+
+@pytest.mark.skipif(not packing_works(torch.bfloat16), reason="this CPU/torch build packs no bf16 weights")
+def test_the_probe_decodes_through_every_layer_as_the_sampler_builds_it(monkeypatch) -> None:
+    """bf16: the copy's stacked siblings and LoRA side paths (sampler_precision.py), fp32: folded
+    packed Linears, over the model's own number of layers (so the cache holds what a step's does)."""
+    from grpo.models import fused_projections, lora_linear
+
+    calls = {"stacked": 0, "side": 0}
+    output, side = fused_projections.FusedProjections.output, lora_linear.LoraSidePath.forward
+    monkeypatch.setattr(fused_projections.FusedProjections, "output",
+                        lambda self, x, i: calls.__setitem__("stacked", calls["stacked"] + 1) or output(self, x, i))
+    monkeypatch.setattr(lora_linear.LoraSidePath, "forward",
+                        lambda self, x: calls.__setitem__("side", calls["side"] + 1) or side(self, x))
+    shapes = dtype_probe.Shapes.from_config(models.load_config("tiny"))
+    (step, head), counts = dtype_probe._decode_ops(shapes, torch.bfloat16)
+    step(), head()
+    assert counts[0] == 1  # every layer timed, none scaled up
+    assert calls == {"stacked": 5 * shapes.layers, "side": 2 * shapes.layers + 1}  # q k v gate up; o down; lm_head
+    (step, head), _ = dtype_probe._decode_ops(shapes, torch.float32)
+    step(), head()
+    assert calls == {"stacked": 5 * shapes.layers, "side": 2 * shapes.layers + 1}  # LoRA folded in: plain Linears
 
 
 def _logprob_gap(sampler_lp: list[float], trainer_lp: list[float]) -> float:

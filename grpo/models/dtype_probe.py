@@ -6,10 +6,12 @@ native the answer depends on the shapes (a decoding step streams the weights, wh
 help; training is compute-bound, where the kernel decides). So the first ``auto`` for a model on a
 machine times both precisions on that model's shapes, for each role separately:
 
-- ``sample``: a decoding step, a handful of rows (``DECODE_ROWS``) through every Linear of the
-  model, the weights spread over enough layer copies to be read from memory, not from cache, each
-  Linear as the sampler runs it: packed weights, fp32 with LoRA folded in, bf16 with LoRA as a
-  bf16 side path;
+- ``sample``: a decoding step, a handful of rows (``DECODE_ROWS``) through the Linears of the
+  model's own number of layers (up to ``DECODE_BYTES``), each timed right after another as the
+  sampler's steps follow each other, so that the cache holds what it would then (a Xeon here has a
+  480 MiB last-level cache: SmolLM2's bf16 weights fit in it, its fp32 weights do not); the layers
+  are built as the sampler builds them: packed weights, fp32 with LoRA folded in, bf16 as the
+  sampler's copy with sibling projections stacked and LoRA as a bf16 side path;
 - ``train``: a forward and backward pass of ``TRAIN_ROWS`` tokens through one layer's Linears and
   the unembedding, as the trainer runs them: the frozen base in the precision timed (input
   gradient only), LoRA's fp32 weights cast to it and added inside the matmul (lora_linear.py).
@@ -17,8 +19,8 @@ machine times both precisions on that model's shapes, for each role separately:
 Only the Linears (with their LoRA) are timed: they are nearly all of the FLOPs and bytes, but
 attention, norms and sampling are not, so the probe ranks the precisions rather than predicting a
 step's time. Each role's time is scaled to the whole model (layers x layer + unembedding). fp32
-and bf16 runs alternate matmul by matmul, so load from other processes falls on both, and each
-matmul's fastest run counts: other processes only ever add time (on a busy 2-core machine a
+and bf16 runs alternate op by op (a training matmul, a decoding step's layers), so load from other
+processes falls on both, and each op's fastest run counts: other processes only ever add time (on a busy 2-core machine a
 2-thread matmul can wait milliseconds for its second core), so the minimum is the machine's speed
 and a median its load. bf16 is chosen for a role only when it measured at least ``MARGIN``
 faster, and for training only where sampling is bf16 too (``choose``): ``auto`` is never slower
@@ -26,9 +28,9 @@ than fp32 beyond measurement noise, and noise (which slows both alike) leans tow
 the cache file to measure again.
 
 The result is cached in ``$GRPO_CACHE/precision.json`` (and in this process) keyed by CPU model,
-torch version, thread count, fp32 Linear kernel and the shapes, so the probe (about 2 s on a quiet
-machine) is paid once per machine and model shape; the choice and its numbers are printed once,
-when measured.
+torch version, thread count, fp32 Linear kernel, the shapes and the probe's own version, so the
+probe (about 4 s on a quiet machine, 1 GB of memory for SmolLM2) is paid once per machine and model
+shape; the choice and its numbers are printed once, when measured.
 ``GRPO_PRECISION_PROBE=off`` skips the probe: ``auto`` is then fp32 on a CPU. So is it, for the run,
 where the load average is at least the number of cores: a measurement there would time the other
 processes, and be cached.
@@ -51,13 +53,17 @@ from typing import Any
 
 ROLES = ("sample", "train")
 # bf16 must measure this many times faster than fp32 to be chosen: the probe times the Linears
-# only, and on the reference EPYC it measured bf16 decoding 1.04x slower to 1.12x faster while the
-# whole bf16 sampler ran 1.5-1.8x slower (docs/benchmark.md); 10% would be within that error.
+# only, and leans towards bf16 -- on an AMX Xeon (probe version 2) it measured bf16 decoding
+# 1.43-1.54x and training 1.59-1.68x faster where the whole sampler ran 1.3x and the training pass
+# 1.35x faster; its first version, timing each Linear alone, even put bf16 decoding ahead on an
+# EPYC where the whole bf16 sampler ran 1.5-1.8x slower (docs/benchmark.md).
 MARGIN = 1.25
-DECODE_ROWS = 8  # rows of one decoding step: a group or two of responses
+DECODE_ROWS = 16  # rows of one decoding step: a few groups of responses
 TRAIN_ROWS = 128  # tokens of one training matmul chain
-DECODE_BYTES = 128 << 20  # fp32 layer weights cycled through per decoding step: well beyond a CPU's cache
-HEAD_DECODE_BYTES = 64 << 20  # the unembedding's rows timed per decoding step (scaled to the vocabulary)
+DECODE_BYTES = 1 << 30  # fp32 layer weights a probed decoding step reads at most (the whole model up to there)
+HEAD_DECODE_BYTES = 256 << 20  # the unembedding's rows timed per decoding step (scaled to the vocabulary)
+# What the probe times and how; part of the cache key, so that a new way of measuring measures again.
+PROBE_VERSION = 2
 HEAD_TRAIN_ROWS = 4096  # the unembedding's rows timed per training pass (compute-bound: scales linearly)
 LORA_RANK = 16  # the API's default rank; every Linear adapted (train_attn/mlp/unembed default on)
 LORA_SCALING = 2.0  # alpha = 2 * rank
@@ -157,7 +163,8 @@ def machine_key(shapes: Shapes) -> str:
     from grpo.models import cpu_linear
 
     kernel = "onednn" if cpu_linear.wanted() and cpu_linear.onednn_works() else "torch"
-    return f"{cpu_name()} | torch {torch.__version__} | {torch.get_num_threads()} threads | {kernel} | {shapes.signature()}"
+    return (f"{cpu_name()} | torch {torch.__version__} | {torch.get_num_threads()} threads | {kernel} | "
+            f"{shapes.signature()} | probe {PROBE_VERSION}")
 
 
 def cache_file() -> Path:
@@ -280,14 +287,19 @@ def measure(shapes: Shapes, budget_s: float = BUDGET_S) -> dict[str, tuple[float
         torch.manual_seed(0)
         for role, share in (("sample", 0.4), ("train", 0.6)):
             (fp32, counts), (bf16, _) = (_OPS[role](shapes, dtype) for dtype in (torch.float32, torch.bfloat16))
-            out[role] = _fastest(fp32, bf16, counts, budget_s * share)
+            # a decoding step runs right after the previous one, over the same weights: what of
+            # them the cache holds then is part of its time, so each run is timed after a first
+            out[role] = _fastest(fp32, bf16, counts, budget_s * share, warm_each=role == "sample")
+            del fp32, bf16  # a probed decoding step holds the model's weights in both precisions
     return out
 
 
-def _fastest(fp32: list[Op], bf16: list[Op], counts: list[float], budget_s: float) -> tuple[float, float]:
+def _fastest(fp32: list[Op], bf16: list[Op], counts: list[float], budget_s: float,
+             warm_each: bool = False) -> tuple[float, float]:
     """Each op's fastest run, fp32 and bf16 alternating op by op, summed with its count per model
     step. Op by op, because on a loaded machine a whole model step rarely runs undisturbed while a
-    single matmul often does; alternating, so that the load falls on both precisions alike."""
+    single matmul often does; alternating, so that the load falls on both precisions alike.
+    ``warm_each``: every timed run right after an untimed one of the same op."""
     for op in fp32 + bf16:  # warm-up: oneDNN primitive creation, first touch of the weights
         op()
     best = ([math.inf] * len(fp32), [math.inf] * len(bf16))
@@ -296,6 +308,8 @@ def _fastest(fp32: list[Op], bf16: list[Op], counts: list[float], budget_s: floa
                                or (reps < 3 and elapsed < 2 * budget_s)):
         for j in range(len(fp32)):
             for k, op in enumerate((fp32[j], bf16[j])):
+                if warm_each:
+                    op()
                 t0 = time.perf_counter()
                 op()
                 best[k][j] = min(best[k][j], time.perf_counter() - t0)
@@ -344,32 +358,57 @@ def _lora(module, dtype, trainable: bool):
 
 
 def _decode_ops(shapes: Shapes, dtype) -> tuple[list[Op], list[float]]:
-    """One decoding step's matmuls: ``DECODE_ROWS`` rows through every Linear of enough layer
-    copies that the weights come from memory, as the model's do, and a slice of the unembedding.
-    As the sampler runs them: packed weights (cpu_linear.PackedLinear), fp32 with LoRA folded in
-    (folded_lora.py), bf16 with LoRA as a side path in bf16 (sampler_precision.py: folding would
-    round it away)."""
+    """One decoding step: ``DECODE_ROWS`` rows through the Linears of the model's layers, one
+    layer after the other, built as the sampler builds them -- fp32 with LoRA folded into packed
+    weights (folded_lora.py), bf16 as the sampler's copy with sibling projections stacked and LoRA
+    side paths (sampler_precision.py) -- and a slice of the unembedding. As many layers as the
+    model has, up to ``DECODE_BYTES``: whether a step's weights stay in the last-level cache (480
+    MiB on one Xeon here: bf16 SmolLM2 does, fp32 does not) is part of what decides."""
     import torch
 
     from grpo.models.cpu_linear import PackedLinear, can_pack
-    from grpo.models.lora_linear import lora_side_path
+    from grpo.models.fused_projections import FusedProjections
+    from grpo.models.lora_linear import LoraSidePath
 
-    layer_bytes = 4 * (shapes.hidden * (2 * shapes.q_out + 2 * shapes.kv_out + 3 * shapes.intermediate))
-    copies = max(1, min(shapes.layers, -(-DECODE_BYTES // layer_bytes)))
-    head_rows = max(1, min(shapes.vocab, HEAD_DECODE_BYTES // (4 * shapes.hidden)))
-    linears, head = _linears(shapes, dtype, copies, head_rows)
-    inputs = {n: torch.randn(DECODE_ROWS, n, dtype=dtype) for n in {shapes.hidden, shapes.q_out, shapes.intermediate}}
+    h, i, q, kv = shapes.hidden, shapes.intermediate, shapes.q_out, shapes.kv_out
+    layer_bytes = 4 * h * (2 * q + 2 * kv + 3 * i)
+    copies = max(1, min(shapes.layers, DECODE_BYTES // layer_bytes))
+    head_rows = max(1, min(shapes.vocab, HEAD_DECODE_BYTES // (4 * h)))
+    inputs = {n: torch.randn(DECODE_ROWS, n, dtype=dtype) for n in {h, q, i}}
 
-    def op(module) -> Op:
-        x = inputs[module.in_features]
-        packed = PackedLinear(module.weight, None) if can_pack(module.weight) else module
-        if dtype == torch.float32:
-            return torch.no_grad()(lambda: packed(x))
-        a, b = _lora(module, dtype, trainable=False)
-        return torch.no_grad()(lambda: lora_side_path(packed(x), x, a.weight, b.weight, LORA_SCALING))
+    def weight(fan_in: int, fan_out: int) -> torch.Tensor:
+        return torch.empty(fan_out, fan_in, dtype=dtype).uniform_(-fan_in ** -0.5, fan_in ** -0.5)
 
-    ops = [op(m) for m in linears] + [op(head)]
-    return ops, [shapes.layers / copies] * len(linears) + [shapes.vocab / head_rows]
+    def lora(fan_in: int, fan_out: int) -> tuple[torch.Tensor, torch.Tensor, float]:
+        # peft starts B at zero; not a number a kernel should see
+        return torch.randn(LORA_RANK, fan_in) * fan_in ** -0.5, torch.randn(fan_out, LORA_RANK) * 0.01, LORA_SCALING
+
+    def single(fan_in: int, fan_out: int) -> Callable[[torch.Tensor], torch.Tensor]:
+        w = weight(fan_in, fan_out)
+        linear = PackedLinear(w, None) if can_pack(w) else torch.nn.Linear(fan_in, fan_out, bias=False, dtype=dtype)
+        if not isinstance(linear, PackedLinear):
+            linear.weight.data = w
+        return linear if dtype == torch.float32 else LoraSidePath(linear, *lora(fan_in, fan_out), dtype)
+
+    def siblings(fan_outs: list[int]) -> list[Callable[[torch.Tensor], torch.Tensor]]:
+        weights = [weight(h, n) for n in fan_outs]
+        if dtype == torch.float32 or not can_pack(weights[0]):
+            return [single(h, n) for n in fan_outs]
+        group = FusedProjections(torch.cat(weights), None, fan_outs)
+        group.set_lora([lora(h, n) for n in fan_outs])
+        return [lambda x, k=k: group.output(x, k) for k in range(len(fan_outs))]
+
+    layers = [(*siblings([q, kv, kv]), single(q, h), *siblings([i, i]), single(i, h)) for _ in range(copies)]
+    fan_ins = (h, h, h, q, h, h, i)  # q k v o gate up down, in the order a layer calls them
+    head = single(h, head_rows)
+
+    @torch.no_grad()
+    def step() -> None:
+        for layer in layers:
+            for linear, fan_in in zip(layer, fan_ins, strict=True):
+                linear(inputs[fan_in])
+
+    return [step, torch.no_grad()(lambda: head(inputs[h]))], [shapes.layers / copies, shapes.vocab / head_rows]
 
 
 def _train_ops(shapes: Shapes, dtype) -> tuple[list[Op], list[float]]:

@@ -52,6 +52,23 @@ def lora_side_path(base_out: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: 
     return flat.view(base_out.shape)
 
 
+class LoraSidePath(nn.Module):
+    """``base(x) + (x @ A.T) @ (scaling * B).T``, all in the base's dtype, without gradients: the
+    scale is put into B once (exact for LoRA's usual power-of-two ``alpha / r``) rather than
+    multiplied into every step's activations, and the sum is made inside the matmul, in place."""
+
+    def __init__(self, base: nn.Module, a: torch.Tensor, b: torch.Tensor, scaling: float, dtype: torch.dtype):
+        super().__init__()
+        self.base = base
+        self.a = a.detach().to(dtype).clone()
+        self.b = (b.detach().float() * scaling).to(dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.base(x)
+        out.view(-1, out.shape[-1]).addmm_(nn.functional.linear(x, self.a).view(-1, self.a.shape[0]), self.b.t())
+        return out
+
+
 def fuse_lora_linears(model: nn.Module) -> int:
     """Give every peft ``lora.Linear`` in ``model`` the fused forward; the number of layers changed."""
     from peft.tuners.lora import Linear as LoraLinear

@@ -165,11 +165,17 @@ class ServiceClient:
             if key not in self._engines:
                 record = _read_precision_record(self.precision_record)
                 train_dtype, sample_dtype = self._recorded_precision(key, record)
-                engine = Engine(base_model, self.device, train_dtype, sample_dtype)
+                # The model is loaded on the thread that will compute with it (_EngineHandle).
+                computing = _computing_thread()
+                try:
+                    engine = computing.submit(Engine, base_model, self.device, train_dtype, sample_dtype).result()
+                except BaseException:
+                    computing.shutdown(wait=False)
+                    raise
                 self._record_precision(key, engine, record)
                 budget = memory.Budget.for_model(self.memory_budget_mb, engine.model, engine.device)
                 cache_bytes = memory.resolve_prefix_cache(self.prefix_cache_mb, budget.bytes, engine.device)
-                self._engines[key] = _EngineHandle(engine, budget, cache_bytes)
+                self._engines[key] = _EngineHandle(engine, budget, cache_bytes, computing)
             return self._engines[key]
 
     def _recorded_precision(self, key: str, record: dict[str, dict[str, str]]) -> tuple[Any, Any]:
@@ -244,7 +250,7 @@ class ServiceClient:
                                     train_unembed=train_unembed, user_metadata=user_metadata,
                                     run_id=training_run_id)
         name = f"lora{next(self._ids)}"
-        handle.engine.add_adapter(name, spec, seed=seed)
+        handle.train_executor.submit(handle.engine.add_adapter, name, spec, seed=seed).result()
         return TrainingClient(self, handle, name, spec, run.training_run_id)
 
     def create_training_client_from_state(self, path: str, base_model: str | None = None,
@@ -308,14 +314,28 @@ class ServiceClient:
     create_sampling_client_async = async_twin("create_sampling_client")
 
 
-class _EngineHandle:
-    """An engine plus its two workers: an ordered training queue and a sampling batcher."""
+def _computing_thread() -> concurrent.futures.ThreadPoolExecutor:
+    return concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="grpo-train")
 
-    def __init__(self, engine: Engine, budget: memory.Budget, prefix_cache_bytes: int = 0):
+
+class _EngineHandle:
+    """An engine plus its two workers: the one thread that computes with the model (loading it,
+    training calls, and the generations the sampling batcher forms), and the sampling batcher.
+
+    One thread computes, whatever the call: PyTorch's CPU kernels run on an OpenMP team per thread
+    that calls them, and once the teams' threads outnumber the cores GNU OpenMP puts every idle
+    team thread to sleep after a short spin, so each parallel region waits for wake-ups. Loading
+    the model on the caller's thread and sampling on a thread of its own left the cores idle 45%
+    of a decoding step (SmolLM2 in bf16, 2-core Xeon: 4.6-5.0 s a sampling call against 2.7-3.0 s
+    with every kernel on one thread). A program's own parallel PyTorch work on another thread (a
+    reward model, say) brings the same slowdown back on such a machine."""
+
+    def __init__(self, engine: Engine, budget: memory.Budget, prefix_cache_bytes: int = 0,
+                 computing: concurrent.futures.ThreadPoolExecutor | None = None):
         self.engine = engine
         self.budget = budget
-        self.train_executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="grpo-train")
-        self.batcher = _SampleBatcher(engine, budget, prefix_cache_bytes)
+        self.train_executor = computing or _computing_thread()
+        self.batcher = _SampleBatcher(engine, budget, prefix_cache_bytes, compute=self.train_executor)
 
 
 class TrainingClient(_ClientFuture):
@@ -774,9 +794,13 @@ class _SampleBatcher:
 
     IDLE_CLOSE_S = 0.5
 
-    def __init__(self, engine: Engine, budget: memory.Budget, prefix_cache_bytes: int = 0):
+    def __init__(self, engine: Engine, budget: memory.Budget, prefix_cache_bytes: int = 0,
+                 compute: concurrent.futures.Executor | None = None):
+        """``compute``: where the generations run (the engine's one computing thread,
+        _EngineHandle); None: on the batcher's own thread."""
         self.engine = engine
         self.budget = budget
+        self.compute = compute
         # One prefix cache per engine: every sampling client (and every session of grpo.serve)
         # of this base model reads from it, each generation bound to its own weights.
         self.prefix_cache = PrefixCache(prefix_cache_bytes) if prefix_cache_bytes > 0 else None
@@ -826,7 +850,10 @@ class _SampleBatcher:
                 by_weights.setdefault((item[1], id(item[2])), []).append(item)
             for items in by_weights.values():
                 try:
-                    self._run(items)
+                    if self.compute is None:
+                        self._run(items)
+                    else:
+                        self.compute.submit(self._run, items).result()
                 except Exception as err:  # never let the thread die: later sample() calls would hang
                     for *_, future in items:
                         if not future.done():

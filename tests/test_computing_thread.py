@@ -1,0 +1,50 @@
+"""The local backend computes on one thread: loading, training and sampling alike.
+
+PyTorch's CPU kernels run on an OpenMP team per calling thread; with two teams on a machine with
+fewer cores than their threads, GNU OpenMP makes every idle team thread sleep after a short spin
+and each parallel region waits for wake-ups (clients.py, _EngineHandle: a sampling call took
+1.7x as long). These tests check where the work runs, not how fast.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from grpo import types
+from grpo.backends.local import ServiceClient, engine, sampler, trainer
+
+
+@pytest.fixture
+def threads_seen(monkeypatch):
+    seen: dict[str, set[str]] = {"load": set(), "adapter": set(), "generate": set(), "train": set()}
+
+    def record(what, fn):
+        def wrapped(*args, **kwargs):
+            seen[what].add(threading.current_thread().name)
+            return fn(*args, **kwargs)
+        return wrapped
+
+    monkeypatch.setattr(engine.Engine, "__init__", record("load", engine.Engine.__init__))
+    monkeypatch.setattr(engine.Engine, "add_adapter", record("adapter", engine.Engine.add_adapter))
+    monkeypatch.setattr(sampler, "generate", record("generate", sampler.generate))
+    monkeypatch.setattr(trainer, "run", record("train", trainer.run))
+    return seen
+
+
+def test_loading_training_and_sampling_run_on_one_thread(threads_seen, tmp_path) -> None:
+    service = ServiceClient(checkpoint_dir=tmp_path, dtype="fp32")
+    client = service.create_lora_training_client("tiny", seed=0, rank=2)
+    prompt = types.ModelInput.from_ints([1, 504, 3457, 28])
+    sampling = client.save_weights_and_get_sampling_client()
+    seq = sampling.sample(prompt, 2, types.SamplingParams(max_tokens=4, seed=0)).result().sequences[0]
+    tokens = prompt.to_ints() + seq.tokens
+    datum = types.Datum(types.ModelInput.from_ints(tokens[:-1]),
+                        {"target_tokens": types.TensorData.from_torch(torch.tensor(tokens[1:]))})
+    client.forward_backward([datum], "cross_entropy").result()
+    names = set().union(*threads_seen.values())
+    assert all(threads_seen.values()), threads_seen  # every kind of work was seen
+    assert len(names) == 1 and threading.current_thread().name not in names, threads_seen
+    service.close()

@@ -13,7 +13,8 @@ activation to fp32 for the LoRA product and the sum back to bf16: three more pas
 activations, and the LoRA matmuls in fp32. Here A and B are cast to the activations' dtype
 instead (a ``rank x features`` copy), as ``torch.autocast`` would: the product runs in bf16, the
 gradients still reach the fp32 master weights through the cast. The sampler's bf16 copy computes
-its LoRA side path the same way (sampler_precision.py), so bf16 training and bf16 sampling agree.
+its LoRA side path the same way (``LoraSidePath`` below, sampler_precision.py; the scale put into
+B once), so bf16 training and bf16 sampling agree.
 
 ``fuse_lora_linears(model)`` gives every peft ``lora.Linear`` of ``model`` this forward. It takes
 the layer's own path (peft's) for anything it does not cover: adapters disabled or merged, mixed

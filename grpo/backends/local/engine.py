@@ -26,7 +26,7 @@ from grpo.backends.local.sampler_precision import SamplerCopy
 from grpo.backends.local.sections import section
 from grpo.checks import check_lora_targets
 from grpo.models import dtype_probe, precision
-from grpo.models.cpu_linear import keep_packed_copies, use_onednn_linears
+from grpo.models.cpu_linear import keep_packed_copies, packing_works, use_onednn_linears
 from grpo.models.lora_linear import fuse_lora_linears
 
 ATTN_PARENTS = ("attn", "attention")
@@ -124,9 +124,11 @@ class Engine:
         # trainer: sibling projections stacked, LoRA side paths made once per set of weights. A
         # sampling call of the bench (8 x 4 x 32 tokens) took 3.2 s against 4.4 s through peft's
         # layers over the trainer's weights (Intel Xeon with AMX), in the bytes that those
-        # layers' packed copies took before.
-        # Made before any adapter is injected, so that it copies the plain base model.
-        own_copy = self.sample_dtype != self.dtype or (self.device.type == "cpu" and self.sample_dtype == torch.bfloat16)
+        # layers' packed copies took before. (A CPU that packs no bf16 weights gets no copy: it
+        # would only hold the weights twice.) Made before any adapter is injected, so that it
+        # copies the plain base model.
+        own_copy = self.sample_dtype != self.dtype or (
+            self.device.type == "cpu" and self.sample_dtype == torch.bfloat16 and packing_works(torch.bfloat16))
         self._sampler_copy = SamplerCopy(self.model, self.sample_dtype) if own_copy else None
         self.vocab_size = int(self.model.get_input_embeddings().weight.shape[0])
         self.lock = threading.RLock()

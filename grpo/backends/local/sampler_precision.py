@@ -1,8 +1,9 @@
-"""Sampling in another precision than training: a copy of the base model in ``sample_dtype``.
+"""The sampler's own copy of the base model in ``sample_dtype``: bf16 sampling on a CPU.
 
-When ``sample_dtype`` differs from ``train_dtype`` (say bf16 sampling, fp32 training), the sampler
-runs a second copy of the base model converted once to ``sample_dtype`` (half the bytes streamed
-per decoding step in bf16), and the trainer keeps its own weights and the fp32 master LoRA weights.
+When ``sample_dtype`` differs from ``train_dtype`` (say bf16 sampling, fp32 training), and for any
+bf16 sampling on a CPU, the sampler runs a second copy of the base model converted once to
+``sample_dtype`` (half the bytes streamed per decoding step in bf16) and kept only in oneDNN's
+packed layout, and the trainer keeps its own weights and the fp32 master LoRA weights.
 The copy carries the adapter being sampled as an *unmerged* LoRA side path,
 ``base(x) + scaling * B(A(x))`` in ``sample_dtype``, refreshed whenever the adapter's weights
 change (a new version or a sampling snapshot).

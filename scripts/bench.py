@@ -122,11 +122,25 @@ def count_decode_steps() -> dict[str, int]:
     return counts
 
 
-def device_and_dtype(requested: str) -> tuple[str, str]:
+def device_and_dtypes(args: argparse.Namespace) -> tuple[str, str, str]:
+    """The device, and the trainer's and the sampler's precision: bf16 on CUDA; on a CPU what
+    ``--precision`` says, ``auto`` resolved by grpo's probe as a run resolves it (cached per
+    machine: every child process gets the same answer)."""
     import torch
 
-    device = requested if requested != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
-    return device, ("bfloat16" if device.startswith("cuda") else "float32")
+    device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    if device.startswith("cuda"):
+        return device, "bfloat16", "bfloat16"
+    if args.precision != "auto":
+        name = {"fp32": "float32", "bf16": "bfloat16"}[args.precision]
+        return device, name, name
+    from grpo import models
+    from grpo.models import dtype_probe, precision
+
+    shapes = dtype_probe.Shapes.from_config(models.load_config(args.model))
+    train, sample = (str(precision.resolve(key, "auto", torch.device(device), shapes)).removeprefix("torch.")
+                     for key in ("train_dtype", "sample_dtype"))
+    return device, train, sample
 
 
 def lora_targets(model: Any) -> list[str]:
@@ -175,8 +189,8 @@ def worker_grpo(args: argparse.Namespace) -> None:
     from grpo.rl import rollouts
     from grpo.types import AdamParams, SamplingParams
 
-    device, dtype = device_and_dtype(args.device)
-    service = ServiceClient(device=device, dtype=dtype)
+    device, dtype, sample_dtype = device_and_dtypes(args)
+    service = ServiceClient(device=device, train_dtype=dtype, sample_dtype=sample_dtype)
     tc = service.create_lora_training_client(args.model, rank=args.rank, seed=0, train_unembed=False)
     tokenizer = tc.get_tokenizer()
     decode = count_decode_steps()
@@ -243,7 +257,7 @@ def worker_trl(args: argparse.Namespace) -> None:
     from grpo import models
     from grpo.models import cpu_linear
 
-    device, dtype = device_and_dtype(args.device)
+    device, dtype, _ = device_and_dtypes(args)
     model = models.load_model(args.model, device=device, dtype=dtype)
     # TRL as its users run it: PyTorch's own Linear kernels, not the oneDNN ones grpo's model
     # loader switches a CPU float32 model to (grpo/models/cpu_linear.py).
@@ -270,7 +284,7 @@ def worker_trl(args: argparse.Namespace) -> None:
         # TRL defaults to activation checkpointing; grpo does not checkpoint the decoder, so
         # compare like for like (--trl-gradient-checkpointing turns TRL's default back on).
         gradient_checkpointing=args.trl_gradient_checkpointing,
-        bf16=cuda, use_cpu=not cuda,
+        bf16=dtype == "bfloat16", use_cpu=not cuda,
         max_steps=n_steps, logging_steps=10**6, save_strategy="no", report_to=[],
         disable_tqdm=True, shuffle_dataset=False, dataloader_num_workers=0, seed=0,
     )
@@ -330,8 +344,8 @@ def worker_micro(args: argparse.Namespace) -> None:
     from grpo.rl.rollouts import Rollout
     from grpo.types import AdamParams, ModelInput, SamplingParams
 
-    device, dtype = device_and_dtype(args.device)
-    service = ServiceClient(device=device, dtype=dtype)
+    device, dtype, sample_dtype = device_and_dtypes(args)
+    service = ServiceClient(device=device, train_dtype=dtype, sample_dtype=sample_dtype)
     tc = service.create_lora_training_client(args.model, rank=args.rank, seed=0, train_unembed=False)
     tokenizer = tc.get_tokenizer()
     engine = tc.engine
@@ -482,7 +496,8 @@ class Child:
 
 
 def forwarded(args: argparse.Namespace) -> list[str]:
-    out = ["--model", args.model, "--device", args.device, "--steps", str(args.steps), "--warmup", str(args.warmup),
+    out = ["--model", args.model, "--device", args.device, "--precision", args.precision,
+           "--steps", str(args.steps), "--warmup", str(args.warmup),
            "--reps", str(args.reps), "--prompts", str(args.prompts), "--group", str(args.group),
            "--max-tokens", str(args.max_tokens), "--rank", str(args.rank), "--lr", str(args.lr)]
     return out + (["--trl-gradient-checkpointing"] if args.trl_gradient_checkpointing else [])
@@ -589,7 +604,7 @@ def summarize(args: argparse.Namespace, step_result: dict[str, Any], micro: dict
 
 
 # Goals (issue #41): ratios measured in one run, reported against their goal, never asserted.
-GOALS = {"step_vs_trl": 0.40, "decode_vs_stream": 1.5, "train_of_peak": 0.50}
+GOALS = {"step_vs_trl": 0.40, "step_vs_trl_bf16": 0.25, "decode_vs_stream": 1.5, "train_of_peak": 0.50}
 
 
 def against_hardware(events: list[dict[str, Any]], floors: dict[str, Any], step_ratio: float | None) -> dict[str, float]:
@@ -614,9 +629,10 @@ def against_hardware(events: list[dict[str, Any]], floors: dict[str, Any], step_
            "train_gflops": train_gflops, "peak_gflops": machine.peak_gflops, "bandwidth_gbs": machine.bandwidth_gbs,
            "step_s": med["seconds"], "step_floor_s": floor["step_s"]}
     table = []
-    if step_ratio is not None:
-        table.append(("step, grpo / TRL (time)", f"{step_ratio:.2f}", f"<= {GOALS['step_vs_trl']:.2f}",
-                      step_ratio <= GOALS["step_vs_trl"]))
+    if step_ratio is not None:  # in bf16 (where the machine measured it faster) the goal is stricter
+        goal = GOALS["step_vs_trl_bf16" if machine.dtype == "bf16" else "step_vs_trl"]
+        table.append((f"step, grpo / TRL (time, {machine.dtype})", f"{step_ratio:.2f}", f"<= {goal:.2f}",
+                      step_ratio <= goal))
     ratio = decode_ms / out["decode_stream_floor_ms"]
     table.append((f"decoding step / weight-stream floor ({decode_ms:.1f} ms / {out['decode_stream_floor_ms']:.1f} ms; "
                   f"{rows:.1f} rows, compute floor {out['decode_compute_floor_ms']:.1f} ms)", f"{ratio:.2f}x",
@@ -640,6 +656,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="smollm2", help="base_model name (default: the packaged SmolLM2-135M-Instruct)")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda")
+    p.add_argument("--precision", default="fp32", choices=["fp32", "bf16", "auto"],
+                   help="on a CPU: grpo's train and sample dtype, and TRL's (bf16: its model in bf16 and bf16=True); "
+                        "auto: what grpo's auto resolves to on this machine (CUDA: always bf16)")
     p.add_argument("--steps", type=int, default=3, help="timed GRPO steps per framework")
     p.add_argument("--warmup", type=int, default=1, help="untimed GRPO steps per framework first")
     p.add_argument("--reps", type=int, default=3, help="repetitions of each micro-benchmark")

@@ -42,6 +42,8 @@ from typing import Any
 
 import torch
 
+from grpo.backends.local import computing
+
 EMPTY_MARK = "(empty response)"
 QUESTION = "Better response:"
 
@@ -159,7 +161,10 @@ class PairwiseJudge:
         if self._model is None:
             from grpo.models import load_model
 
-            model = load_model(self.model_name, device=self.device, dtype=self.dtype)
+            # loaded, like every use of it, on the process's computing thread, with the policy's
+            # engines (grpo/backends/local/computing.py: PyTorch's work on a second thread would
+            # leave a small machine's cores idle)
+            model = computing.run(load_model, self.model_name, device=self.device, dtype=self.dtype)
             model.requires_grad_(False)
             model.eval()
             self._model = model
@@ -189,14 +194,18 @@ class PairwiseJudge:
                 self._prefix_cache = (None, 0)
         return self._prefix_cache
 
-    @torch.no_grad()
     def prob_a(self, instructions: Sequence[str], firsts: Sequence[str], seconds: Sequence[str]) -> list[float]:
         """P(A better than B) for each comparison, softmax over the " A" and " B" logits.
 
         The worked examples are run once and their KV cache shared by every comparison; the
         comparisons themselves go through in batches of ``batch_size``, right-padded, each read
         at its own last token (padding after a token never reaches it under causal attention).
+        Computed on the process's computing thread (see ``model``).
         """
+        return computing.run(self._prob_a, instructions, firsts, seconds)
+
+    @torch.no_grad()
+    def _prob_a(self, instructions: Sequence[str], firsts: Sequence[str], seconds: Sequence[str]) -> list[float]:
         _ = self.model  # loads the model and sets the answer ids
         a_id, b_id = self._answer_ids
         queries = [self.tokenizer.encode(self.query(p, a, b), add_special_tokens=False)

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from grpo import types
-from grpo.backends.local import ServiceClient, engine, sampler, trainer
+from grpo.backends.local import ServiceClient, computing, engine, sampler, trainer
 
 
 @pytest.fixture
@@ -48,3 +48,19 @@ def test_loading_training_and_sampling_run_on_one_thread(threads_seen, tmp_path)
     assert all(threads_seen.values()), threads_seen  # every kind of work was seen
     assert len(names) == 1 and threading.current_thread().name not in names, threads_seen
     service.close()
+
+
+def test_every_engine_of_the_process_and_the_judge_compute_on_one_thread(threads_seen, tmp_path) -> None:
+    """Two ServiceClients (two engines) and the chat adapter's judge: one computing thread between
+    them (grpo/backends/local/computing.py), which can hand itself work without waiting on itself."""
+    from adapters.judge import PairwiseJudge
+
+    for run in ("a", "b"):
+        ServiceClient(checkpoint_dir=tmp_path / run, dtype="fp32").create_lora_training_client("tiny", seed=0, rank=2)
+    judged = []
+    judge = PairwiseJudge("tiny")
+    real = judge._prob_a
+    judge._prob_a = lambda *a: judged.append(threading.current_thread().name) or real(*a)
+    assert len(judge.prob_a(["Name a colour."], ["Red."], [""])) == 1
+    assert len(threads_seen["load"] | set(judged)) == 1, (threads_seen, judged)
+    assert computing.run(computing.run, computing.on_computing_thread) is True

@@ -1,9 +1,11 @@
 """ServiceClient, TrainingClient and SamplingClient of the Tinker API, run in this process.
 
-Training calls run in order on one worker thread per base model and return futures at once,
-so a caller can submit forward_backward and optim_step back to back as on the service.
-Sampling calls go to a batcher that runs the requests a caller issued before waiting as one
-generation (the same one on every run, see _SampleBatcher).
+Training calls run in order on one computing thread and return futures at once, so a caller can
+submit forward_backward and optim_step back to back as on the service. Sampling calls go to a
+batcher that runs the requests a caller issued before waiting as one generation (the same one on
+every run, see _SampleBatcher), on that same thread. On a CPU it is the process's computing thread
+(computing.py: PyTorch's work on several threads leaves a small machine's cores idle); on a GPU
+each base model has its own.
 
 Every method of the Tinker SDK (0.38) that has a local meaning is here under the SDK's name and
 parameter names, with its ``_async`` twin; grpo/api/sdk_parity.py lists the rest and why. Saved
@@ -35,6 +37,7 @@ from grpo.api import names
 from grpo.api.checkpoint_store import CheckpointStore, default_root
 from grpo.api.rest_client import RestClient
 from grpo.backends.local import age_export, custom_loss, heap, memory, sampler, trainer
+from grpo.backends.local import computing as local_computing
 from grpo.backends.local.engine import Engine, LoraSpec
 from grpo.backends.local.prefix_cache import PrefixCache
 from grpo.backends.local.sections import section
@@ -166,16 +169,21 @@ class ServiceClient:
                 record = _read_precision_record(self.precision_record)
                 train_dtype, sample_dtype = self._recorded_precision(key, record)
                 # The model is loaded on the thread that will compute with it (_EngineHandle).
-                computing = _computing_thread()
+                device = torch.device(self.device) if self.device not in (None, "auto") else models.default_device()
+                own_thread = device.type != "cpu"
+                computing = _own_computing_thread() if own_thread else local_computing.executor()
                 try:
-                    engine = computing.submit(Engine, base_model, self.device, train_dtype, sample_dtype).result()
+                    engine = (computing.submit(Engine, base_model, self.device, train_dtype, sample_dtype).result()
+                              if own_thread else local_computing.run(Engine, base_model, self.device, train_dtype,
+                                                                     sample_dtype))
                 except BaseException:
-                    computing.shutdown(wait=False)
+                    if own_thread:
+                        computing.shutdown(wait=False)
                     raise
                 self._record_precision(key, engine, record)
                 budget = memory.Budget.for_model(self.memory_budget_mb, engine.model, engine.device)
                 cache_bytes = memory.resolve_prefix_cache(self.prefix_cache_mb, budget.bytes, engine.device)
-                self._engines[key] = _EngineHandle(engine, budget, cache_bytes, computing)
+                self._engines[key] = _EngineHandle(engine, budget, cache_bytes, computing, own_thread)
             return self._engines[key]
 
     def _recorded_precision(self, key: str, record: dict[str, dict[str, str]]) -> tuple[Any, Any]:
@@ -216,7 +224,7 @@ class ServiceClient:
         with self._lock:
             handles, self._engines = list(self._engines.values()), {}
         for handle in handles:
-            handle.train_executor.shutdown(wait=True)
+            handle.stop()
         return APIFuture.completed(None)
 
     def get_server_capabilities(self) -> GetServerCapabilitiesResponse:
@@ -250,7 +258,7 @@ class ServiceClient:
                                     train_unembed=train_unembed, user_metadata=user_metadata,
                                     run_id=training_run_id)
         name = f"lora{next(self._ids)}"
-        handle.train_executor.submit(handle.engine.add_adapter, name, spec, seed=seed).result()
+        handle.call(handle.engine.add_adapter, name, spec, seed=seed)
         return TrainingClient(self, handle, name, spec, run.training_run_id)
 
     def create_training_client_from_state(self, path: str, base_model: str | None = None,
@@ -314,28 +322,39 @@ class ServiceClient:
     create_sampling_client_async = async_twin("create_sampling_client")
 
 
-def _computing_thread() -> concurrent.futures.ThreadPoolExecutor:
+def _own_computing_thread() -> concurrent.futures.ThreadPoolExecutor:
     return concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="grpo-train")
 
 
 class _EngineHandle:
-    """An engine plus its two workers: the one thread that computes with the model (loading it,
+    """An engine plus its two workers: the thread that computes with the model (loading it,
     training calls, and the generations the sampling batcher forms), and the sampling batcher.
 
-    One thread computes, whatever the call: PyTorch's CPU kernels run on an OpenMP team per thread
-    that calls them, and once the teams' threads outnumber the cores GNU OpenMP puts every idle
-    team thread to sleep after a short spin, so each parallel region waits for wake-ups. Loading
-    the model on the caller's thread and sampling on a thread of its own left the cores idle 45%
-    of a decoding step (SmolLM2 in bf16, 2-core Xeon: 4.6-5.0 s a sampling call against 2.7-3.0 s
-    with every kernel on one thread). A program's own parallel PyTorch work on another thread (a
-    reward model, say) brings the same slowdown back on such a machine."""
+    One thread computes, whatever the call: on a CPU the process's computing thread
+    (computing.py says why: PyTorch's OpenMP teams of several threads leave the cores idle), on a
+    GPU one thread per engine, whose kernels queue on the device without that cost."""
 
     def __init__(self, engine: Engine, budget: memory.Budget, prefix_cache_bytes: int = 0,
-                 computing: concurrent.futures.ThreadPoolExecutor | None = None):
+                 computing: concurrent.futures.ThreadPoolExecutor | None = None, own_thread: bool = True):
         self.engine = engine
         self.budget = budget
-        self.train_executor = computing or _computing_thread()
+        self.own_thread = own_thread or computing is None
+        self.train_executor = computing or _own_computing_thread()
         self.batcher = _SampleBatcher(engine, budget, prefix_cache_bytes, compute=self.train_executor)
+
+    def call(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """``fn(*args, **kwargs)`` on the computing thread, waited for."""
+        if self.own_thread:
+            return self.train_executor.submit(fn, *args, **kwargs).result()
+        return local_computing.run(fn, *args, **kwargs)
+
+    def stop(self) -> None:
+        """Wait for this engine's queued work; end its computing thread if it is its own (the
+        process's computing thread serves every engine and stays)."""
+        if self.own_thread:
+            self.train_executor.shutdown(wait=True)
+        else:
+            self.call(lambda: None)
 
 
 class TrainingClient(_ClientFuture):

@@ -39,6 +39,7 @@ processes, and be cached.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import math
 import os
@@ -385,9 +386,7 @@ def _decode_ops(shapes: Shapes, dtype) -> tuple[list[Op], list[float]]:
 
     def single(fan_in: int, fan_out: int) -> Callable[[torch.Tensor], torch.Tensor]:
         w = weight(fan_in, fan_out)
-        linear = PackedLinear(w, None) if can_pack(w) else torch.nn.Linear(fan_in, fan_out, bias=False, dtype=dtype)
-        if not isinstance(linear, PackedLinear):
-            linear.weight.data = w
+        linear = PackedLinear(w, None) if can_pack(w) else functools.partial(torch.nn.functional.linear, weight=w)
         return linear if dtype == torch.float32 else LoraSidePath(linear, *lora(fan_in, fan_out), dtype)
 
     def siblings(fan_outs: list[int]) -> list[Callable[[torch.Tensor], torch.Tensor]]:

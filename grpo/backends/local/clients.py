@@ -170,20 +170,17 @@ class ServiceClient:
                 train_dtype, sample_dtype = self._recorded_precision(key, record)
                 # The model is loaded on the thread that will compute with it (_EngineHandle).
                 device = torch.device(self.device) if self.device not in (None, "auto") else models.default_device()
-                own_thread = device.type != "cpu"
-                computing = _own_computing_thread() if own_thread else local_computing.executor()
+                own = _own_computing_thread() if device.type != "cpu" else None  # None: the process's
                 try:
-                    engine = (computing.submit(Engine, base_model, self.device, train_dtype, sample_dtype).result()
-                              if own_thread else local_computing.run(Engine, base_model, self.device, train_dtype,
-                                                                     sample_dtype))
+                    engine = _call_on(own, Engine, base_model, self.device, train_dtype, sample_dtype)
                 except BaseException:
-                    if own_thread:
-                        computing.shutdown(wait=False)
+                    if own is not None:
+                        own.shutdown(wait=False)
                     raise
                 self._record_precision(key, engine, record)
                 budget = memory.Budget.for_model(self.memory_budget_mb, engine.model, engine.device)
                 cache_bytes = memory.resolve_prefix_cache(self.prefix_cache_mb, budget.bytes, engine.device)
-                self._engines[key] = _EngineHandle(engine, budget, cache_bytes, computing, own_thread)
+                self._engines[key] = _EngineHandle(engine, budget, cache_bytes, own)
             return self._engines[key]
 
     def _recorded_precision(self, key: str, record: dict[str, dict[str, str]]) -> tuple[Any, Any]:
@@ -326,6 +323,14 @@ def _own_computing_thread() -> concurrent.futures.ThreadPoolExecutor:
     return concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="grpo-train")
 
 
+def _call_on(own: concurrent.futures.ThreadPoolExecutor | None, fn: Callable[..., Any], *args: Any, **kwargs: Any
+             ) -> Any:
+    """``fn(*args, **kwargs)`` on an engine's own computing thread, or (None) the process's, waited for."""
+    if own is None:
+        return local_computing.run(fn, *args, **kwargs)
+    return own.submit(fn, *args, **kwargs).result()
+
+
 class _EngineHandle:
     """An engine plus its two workers: the thread that computes with the model (loading it,
     training calls, and the generations the sampling batcher forms), and the sampling batcher.
@@ -335,24 +340,23 @@ class _EngineHandle:
     GPU one thread per engine, whose kernels queue on the device without that cost."""
 
     def __init__(self, engine: Engine, budget: memory.Budget, prefix_cache_bytes: int = 0,
-                 computing: concurrent.futures.ThreadPoolExecutor | None = None, own_thread: bool = True):
+                 own: concurrent.futures.ThreadPoolExecutor | None = None):
+        """``own``: the engine's own computing thread (a GPU's); None: the process's (a CPU's)."""
         self.engine = engine
         self.budget = budget
-        self.own_thread = own_thread or computing is None
-        self.train_executor = computing or _own_computing_thread()
+        self.own = own
+        self.train_executor = own or local_computing.executor()
         self.batcher = _SampleBatcher(engine, budget, prefix_cache_bytes, compute=self.train_executor)
 
     def call(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """``fn(*args, **kwargs)`` on the computing thread, waited for."""
-        if self.own_thread:
-            return self.train_executor.submit(fn, *args, **kwargs).result()
-        return local_computing.run(fn, *args, **kwargs)
+        return _call_on(self.own, fn, *args, **kwargs)
 
     def stop(self) -> None:
         """Wait for this engine's queued work; end its computing thread if it is its own (the
         process's computing thread serves every engine and stays)."""
-        if self.own_thread:
-            self.train_executor.shutdown(wait=True)
+        if self.own is not None:
+            self.own.shutdown(wait=True)
         else:
             self.call(lambda: None)
 

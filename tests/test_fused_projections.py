@@ -15,13 +15,7 @@ from torch import nn
 from grpo import models
 from grpo.models import fused_projections
 from grpo.models.cpu_linear import packing_works
-from grpo.models.fused_projections import (
-    FusedMember,
-    FusedProjections,
-    fuse,
-    sibling_sets,
-    stackable,
-)
+from grpo.models.fused_projections import FusedMember, FusedProjections, fuse_siblings, stackable
 
 CPU = torch.device("cpu")
 DTYPES = [torch.float32, pytest.param(torch.bfloat16, marks=pytest.mark.skipif(
@@ -30,12 +24,7 @@ DTYPES = [torch.float32, pytest.param(torch.bfloat16, marks=pytest.mark.skipif(
 
 def _fused_copy(model: nn.Module) -> tuple[nn.Module, list[FusedProjections]]:
     fused = copy.deepcopy(model)
-    groups = []
-    for paths in sibling_sets(fused):
-        linears = [fused.get_submodule(p) for p in paths]
-        assert stackable(linears)
-        groups.append(fuse(fused, paths, [m.weight.detach() for m in linears], None))
-    return fused, groups
+    return fused, list(fuse_siblings(fused).values())
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

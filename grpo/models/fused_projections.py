@@ -127,3 +127,15 @@ def fuse(model: nn.Module, paths: list[str], weights: list[torch.Tensor],
         setattr(model.get_submodule(parent) if parent else model, child,
                 FusedMember(group, index, weights[index].shape[1]))
     return group
+
+
+def fuse_siblings(model: nn.Module) -> dict[tuple[str, ...], FusedProjections]:
+    """Every stackable set of sibling Linears of a gradient-free ``model`` replaced by one group;
+    the groups by their members' paths."""
+    groups = {}
+    for paths in sibling_sets(model):
+        linears = [model.get_submodule(p) for p in paths]
+        if stackable(linears):
+            biases = None if linears[0].bias is None else [m.bias.detach() for m in linears]
+            groups[tuple(paths)] = fuse(model, paths, [m.weight.detach() for m in linears], biases)
+    return groups

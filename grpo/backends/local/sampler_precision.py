@@ -30,7 +30,7 @@ from torch import nn
 
 from grpo.backends.local.folded_lora import lora_layers
 from grpo.models.cpu_linear import pack_for_inference
-from grpo.models.fused_projections import FusedProjections, fuse, sibling_sets, stackable
+from grpo.models.fused_projections import FusedProjections, fuse_siblings
 from grpo.models.lora_linear import LoraSidePath
 
 
@@ -48,12 +48,7 @@ class SamplerCopy:
             p.data = p.data.to(dtype)
         self.model.eval()
         # never trained: siblings stacked, every Linear in oneDNN's packed layout (cpu_linear.py)
-        self._groups: dict[tuple[str, ...], FusedProjections] = {}
-        for paths in sibling_sets(self.model):
-            linears = [self.model.get_submodule(p) for p in paths]
-            if stackable(linears):
-                biases = None if linears[0].bias is None else [m.bias.detach() for m in linears]
-                self._groups[tuple(paths)] = fuse(self.model, paths, [m.weight.detach() for m in linears], biases)
+        self._groups: dict[tuple[str, ...], FusedProjections] = fuse_siblings(self.model)
         pack_for_inference(self.model)
         for p in self.model.parameters():
             p.requires_grad_(False)

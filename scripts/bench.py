@@ -430,7 +430,7 @@ def worker_micro(args: argparse.Namespace) -> None:
         # The peers run on the thread grpo computes on: PyTorch's OpenMP teams of two computing
         # threads slow each other on a machine with few cores (grpo/backends/local/clients.py,
         # _EngineHandle), and a peft user's script computes on one thread too.
-        return lambda: tc.handle.train_executor.submit(fn).result()
+        return lambda: tc.handle.call(fn)
 
     cases = {"grpo_sample": grpo_sample, "generate": on_engine_thread(plain_generate),
              "grpo_train": grpo_train, "peft_train": on_engine_thread(plain_train)}

@@ -64,3 +64,18 @@ def test_every_engine_of_the_process_and_the_judge_compute_on_one_thread(threads
     assert len(judge.prob_a(["Name a colour."], ["Red."], [""])) == 1
     assert len(threads_seen["load"] | set(judged)) == 1, (threads_seen, judged)
     assert computing.run(computing.run, computing.on_computing_thread) is True
+
+
+def test_a_closed_service_refuses_training_and_sampling_but_the_computing_thread_serves_on(tmp_path) -> None:
+    first = ServiceClient(checkpoint_dir=tmp_path / "a", dtype="fp32")
+    client = first.create_lora_training_client("tiny", seed=0, rank=2)
+    sampling = client.save_weights_and_get_sampling_client()
+    first.close()
+    prompt = types.ModelInput.from_ints([1, 504, 3457, 28])
+    with pytest.raises(RuntimeError, match="closed"):
+        client.save_weights_and_get_sampling_client()
+    with pytest.raises(RuntimeError, match="closed"):
+        sampling.sample(prompt, 1, types.SamplingParams(max_tokens=2)).result()
+    other = ServiceClient(checkpoint_dir=tmp_path / "b", dtype="fp32").create_lora_training_client("tiny", rank=2)
+    sample = other.save_weights_and_get_sampling_client().sample(prompt, 1, types.SamplingParams(max_tokens=2, seed=0))
+    assert 1 <= len(sample.result().sequences[0].tokens) <= 2

@@ -345,20 +345,32 @@ class _EngineHandle:
         self.engine = engine
         self.budget = budget
         self.own = own
-        self.train_executor = own or local_computing.executor()
-        self.batcher = _SampleBatcher(engine, budget, prefix_cache_bytes, compute=self.train_executor)
+        self.closed = False
+        self.batcher = _SampleBatcher(engine, budget, prefix_cache_bytes, compute=self)
+
+    def submit(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> concurrent.futures.Future:
+        """``fn(*args, **kwargs)`` queued on the computing thread; refused once the ServiceClient
+        that loaded this engine is closed (as the SDK rejects a closed session)."""
+        self._refuse_if_closed()
+        return (self.own or local_computing.executor()).submit(fn, *args, **kwargs)
 
     def call(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """``fn(*args, **kwargs)`` on the computing thread, waited for."""
+        self._refuse_if_closed()
         return _call_on(self.own, fn, *args, **kwargs)
 
+    def _refuse_if_closed(self) -> None:
+        if self.closed:
+            raise RuntimeError("this ServiceClient is closed: its training and sampling clients cannot be used")
+
     def stop(self) -> None:
-        """Wait for this engine's queued work; end its computing thread if it is its own (the
-        process's computing thread serves every engine and stays)."""
+        """Wait for this engine's queued work, refuse any more, and end its computing thread if
+        it is its own (the process's computing thread serves every engine and stays)."""
+        self.closed = True
         if self.own is not None:
             self.own.shutdown(wait=True)
         else:
-            self.call(lambda: None)
+            local_computing.run(lambda: None)
 
 
 class TrainingClient(_ClientFuture):
@@ -377,7 +389,7 @@ class TrainingClient(_ClientFuture):
     # ------------------------------------------------------------------ plumbing
 
     def _submit(self, fn, *args: Any) -> APIFuture:
-        return APIFuture(self.handle.train_executor.submit(fn, *args))
+        return APIFuture(self.handle.submit(fn, *args))
 
     def _run_in_engine(self, fn):
         try:
@@ -736,7 +748,7 @@ class SamplingClient(_ClientFuture):
                 out = sampler.prompt_logprobs(model, [tokens], self.engine.device)[0]
             return out if last_n is None else _last_n(out, last_n)
 
-        return APIFuture(self.handle.train_executor.submit(work))
+        return APIFuture(self.handle.submit(work))
 
     compute_logprobs_async = async_twin("compute_logprobs", awaited=True)
 
@@ -818,9 +830,9 @@ class _SampleBatcher:
     IDLE_CLOSE_S = 0.5
 
     def __init__(self, engine: Engine, budget: memory.Budget, prefix_cache_bytes: int = 0,
-                 compute: concurrent.futures.Executor | None = None):
-        """``compute``: where the generations run (the engine's one computing thread,
-        _EngineHandle); None: on the batcher's own thread."""
+                 compute: _EngineHandle | concurrent.futures.Executor | None = None):
+        """``compute``: where the generations run (anything with ``submit``: the engine's
+        computing thread, _EngineHandle); None: on the batcher's own thread."""
         self.engine = engine
         self.budget = budget
         self.compute = compute

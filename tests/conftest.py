@@ -17,6 +17,12 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # test computes must not depend on this machine's timing, nor write to the user's cache.
 # tests/test_precision.py turns the probe on with fake and real timers.
 os.environ["GRPO_PRECISION_PROBE"] = "off"
+# The suite runs several processes at once on few cores (xdist workers, the servers and CLI runs
+# they start). Each grpo process computes on one OpenMP team (grpo/backends/local/computing.py),
+# whose idle threads by default spin ~3 ms after every parallel region: good for one process on
+# its cores, CPU stolen from the others when processes outnumber cores (the slow suite ran ~3x
+# longer). Passive waiting is OpenMP's setting for such a machine; set before torch loads libgomp.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 
 @pytest.fixture(scope="session")

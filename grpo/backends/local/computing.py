@@ -12,6 +12,11 @@ adapter's judge compute here, one call after another, which on a CPU costs nothi
 share the same cores anyway. A program's own PyTorch work on another thread (a reward model of
 its own) can go through ``run`` for the same reason. What runs on it must not wait for a sampling
 result (a custom loss that samples, say): generations run on this same thread.
+
+The one team's idle threads spin about 3 ms after each parallel region before they sleep (GNU
+OpenMP's default), which is what keeps a decoding step's cores busy; several grpo processes on the
+same cores (parallel sweep jobs, the test suite) take CPU from each other that way, and should run
+with ``OMP_WAIT_POLICY=PASSIVE`` (tests/conftest.py sets it; docs/sweeps.md).
 """
 
 from __future__ import annotations

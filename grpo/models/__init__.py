@@ -251,6 +251,12 @@ def default_device() -> torch.device:
     return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
 
 
+def resolve_device(device: str | torch.device | None) -> torch.device:
+    """``device`` as a torch.device; None or "auto": ``default_device()``."""
+    import torch  # lazily: resolving a name must not cost torch's import (seconds)
+    return torch.device(device) if device not in (None, "auto") else default_device()
+
+
 def default_dtype(device: torch.device) -> torch.dtype:
     import torch  # lazily: resolving a name must not cost torch's import (seconds)
     # fp32 on CPU (bf16 matmuls are slow there and the tests compare logprobs to 1e-5); bf16 on GPU.

@@ -72,9 +72,9 @@ class FusedProjections:
 
 
 def _version(x: torch.Tensor) -> int:
-    # Inference tensors (the sampler runs under torch.inference_mode) keep no version counter;
-    # for them the identity alone says "the same input", as nothing writes a layer's input in place
-    # between its projections.
+    # Inference tensors (made under torch.inference_mode; the sampler itself runs under no_grad)
+    # keep no version counter; for them the identity alone says "the same input", as nothing writes
+    # a layer's input in place between its projections.
     return -1 if x.is_inference() else x._version
 
 
@@ -94,16 +94,14 @@ class FusedMember(nn.Module):
                 f"member {self.index} of {len(self.group.sizes)}, packed")
 
 
-def sibling_sets(model: nn.Module, names: list[str] | None = None) -> list[list[str]]:
-    """Module paths of sibling Linears in ``model`` (each set in SIBLINGS order). ``names``: only
-    sets whose every member is among these paths (say, the layers an adapter covers)."""
-    wanted = None if names is None else set(names)
+def sibling_sets(model: nn.Module) -> list[list[str]]:
+    """Module paths of sibling Linears in ``model`` (each set in SIBLINGS order)."""
     modules = dict(model.named_modules())
     found = []
     for parent in modules:
         for set_ in SIBLINGS:
             paths = [f"{parent}.{child}" if parent else child for child in set_]
-            if all(p in modules for p in paths) and (wanted is None or wanted.issuperset(paths)):
+            if all(p in modules for p in paths):
                 found.append(paths)
     return found
 
@@ -123,9 +121,7 @@ def fuse(model: nn.Module, paths: list[str], weights: list[torch.Tensor],
     group = FusedProjections(torch.cat(weights), None if biases is None else torch.cat(biases),
                              [w.shape[0] for w in weights])
     for index, path in enumerate(paths):
-        parent, _, child = path.rpartition(".")
-        setattr(model.get_submodule(parent) if parent else model, child,
-                FusedMember(group, index, weights[index].shape[1]))
+        model.set_submodule(path, FusedMember(group, index, weights[index].shape[1]))
     return group
 
 

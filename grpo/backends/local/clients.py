@@ -168,9 +168,9 @@ class ServiceClient:
             if key not in self._engines:
                 record = _read_precision_record(self.precision_record)
                 train_dtype, sample_dtype = self._recorded_precision(key, record)
-                # The model is loaded on the thread that will compute with it (_EngineHandle).
-                device = torch.device(self.device) if self.device not in (None, "auto") else models.default_device()
-                own = _own_computing_thread() if device.type != "cpu" else None  # None: the process's
+                # The model is loaded on the thread that will compute with it (_EngineHandle): its own
+                # on a GPU, the process's (None) on a CPU.
+                own = _own_computing_thread() if models.resolve_device(self.device).type != "cpu" else None
                 try:
                     engine = _call_on(own, Engine, base_model, self.device, train_dtype, sample_dtype)
                 except BaseException:
@@ -829,10 +829,9 @@ class _SampleBatcher:
 
     IDLE_CLOSE_S = 0.5
 
-    def __init__(self, engine: Engine, budget: memory.Budget, prefix_cache_bytes: int = 0,
-                 compute: _EngineHandle | concurrent.futures.Executor | None = None):
-        """``compute``: where the generations run (anything with ``submit``: the engine's
-        computing thread, _EngineHandle); None: on the batcher's own thread."""
+    def __init__(self, engine: Engine, budget: memory.Budget, prefix_cache_bytes: int, compute: _EngineHandle):
+        """``compute``: where the generations run (the engine's computing thread); the batcher's
+        own thread only forms the batches."""
         self.engine = engine
         self.budget = budget
         self.compute = compute
@@ -885,10 +884,7 @@ class _SampleBatcher:
                 by_weights.setdefault((item[1], id(item[2])), []).append(item)
             for items in by_weights.values():
                 try:
-                    if self.compute is None:
-                        self._run(items)
-                    else:
-                        self.compute.submit(self._run, items).result()
+                    self.compute.submit(self._run, items).result()
                 except Exception as err:  # never let the thread die: later sample() calls would hang
                     for *_, future in items:
                         if not future.done():

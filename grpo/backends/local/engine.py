@@ -106,7 +106,7 @@ class Engine:
         (None: the same name as ``dtype``); each fp32, bf16 or auto (grpo/models/precision.py).
         ``auto`` is decided per role: sampling and training may measure differently."""
         self.base_model = base_model
-        self.device = torch.device(device) if device not in (None, "auto") else models.default_device()
+        self.device = models.resolve_device(device)
         sample_dtype = dtype if sample_dtype is None else sample_dtype
         shapes = _probe_shapes(base_model, self.device, (dtype, sample_dtype))
         train_dtype = precision.resolve("train_dtype", dtype, self.device, shapes)

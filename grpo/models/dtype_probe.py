@@ -318,9 +318,9 @@ def _fastest(fp32: list[Op], bf16: list[Op], counts: list[float], budget_s: floa
     return tuple(sum(c * t for c, t in zip(counts, b, strict=True)) for b in best)
 
 
-def _linears(shapes: Shapes, dtype, copies: int, head_rows: int):
-    """``copies`` layers of the model's Linears and a ``head_rows``-row slice of the unembedding, in
-    ``dtype``, on the kernels the model runs (oneDNN for fp32 on a CPU: cpu_linear.py)."""
+def _linears(shapes: Shapes, dtype, head_rows: int):
+    """One layer's Linears and a ``head_rows``-row slice of the unembedding, in ``dtype``, on the
+    kernels the model runs (oneDNN for fp32 on a CPU: cpu_linear.py)."""
     import torch
     from torch import nn
 
@@ -335,10 +335,10 @@ def _linears(shapes: Shapes, dtype, copies: int, head_rows: int):
         module.weight = nn.Parameter(weight, requires_grad=False)
         return module
 
-    layers = nn.ModuleList(nn.ModuleList(linear(a, b) for a, b in layer_shapes) for _ in range(copies))
+    layer = nn.ModuleList(linear(a, b) for a, b in layer_shapes)
     head = linear(h, head_rows)
-    use_onednn_linears(layers), use_onednn_linears(head)
-    return [m for layer in layers for m in layer], head
+    use_onednn_linears(layer), use_onednn_linears(head)
+    return list(layer), head
 
 
 def _lora(module, dtype, trainable: bool):
@@ -420,7 +420,7 @@ def _train_ops(shapes: Shapes, dtype) -> tuple[list[Op], list[float]]:
     from grpo.models.lora_linear import lora_side_path
 
     head_rows = min(shapes.vocab, HEAD_TRAIN_ROWS)
-    linears, head = _linears(shapes, dtype, 1, head_rows)
+    linears, head = _linears(shapes, dtype, head_rows)
     inputs = {n: torch.randn(TRAIN_ROWS, n, dtype=dtype) for n in {shapes.hidden, shapes.q_out, shapes.intermediate}}
 
     def op(module) -> Op:

@@ -13,7 +13,9 @@ thread does the work, the main thread only waits on futures. The sections are th
 backend marks with ``record_function`` (``grpo.sample.*``, ``grpo.train.*``); "sampler, the rest"
 is the decode loop's own Python between them (row bookkeeping, stop checks, the KV cache's slot
 moves and masks), and "outside the engine" is the wall time no range covers (futures, building
-datums, the tokenizer). ``--ops`` lists the heaviest operators of the decoding forward.
+datums, the tokenizer). ``--ops`` lists the heaviest operators of the decoding forward and of a
+training call, each profiled on the computing thread (grpo/backends/local/computing.py) where it
+runs: profiled from the main thread, a second OpenMP team slowed every kernel of it by ~1.5x.
 """
 
 from __future__ import annotations
@@ -103,11 +105,13 @@ def main() -> None:
 
     if args.ops:
         decode_operators(tc, tokenizer, params, args)
+        training_operators(tc, tokenizer, params, adam, args, step)
 
 
 def decode_operators(tc, tokenizer, params, args) -> None:
-    """The heaviest operators of the sampler's decoding forward: the same sampling call run on
-    this thread under torch.profiler (which records only the thread that starts it)."""
+    """The heaviest operators of the sampler's decoding forward: the same sampling call run under
+    torch.profiler on the engine's computing thread (the profiler records the thread that starts
+    it; run from another thread, a second OpenMP team would slow every kernel, computing.py)."""
     from bench import make_problems
     from torch.profiler import ProfilerActivity, profile
 
@@ -118,10 +122,15 @@ def decode_operators(tc, tokenizer, params, args) -> None:
     requests = [local_sampler.GenerationRequest(
         tokenizer.apply_chat_template(p.messages, add_generation_prompt=True, tokenize=True, return_dict=False),
         args.group, params) for p in problems]
-    with engine.sampling_model(tc.adapter) as model:
-        local_sampler.generate(model, requests, tokenizer, engine.device)  # warm
-        with profile(activities=[ProfilerActivity.CPU]) as prof:
-            local_sampler.generate(model, requests, tokenizer, engine.device)
+
+    def profiled_call():  # on the engine's computing thread, where sampling runs
+        with engine.sampling_model(tc.adapter) as model:
+            local_sampler.generate(model, requests, tokenizer, engine.device)  # warm
+            with profile(activities=[ProfilerActivity.CPU]) as prof:
+                local_sampler.generate(model, requests, tokenizer, engine.device)
+        return prof
+
+    prof = tc.handle.call(profiled_call)
     if args.trace:
         prof.export_chrome_trace(str(args.trace))
     events = prof.events()
@@ -132,7 +141,7 @@ def decode_operators(tc, tokenizer, params, args) -> None:
         if not e.name.startswith("grpo.") and any(s <= e.time_range.start and e.time_range.end <= t for s, t in spans):
             ops[e.name] += e.self_cpu_time_total / 1e6
     print()
-    print(f"Decoding forward under torch.profiler (same call on the main thread): {forward:.3f} s over "
+    print(f"Decoding forward under torch.profiler (same call on the computing thread): {forward:.3f} s over "
           f"{len(spans)} steps, {1000 * forward / max(len(spans), 1):.1f} ms a step")
     print()
     print("| operator in the decoding forward | seconds (self) | share |")
@@ -141,6 +150,59 @@ def decode_operators(tc, tokenizer, params, args) -> None:
         print(f"| {name} | {secs:.3f} | {secs / forward:.0%} |")
     other = forward - sum(ops.values())
     print(f"| (between operators: Python, dispatch) | {max(other, 0.0):.3f} | {max(other, 0.0) / forward:.0%} |")
+
+
+def training_operators(tc, tokenizer, params, adam, args, step) -> None:
+    """The heaviest operators of one training call (``forward_backward`` + ``optim_step``) of a
+    step: the profiler is started and stopped on the computing thread, where training runs."""
+    from torch.profiler import ProfilerActivity, profile
+
+    holder = {}
+
+    def start():
+        holder["prof"] = profile(activities=[ProfilerActivity.CPU])
+        holder["prof"].__enter__()
+
+    real_forward_backward = tc.forward_backward
+
+    def profiled_forward_backward(*a, **kw):
+        tc.handle.call(start)
+        result = real_forward_backward(*a, **kw).result()
+        tc.handle.call(holder["prof"].__exit__, None, None, None)
+        return _Done(result)
+
+    tc.forward_backward = profiled_forward_backward
+    try:
+        step(seed=2)
+    finally:
+        del tc.forward_backward
+    events = holder["prof"].events()
+    spans = [(e.time_range.start, e.time_range.end) for e in events if e.name.startswith("grpo.train.")
+             and e.name in ("grpo.train.decoder_forward", "grpo.train.unembed_loss_backward")]
+    total = sum(end - start for start, end in spans) / 1e6
+    ops: dict[str, float] = defaultdict(float)
+    for e in events:
+        if not e.name.startswith("grpo.") and any(s <= e.time_range.start and e.time_range.end <= t for s, t in spans):
+            ops[e.name] += e.self_cpu_time_total / 1e6
+    print()
+    print(f"forward_backward under torch.profiler (decoder forward, unembedding, loss, backward): {total:.3f} s")
+    print()
+    print("| operator in forward_backward | seconds (self) | share |")
+    print("| --- | --- | --- |")
+    for name, secs in sorted(ops.items(), key=lambda kv: -kv[1])[:args.ops]:
+        print(f"| {name} | {secs:.3f} | {secs / total:.0%} |")
+    other = total - sum(ops.values())
+    print(f"| (between operators: Python, dispatch) | {max(other, 0.0):.3f} | {max(other, 0.0) / total:.0%} |")
+
+
+class _Done:
+    """A finished future's stand-in: what the step reads back from ``forward_backward``."""
+
+    def __init__(self, value):
+        self.value = value
+
+    def result(self):
+        return self.value
 
 
 if __name__ == "__main__":

@@ -52,9 +52,9 @@ def counts(monkeypatch) -> dict:
         seen["micro_batches"].append(len(batches))
         return batches
 
-    def release(device):
+    def release(device, keep=0):
         seen["released"].append((len(seen["generations"]), sum(seen["micro_batches"])))
-        return real_release(device)
+        return real_release(device, keep)
 
     monkeypatch.setattr(sampler, "generate", generate)
     monkeypatch.setattr(trainer, "partition", partition)
@@ -210,3 +210,25 @@ def test_memory_another_thread_freed_goes_back_to_the_os() -> None:
     assert measured["full"] - measured["freed"] < 50 * mb, measured  # freed, yet still held
     assert measured["freed"] - measured["released"] > 150 * mb, measured
     assert not heap.release_free_memory(torch.device("meta"))  # only the CPU's heap is trimmed
+
+
+@pytest.mark.skipif(heap.free_bytes() is None, reason="needs glibc's mallinfo2")
+def test_freed_memory_is_kept_up_to_the_cap_then_given_back() -> None:
+    """After ``keep_for_reuse`` malloc keeps what a call frees for the next one; the trim after
+    a call happens only once the free memory malloc holds passes the cap it is given."""
+    assert heap.keep_for_reuse(torch.device("cpu"))
+    assert not heap.keep_for_reuse(torch.device("meta"))
+    mb = 2**20
+    tensors = [torch.ones(8 * mb // 4) for _ in range(40)]  # 8 MiB each: heap blocks, not mmaps
+    last = torch.ones(1024)  # allocated after them, so the freed blocks lie below a live one
+    full = rss_bytes()
+    free_before = heap.free_bytes()
+    del tensors
+    assert rss_bytes() > full - 50 * mb  # freed, yet still held: nothing trimmed them
+    held = heap.free_bytes() - free_before
+    assert held > 250 * mb, held
+    assert not heap.release_free_memory(torch.device("cpu"), keep=heap.free_bytes() + 1)  # under the cap
+    assert rss_bytes() > full - 50 * mb
+    assert heap.release_free_memory(torch.device("cpu"), keep=heap.free_bytes() - 1)  # over it: trimmed
+    assert rss_bytes() < full - 250 * mb
+    del last

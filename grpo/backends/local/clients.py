@@ -346,6 +346,9 @@ class _EngineHandle:
         self.budget = budget
         self.own = own
         self.closed = False
+        # freed memory malloc may keep for the next call (heap.py): one working set's worth
+        self.keep_free = budget.bytes or memory.default_budget(engine.device)
+        heap.keep_for_reuse(engine.device)
         self.batcher = _SampleBatcher(engine, budget, prefix_cache_bytes, compute=self)
 
     def submit(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> concurrent.futures.Future:
@@ -396,8 +399,8 @@ class TrainingClient(_ClientFuture):
             with self.engine.use(self.adapter) as _:
                 return fn(self.engine.causal_lm())
         finally:
-            # what the call freed goes back to the OS, not kept for this thread alone (heap.py)
-            heap.release_free_memory(self.engine.device)
+            # what the call freed is kept for the next one, up to a working set's worth (heap.py)
+            heap.release_free_memory(self.engine.device, self.handle.keep_free)
 
     # ------------------------------------------------------------------ forward / backward
 
@@ -911,7 +914,7 @@ class _SampleBatcher:
                 it[3].set_exception(err)
             return
         finally:
-            heap.release_free_memory(self.engine.device)  # before the callers go on to train
+            heap.release_free_memory(self.engine.device, self.compute.keep_free)  # before the callers train
         for request, _, _, future in live:
             future.set_result(SampleResponse(sequences=request.sequences, prompt_logprobs=request.prompt_logprobs))
 

@@ -1,20 +1,24 @@
-"""Giving the memory a training or sampling call freed back to the OS before the next call.
+"""Memory a training or sampling call freed: kept for the next call up to a cap, the rest given
+back to the OS.
 
-glibc's malloc gives each thread that allocates its own arena and keeps what is freed in it for
-that thread's later allocations; it returns pages to the OS only from the top of an arena. When
-the local backend trained on one thread and sampled on another, a process held both working sets
-at once -- training's high-water mark in one arena, sampling's in the other -- and the holes that
-tensors of one step's shapes leave behind made each arena's high-water mark creep from step to
-step. Measured on 8 prompts x 16 samples x 256 tokens (SmolLM2-135M, 2-core CPU, four steps in
-one process, ~1 GB of live tensors throughout): peak RSS 4.35, 5.89, 5.81, 7.57 GB. With
-``malloc_trim(0)`` after each call, which returns the free pages of every arena: 4.37, 4.44, 4.40,
-4.74 GB, in the same time (the pages a call touches were being faulted in afresh either way).
-Both now run on one computing thread (computing.py); the holes between one step's shapes and the
-next's remain, and so does the trim (not measured again since).
+A call's working set (activations, KV cache slots, logits) is freed when it ends and built again,
+at about the same size, by the next call. glibc's malloc returns large blocks to the OS as they
+are freed (each tensor over its mmap threshold is an mmap of its own, and the top of a heap is
+trimmed once it passes the trim threshold), and ``malloc_trim(0)`` gives back every free page of
+every arena; memory given back is faulted in again, page by page, when the next call touches it.
+Measured on the bench step (8 prompts x 4 samples x 32 tokens, SmolLM2-135M, bf16; Intel Xeon
+with AMX, 2 cores, docs/benchmark.md) with a trim after every call: 400-450 thousand page faults a
+step, 0.7 s of the 9 s of CPU time the step takes in the kernel. So on a CPU the engine tells
+malloc (``keep_for_reuse``) to leave freed blocks in its heaps (blocks up to 32 MiB, mmap's most,
+taken from the heap; no automatic trim below 2 GiB), and after each call ``release_free_memory`` trims only
+when the free memory malloc holds passes a cap (the engine's memory budget, memory.py: one
+working set's worth). Without the cap a long run's held memory crept up as tensors of one step's
+shapes left holes the next step's did not fill (peak RSS 4.5 -> 5.9 GB over ten steps of 8 x 16 x
+256, same machine); with the trim after every call it stayed at 4.7-5.0 GB.
 
 Only the CPU device needs it (a GPU's working set is in torch's own caching allocator), and only
-glibc has ``malloc_trim``; elsewhere (musl, macOS, an allocator such as jemalloc preloaded in its
-place) this does nothing.
+glibc has ``malloc_trim``, ``mallopt`` and ``mallinfo2``; elsewhere (musl, macOS, an allocator such
+as jemalloc preloaded in its place) this does nothing.
 """
 
 from __future__ import annotations
@@ -22,28 +26,73 @@ from __future__ import annotations
 import ctypes
 import functools
 import sys
-from collections.abc import Callable
+import threading
 
 import torch
 
+# mallopt's parameters (malloc.h)
+_M_TRIM_THRESHOLD = -1
+_M_MMAP_THRESHOLD = -3
+# the largest mmap threshold glibc accepts on 64-bit Linux (HEAP_MAX_SIZE / 2), the ceiling its own
+# dynamic threshold rises to
+_MMAP_THRESHOLD_MAX = 32 * 2**20
+# mallopt takes an int: the top of a heap is trimmed as it is freed only past 2 GiB
+_AUTOMATIC_TRIM_ABOVE = 2**31 - 1
+
+
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in (
+        "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")]
+
 
 @functools.cache
-def _malloc_trim() -> Callable[[int], int] | None:
+def _libc() -> ctypes.CDLL | None:
     if not sys.platform.startswith("linux"):
         return None
+    libc = ctypes.CDLL(None)  # the C library the process already runs on
     try:
-        trim = ctypes.CDLL(None).malloc_trim  # the C library the process already runs on
-    except (OSError, AttributeError):
+        libc.malloc_trim.argtypes, libc.malloc_trim.restype = [ctypes.c_size_t], ctypes.c_int
+        libc.mallopt.argtypes, libc.mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+        libc.mallinfo2.argtypes, libc.mallinfo2.restype = [], _MallInfo2
+    except AttributeError:  # not glibc, or a glibc before 2.33 (no mallinfo2)
         return None
-    trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
-    return trim
+    return libc
 
 
-def release_free_memory(device: torch.device) -> bool:
-    """Return the free pages of every malloc arena to the OS when ``device`` is the CPU;
-    returns whether anything was asked of the allocator."""
-    trim = _malloc_trim() if device.type == "cpu" else None
-    if trim is None:
+def _malloc_trim():
+    libc = _libc()
+    return None if libc is None else libc.malloc_trim
+
+
+_tuned = threading.Event()
+
+
+def keep_for_reuse(device: torch.device) -> bool:
+    """Have malloc keep freed blocks for the next call instead of returning them to the OS as
+    they are freed (once per process, for a CPU engine); whether it was done. Trimming is then
+    ``release_free_memory``'s, after each call."""
+    libc = _libc() if device.type == "cpu" else None
+    if libc is None:
         return False
-    trim(0)
+    if not _tuned.is_set():
+        if not (libc.mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD_MAX)
+                and libc.mallopt(_M_TRIM_THRESHOLD, _AUTOMATIC_TRIM_ABOVE)):
+            return False
+        _tuned.set()
+    return True
+
+
+def free_bytes() -> int | None:
+    """Bytes malloc holds free in its heaps (every arena), or None where that cannot be read."""
+    libc = _libc()
+    return None if libc is None else int(libc.mallinfo2().fordblks)
+
+
+def release_free_memory(device: torch.device, keep: int = 0) -> bool:
+    """Return the free pages of every malloc arena to the OS when ``device`` is the CPU and malloc
+    holds more than ``keep`` bytes free; returns whether it did."""
+    libc = _libc() if device.type == "cpu" else None
+    if libc is None or (keep and libc.mallinfo2().fordblks <= keep):
+        return False
+    libc.malloc_trim(0)
     return True

@@ -346,8 +346,9 @@ class _EngineHandle:
         self.budget = budget
         self.own = own
         self.closed = False
-        # freed memory malloc may keep for the next call (heap.py): one working set's worth
-        self.keep_free = budget.bytes or memory.default_budget(engine.device)
+        # freed memory malloc may keep for the next call (heap.py): two working sets' worth, a
+        # training call's and a sampling call's, which lie in different places of the heap
+        self.keep_free = 2 * (budget.bytes or memory.default_budget(engine.device))
         heap.keep_for_reuse(engine.device)
         self.batcher = _SampleBatcher(engine, budget, prefix_cache_bytes, compute=self)
 

@@ -6,15 +6,17 @@ at about the same size, by the next call. glibc's malloc returns large blocks to
 are freed (each tensor over its mmap threshold is an mmap of its own, and the top of a heap is
 trimmed once it passes the trim threshold), and ``malloc_trim(0)`` gives back every free page of
 every arena; memory given back is faulted in again, page by page, when the next call touches it.
-Measured on the bench step (8 prompts x 4 samples x 32 tokens, SmolLM2-135M, bf16; Intel Xeon
-with AMX, 2 cores, docs/benchmark.md) with a trim after every call: 400-450 thousand page faults a
-step, 0.7 s of the 9 s of CPU time the step takes in the kernel. So on a CPU the engine tells
+Measured on the bench step (8 prompts x 4 samples x 32 tokens, SmolLM2-135M; Intel Xeon with AMX,
+2 cores, docs/benchmark.md) with a trim after every call: 400-450 thousand page faults a step in
+bf16, 550-650 thousand in fp32, about 0.7 and 1 s of kernel time. So on a CPU the engine tells
 malloc (``keep_for_reuse``) to leave freed blocks in its heaps (blocks up to 32 MiB, mmap's most,
-taken from the heap; no automatic trim below 2 GiB), and after each call ``release_free_memory`` trims only
-when the free memory malloc holds passes a cap (the engine's memory budget, memory.py: one
-working set's worth). Without the cap a long run's held memory crept up as tensors of one step's
-shapes left holes the next step's did not fill (peak RSS 4.5 -> 5.9 GB over ten steps of 8 x 16 x
-256, same machine); with the trim after every call it stayed at 4.7-5.0 GB.
+taken from the heap; no automatic trim below 2 GiB), and after each call ``release_free_memory``
+trims only when the free memory malloc holds passes a cap: twice the engine's memory budget
+(memory.py), a training call's working set and a sampling call's, which lie in different places
+of the heap. The step took 0.93x the time in bf16 and in fp32. Without a cap a long run's held
+memory crept up as tensors of one step's shapes left holes the next step's did not fill (peak RSS
+4.5 -> 5.9 GB over ten steps of 8 x 16 x 256, same machine); past the cap it is trimmed as before.
+The settings are the process's: a program's own allocations are kept for reuse the same way.
 
 Only the CPU device needs it (a GPU's working set is in torch's own caching allocator), and only
 glibc has ``malloc_trim``, ``mallopt`` and ``mallinfo2``; elsewhere (musl, macOS, an allocator such

@@ -385,3 +385,20 @@ def test_training_input_errors_name_the_problem(svc) -> None:
         client.optim_step({"learning_rate": 1e-3})
     # Nothing above touched the gradients.
     assert not grad_sum(client)
+
+
+def test_cpu_logit_chunks_stay_under_the_heap_ceiling() -> None:
+    """On a CPU a chunk's float32 logits stay under CPU_LOGIT_CHUNK_BYTES (reused heap memory,
+    heap.py) within [CPU_MIN_CHUNK_POSITIONS, LOGIT_CHUNK_POSITIONS]; elsewhere chunks are
+    LOGIT_CHUNK_POSITIONS long. Together the slices cover every position once."""
+    def widths(vocab: int, device: str = "cpu", n: int = 1000) -> set[int]:
+        lm_head = torch.nn.Linear(4, vocab, bias=False, device="meta")
+        slices = trainer._chunks(n, lm_head, torch.empty(n, 4, device=device))
+        assert [i for sl in slices for i in range(n)[sl]] == list(range(n))
+        return {len(range(n)[sl]) for sl in slices[:-1]}
+
+    assert widths(49152) == {128}  # SmolLM2's vocabulary: 24 MiB of float32 logits
+    assert 128 * 49152 * 4 <= trainer.CPU_LOGIT_CHUNK_BYTES < 32 * 2**20
+    assert widths(1000) == {trainer.LOGIT_CHUNK_POSITIONS}
+    assert widths(1_000_000) == {trainer.CPU_MIN_CHUNK_POSITIONS}
+    assert widths(49152, device="meta") == {trainer.LOGIT_CHUNK_POSITIONS}

@@ -72,7 +72,7 @@ class FusedProjections:
 
 
 def _version(x: torch.Tensor) -> int:
-    # Inference tensors (made under torch.inference_mode; the sampler itself runs under no_grad)
+    # Inference tensors (made under torch.inference_mode, as the sampler's are)
     # keep no version counter; for them the identity alone says "the same input", as nothing writes
     # a layer's input in place between its projections.
     return -1 if x.is_inference() else x._version

@@ -96,7 +96,7 @@ def batch_rows(requests: list[GenerationRequest], row_bytes: Callable[[int], int
     return min(total, budget // row_bytes(row_capacity(requests, max_context)))
 
 
-@torch.no_grad()
+@torch.inference_mode()
 def prompt_logprobs(model, prompts: list[list[int]], device: torch.device) -> list[list[float | None]]:
     """Logprob of every prompt token given the ones before it (None for the first)."""
     out: list[list[float | None]] = []
@@ -108,7 +108,11 @@ def prompt_logprobs(model, prompts: list[list[int]], device: torch.device) -> li
     return out
 
 
-@torch.no_grad()
+# inference_mode rather than no_grad: no version counters or view tracking on the ~1,200
+# operators of a decoding step (a bf16 sampling call of the bench 2.17-2.26 -> 2.06-2.08 s,
+# identical samples). Nothing it makes is ever trained through: the sequences leave as lists, and
+# the KV tensors the prefix cache keeps are read only by later generations.
+@torch.inference_mode()
 def generate(model, requests: list[GenerationRequest], tokenizer, device: torch.device, max_context: int | None = None,
              compact: str | None = None, row_bytes: Callable[[int], int] | None = None,
              budget: int | None = None, prefix_cache: PrefixCache | None = None) -> GenerationStats:

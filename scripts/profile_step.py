@@ -133,28 +133,17 @@ def decode_operators(tc, tokenizer, params, args) -> None:
     prof = tc.handle.call(profiled_call)
     if args.trace:
         prof.export_chrome_trace(str(args.trace))
-    events = prof.events()
-    spans = [(e.time_range.start, e.time_range.end) for e in events if e.name == "grpo.sample.decode_forward"]
+    spans = _spans(prof.events(), ("grpo.sample.decode_forward",))
     forward = sum(end - start for start, end in spans) / 1e6
-    ops: dict[str, float] = defaultdict(float)
-    for e in events:
-        if not e.name.startswith("grpo.") and any(s <= e.time_range.start and e.time_range.end <= t for s, t in spans):
-            ops[e.name] += e.self_cpu_time_total / 1e6
     print()
     print(f"Decoding forward under torch.profiler (same call on the computing thread): {forward:.3f} s over "
           f"{len(spans)} steps, {1000 * forward / max(len(spans), 1):.1f} ms a step")
-    print()
-    print("| operator in the decoding forward | seconds (self) | share |")
-    print("| --- | --- | --- |")
-    for name, secs in sorted(ops.items(), key=lambda kv: -kv[1])[:args.ops]:
-        print(f"| {name} | {secs:.3f} | {secs / forward:.0%} |")
-    other = forward - sum(ops.values())
-    print(f"| (between operators: Python, dispatch) | {max(other, 0.0):.3f} | {max(other, 0.0) / forward:.0%} |")
+    _operator_table(prof.events(), spans, "the decoding forward", args.ops)
 
 
 def training_operators(tc, tokenizer, params, adam, args, step) -> None:
-    """The heaviest operators of one training call (``forward_backward`` + ``optim_step``) of a
-    step: the profiler is started and stopped on the computing thread, where training runs."""
+    """The heaviest operators of one ``forward_backward`` of a step: the profiler is started and
+    stopped on the computing thread, where training runs."""
     from torch.profiler import ProfilerActivity, profile
 
     holder = {}
@@ -177,22 +166,31 @@ def training_operators(tc, tokenizer, params, adam, args, step) -> None:
     finally:
         del tc.forward_backward
     events = holder["prof"].events()
-    spans = [(e.time_range.start, e.time_range.end) for e in events if e.name.startswith("grpo.train.")
-             and e.name in ("grpo.train.decoder_forward", "grpo.train.unembed_loss_backward")]
+    spans = _spans(events, ("grpo.train.decoder_forward", "grpo.train.unembed_loss_backward"))
+    total = sum(end - start for start, end in spans) / 1e6
+    print()
+    print(f"forward_backward under torch.profiler (decoder forward, unembedding, loss, backward): {total:.3f} s")
+    _operator_table(events, spans, "forward_backward", args.ops)
+
+
+def _spans(events, names: tuple[str, ...]) -> list[tuple[int, int]]:
+    return [(e.time_range.start, e.time_range.end) for e in events if e.name in names]
+
+
+def _operator_table(events, spans: list[tuple[int, int]], what: str, limit: int) -> None:
+    """The ``limit`` heaviest operators (self time) inside ``spans``, and the time between them."""
     total = sum(end - start for start, end in spans) / 1e6
     ops: dict[str, float] = defaultdict(float)
     for e in events:
         if not e.name.startswith("grpo.") and any(s <= e.time_range.start and e.time_range.end <= t for s, t in spans):
             ops[e.name] += e.self_cpu_time_total / 1e6
     print()
-    print(f"forward_backward under torch.profiler (decoder forward, unembedding, loss, backward): {total:.3f} s")
-    print()
-    print("| operator in forward_backward | seconds (self) | share |")
+    print(f"| operator in {what} | seconds (self) | share |")
     print("| --- | --- | --- |")
-    for name, secs in sorted(ops.items(), key=lambda kv: -kv[1])[:args.ops]:
+    for name, secs in sorted(ops.items(), key=lambda kv: -kv[1])[:limit]:
         print(f"| {name} | {secs:.3f} | {secs / total:.0%} |")
-    other = total - sum(ops.values())
-    print(f"| (between operators: Python, dispatch) | {max(other, 0.0):.3f} | {max(other, 0.0) / total:.0%} |")
+    other = max(total - sum(ops.values()), 0.0)
+    print(f"| (between operators: Python, dispatch) | {other:.3f} | {other / total:.0%} |")
 
 
 class _Done:

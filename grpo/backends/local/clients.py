@@ -400,7 +400,7 @@ class TrainingClient(_ClientFuture):
             with self.engine.use(self.adapter) as _:
                 return fn(self.engine.causal_lm())
         finally:
-            # what the call freed is kept for the next one, up to a working set's worth (heap.py)
+            # what the call freed is kept for the next one, up to the handle's cap (heap.py)
             heap.release_free_memory(self.engine.device, self.handle.keep_free)
 
     # ------------------------------------------------------------------ forward / backward

@@ -9,8 +9,8 @@ every arena; memory given back is faulted in again, page by page, when the next 
 Measured on the bench step (8 prompts x 4 samples x 32 tokens, SmolLM2-135M; Intel Xeon with AMX,
 2 cores, docs/benchmark.md) with a trim after every call: 400-450 thousand page faults a step in
 bf16, 550-650 thousand in fp32, about 0.7 and 1 s of kernel time. So on a CPU the engine tells
-malloc (``keep_for_reuse``) to leave freed blocks in its heaps (blocks up to 32 MiB, mmap's most,
-taken from the heap; no automatic trim below 2 GiB), and after each call ``release_free_memory``
+malloc (``keep_for_reuse``) to leave freed blocks in its heaps (blocks up to 32 MiB, the most glibc
+lets it, come from the heap; no automatic trim below 2 GiB), and after each call ``release_free_memory``
 trims only when the free memory malloc holds passes a cap: twice the engine's memory budget
 (memory.py), a training call's working set and a sampling call's, which lie in different places
 of the heap. The step took 0.93x the time in bf16 and in fp32. Without a cap a long run's held

@@ -428,8 +428,8 @@ def worker_micro(args: argparse.Namespace) -> None:
 
     def on_engine_thread(fn: Callable[[], tuple[int, Any]]) -> Callable[[], tuple[int, Any]]:
         # The peers run on the thread grpo computes on: PyTorch's OpenMP teams of two computing
-        # threads slow each other on a machine with few cores (grpo/backends/local/clients.py,
-        # _EngineHandle), and a peft user's script computes on one thread too.
+        # threads slow each other on a machine with few cores (grpo/backends/local/computing.py),
+        # and a peft user's script computes on one thread too.
         return lambda: tc.handle.call(fn)
 
     cases = {"grpo_sample": grpo_sample, "generate": on_engine_thread(plain_generate),

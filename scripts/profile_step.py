@@ -146,6 +146,8 @@ def training_operators(tc, tokenizer, params, adam, args, step) -> None:
     stopped on the computing thread, where training runs."""
     from torch.profiler import ProfilerActivity, profile
 
+    from grpo.types import APIFuture
+
     holder = {}
 
     def start():
@@ -158,7 +160,7 @@ def training_operators(tc, tokenizer, params, adam, args, step) -> None:
         tc.handle.call(start)
         result = real_forward_backward(*a, **kw).result()
         tc.handle.call(holder["prof"].__exit__, None, None, None)
-        return _Done(result)
+        return APIFuture.completed(result)  # what the step reads back
 
     tc.forward_backward = profiled_forward_backward
     try:
@@ -191,16 +193,6 @@ def _operator_table(events, spans: list[tuple[int, int]], what: str, limit: int)
         print(f"| {name} | {secs:.3f} | {secs / total:.0%} |")
     other = max(total - sum(ops.values()), 0.0)
     print(f"| (between operators: Python, dispatch) | {other:.3f} | {other / total:.0%} |")
-
-
-class _Done:
-    """A finished future's stand-in: what the step reads back from ``forward_backward``."""
-
-    def __init__(self, value):
-        self.value = value
-
-    def result(self):
-        return self.value
 
 
 if __name__ == "__main__":

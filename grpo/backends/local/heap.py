@@ -61,11 +61,6 @@ def _libc() -> ctypes.CDLL | None:
     return libc
 
 
-def _malloc_trim():
-    libc = _libc()
-    return None if libc is None else libc.malloc_trim
-
-
 _tuned = threading.Event()
 
 
@@ -93,8 +88,8 @@ def free_bytes() -> int | None:
 def release_free_memory(device: torch.device, keep: int = 0) -> bool:
     """Return the free pages of every malloc arena to the OS when ``device`` is the CPU and malloc
     holds more than ``keep`` bytes free; returns whether it did."""
-    libc = _libc() if device.type == "cpu" else None
-    if libc is None or (keep and libc.mallinfo2().fordblks <= keep):
+    free = free_bytes() if device.type == "cpu" else None
+    if free is None or (keep and free <= keep):
         return False
-    libc.malloc_trim(0)
+    _libc().malloc_trim(0)
     return True

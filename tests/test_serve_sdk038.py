@@ -52,3 +52,18 @@ def test_minimal_loop_on_the_packaged_model(server, sdk_python, tmp_path):
     tokenizer = models.load_tokenizer("smollm2")
     assert result["prompt"] == tokenizer.encode("The capital of France is")
     assert_matches_in_process(result, replay_in_process(result, "smollm2", Path(tmp_path) / "ckpt"))
+
+
+def test_the_server_keeps_the_sdk_off_pyqwest(server, sdk_python):
+    """SDK 0.38 speaks HTTP through pyqwest (Rust threads) unless /client/config says otherwise;
+    a response landing while such a client's interpreter finalizes aborted it (SIGABRT after its
+    last line, ~1 run in 10 of the minimal loop; grpo/serve/routes/sessions.py). The server turns
+    it off, so a client that has created a training client has never imported pyqwest."""
+    script = ("import sys, tinker\n"
+              "service = tinker.ServiceClient()\n"
+              "training = service.create_lora_training_client(base_model='tiny', rank=4).result()\n"
+              "print('pyqwest' in sys.modules)\n")
+    done = subprocess.run([sdk_python, "-c", script], env=server.client_env(), capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip().splitlines()[-1] == "False", done.stdout

@@ -20,7 +20,16 @@ def build(state: ServerState, fwdbwd_chunk_len: int | None) -> APIRouter:
 
     @router.post("/client/config")
     async def client_config() -> dict[str, Any]:
-        config: dict[str, Any] = {"pjwt_auth_enabled": False, "proto_compress_fwdbwd": False}
+        # use_pyqwest_transport: tinker >= 0.3x talks HTTP through pyqwest (a Rust/tokio client)
+        # unless the server says otherwise. A response that lands while the client's interpreter
+        # finalizes (a heartbeat, a futures long-poll) makes a tokio thread take the GIL, and
+        # CPython < 3.14 ends such a thread with pthread_exit, which aborts a Rust thread: the
+        # user's program dies with SIGABRT after its last line, roughly once in ten runs of the
+        # docs' minimal loop here (core dump: pyqwest's ContentGenerator -> sock_send ->
+        # take_gil -> PyThread_exit_thread -> abort). httpx's transport has no foreign threads,
+        # and the flag exists so a server can choose it.
+        config: dict[str, Any] = {"pjwt_auth_enabled": False, "proto_compress_fwdbwd": False,
+                                  "use_pyqwest_transport": False}
         if fwdbwd_chunk_len:
             config["fwdbwd_max_chunk_len"] = fwdbwd_chunk_len
         return config

@@ -114,6 +114,44 @@ def test_chained_prefixes_continue_like_the_whole_sequence_and_get_their_gradien
     assert_same_gradients(got_grads, torch.autograd.grad(ref_loss, params))
 
 
+def test_sequences_continuing_earlier_ones_of_the_same_pass_equal_the_whole_sequences(tiny) -> None:
+    """The trainer's one-call layout: a trunk, prompts continuing it, suffixes continuing the
+    prompts, all in one pass (``continues``), interleaved out of order; each equals its whole
+    sequence run alone, gradients included."""
+    decoder = tiny.get_decoder()
+    gen = torch.Generator().manual_seed(4)
+    trunk = _random_ids(gen, [9], 4000)[0]
+    prompts = _random_ids(gen, [5, 1, 8], 4000)
+    owners, suffix_lengths = [2, 0, 1, 0, 2, 2], [4, 3, 9, 1, 6, 2]
+    suffixes = _random_ids(gen, suffix_lengths, 4000)
+    params = [p for p in tiny.parameters() if p.requires_grad]
+
+    # sequence 0 the trunk, 1-3 the prompts, 4-9 the suffixes
+    lengths = [9, 5, 1, 8, *suffix_lengths]
+    one = packed_attention.PackedPass(lengths, CPU, continues=[None, 0, 0, 0, *(1 + u for u in owners)])
+    hidden = torch.split(one.run(decoder, torch.cat([trunk, *prompts, *suffixes])), lengths)
+    assert one.position_ids[0, 9:14].tolist() == [9, 10, 11, 12, 13]  # prompt 0 after the trunk
+    assert one.position_ids[0, 23:27].tolist() == [17, 18, 19, 20]  # suffix 0 after trunk 9 + prompt 8
+    loss = sum(h.square().sum() for h in hidden[4:]) + sum(h.sum() for h in hidden[:4])
+    got_grads = torch.autograd.grad(loss, params)
+
+    whole = [torch.cat([trunk, prompts[u], s]) for u, s in zip(owners, suffixes, strict=True)]
+    want = [_alone(decoder, ids)[9 + len(prompts[u]):] for u, ids in zip(owners, whole, strict=True)]
+    want_prompts = [_alone(decoder, torch.cat([trunk, p]))[9:] for p in prompts]
+    want_trunk = _alone(decoder, trunk)
+    for h, ref in zip(hidden, [want_trunk, *want_prompts, *want], strict=True):
+        torch.testing.assert_close(h, ref, atol=1e-5, rtol=1e-4)
+    ref_loss = sum(h.square().sum() for h in want) + sum(h.sum() for h in want_prompts) + want_trunk.sum()
+    assert_same_gradients(got_grads, torch.autograd.grad(ref_loss, params))
+
+
+def test_a_sequence_can_continue_only_an_earlier_one_of_its_pass() -> None:
+    with pytest.raises(ValueError, match=r"continues\[1\] = 1"):
+        packed_attention.PackedPass([3, 4], CPU, continues=[None, 1])
+    with pytest.raises(ValueError, match="2 entries for 3 sequences"):
+        packed_attention.PackedPass([3, 4, 2], CPU, continues=[None, 0])
+
+
 def test_a_prefix_pass_that_did_not_record_is_refused(tiny) -> None:
     plain = packed_attention.PackedPass([4], CPU)
     with pytest.raises(ValueError, match="record=True"):

@@ -52,14 +52,18 @@ class FusedProjections:
         self.lora_a = torch.cat([a.detach().float() for a, _, _ in loras]).to(self.dtype)
         self.lora_b = torch.block_diag(*[b.detach().float() * scaling for _, b, scaling in loras]).to(self.dtype)
 
+    def full(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Every sibling's output for ``x``, in order (views of one product)."""
+        out = _onednn(x, self.packed, self.bias)
+        if self.lora_a is not None:
+            flat = out.view(-1, out.shape[-1])
+            flat.addmm_(nn.functional.linear(x.reshape(-1, x.shape[-1]), self.lora_a), self.lora_b.t())
+        return out.split(self.sizes, dim=-1)
+
     def output(self, x: torch.Tensor, index: int) -> torch.Tensor:
         if not (x is self._input and _version(x) == self._version and index in self._unserved):
             self._forget()
-            out = _onednn(x, self.packed, self.bias)
-            if self.lora_a is not None:
-                flat = out.view(-1, out.shape[-1])
-                flat.addmm_(nn.functional.linear(x.reshape(-1, x.shape[-1]), self.lora_a), self.lora_b.t())
-            self._outputs = out.split(self.sizes, dim=-1)
+            self._outputs = self.full(x)
             self._input, self._version, self._unserved = x, _version(x), set(range(len(self.sizes)))
         self._unserved.discard(index)
         result = self._outputs[index]

@@ -22,6 +22,7 @@ import torch
 from transformers import DynamicCache
 
 from grpo.backends.local.kv_cache import SlotCache, attention_layers
+from grpo.backends.local.lean_decode import lean_decoder
 from grpo.backends.local.prefix_cache import PrefixCache
 from grpo.backends.local.sections import section
 from grpo.backends.local.trunk import common_trunk
@@ -145,6 +146,7 @@ def generate(model, requests: list[GenerationRequest], tokenizer, device: torch.
     batch: list[_Row] = []  # rows in slot order
     logits = None  # next-token logits of the batch's rows
     before = prefix_cache.stats.snapshot() if prefix_cache is not None else None
+    lean = lean_decoder(model)  # the decoding step without transformers' wrappers, where it applies
 
     while True:
         admitted = _admissions(pending, limit - len(batch), nothing_running=not batch)
@@ -188,9 +190,11 @@ def generate(model, requests: list[GenerationRequest], tokenizer, device: torch.
             continue  # admit what is pending, or end
         positions, mask = cache.set_step()
         with section("grpo.sample.decode_forward"):
-            out = model(input_ids=tokens[:, None], attention_mask=mask, position_ids=positions, cache=cache,
-                        use_cache=True)
-        logits = out.logits[:, -1].float()
+            if lean is not None:
+                logits = lean(tokens[:, None], mask, positions, cache)
+            else:
+                logits = model(input_ids=tokens[:, None], attention_mask=mask, position_ids=positions, cache=cache,
+                               use_cache=True).logits[:, -1].float()
         # a finished row riding along keeps its length: its slot never outgrows the capacity
         cache.lengths = [n + (not row.done) for n, row in zip(cache.lengths, batch, strict=True)]
         stats.decode_steps += 1

@@ -28,7 +28,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -209,8 +209,10 @@ def worker_grpo(args: argparse.Namespace) -> None:
         with sections.recording() as (seconds, _):
             t0 = time.perf_counter()
             sampler = tc.save_weights_and_get_sampling_client()
+            # seeded per prompt: the same code samples the same tokens in every run, so two runs
+            # (or two commits whose sampling is bit-equal) do the same work
             responses = rollouts.sample_groups(sampler, [prompt_ids[i] for i in batch], args.group,
-                                               lambda _: params, tokenizer)
+                                               lambda k, step=step: replace(params, seed=step * 1000 + k), tokenizer)
             groups = [rollouts.ScoredGroup(rollouts.Group(i, problems[i], prompt_ids[i], rs),
                                            [exact_match(r.text, problems[i].answer) for r in rs], [{} for _ in rs], [])
                       for i, rs in zip(batch, responses, strict=True)]

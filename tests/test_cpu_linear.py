@@ -167,6 +167,36 @@ def test_packed_linear_equals_linear(dtype, shape):
                                atol=tolerance * 10)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(1, 48), (13, 48), (4, 1, 48)])
+def test_packed_lora_side_path_adds_what_addmm_adds(dtype, shape):
+    """The sampler's LoRA side path through packed A and B (the sum in oneDNN's post-op) against
+    the addmm_ path it replaces: equal up to the dtype's rounding."""
+    from grpo.models.lora_linear import LoraSidePath
+
+    gen = torch.Generator().manual_seed(0)
+    weight = torch.randn(96, 48, generator=gen).to(dtype)
+    a, b = torch.randn(8, 48, generator=gen), torch.randn(96, 8, generator=gen) * 0.1
+    x = torch.randn(shape, generator=gen).to(dtype)
+    packed = LoraSidePath(PackedLinear(weight, None), a, b, 2.0, dtype)
+    if packed.packed is None:
+        pytest.skip("this CPU packs no such weights")
+    plain = LoraSidePath(PackedLinear(weight, None), a, b, 2.0, dtype)
+    plain.packed = None
+    with torch.no_grad():
+        got, want = packed(x), plain(x)
+    assert got.shape == want.shape == (*shape[:-1], 96) and got.dtype == dtype
+    reference = F.linear(x.float(), weight.float()) + 2.0 * F.linear(F.linear(x.float(), a), b)
+    tolerance = 1e-5 if dtype == torch.float32 else 3e-2
+    torch.testing.assert_close(got.float(), want.float(), rtol=tolerance, atol=tolerance * 10)
+    torch.testing.assert_close(got.float(), reference, rtol=tolerance, atol=tolerance * 10)
+
+
+def test_packed_lora_side_path_needs_packable_weights(monkeypatch):
+    monkeypatch.setattr(cpu_linear, "packing_works", lambda dtype: False)
+    assert cpu_linear.PackedLoraSidePath.of(torch.randn(4, 8), torch.randn(8, 4)) is None
+
+
 def test_pack_for_inference_replaces_linears_and_keeps_tied_weights():
     model = models.load_model("tiny", "cpu", torch.float32)
     x = torch.randint(0, 100, (2, 9))

@@ -59,7 +59,9 @@ def test_packed_sequences_equal_each_sequence_run_alone(tiny) -> None:
     assert decoder.config._attn_implementation != packed_attention.IMPLEMENTATION
 
 
-def test_a_recorded_prefix_continues_like_the_whole_sequence_and_gets_its_gradient(tiny) -> None:
+def test_answers_continuing_their_prompt_equal_the_whole_sequences_and_get_its_gradient(tiny) -> None:
+    """Prompts, then answers each continuing one of them, in one pass: each answer equals its
+    whole sequence run alone, and the prompts get the answers' gradients as through a KV cache."""
     decoder = tiny.get_decoder()
     gen = torch.Generator().manual_seed(2)
     prompts = _random_ids(gen, [7, 11], 4000)
@@ -67,50 +69,16 @@ def test_a_recorded_prefix_continues_like_the_whole_sequence_and_gets_its_gradie
     suffixes = _random_ids(gen, suffix_lengths, 4000)
     params = [p for p in tiny.parameters() if p.requires_grad]
 
-    prefix_pass = packed_attention.PackedPass([7, 11], CPU, record=True)
-    prefix_hidden = prefix_pass.run(decoder, torch.cat(prompts))
-    suffix_pass = packed_attention.PackedPass(suffix_lengths, CPU, prefix=prefix_pass, prefix_of=owners)
-    suffix_hidden = suffix_pass.run(decoder, torch.cat(suffixes))
-    loss = suffix_hidden.square().sum() + prefix_hidden.sum()
+    lengths = [7, 11, *suffix_lengths]
+    one = packed_attention.PackedPass(lengths, CPU, continues=[None, None, *owners])
+    hidden = torch.split(one.run(decoder, torch.cat([*prompts, *suffixes])), lengths)
+    loss = sum(h.square().sum() for h in hidden[2:]) + sum(h.sum() for h in hidden[:2])
     got_grads = torch.autograd.grad(loss, params)
 
     want = [_alone(decoder, torch.cat([prompts[u], s]))[len(prompts[u]):] for u, s in zip(owners, suffixes, strict=True)]
-    for hidden, ref in zip(torch.split(suffix_hidden, suffix_lengths), want, strict=True):
-        torch.testing.assert_close(hidden, ref, atol=1e-5, rtol=1e-4)
+    for h, ref in zip(hidden[2:], want, strict=True):
+        torch.testing.assert_close(h, ref, atol=1e-5, rtol=1e-4)
     ref_loss = sum(h.square().sum() for h in want) + sum(_alone(decoder, p).sum() for p in prompts)
-    assert_same_gradients(got_grads, torch.autograd.grad(ref_loss, params))
-
-
-def test_chained_prefixes_continue_like_the_whole_sequence_and_get_their_gradient(tiny) -> None:
-    """A trunk every sequence shares, prompts continuing it, suffixes continuing the prompts: three
-    chained passes equal each whole sequence run alone, gradients included."""
-    decoder = tiny.get_decoder()
-    gen = torch.Generator().manual_seed(4)
-    trunk = _random_ids(gen, [9], 4000)[0]
-    prompts = _random_ids(gen, [5, 1, 8], 4000)  # one a single token past the trunk
-    owners, suffix_lengths = [2, 0, 1, 0, 2, 2], [4, 3, 9, 1, 6, 2]
-    suffixes = _random_ids(gen, suffix_lengths, 4000)
-    params = [p for p in tiny.parameters() if p.requires_grad]
-
-    trunk_pass = packed_attention.PackedPass([9], CPU, record=True)
-    trunk_hidden = trunk_pass.run(decoder, trunk)
-    prompt_pass = packed_attention.PackedPass([5, 1, 8], CPU, record=True, prefix=trunk_pass, prefix_of=[0, 0, 0])
-    prompt_hidden = prompt_pass.run(decoder, torch.cat(prompts))
-    suffix_pass = packed_attention.PackedPass(suffix_lengths, CPU, prefix=prompt_pass, prefix_of=owners)
-    suffix_hidden = suffix_pass.run(decoder, torch.cat(suffixes))
-    assert suffix_pass.position_ids[0, :4].tolist() == [17, 18, 19, 20]  # after trunk 9 + prompt 8
-    loss = suffix_hidden.square().sum() + prompt_hidden.sum() + trunk_hidden.sum()
-    got_grads = torch.autograd.grad(loss, params)
-
-    whole = [torch.cat([trunk, prompts[u], s]) for u, s in zip(owners, suffixes, strict=True)]
-    want = [_alone(decoder, ids)[9 + len(prompts[u]):] for u, ids in zip(owners, whole, strict=True)]
-    for hidden, ref in zip(torch.split(suffix_hidden, suffix_lengths), want, strict=True):
-        torch.testing.assert_close(hidden, ref, atol=1e-5, rtol=1e-4)
-    want_prompts = [_alone(decoder, torch.cat([trunk, p]))[9:] for p in prompts]
-    for hidden, ref in zip(torch.split(prompt_hidden, [5, 1, 8]), want_prompts, strict=True):
-        torch.testing.assert_close(hidden, ref, atol=1e-5, rtol=1e-4)
-    ref_loss = (sum(h.square().sum() for h in want) + sum(h.sum() for h in want_prompts)
-                + _alone(decoder, trunk).sum())
     assert_same_gradients(got_grads, torch.autograd.grad(ref_loss, params))
 
 
@@ -150,12 +118,6 @@ def test_a_sequence_can_continue_only_an_earlier_one_of_its_pass() -> None:
         packed_attention.PackedPass([3, 4], CPU, continues=[None, 1])
     with pytest.raises(ValueError, match="2 entries for 3 sequences"):
         packed_attention.PackedPass([3, 4, 2], CPU, continues=[None, 0])
-
-
-def test_a_prefix_pass_that_did_not_record_is_refused(tiny) -> None:
-    plain = packed_attention.PackedPass([4], CPU)
-    with pytest.raises(ValueError, match="record=True"):
-        packed_attention.PackedPass([3], CPU, prefix=plain, prefix_of=[0])
 
 
 def test_sliding_window_attention_is_windowed_as_transformers_does() -> None:

@@ -10,11 +10,11 @@ gathers each sequence's queries and keys into small blocks of similar lengths, r
 with a causal mask, and puts the outputs back in packed order. Attention is a small share of the
 work on these models, so the padding inside those blocks costs little.
 
-A pass can record every layer's keys and values (a GRPO group's shared prompt) for the sequences
-of a later pass to attend to as their prefix: gradients flow back into the recording pass through
-autograd, as through a KV cache. Passes chain: a recording pass may itself continue an earlier
-one (a system prompt every group shares, then each group's question, then the group's answers),
-and a sequence of the last pass attends to the whole chain of prefixes it continues.
+A sequence may continue an earlier sequence of the same row (a GRPO group's shared prompt): its
+positions go on from there and its attention sees that sequence's keys and values besides its
+own, with gradients flowing back through them as through a KV cache. Continuations chain (a
+system prompt every group shares, then each group's question, then the group's answers), so a
+whole shared micro-batch is one decoder call with every prompt token in it once.
 """
 
 from __future__ import annotations
@@ -63,7 +63,7 @@ class _Block:
     q_len: int
     k_len: int
     q_index: torch.Tensor  # (count * q_len,) rows of the packed queries, padding -> the zero row
-    k_index: torch.Tensor  # (count * k_len,) rows of [prefix keys; own keys; zero row]
+    k_index: torch.Tensor  # (count * k_len,) rows of the pass's keys (and a zero row for padding)
     q_pos: torch.Tensor  # (count, q_len) absolute positions of the queries
     k_pos: torch.Tensor  # (count, k_len)
     mask: torch.Tensor  # (count, 1, q_len, k_len) causal, within each sequence (and its prefix)
@@ -85,25 +85,18 @@ class _Block:
 class PackedPass:
     """One decoder call over sequences packed in one row.
 
-    ``lengths[i]`` tokens of sequence i, in order. With ``prefix`` (a recorded earlier pass) and
-    ``prefix_of[i]`` (a sequence of that pass), sequence i continues that sequence: its
-    positions start after it and its attention sees all of it. With ``continues[i] = j`` (an
-    earlier sequence of this same pass, ``j < i``), sequence i continues sequence j instead, and
-    so everything j continues: a shared prompt and the answers that follow it run in one decoder
-    call, each prompt token once.
+    ``lengths[i]`` tokens of sequence i, in order. With ``continues[i] = j`` (an earlier
+    sequence of the pass, ``j < i``), sequence i continues sequence j, and so everything j
+    continues: its positions start after them and its attention sees all of them.
 
-    One call rather than a pass per level is what ``continues`` is for: a pass has a fixed cost
-    of ~30 small operators per layer whatever its rows (forward + backward of SmolLM2-135M with
-    LoRA: 0.18 s for 8 rows, 0.77 s for 576; bf16, Intel Xeon with AMX, docs/benchmark.md).
+    One call for a whole shared micro-batch, rather than a pass per level (trunk, prompts,
+    answers) chained through recorded keys and values as before: a pass has a fixed cost of ~30
+    small operators per layer whatever its rows (forward + backward of SmolLM2-135M with LoRA:
+    0.18 s for 8 rows, 0.77 s for 576; bf16, Intel Xeon with AMX, docs/benchmark.md).
     """
 
-    def __init__(self, lengths: Sequence[int], device: torch.device, *, record: bool = False,
-                 prefix: PackedPass | None = None, prefix_of: Sequence[int] | None = None,
+    def __init__(self, lengths: Sequence[int], device: torch.device, *,
                  continues: Sequence[int | None] | None = None):
-        if (prefix is None) != (prefix_of is None):
-            raise ValueError("prefix and prefix_of go together")
-        if prefix is not None and not prefix.record:
-            raise ValueError("a prefix pass must record its keys and values (record=True)")
         if continues is not None:
             if len(continues) != len(lengths):
                 raise ValueError(f"continues has {len(continues)} entries for {len(lengths)} sequences")
@@ -111,31 +104,20 @@ class PackedPass:
             if bad:
                 raise ValueError(f"continues[{bad[0][0]}] = {bad[0][1]}: a sequence continues an earlier one of the pass")
         self.lengths = [int(n) for n in lengths]
-        self.record = record
-        self.prefix = prefix
-        # per layer, the keys and values of every row this pass's sequences can see: the prefix
-        # chain's rows first, then this pass's own ``(rows, kv_heads, dim)``; set when recording
-        self.recorded: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.calls = 0
         n = sum(self.lengths)
         starts = [0, *accumulate(self.lengths)][:-1]
         self.starts = starts
         self.tokens = n
-        prefix_rows = prefix.key_space if prefix is not None else 0
-        # sequence i's keys: the rows it continues (of the prefix chain's recorded keys, or of an
-        # earlier sequence of this pass), then its own, in the space [prefix chain; own]
-        self.key_space = prefix_rows + n
-        self.key_rows = []
+        # sequence i's keys, as rows of the pass: those of the sequences it continues, then its own
+        self.key_rows: list[list[int]] = []
         for i, (s, m) in enumerate(zip(starts, self.lengths, strict=True)):
-            if continues is not None and continues[i] is not None:
-                before = self.key_rows[continues[i]]
-            else:
-                before = prefix.key_rows[prefix_of[i]] if prefix is not None else []
-            self.key_rows.append([*before, *range(prefix_rows + s, prefix_rows + s + m)])
+            before = self.key_rows[continues[i]] if continues is not None and continues[i] is not None else []
+            self.key_rows.append([*before, *range(s, s + m)])
         p_lens = [len(rows) - m for rows, m in zip(self.key_rows, self.lengths, strict=True)]
         self.position_ids = torch.cat([torch.arange(p, p + m) for p, m in zip(p_lens, self.lengths, strict=True)]
                                       ).to(device)[None] if n else torch.zeros((1, 0), dtype=torch.long, device=device)
-        q_zero, k_zero = n, prefix_rows + n  # index of the zero row appended to queries and keys
+        q_zero = k_zero = n  # index of the zero row appended to queries and keys
         order = sorted(range(len(self.lengths)), key=lambda i: (p_lens[i] + self.lengths[i], i))
         self.blocks: list[_Block] = []
         out_rows: list[torch.Tensor] = []
@@ -175,10 +157,9 @@ class PackedPass:
 
     def attend(self, module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float | None,
                dropout: float, sliding_window: int | None) -> torch.Tensor:
-        """Attention of this pass's queries ``(1, heads, n, dim)`` over its keys and values (and
-        the recorded prefix's); returns ``(1, n, heads, dim)`` as transformers' kernels do."""
+        """Attention of this pass's queries ``(1, heads, n, dim)`` over its keys and values;
+        returns ``(1, n, heads, dim)`` as transformers' kernels do."""
         self.calls += 1
-        layer = module.layer_idx
         heads, dim = query.shape[1], query.shape[3]
         q = query[0].transpose(0, 1)  # (n, heads, dim)
         k, v = key[0].transpose(0, 1), value[0].transpose(0, 1)  # (n, kv_heads, dim)
@@ -189,11 +170,6 @@ class PackedPass:
         out_dtype = q.dtype
         if q.device.type == "cpu" and q.dtype in (torch.bfloat16, torch.float16) and FP32_ATTENTION_ON_CPU:
             q, k, v = q.float(), k.float(), v.float()
-        if self.prefix is not None:
-            pk, pv = self.prefix.recorded[layer]
-            k, v = torch.cat([pk, k]), torch.cat([pv, v])
-        if self.record:
-            self.recorded[layer] = (k, v)
         q = torch.cat([q, q.new_zeros(1, *q.shape[1:])])
         k = torch.cat([k, k.new_zeros(1, *k.shape[1:])])
         v = torch.cat([v, v.new_zeros(1, *v.shape[1:])])

@@ -8,7 +8,7 @@ cache dispatch) that a gradient-free step at one position per row never needs. `
 calls the same modules and operators, in the same order and dtypes, straight through: its logits
 are bit-equal to the model's own forward (tests/test_lean_decode.py), only Python is left out.
 Where the sampler stacked q/k/v and gate/up (fused_projections.py), it takes the siblings'
-outputs from one call rather than three member lookups, and it rotates q and k in one go.
+outputs from one call rather than one member lookup each.
 
 It takes a model only when every part is what it was written against -- transformers'
 ``LlamaForCausalLM`` (as such or under peft) with SDPA attention, full-attention layers and SiLU
@@ -38,10 +38,7 @@ class LeanDecoder:
         self.causal_lm = causal_lm
         decoder = causal_lm.model
         self.decoder = decoder
-        attn = decoder.layers[0].self_attn
-        self.head_dim = attn.head_dim
-        self.q_width = attn.config.num_attention_heads * attn.head_dim
-        self.k_width = attn.config.num_key_value_heads * attn.head_dim
+        self.head_dim = decoder.layers[0].self_attn.head_dim
 
     def __call__(self, input_ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor,
                  cache: SlotCache) -> torch.Tensor:
@@ -56,21 +53,13 @@ class LeanDecoder:
             x = _rms_norm(layer.input_layernorm, hidden)
             if _stacked(attn.q_proj, attn.k_proj, attn.v_proj):
                 q, k, v = attn.q_proj.group.full(x)
-                # q and k side by side in the one product: rotated together, element for element
-                # what apply_rotary_pos_emb computes on each
-                qk = q.base.narrow(-1, 0, self.q_width + self.k_width) if _adjacent(q, k) else None
             else:
-                q, k, v, qk = attn.q_proj(x), attn.k_proj(x), attn.v_proj(x), None
-            if qk is not None:
-                qk = qk.reshape(rows, 1, -1, dim).transpose(1, 2)
-                qk = (qk * cos) + (self.rotate_half(qk) * sin)
-                heads = self.q_width // dim
-                q, k = qk[:, :heads], qk[:, heads:]
-            else:
-                q = q.view(rows, 1, -1, dim).transpose(1, 2)
-                k = k.view(rows, 1, -1, dim).transpose(1, 2)
-                q, k = (q * cos) + (self.rotate_half(q) * sin), (k * cos) + (self.rotate_half(k) * sin)
+                q, k, v = attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)
+            q = q.view(rows, 1, -1, dim).transpose(1, 2)
+            k = k.view(rows, 1, -1, dim).transpose(1, 2)
             v = v.view(rows, 1, -1, dim).transpose(1, 2)
+            # apply_rotary_pos_emb, its operators inline
+            q, k = (q * cos) + (self.rotate_half(q) * sin), (k * cos) + (self.rotate_half(k) * sin)
             k, v = cache.layers[index].update(k, v)
             out, _ = self.sdpa(attn, q, k, v, mask, dropout=0.0, scaling=attn.scaling)
             hidden = residual + attn.o_proj(out.reshape(rows, 1, -1).contiguous())
@@ -90,12 +79,6 @@ def _stacked(*members: nn.Module) -> bool:
     first = members[0]
     return (type(first) is FusedMember and len(first.group.sizes) == len(members)
             and all(type(m) is FusedMember and m.group is first.group and m.index == i for i, m in enumerate(members)))
-
-
-def _adjacent(q: torch.Tensor, k: torch.Tensor) -> bool:
-    # q then k, as the first two slices of one row-major product
-    return q._base is not None and k._base is q._base and q.storage_offset() == q._base.storage_offset() \
-        and k.storage_offset() == q.storage_offset() + q.shape[-1] and q._base.is_contiguous()
 
 
 def _rms_norm(norm: nn.Module, hidden: torch.Tensor) -> torch.Tensor:

@@ -61,7 +61,8 @@ class LeanDecoder:
             # apply_rotary_pos_emb, its operators inline
             q, k = (q * cos) + (self.rotate_half(q) * sin), (k * cos) + (self.rotate_half(k) * sin)
             k, v = cache.layers[index].update(k, v)
-            out, _ = self.sdpa(attn, q, k, v, mask, dropout=0.0, scaling=attn.scaling)
+            dropout = attn.attention_dropout if attn.training else 0.0  # as LlamaAttention.forward
+            out, _ = self.sdpa(attn, q, k, v, mask, dropout=dropout, scaling=attn.scaling)
             hidden = residual + attn.o_proj(out.reshape(rows, 1, -1).contiguous())
             residual = hidden
             x = _rms_norm(layer.post_attention_layernorm, hidden)

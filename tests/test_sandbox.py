@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 
+from adapters import sandbox as sandbox_module
 from adapters.sandbox import Job, Sandbox, SandboxError, SandboxLimits, processes_of_uid
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -123,10 +124,6 @@ def hostile_programs(port: int) -> dict[str, str]:
     }
 
 
-def _jobdirs() -> set[str]:
-    return {p.name for p in Path("/tmp").glob("grpo-sandbox-*") if p.name != "grpo-sandbox-uids"}
-
-
 @pytest.fixture(scope="module")
 def hostile():
     """Every hostile program, all at once on a 3-slot pool (guard off)."""
@@ -136,10 +133,25 @@ def hostile():
     listener.listen(4)
     listener.setblocking(False)
     programs = hostile_programs(listener.getsockname()[1])
-    before = _jobdirs()
+    # The job directories this run makes, recorded as the sandbox makes them (the real mkdtemp
+    # underneath): a snapshot of /tmp would also count the directories of sandboxes that other
+    # test workers run at the same time, and did.
+    made: list[str] = []
+    real_mkdtemp = sandbox_module.tempfile.mkdtemp
+
+    def recording_mkdtemp(*args, **kwargs):
+        path = real_mkdtemp(*args, **kwargs)
+        if os.path.basename(path).startswith("grpo-sandbox-"):
+            made.append(path)
+        return path
+
     sandbox = Sandbox(LIMITS, workers=3, guard=False)
     start = time.monotonic()
-    results = dict(zip(programs, sandbox.run_many([Job(p, SOLVE_TEST) for p in programs.values()]), strict=True))
+    sandbox_module.tempfile.mkdtemp = recording_mkdtemp
+    try:
+        results = dict(zip(programs, sandbox.run_many([Job(p, SOLVE_TEST) for p in programs.values()]), strict=True))
+    finally:
+        sandbox_module.tempfile.mkdtemp = real_mkdtemp
     total = time.monotonic() - start
     try:
         conn, _ = listener.accept()
@@ -149,8 +161,9 @@ def hostile():
         accepted = False
     listener.close()
     del os.environ["GRPO_SANDBOX_TEST_SECRET"]
+    assert len(made) >= len(programs)  # every job made its directory through it
     yield {"results": results, "total": total, "accepted": accepted, "sandbox": sandbox,
-           "new_jobdirs": _jobdirs() - before}
+           "new_jobdirs": {d for d in made if os.path.exists(d)}}
     sandbox.close()
 
 

@@ -7,6 +7,8 @@ Hostile programs run with the in-interpreter guard OFF, so what contains them is
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import os
 import shutil
@@ -146,6 +148,18 @@ def hostile():
         return path
 
     sandbox = Sandbox(LIMITS, workers=3, guard=False)
+    # likewise the uids its runs took from the pool that every sandbox on the machine shares
+    uids: set[int] = set()
+    if sandbox._slots is not None:
+        real_acquire = sandbox._slots.acquire
+
+        @contextlib.contextmanager
+        def recording_acquire():
+            with real_acquire() as uid:
+                uids.add(uid)
+                yield uid
+
+        sandbox._slots.acquire = recording_acquire
     start = time.monotonic()
     sandbox_module.tempfile.mkdtemp = recording_mkdtemp
     try:
@@ -163,7 +177,7 @@ def hostile():
     del os.environ["GRPO_SANDBOX_TEST_SECRET"]
     assert len(made) >= len(programs)  # every job made its directory through it
     yield {"results": results, "total": total, "accepted": accepted, "sandbox": sandbox,
-           "new_jobdirs": {d for d in made if os.path.exists(d)}}
+           "new_jobdirs": {d for d in made if os.path.exists(d)}, "uids": uids}
     sandbox.close()
 
 
@@ -187,9 +201,18 @@ def test_hostile_run_leaves_nothing_behind(hostile):
         assert not os.path.exists(path), f"{path} was written from inside the sandbox"
     assert not hostile["new_jobdirs"], hostile["new_jobdirs"]
     if IS_ROOT:
-        base = hostile["sandbox"].uid_base
-        for uid in range(base, base + 64 * 3):
-            assert not processes_of_uid(uid), f"processes of sandbox uid {uid} survived"
+        assert hostile["uids"]
+        lock_dir = hostile["sandbox"]._slots.lock_dir
+        for uid in sorted(hostile["uids"]):
+            # Each uid looked at while holding its pool lock: a sandbox of another test worker
+            # may run as it now (and did, failing this check), never while we hold it.
+            fd = os.open(lock_dir / str(uid), os.O_CREAT | os.O_RDWR, 0o600)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX)
+                assert not processes_of_uid(uid), f"processes of sandbox uid {uid} survived"
+            finally:
+                fcntl.flock(fd, fcntl.LOCK_UN)
+                os.close(fd)
 
 
 def test_hostile_specific_outcomes(hostile):

@@ -179,10 +179,10 @@ def test_packed_lora_side_path_adds_what_addmm_adds(dtype, shape):
     a, b = torch.randn(8, 48, generator=gen), torch.randn(96, 8, generator=gen) * 0.1
     x = torch.randn(shape, generator=gen).to(dtype)
     packed = LoraSidePath(PackedLinear(weight, None), a, b, 2.0, dtype)
-    if packed.packed is None:
+    if packed.product.packed is None:
         pytest.skip("this CPU packs no such weights")
     plain = LoraSidePath(PackedLinear(weight, None), a, b, 2.0, dtype)
-    plain.packed = None
+    plain.product.packed = None
     with torch.no_grad():
         got, want = packed(x), plain(x)
     assert got.shape == want.shape == (*shape[:-1], 96) and got.dtype == dtype
@@ -194,7 +194,7 @@ def test_packed_lora_side_path_adds_what_addmm_adds(dtype, shape):
 
 def test_packed_lora_side_path_needs_packable_weights(monkeypatch):
     monkeypatch.setattr(cpu_linear, "packing_works", lambda dtype: False)
-    assert cpu_linear.PackedLoraSidePath.of(torch.randn(4, 8), torch.randn(8, 4)) is None
+    assert cpu_linear.LoraSideProduct(torch.randn(4, 8), torch.randn(8, 4)).packed is None
 
 
 def test_pack_for_inference_replaces_linears_and_keeps_tied_weights():

@@ -35,24 +35,25 @@ def _onednn(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) ->
     return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
 
 
-class PackedLoraSidePath:
-    """``base_out + (x @ A.T) @ B.T`` through oneDNN with A and B packed once, the sum made by
-    the second product's own post-op: one call fewer than ``addmm_`` into the base output, and
-    neither product reorders its weight (the LoRA side paths of a bf16 decoding step, each a
-    few microseconds of arithmetic, were ~13% of the step in calls). None where the weights
-    cannot be packed; the caller keeps its plain path then."""
+class LoraSideProduct:
+    """``base_out + (x @ A.T) @ B.T`` for the sampler's LoRA side paths, A and B given in the base's
+    dtype (the scale already in B). Where oneDNN can, A and B are packed once and B's product adds
+    the base output in its own post-op: two calls and no weight reorders, where ``F.linear`` with A
+    and an ``addmm_`` into the output reorder A every call (the side paths of a bf16 decoding step,
+    each a few microseconds of arithmetic, were ~13% of the step in calls). Elsewhere, that
+    ``addmm_`` into ``base_out``, in place."""
 
     def __init__(self, a: torch.Tensor, b: torch.Tensor):
-        self.a = pack_weight(a)
-        self.b = pack_weight(b)
-
-    @staticmethod
-    def of(a: torch.Tensor, b: torch.Tensor) -> PackedLoraSidePath | None:
-        return PackedLoraSidePath(a, b) if can_pack(a) and can_pack(b) and _binary_add_works(a.dtype) else None
+        self.a, self.b = a, b
+        packable = can_pack(a) and can_pack(b) and _binary_add_works(a.dtype)
+        self.packed = (pack_weight(a), pack_weight(b)) if packable else None
 
     def add_to(self, base_out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        down = _onednn(x, self.a, None)
-        return torch.ops.mkldnn._linear_pointwise.binary(down, base_out, self.b, None, "add")
+        if self.packed is not None:
+            a, b = self.packed
+            return torch.ops.mkldnn._linear_pointwise.binary(_onednn(x, a, None), base_out, b, None, "add")
+        base_out.view(-1, base_out.shape[-1]).addmm_(F.linear(x.reshape(-1, x.shape[-1]), self.a), self.b.t())
+        return base_out
 
 
 @functools.cache

@@ -64,7 +64,7 @@ TRAIN_ROWS = 128  # tokens of one training matmul chain
 DECODE_BYTES = 1 << 30  # fp32 layer weights a probed decoding step reads at most (the whole model up to there)
 HEAD_DECODE_BYTES = 256 << 20  # the unembedding's rows timed per decoding step (scaled to the vocabulary)
 # What the probe times and how; part of the cache key, so that a new way of measuring measures again.
-# 3: the bf16 LoRA side paths it times go through packed A and B (cpu_linear.PackedLoraSidePath).
+# 3: the bf16 LoRA side paths it times go through packed A and B (cpu_linear.LoraSideProduct).
 PROBE_VERSION = 3
 HEAD_TRAIN_ROWS = 4096  # the unembedding's rows timed per training pass (compute-bound: scales linearly)
 LORA_RANK = 16  # the API's default rank; every Linear adapted (train_attn/mlp/unembed default on)

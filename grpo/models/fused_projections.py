@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from grpo.models.cpu_linear import PackedLoraSidePath, _onednn, can_pack, pack_weight
+from grpo.models.cpu_linear import LoraSideProduct, _onednn, can_pack, pack_weight
 
 # Sibling Linears by their names under one parent, as Llama, Mistral, Qwen2/3, Gemma and most
 # decoder families in transformers name them.
@@ -35,9 +35,8 @@ class FusedProjections:
         self.bias = None if bias is None else bias.detach()
         self.sizes = sizes
         self.dtype = weight.dtype
-        self.lora_a: torch.Tensor | None = None  # [sum of ranks, in_features]
-        self.lora_b: torch.Tensor | None = None  # [sum of out_features, sum of ranks], block-diagonal, scaled
-        self.lora_packed: PackedLoraSidePath | None = None  # the two, packed for oneDNN where it can
+        # A stacked [sum of ranks, in_features], B block-diagonal [sum of out_features, sum of ranks], scaled
+        self.lora: LoraSideProduct | None = None
         self._input: torch.Tensor | None = None
         self._version = -1
         self._outputs: tuple[torch.Tensor, ...] = ()
@@ -48,20 +47,17 @@ class FusedProjections:
         into B before the cast (exact for LoRA's usual power-of-two ``alpha / r``)."""
         self._forget()
         if loras is None:
-            self.lora_a = self.lora_b = self.lora_packed = None
+            self.lora = None
             return
-        self.lora_a = torch.cat([a.detach().float() for a, _, _ in loras]).to(self.dtype)
-        self.lora_b = torch.block_diag(*[b.detach().float() * scaling for _, b, scaling in loras]).to(self.dtype)
-        self.lora_packed = PackedLoraSidePath.of(self.lora_a, self.lora_b)
+        self.lora = LoraSideProduct(
+            torch.cat([a.detach().float() for a, _, _ in loras]).to(self.dtype),
+            torch.block_diag(*[b.detach().float() * scaling for _, b, scaling in loras]).to(self.dtype))
 
     def full(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """Every sibling's output for ``x``, in order (views of one product)."""
         out = _onednn(x, self.packed, self.bias)
-        if self.lora_packed is not None:
-            out = self.lora_packed.add_to(out, x)
-        elif self.lora_a is not None:
-            flat = out.view(-1, out.shape[-1])
-            flat.addmm_(nn.functional.linear(x.reshape(-1, x.shape[-1]), self.lora_a), self.lora_b.t())
+        if self.lora is not None:
+            out = self.lora.add_to(out, x)
         return out.split(self.sizes, dim=-1)
 
     def output(self, x: torch.Tensor, index: int) -> torch.Tensor:

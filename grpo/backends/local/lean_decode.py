@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from grpo.backends.local.kv_cache import SlotCache
-from grpo.models.fused_projections import FusedMember
+from grpo.models.fused_projections import FusedMember, FusedProjections
 
 
 class LeanDecoder:
@@ -31,64 +31,53 @@ class LeanDecoder:
 
     def __init__(self, causal_lm: nn.Module):
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
-        from transformers.models.llama.modeling_llama import rotate_half
+        from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
         self.sdpa = sdpa_attention_forward
-        self.rotate_half = rotate_half
+        self.rotary = apply_rotary_pos_emb
         self.causal_lm = causal_lm
-        decoder = causal_lm.model
-        self.decoder = decoder
-        self.head_dim = decoder.layers[0].self_attn.head_dim
+        self.decoder = causal_lm.model
+        self.head_dim = self.decoder.layers[0].self_attn.head_dim
+        # each layer's stacked q/k/v and gate/up groups (None: its own Linears), fixed for the
+        # sampling call this decoder is made for
+        self.groups = [(_stacked(layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj),
+                        _stacked(layer.mlp.gate_proj, layer.mlp.up_proj)) for layer in self.decoder.layers]
 
     def __call__(self, input_ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor,
                  cache: SlotCache) -> torch.Tensor:
+        # Modules' ``forward`` is called directly where their ``__call__`` would only add hooks
         decoder = self.decoder
-        hidden = decoder.embed_tokens(input_ids)
+        hidden = decoder.embed_tokens.forward(input_ids)
         cos, sin = decoder.rotary_emb(hidden, positions)
-        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # as apply_rotary_pos_emb
         rows, dim = hidden.shape[0], self.head_dim
-        for index, layer in enumerate(decoder.layers):
+        for index, (layer, (qkv, gate_up)) in enumerate(zip(decoder.layers, self.groups, strict=True)):
             attn, mlp = layer.self_attn, layer.mlp
             residual = hidden
-            x = _rms_norm(layer.input_layernorm, hidden)
-            if _stacked(attn.q_proj, attn.k_proj, attn.v_proj):
-                q, k, v = attn.q_proj.group.full(x)
-            else:
-                q, k, v = attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)
+            x = layer.input_layernorm.forward(hidden)
+            q, k, v = qkv.full(x) if qkv is not None else (attn.q_proj(x), attn.k_proj(x), attn.v_proj(x))
             q = q.view(rows, 1, -1, dim).transpose(1, 2)
             k = k.view(rows, 1, -1, dim).transpose(1, 2)
             v = v.view(rows, 1, -1, dim).transpose(1, 2)
-            # apply_rotary_pos_emb, its operators inline
-            q, k = (q * cos) + (self.rotate_half(q) * sin), (k * cos) + (self.rotate_half(k) * sin)
+            q, k = self.rotary(q, k, cos, sin)
             k, v = cache.layers[index].update(k, v)
             dropout = attn.attention_dropout if attn.training else 0.0  # as LlamaAttention.forward
             out, _ = self.sdpa(attn, q, k, v, mask, dropout=dropout, scaling=attn.scaling)
             hidden = residual + attn.o_proj(out.reshape(rows, 1, -1).contiguous())
             residual = hidden
-            x = _rms_norm(layer.post_attention_layernorm, hidden)
-            if _stacked(mlp.gate_proj, mlp.up_proj):
-                gate, up = mlp.gate_proj.group.full(x)
-            else:
-                gate, up = mlp.gate_proj(x), mlp.up_proj(x)
+            x = layer.post_attention_layernorm.forward(hidden)
+            gate, up = gate_up.full(x) if gate_up is not None else (mlp.gate_proj(x), mlp.up_proj(x))
             hidden = residual + mlp.down_proj(mlp.act_fn(gate) * up)
-        hidden = _rms_norm(decoder.norm, hidden)
+        hidden = decoder.norm.forward(hidden)
         return self.causal_lm.lm_head(hidden)[:, -1].float()
 
 
-def _stacked(*members: nn.Module) -> bool:
-    """Siblings that are, in order, all the members of one stacked group."""
+def _stacked(*members: nn.Module) -> FusedProjections | None:
+    """The group whose members these siblings are, all of them in order; else None."""
     first = members[0]
-    return (type(first) is FusedMember and len(first.group.sizes) == len(members)
-            and all(type(m) is FusedMember and m.group is first.group and m.index == i for i, m in enumerate(members)))
-
-
-def _rms_norm(norm: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
-    # LlamaRMSNorm.forward, operator for operator
-    dtype = hidden.dtype
-    h = hidden.to(torch.float32)
-    variance = h.pow(2).mean(-1, keepdim=True)
-    h = h * torch.rsqrt(variance + norm.variance_epsilon)
-    return norm.weight * h.to(dtype)
+    if (type(first) is FusedMember and len(first.group.sizes) == len(members)
+            and all(type(m) is FusedMember and m.group is first.group and m.index == i for i, m in enumerate(members))):
+        return first.group
+    return None
 
 
 def lean_decoder(model: nn.Module) -> LeanDecoder | None:

@@ -117,7 +117,7 @@ class PackedPass:
         p_lens = [len(rows) - m for rows, m in zip(self.key_rows, self.lengths, strict=True)]
         self.position_ids = torch.cat([torch.arange(p, p + m) for p, m in zip(p_lens, self.lengths, strict=True)]
                                       ).to(device)[None] if n else torch.zeros((1, 0), dtype=torch.long, device=device)
-        q_zero = k_zero = n  # index of the zero row appended to queries and keys
+        zero = n  # index of the zero row appended to queries and keys
         order = sorted(range(len(self.lengths)), key=lambda i: (p_lens[i] + self.lengths[i], i))
         self.blocks: list[_Block] = []
         out_rows: list[torch.Tensor] = []
@@ -126,8 +126,8 @@ class PackedPass:
         for members in blocks:
             q_len = max(self.lengths[i] for i in members)
             k_len = max(p_lens[i] + self.lengths[i] for i in members)
-            q_index = torch.full((len(members), q_len), q_zero, dtype=torch.long)
-            k_index = torch.full((len(members), k_len), k_zero, dtype=torch.long)
+            q_index = torch.full((len(members), q_len), zero, dtype=torch.long)
+            k_index = torch.full((len(members), k_len), zero, dtype=torch.long)
             q_pos = torch.zeros((len(members), q_len), dtype=torch.long)
             k_pos = torch.arange(k_len).expand(len(members), k_len)
             q_valid = torch.zeros((len(members), q_len), dtype=torch.bool)

@@ -202,3 +202,47 @@ def test_a_turn_read_from_the_cache_has_a_plain_forward_pass_logprobs(tokenizer,
             logits = model(input_ids=ids).logits[0, len(req.prompt) - 1:-1].float()
         plain = torch.log_softmax(logits, -1).gather(-1, ids[0, len(req.prompt):, None])[:, 0]
         assert seq.logprobs == pytest.approx(plain.tolist(), abs=1e-5)
+
+
+@pytest.mark.parametrize("layer_types", [["full_attention"] * 2, ["sliding_attention", "full_attention"]])
+def test_next_turns_of_different_lengths_are_prefilled_in_one_batch(tokenizer, layer_types):
+    """Three episodes of two first prompts of different lengths reach turn 2 with replies of
+    different lengths: their prompts differ in both the cached part and the new part, are
+    prefilled in one forward after their cached prefixes (padding left of the prefix and right of
+    the new tokens), compute only their new tokens, and sample with a plain forward's logprobs."""
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    config = Qwen2Config(num_hidden_layers=2, hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
+                         intermediate_size=64, vocab_size=tokenizer.vocab_size, sliding_window=3, use_sliding_window=True,
+                         layer_types=layer_types, max_window_layers=0)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval()
+    cache = PrefixCache(2**24)
+    params = SamplingParams(max_tokens=6, temperature=1.0, seed=3)
+    first = [sampler.GenerationRequest([1, 504, 3458, 314, 253, 1345, 28], 2, params),
+             sampler.GenerationRequest([1, 9906, 30], 1, params)]
+    sampler.generate(model, first, tokenizer, CPU, prefix_cache=cache)
+    (a1, a2), (b1,) = first[0].sequences, first[1].sequences
+    replies = [[42, 43, 44], [42], [42, 43, 44, 45, 46]]
+    second = [sampler.GenerationRequest(prompt + s.tokens + reply, 1, params)
+              for prompt, s, reply in zip([first[0].prompt, first[0].prompt, first[1].prompt], [a1, a2, b1], replies,
+                                          strict=True)]
+    prefills = []
+    hook = model.register_forward_pre_hook(
+        lambda _, args, kwargs: prefills.append(kwargs["input_ids"].shape) if kwargs["input_ids"].shape[1] > 1 else None,
+        with_kwargs=True)
+    try:
+        stats = sampler.generate(model, second, tokenizer, CPU, prefix_cache=cache)
+    finally:
+        hook.remove()
+    # each finished row of turn 1 was stored without its last token (never fed back): that token
+    # and the reply are what turn 2 computes, all three prompts in one forward
+    assert stats.prefix_hits == 3 and stats.prefilled_tokens == sum(1 + len(r) for r in replies)
+    assert prefills == [torch.Size([3, 1 + max(len(r) for r in replies)])]
+    for req in second:
+        seq = req.sequences[0]
+        ids = torch.tensor([req.prompt + seq.tokens])
+        with torch.no_grad():
+            logits = model(input_ids=ids).logits[0, len(req.prompt) - 1:-1].float()
+        plain = torch.log_softmax(logits, -1).gather(-1, ids[0, len(req.prompt):, None])[:, 0]
+        assert seq.logprobs == pytest.approx(plain.tolist(), abs=1e-5)

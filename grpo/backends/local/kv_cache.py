@@ -120,13 +120,15 @@ class SlotCache(Cache):
         self.lengths: list[int] = []
         self._columns = torch.arange(capacity, device=device)
 
-    def write_prompt(self, first: int, count: int, prompt_cache: Cache, source_row: int, start: int) -> None:
-        """Rows ``first .. first+count-1`` take row ``source_row`` of a prefill cache, from column
-        ``start`` on (its left padding dropped)."""
+    def write_prompt(self, first: int, count: int, prompt_cache: Cache, source_row: int, start: int,
+                     end: int | None = None) -> None:
+        """Rows ``first .. first+count-1`` take row ``source_row`` of a prefill cache, columns
+        ``start`` to ``end`` (its padding dropped; ``end`` None: to the last column)."""
         for ours, theirs in zip(self.layers, prompt_cache.layers, strict=True):
-            ours.write_prompt(first, count, theirs.keys[source_row:source_row + 1, :, start:],
-                              theirs.values[source_row:source_row + 1, :, start:])
-        self.lengths[first:first + count] = [prompt_cache.layers[0].keys.shape[-2] - start] * count
+            ours.write_prompt(first, count, theirs.keys[source_row:source_row + 1, :, start:end],
+                              theirs.values[source_row:source_row + 1, :, start:end])
+        length = (prompt_cache.layers[0].keys.shape[-2] if end is None else end) - start
+        self.lengths[first:first + count] = [length] * count
 
     def read_row(self, slot: int, length: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """A copy of slot ``slot``'s first ``length`` columns, per layer ``[1, heads, length, dim]``

@@ -228,24 +228,37 @@ def _admit(model, requests: list[GenerationRequest], cache: SlotCache, first_slo
     """Prefill each request's prompt, write its KV cache into the slots of its rows from
     ``first_slot`` on; the new rows and their next-token logits.
 
-    A prompt with a prefix in ``prefix_cache`` is prefilled on its own after that prefix; the
-    others are prefilled together, left-padded, each distinct prompt once (the requests of one
-    group, or episodes that start alike, share it). Every prompt is stored in the prefix cache."""
-    sources: list[tuple[DynamicCache, int, int]] = [None] * len(requests)  # type: ignore[list-item]  # cache, row, start
+    Prompts with a prefix in ``prefix_cache`` are prefilled together after their prefixes (the
+    next turns of multi-turn episodes); the others together from scratch, left-padded. Each
+    distinct prompt runs once (the requests of one group, or episodes that start alike, share
+    it), and every prompt is stored in the prefix cache."""
+    # each request's prompt keys and values: (a batch cache, its row, first column, end column)
+    sources: list[tuple[DynamicCache, int, int, int | None]] = [None] * len(requests)  # type: ignore[list-item]
     next_logits: list[torch.Tensor] = [None] * len(requests)  # type: ignore[list-item]
     fresh: dict[tuple[int, ...], list[int]] = {}  # prompts with nothing cached -> their requests
+    hits: dict[tuple[int, ...], tuple[int, list, list[int]]] = {}  # prompt -> cached length, its kv, requests
     for i, req in enumerate(requests):
         stats.prompt_tokens += len(req.prompt)
+        prompt = tuple(req.prompt)
         hit = prefix_cache.lookup(req.prompt) if prefix_cache is not None else None
         if hit is None:
-            fresh.setdefault(tuple(req.prompt), []).append(i)
-            continue
-        known, kv = hit
-        prompt_cache, next_logits[i] = _prefill_after(model, req.prompt, known, kv, device)
-        sources[i] = (prompt_cache, 0, 0)
-        stats.prefilled_tokens += len(req.prompt) - known
-        # the prompt's keys and values are new tensors (the past concatenated with the suffix's)
-        prefix_cache.store(req.prompt, [(layer.keys, layer.values) for layer in prompt_cache.layers])
+            fresh.setdefault(prompt, []).append(i)
+        elif prompt in hits:  # the same prompt again: the same prefix, computed once
+            hits[prompt][2].append(i)
+        else:
+            hits[prompt] = (*hit, [i])
+    if hits:
+        prompts = [list(p) for p in hits]
+        past, last_logits, columns = _prefill_after_together(model, prompts, [h[:2] for h in hits.values()],
+                                                              _pad_id(tokenizer), device)
+        for j, (p, (known, _, owners)) in enumerate(hits.items()):
+            start, end = columns[j]
+            stats.prefilled_tokens += len(p) - known
+            for i in owners:
+                sources[i], next_logits[i] = (past, j, start, end), last_logits[j]
+            # copies: the batch's padded tensors are not kept
+            prefix_cache.store(p, [(layer.keys[j:j + 1, :, start:end].clone(), layer.values[j:j + 1, :, start:end].clone())
+                                   for layer in past.layers])
     if fresh:
         prompts = [list(p) for p in fresh]
         prefill, last_logits, stats_tokens = _prefill_together(model, prompts, _pad_id(tokenizer), device)
@@ -254,7 +267,7 @@ def _admit(model, requests: list[GenerationRequest], cache: SlotCache, first_slo
         for j, p in enumerate(fresh):
             start = width - len(p)
             for i in fresh[p]:
-                sources[i], next_logits[i] = (prefill, j, start), last_logits[j]
+                sources[i], next_logits[i] = (prefill, j, start, None), last_logits[j]
             if prefix_cache is not None:  # copies: the batch's padded tensors are not kept
                 prefix_cache.store(p, [(layer.keys[j:j + 1, :, start:].clone(), layer.values[j:j + 1, :, start:].clone())
                                        for layer in prefill.layers])
@@ -262,8 +275,8 @@ def _admit(model, requests: list[GenerationRequest], cache: SlotCache, first_slo
     rows: list[_Row] = []
     owner: list[int] = []
     for i, req in enumerate(requests):
-        prompt_cache, source_row, start = sources[i]
-        cache.write_prompt(first_slot + len(rows), req.num_samples, prompt_cache, source_row, start)
+        prompt_cache, source_row, start, end = sources[i]
+        cache.write_prompt(first_slot + len(rows), req.num_samples, prompt_cache, source_row, start, end)
         stop_strings, stop_ids = req.params.stop_strings_and_ids()
         generator = None
         if req.params.seed is not None:
@@ -319,18 +332,44 @@ def _trunk_after_padding(t: torch.Tensor, prompts: list[list[int]], trunk: int) 
     return out
 
 
-def _prefill_after(model, prompt: list[int], known: int, kv, device: torch.device
-                   ) -> tuple[DynamicCache, torch.Tensor]:
-    """Prefill ``prompt[known:]`` after the cached keys and values of ``prompt[:known]``: the
-    prompt's whole cache and its next-token logits."""
+def _prefill_after_together(model, prompts: list[list[int]], hits: list[tuple[int, list]], pad_id: int,
+                            device: torch.device) -> tuple[DynamicCache, torch.Tensor, list[tuple[int, int]]]:
+    """Prefill each prompt's tokens after its cached prefix, all prompts in one batch.
+
+    ``hits[j]`` is prompt j's cached length and its per-layer ``[1, heads, known, dim]`` keys and
+    values. Row j of the batch holds its cached prefix left-padded up to the longest one, then its
+    new tokens, right-padded up to the most new tokens: a turn of many multi-turn episodes is one
+    forward over its new tokens rather than one forward per episode (each a whole pass through the
+    model at a few rows). Padding is masked; a right pad is never attended to by a real position
+    (it is later in the sequence). Returns the batch cache, each prompt's next-token logits, and
+    each prompt's ``(first, end)`` columns in the cache."""
+    known = [k for k, _ in hits]
+    new = [len(p) - k for p, k in zip(prompts, known, strict=True)]
+    past_width, width = max(known), max(new)
+    rows = len(prompts)
     past = DynamicCache()
-    for layer, (keys, values) in enumerate(kv):
+    for layer in range(len(hits[0][1])):
+        like_k, like_v = hits[0][1][layer]
+        keys = like_k.new_zeros((rows, like_k.shape[1], past_width, like_k.shape[-1]))
+        values = like_v.new_zeros((rows, like_v.shape[1], past_width, like_v.shape[-1]))
+        for j, (k, kv) in enumerate(hits):
+            keys[j, :, past_width - k:] = kv[layer][0][0]
+            values[j, :, past_width - k:] = kv[layer][1][0]
         past.update(keys, values, layer)
-    ids = torch.tensor([prompt[known:]], device=device)
-    out = model(input_ids=ids, attention_mask=torch.ones((1, len(prompt)), dtype=torch.long, device=device),
-                position_ids=torch.arange(known, len(prompt), device=device)[None], cache=past, use_cache=True,
-                logits_to_keep=1)
-    return past, out.logits[0, -1].float()
+    input_ids = torch.full((rows, width), pad_id, dtype=torch.long, device=device)
+    attention = torch.zeros((rows, past_width + width), dtype=torch.long, device=device)
+    positions = torch.empty((rows, width), dtype=torch.long, device=device)
+    for j, (p, k, n) in enumerate(zip(prompts, known, new, strict=True)):
+        input_ids[j, :n] = torch.tensor(p[k:], device=device)
+        attention[j, past_width - k:past_width + n] = 1
+        # a right pad repeats the last real position: never past the prompt's own length
+        positions[j] = torch.arange(k, k + width, device=device).clamp_(max=len(p) - 1)
+    last = sorted(set(n - 1 for n in new))  # the positions whose logits are wanted, once each
+    out = model(input_ids=input_ids, attention_mask=attention, position_ids=positions, cache=past, use_cache=True,
+                logits_to_keep=torch.tensor(last, device=device))
+    logits = out.logits[torch.arange(rows, device=device), torch.tensor([last.index(n - 1) for n in new], device=device)]
+    columns = [(past_width - k, past_width + n) for k, n in zip(known, new, strict=True)]
+    return past, logits.float(), columns
 
 
 def _store_finished(prefix_cache: PrefixCache, cache: SlotCache, batch: list[_Row], live: list[int]) -> None:

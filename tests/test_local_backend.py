@@ -402,3 +402,48 @@ def test_cpu_logit_chunks_stay_under_the_heap_ceiling() -> None:
     assert widths(1000) == {trainer.LOGIT_CHUNK_POSITIONS}
     assert widths(1_000_000) == {trainer.CPU_MIN_CHUNK_POSITIONS}
     assert widths(49152, device="meta") == {trainer.LOGIT_CHUNK_POSITIONS}
+
+
+# --------------------------------------------------------------------------- unloading (1)
+
+
+@pytest.mark.parametrize("sample_dtype", ["fp32", "bf16"])
+def test_unloading_clients_frees_their_adapters_and_leaves_the_rest_as_it_was(tmp_path, sample_dtype) -> None:
+    """What grpo.serve does for a finished session: a training client and a sampling client of
+    saved weights unloaded after both sampled (so the sampler's folded or bf16 copy holds one of
+    them); the other client samples and trains exactly as before, the saved weights still load."""
+    service = ServiceClient(checkpoint_dir=tmp_path, device="cpu", train_dtype="fp32", sample_dtype=sample_dtype)
+    a, b = new_client(service, seed=0, perturb=1), new_client(service, seed=1, perturb=2)
+    prompt, params = types.ModelInput.from_ints(PROMPT), types.SamplingParams(max_tokens=8, temperature=1.0, seed=5)
+
+    def draws(client) -> list[tuple[list[int], list[float]]]:
+        return [(list(s.tokens), list(s.logprobs)) for s in client.sample(prompt, 2, params).result().sequences]
+
+    a_sampler = a.save_weights_and_get_sampling_client()
+    a_before = draws(a_sampler)
+    path = b.save_weights_for_sampler("b").result().path
+    b_sampler = service.create_sampling_client(model_path=path)
+    b_draws = draws(b_sampler)  # the sampler's copy now holds b's weights
+    assert b_draws != a_before  # the adapters differ: the comparisons below can fail
+
+    engine = a.engine
+    service.unload(b_sampler)
+    service.unload(b)
+    service.unload(a_sampler)  # sampling a's own weights: holds no adapter of its own
+    assert set(engine.versions) == set(engine.peft_model.peft_config) == {a.adapter}
+    assert not [n for n, _ in engine.peft_model.named_parameters()
+                if f".{b.adapter}." in n or f".{b_sampler.adapter}." in n]
+    assert draws(a_sampler) == a_before
+    a.forward_backward([next_token_datum(PROMPT, weights=[1.0] * (len(PROMPT) - 1))], "cross_entropy").result()
+    a.optim_step(types.AdamParams(learning_rate=1e-2)).result()
+    b_again = service.create_sampling_client(model_path=path)
+    assert draws(b_again) == b_draws  # checkpoints stay
+    service.unload(b_again)
+    # the last adapter too: the model is the plain base model again, and takes new adapters
+    service.unload(a)
+    assert engine.peft_model is None and not engine.versions
+    assert not [m for m in engine.model.modules() if "lora" in type(m).__name__.lower()]
+    c = new_client(service, seed=0, perturb=1)
+    assert draws(c.save_weights_and_get_sampling_client()) == a_before  # a's seed and weights, a's draws
+    c.forward_backward([next_token_datum(PROMPT, weights=[1.0] * (len(PROMPT) - 1))], "cross_entropy").result()
+    service.close()

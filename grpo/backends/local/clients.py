@@ -300,7 +300,23 @@ class ServiceClient:
         handle = self._engine(base)
         name = f"sampler{next(self._ids)}"
         handle.engine.load_adapter_dir(name, path)
-        return SamplingClient(handle, adapter=name)
+        client = SamplingClient(handle, adapter=name)
+        client.owns_adapter = True
+        return client
+
+    def unload(self, client: TrainingClient | SamplingClient) -> None:
+        """grpo's own: unload what ``client`` holds in memory, once the work already queued on
+        its model is done -- a training client's adapter and optimizer, a sampling client's
+        adapter loaded from saved weights (one sampling from a training client's weights or
+        a base model holds none of its own). Saved checkpoints stay. The client must not be
+        used afterwards. grpo.serve calls it for the clients of a finished session."""
+        if isinstance(client, TrainingClient):
+            client.optimizer = None
+        elif not client.owns_adapter:
+            return
+        handle = client.handle
+        if not handle.closed:
+            handle.call(_remove_adapter, handle, client.adapter)
 
     # ------------------------------------------------------------------ weights
 
@@ -329,6 +345,12 @@ def _call_on(own: concurrent.futures.ThreadPoolExecutor | None, fn: Callable[...
     if own is None:
         return local_computing.run(fn, *args, **kwargs)
     return own.submit(fn, *args, **kwargs).result()
+
+
+def _remove_adapter(handle: _EngineHandle, name: str) -> None:
+    with handle.engine.lock:  # no generation reads the prefix cache meanwhile
+        handle.batcher.release_prefix_cache(name)
+        handle.engine.remove_adapter(name)
 
 
 class _EngineHandle:
@@ -708,6 +730,7 @@ class SamplingClient(_ClientFuture):
         self.engine = handle.engine
         self.adapter = adapter
         self.snapshot = snapshot
+        self.owns_adapter = False  # loaded from saved weights for this client alone (ServiceClient.unload)
 
     def sample(self, prompt: ModelInput, num_samples: int = 1, sampling_params: SamplingParams | None = None,
                include_prompt_logprobs: bool = False, topk_prompt_logprobs: int = 0,

@@ -139,6 +139,7 @@ class Engine:
         # Sampling folds LoRA into the base weights where that is exact (float32, folded_lora.py).
         self.fold_lora_for_sampling = True
         self._folded: FoldedAdapter | None = None  # the last folded weights, reused while current
+        self._parameters: dict[str, dict[str, nn.Parameter]] = {}  # adapter_parameters, per adapter
 
     # ------------------------------------------------------------------ adapters
 
@@ -189,9 +190,41 @@ class Engine:
                 p.requires_grad_(False)
 
     def adapter_parameters(self, name: str) -> dict[str, nn.Parameter]:
-        """The trainable tensors of adapter ``name``, keyed by module path."""
-        marker = f".{name}."
-        return {n: p for n, p in self.peft_model.named_parameters() if "lora_" in n and marker in n}
+        """The trainable tensors of adapter ``name``, keyed by module path. Found once per adapter:
+        a walk of the model's parameters passes every loaded adapter's, and a server holding many
+        made each training call of every one of them slower."""
+        params = self._parameters.get(name)
+        if params is None:
+            marker = f".{name}."
+            params = {n: p for n, p in self.peft_model.named_parameters() if "lora_" in n and marker in n}
+            self._parameters[name] = params
+        return params
+
+    def remove_adapter(self, name: str) -> None:
+        """Unload adapter ``name``: its LoRA layers, weights and whatever was built from them (a
+        folded or side-path sampler copy) leave memory; saved checkpoints are untouched. peft's
+        own per-adapter operations walk every loaded adapter, so a long-running server unloads
+        what its finished sessions leave behind (grpo/serve)."""
+        with self.lock:
+            if self.peft_model is None or name not in self.versions:
+                return
+            if self._sampler_copy is not None and self._sampler_copy.key is not None and self._sampler_copy.key[0] == name:
+                self._sampler_copy.forget()
+            if self._folded is not None and self._folded.key[0] == name:
+                self._folded = None
+            if len(self.versions) == 1:
+                # peft has no model without an adapter (its active config would name the deleted
+                # one): take the LoRA layers out, and the next adapter wraps the model afresh
+                self.peft_model.unload()
+                self.peft_model = None
+            else:
+                with warnings.catch_warnings():  # that another adapter is active now: _active says so below
+                    warnings.filterwarnings("ignore", message=".*was active which is now deleted.*")
+                    self.peft_model.delete_adapter(name)
+            del self.versions[name]
+            self.specs.pop(name, None)
+            self._parameters.pop(name, None)
+            self._active = None  # peft made another adapter (or none) active: set_adapter again before use
 
     def adapter_state(self, name: str) -> dict[str, torch.Tensor]:
         return {n: p.detach().clone() for n, p in self.adapter_parameters(name).items()}

@@ -85,6 +85,11 @@ class SamplerCopy:
         self.key, self.weights = key, weights
         return self.model
 
+    def forget(self) -> None:
+        """Drop the installed adapter (its side paths and the weights they came from)."""
+        self.key, self.weights = None, None
+        self._restore()
+
     def _restore(self) -> None:
         for group in self._groups.values():
             group.set_lora(None)

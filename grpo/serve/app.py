@@ -73,7 +73,7 @@ def create_app(api_key: str, service: ServiceClient | None = None, long_poll_s: 
     # The sections in the order they were declared in: a route's {checkpoint_id:path} must come
     # after the more specific routes it would swallow (rest.py keeps its own in that order).
     api = APIRouter(prefix=API_PREFIX)
-    api.include_router(sessions.build(state, fwdbwd_chunk_len))
+    api.include_router(sessions.build(state, fwdbwd_chunk_len, limits))
     api.include_router(training.build(state, limits))
     api.include_router(checkpoints.build(state))
     api.include_router(rest.build(state, file_urls.FileSigner()))

@@ -38,6 +38,7 @@ class Limits:
     max_request_tokens: int = 1 << 20  # model_input tokens summed over a whole request
     max_json_depth: int = 32  # nesting of arrays and objects in a JSON body
     client_timeout_s: float = 120.0  # a session silent this long has its queued sampling dropped
+    session_timeout_s: float = 600.0  # a session silent this long is finished: its models leave memory
 
     @property
     def max_body_bytes(self) -> int:
@@ -148,6 +149,9 @@ _HELP = {
     "max_json_depth": "deepest nesting of arrays and objects a JSON body may have",
     "client_timeout_s": "seconds a session may go without a request (a poll, a heartbeat) before its "
                         "queued sampling work is dropped; finishing a session drops it at once",
+    "session_timeout_s": "seconds a session may go without a request (the SDK heartbeats every 10 s while its "
+                         "process runs) before it is finished: its training and sampling models leave memory, "
+                         "saved checkpoints stay; finishing a session (the SDK's close) does it at once",
 }
 
 

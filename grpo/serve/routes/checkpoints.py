@@ -52,7 +52,7 @@ def build(state: ServerState) -> APIRouter:
                 snap = state.executor.submit(model.client.save_weights_and_get_sampling_client)
                 await asyncio.wait({asyncio.wrap_future(snap)})
             if snap.exception() is None:
-                state.samplers[sampler_id] = Sampler(sampler_id, model.base_model, snap.result())
+                state.register_sampler(Sampler(sampler_id, model.base_model, snap.result()))
             return {"request_id": state.futures.add(chain(snap, lambda _c: {
                 "type": "save_weights_for_sampler", "sampling_session_id": sampler_id}))}
         return await save_to_store(model, body, "save_weights_for_sampler",

@@ -17,7 +17,8 @@ from grpo.serve.state import PROTOBUF, ServerState, fail
 
 
 def build(state: ServerState, limits: Limits) -> APIRouter:
-    """The route; ``limits.client_timeout_s``: how long a silent client's session is kept."""
+    """The route; ``limits.client_timeout_s``: how long a silent client's queued work is kept,
+    ``limits.session_timeout_s`` how long its session."""
     router = APIRouter()
 
     def drop_silent_sessions() -> None:
@@ -25,8 +26,9 @@ def build(state: ServerState, limits: Limits) -> APIRouter:
         only keep the others waiting. Checked on every poll, so no timer thread is needed."""
         cutoff = time.time() - limits.client_timeout_s
         for session_id, info in list(state.sessions.items()):
-            if info["heartbeat"] < cutoff and state.futures.drop_session(session_id):
-                info["heartbeat"] = time.time()  # dropped once; a later request of its own revives it
+            if info["heartbeat"] < cutoff:
+                state.futures.drop_session(session_id)
+        state.finish_silent(limits.session_timeout_s)  # and silent for far longer: finished
 
     def public_error(err: BaseException) -> dict[str, Any]:
         result = error_result(err)

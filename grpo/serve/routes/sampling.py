@@ -36,7 +36,7 @@ def build(state: ServerState, limits: Limits) -> APIRouter:
             client = await load_sampler(base_model=base)
         else:
             raise fail(422, "model_path", "create_sampling_session needs model_path or base_model")
-        state.samplers[sampler_id] = Sampler(sampler_id, base, client, body.model_path)
+        state.register_sampler(Sampler(sampler_id, base, client, body.model_path))
         return {"type": "create_sampling_session", "sampling_session_id": sampler_id}
 
     @router.get("/samplers/{sampler_id}")

@@ -11,11 +11,13 @@ from typing import Any
 from fastapi import APIRouter
 
 from grpo.serve import bodies
+from grpo.serve.limits import Limits
 from grpo.serve.state import ServerState
 
 
-def build(state: ServerState, fwdbwd_chunk_len: int | None) -> APIRouter:
-    """The routes; ``fwdbwd_chunk_len``: datums per forward_backward request the SDK may send."""
+def build(state: ServerState, fwdbwd_chunk_len: int | None, limits: Limits) -> APIRouter:
+    """The routes; ``fwdbwd_chunk_len``: datums per forward_backward request the SDK may send;
+    ``limits.session_timeout_s``: how long a silent session lives."""
     router = APIRouter()
 
     @router.post("/client/config")
@@ -46,6 +48,7 @@ def build(state: ServerState, fwdbwd_chunk_len: int | None) -> APIRouter:
 
     @router.post("/create_session")
     async def create_session(body: bodies.CreateSession) -> dict[str, Any]:
+        state.finish_silent(limits.session_timeout_s)  # what clients long gone left loaded
         session_id = f"sess-{secrets.token_hex(4)}"
         state.sessions[session_id] = {"created": time.time(), "sdk_version": body.sdk_version,
                                       "user_metadata": body.user_metadata or {}, "heartbeat": time.time()}
@@ -58,8 +61,8 @@ def build(state: ServerState, fwdbwd_chunk_len: int | None) -> APIRouter:
 
     @router.post("/sessions/{session_id}/finish")
     async def finish_session(session_id: bodies.RefInPath) -> dict[str, Any]:
-        state.sessions.pop(session_id, None)
-        state.futures.drop_session(session_id)
+        # its queued work is dropped; its models and samplers leave memory (saved checkpoints stay)
+        state.finish(session_id, "closed by its client")
         return {"type": "finish_session"}
 
     @router.post("/telemetry")

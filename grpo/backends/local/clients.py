@@ -333,6 +333,7 @@ class ServiceClient:
         "create_training_client_from_state_with_optimizer")
     create_lora_training_client_async = async_twin("create_lora_training_client")
     create_sampling_client_async = async_twin("create_sampling_client")
+    unload_async = async_twin("unload")
 
 
 def _own_computing_thread() -> concurrent.futures.ThreadPoolExecutor:

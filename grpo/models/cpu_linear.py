@@ -194,9 +194,7 @@ def pack_for_inference(model: nn.Module) -> int:
     count = 0
     for name, module in list(model.named_modules()):
         if type(module) in (nn.Linear, OneDNNLinear) and can_pack(module.weight):
-            parent_name, _, child = name.rpartition(".")
-            setattr(model.get_submodule(parent_name) if parent_name else model, child,
-                    PackedLinear(module.weight, module.bias))
+            model.set_submodule(name, PackedLinear(module.weight, module.bias))
             count += 1
     return count
 

@@ -71,15 +71,12 @@ class FoldedAdapter:
         originals: dict[str, nn.Module] = {}
         try:
             for name, folded in self.replacements.items():
-                parent_name, _, child = name.rpartition(".")
-                parent = peft_model.get_submodule(parent_name)
-                originals[name] = getattr(parent, child)
-                setattr(parent, child, folded)
+                originals[name] = peft_model.get_submodule(name)
+                peft_model.set_submodule(name, folded)
             yield peft_model
         finally:
             for name, original in originals.items():
-                parent_name, _, child = name.rpartition(".")
-                setattr(peft_model.get_submodule(parent_name), child, original)
+                peft_model.set_submodule(name, original)
 
 
 def lora_layers(peft_model: nn.Module, adapter: str) -> list[tuple[str, nn.Module]]:

@@ -77,11 +77,8 @@ class SamplerCopy:
                     group.set_lora([loras.pop(p) if p in loras else _no_lora(self.model.get_submodule(p))
                                     for p in paths])
             for name, (a, b, scaling) in loras.items():
-                parent_name, _, child = name.rpartition(".")
-                parent = self.model.get_submodule(parent_name)
-                original = getattr(parent, child)
-                self._installed[name] = original
-                setattr(parent, child, LoraSidePath(original, a, b, scaling, self.dtype))
+                original = self._installed[name] = self.model.get_submodule(name)
+                self.model.set_submodule(name, LoraSidePath(original, a, b, scaling, self.dtype))
         self.key, self.weights = key, weights
         return self.model
 
@@ -94,8 +91,7 @@ class SamplerCopy:
         for group in self._groups.values():
             group.set_lora(None)
         for name, original in self._installed.items():
-            parent_name, _, child = name.rpartition(".")
-            setattr(self.model.get_submodule(parent_name), child, original)
+            self.model.set_submodule(name, original)
         self._installed = {}
 
 

@@ -26,8 +26,10 @@ def build(state: ServerState, limits: Limits) -> APIRouter:
         only keep the others waiting. Checked on every poll, so no timer thread is needed."""
         cutoff = time.time() - limits.client_timeout_s
         for session_id, info in list(state.sessions.items()):
-            if info["heartbeat"] < cutoff:
+            # once per silence: a later request of its own moves the heartbeat on
+            if info["heartbeat"] < cutoff and info.get("dropped_at") != info["heartbeat"]:
                 state.futures.drop_session(session_id)
+                info["dropped_at"] = info["heartbeat"]
         state.finish_silent(limits.session_timeout_s)  # and silent for far longer: finished
 
     def public_error(err: BaseException) -> dict[str, Any]:

@@ -176,26 +176,23 @@ def test_a_sampling_client_reads_the_cache_until_its_weights_change(tmp_path):
     service.close()
 
 
-@pytest.mark.parametrize("layer_types", [["full_attention"] * 2, ["sliding_attention", "full_attention"]])
-def test_a_turn_read_from_the_cache_has_a_plain_forward_pass_logprobs(tokenizer, layer_types):
-    """A small random model, sliding-window layers too (the suffix's attention after a cached
-    prefix must still see only the window): turn 2 of two episodes is prefilled after its cached
-    turn 1, and every sampled token's logprob equals the model's own full forward pass."""
+LAYER_TYPES = [["full_attention"] * 2, ["sliding_attention", "full_attention"]]
+
+
+def small_model(tokenizer, layer_types: list[str]):
+    """A small random model with a sliding window of 3 where ``layer_types`` says so."""
     from transformers import AutoModelForCausalLM, Qwen2Config
 
     config = Qwen2Config(num_hidden_layers=2, hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
                          intermediate_size=64, vocab_size=tokenizer.vocab_size, sliding_window=3, use_sliding_window=True,
                          layer_types=layer_types, max_window_layers=0)
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval()
-    cache = PrefixCache(2**24)
-    params = SamplingParams(max_tokens=6, temperature=1.0, seed=3)
-    first = [sampler.GenerationRequest([1, 504, 3458, 314, 253, 1345, 28], 2, params)]
-    sampler.generate(model, first, tokenizer, CPU, prefix_cache=cache)
-    second = [sampler.GenerationRequest(first[0].prompt + s.tokens + [42, 43, 44], 1, params) for s in first[0].sequences]
-    stats = sampler.generate(model, second, tokenizer, CPU, prefix_cache=cache)
-    assert stats.prefix_hits == 2 and stats.prefilled_tokens <= 2 * 4
-    for req in second:
+    return AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval()
+
+
+def assert_plain_forward_logprobs(model, requests: list[sampler.GenerationRequest]) -> None:
+    """Every sampled token's logprob is the model's own full forward pass's over prompt + sample."""
+    for req in requests:
         seq = req.sequences[0]
         ids = torch.tensor([req.prompt + seq.tokens])
         with torch.no_grad():
@@ -204,19 +201,29 @@ def test_a_turn_read_from_the_cache_has_a_plain_forward_pass_logprobs(tokenizer,
         assert seq.logprobs == pytest.approx(plain.tolist(), abs=1e-5)
 
 
-@pytest.mark.parametrize("layer_types", [["full_attention"] * 2, ["sliding_attention", "full_attention"]])
+@pytest.mark.parametrize("layer_types", LAYER_TYPES)
+def test_a_turn_read_from_the_cache_has_a_plain_forward_pass_logprobs(tokenizer, layer_types):
+    """A small random model, sliding-window layers too (the suffix's attention after a cached
+    prefix must still see only the window): turn 2 of two episodes is prefilled after its cached
+    turn 1, and every sampled token's logprob equals the model's own full forward pass."""
+    model = small_model(tokenizer, layer_types)
+    cache = PrefixCache(2**24)
+    params = SamplingParams(max_tokens=6, temperature=1.0, seed=3)
+    first = [sampler.GenerationRequest([1, 504, 3458, 314, 253, 1345, 28], 2, params)]
+    sampler.generate(model, first, tokenizer, CPU, prefix_cache=cache)
+    second = [sampler.GenerationRequest(first[0].prompt + s.tokens + [42, 43, 44], 1, params) for s in first[0].sequences]
+    stats = sampler.generate(model, second, tokenizer, CPU, prefix_cache=cache)
+    assert stats.prefix_hits == 2 and stats.prefilled_tokens <= 2 * 4
+    assert_plain_forward_logprobs(model, second)
+
+
+@pytest.mark.parametrize("layer_types", LAYER_TYPES)
 def test_next_turns_of_different_lengths_are_prefilled_in_one_batch(tokenizer, layer_types):
     """Three episodes of two first prompts of different lengths reach turn 2 with replies of
     different lengths: their prompts differ in both the cached part and the new part, are
     prefilled in one forward after their cached prefixes (padding left of the prefix and right of
     the new tokens), compute only their new tokens, and sample with a plain forward's logprobs."""
-    from transformers import AutoModelForCausalLM, Qwen2Config
-
-    config = Qwen2Config(num_hidden_layers=2, hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
-                         intermediate_size=64, vocab_size=tokenizer.vocab_size, sliding_window=3, use_sliding_window=True,
-                         layer_types=layer_types, max_window_layers=0)
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval()
+    model = small_model(tokenizer, layer_types)
     cache = PrefixCache(2**24)
     params = SamplingParams(max_tokens=6, temperature=1.0, seed=3)
     first = [sampler.GenerationRequest([1, 504, 3458, 314, 253, 1345, 28], 2, params),
@@ -239,10 +246,4 @@ def test_next_turns_of_different_lengths_are_prefilled_in_one_batch(tokenizer, l
     # and the reply are what turn 2 computes, all three prompts in one forward
     assert stats.prefix_hits == 3 and stats.prefilled_tokens == sum(1 + len(r) for r in replies)
     assert prefills == [torch.Size([3, 1 + max(len(r) for r in replies)])]
-    for req in second:
-        seq = req.sequences[0]
-        ids = torch.tensor([req.prompt + seq.tokens])
-        with torch.no_grad():
-            logits = model(input_ids=ids).logits[0, len(req.prompt) - 1:-1].float()
-        plain = torch.log_softmax(logits, -1).gather(-1, ids[0, len(req.prompt):, None])[:, 0]
-        assert seq.logprobs == pytest.approx(plain.tolist(), abs=1e-5)
+    assert_plain_forward_logprobs(model, second)

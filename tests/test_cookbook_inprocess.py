@@ -87,8 +87,13 @@ def test_math_rl_arithmetic_reward_rises(run_env, tmp_path) -> None:
     in_format = [m["env/all/format"] for m in rows]
     print("math_rl reward per step:", [round(r, 3) for r in reward], "format:", [round(f, 2) for f in in_format])
     assert len(reward) == steps
-    # The untrained model answers in format about 30-50 % of the time (measured: 0.28, 0.38, 0.50).
-    assert sum(in_format[-3:]) / 3 >= 0.85 and sum(in_format[-3:]) / 3 > in_format[0], in_format
+    # The untrained model answers in format about 30-50 % of the time; step 0's rate is a 16-sample
+    # estimate of it (measured 0.25-0.62). The cookbook's sampling is unseeded, so the last three
+    # steps' mean (48 samples) has a standard deviation of ~0.05-0.07: trained runs measured 0.75
+    # (0.81, 0.81, 0.62) to 1.0. A bound of 0.85 failed one of four CI runs of the same code on
+    # 2026-11-26; 0.7 is ~3 standard deviations above an untrained model at 0.5, so a run that does
+    # not learn the format still fails.
+    assert sum(in_format[-3:]) / 3 >= 0.7 and sum(in_format[-3:]) / 3 > in_format[0], in_format
     assert sum(reward[-3:]) / 3 > reward[0], reward
 
 

@@ -256,9 +256,7 @@ def _admit(model, requests: list[GenerationRequest], cache: SlotCache, first_slo
             stats.prefilled_tokens += len(p) - known
             for i in owners:
                 sources[i], next_logits[i] = (past, j, start, end), last_logits[j]
-            # copies: the batch's padded tensors are not kept
-            prefix_cache.store(p, [(layer.keys[j:j + 1, :, start:end].clone(), layer.values[j:j + 1, :, start:end].clone())
-                                   for layer in past.layers])
+            prefix_cache.store(p, _row_copy(past, j, start, end))
     if fresh:
         prompts = [list(p) for p in fresh]
         prefill, last_logits, stats_tokens = _prefill_together(model, prompts, _pad_id(tokenizer), device)
@@ -268,9 +266,8 @@ def _admit(model, requests: list[GenerationRequest], cache: SlotCache, first_slo
             start = width - len(p)
             for i in fresh[p]:
                 sources[i], next_logits[i] = (prefill, j, start, None), last_logits[j]
-            if prefix_cache is not None:  # copies: the batch's padded tensors are not kept
-                prefix_cache.store(p, [(layer.keys[j:j + 1, :, start:].clone(), layer.values[j:j + 1, :, start:].clone())
-                                       for layer in prefill.layers])
+            if prefix_cache is not None:
+                prefix_cache.store(p, _row_copy(prefill, j, start, None))
 
     rows: list[_Row] = []
     owner: list[int] = []
@@ -287,6 +284,13 @@ def _admit(model, requests: list[GenerationRequest], cache: SlotCache, first_slo
                              stop_strings, generator))
             owner.append(i)
     return rows, torch.stack([next_logits[i] for i in owner])
+
+
+def _row_copy(cache: DynamicCache, row: int, start: int, end: int | None) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Row ``row``'s columns ``start`` to ``end`` of a batch prefill cache, per layer, copied (for
+    the prefix cache, which must not keep the batch's padded tensors alive)."""
+    return [(layer.keys[row:row + 1, :, start:end].clone(), layer.values[row:row + 1, :, start:end].clone())
+            for layer in cache.layers]
 
 
 def _prefill_together(model, prompts: list[list[int]], pad_id: int, device: torch.device

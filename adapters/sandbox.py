@@ -439,17 +439,34 @@ class _UidSlots:
             fcntl.flock(fd, fcntl.LOCK_UN)
             os.close(fd)
 
+    @contextlib.contextmanager
+    def holding(self, uid: int) -> Iterator[None]:
+        """``uid``'s lock, waited for: meanwhile no sandbox on this machine runs as it."""
+        fd = self._lock_file(uid, wait=True)
+        try:
+            yield
+        finally:
+            fcntl.flock(fd, fcntl.LOCK_UN)
+            os.close(fd)
+
+    def _lock_file(self, uid: int, wait: bool) -> int | None:
+        """An open descriptor of ``uid``'s lock file, locked; None if not waiting and it is taken."""
+        fd = os.open(self.lock_dir / str(uid), os.O_CREAT | os.O_RDWR, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX if wait else fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            return None
+        return fd
+
     def _take(self) -> tuple[int, int]:
         while True:
             for uid in range(self.base, self.base + 64 * max(self.count, 1)):
                 with self._lock:
                     if uid in self._held:
                         continue
-                    fd = os.open(self.lock_dir / str(uid), os.O_CREAT | os.O_RDWR, 0o600)
-                    try:
-                        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                    except BlockingIOError:
-                        os.close(fd)
+                    fd = self._lock_file(uid, wait=False)
+                    if fd is None:
                         continue
                     self._held.add(uid)
                     # A previous holder that died mid-run may have left processes behind.

@@ -8,7 +8,6 @@ Hostile programs run with the in-interpreter guard OFF, so what contains them is
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import json
 import os
 import shutil
@@ -202,17 +201,11 @@ def test_hostile_run_leaves_nothing_behind(hostile):
     assert not hostile["new_jobdirs"], hostile["new_jobdirs"]
     if IS_ROOT:
         assert hostile["uids"]
-        lock_dir = hostile["sandbox"]._slots.lock_dir
         for uid in sorted(hostile["uids"]):
             # Each uid looked at while holding its pool lock: a sandbox of another test worker
             # may run as it now (and did, failing this check), never while we hold it.
-            fd = os.open(lock_dir / str(uid), os.O_CREAT | os.O_RDWR, 0o600)
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX)
+            with hostile["sandbox"]._slots.holding(uid):
                 assert not processes_of_uid(uid), f"processes of sandbox uid {uid} survived"
-            finally:
-                fcntl.flock(fd, fcntl.LOCK_UN)
-                os.close(fd)
 
 
 def test_hostile_specific_outcomes(hostile):

@@ -13,7 +13,7 @@ from backend_helpers import perturb_adapter
 
 from grpo import models, types
 from grpo.backends.local import ServiceClient
-from grpo.models import dtype_probe, precision
+from grpo.models import dtype_probe, kernel_probe, precision
 from grpo.models.cpu_linear import packing_works
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")
@@ -39,6 +39,9 @@ def probe(monkeypatch, tmp_path):
     monkeypatch.setattr(dtype_probe, "_memo", {})
     monkeypatch.setattr(dtype_probe, "cache_file", lambda: tmp_path / "precision.json")
     monkeypatch.setattr(dtype_probe, "machine_busy", lambda: None)  # however loaded this machine is now
+    # an fp32 model's training kernel is probed too (kernel_probe.py): a tie, so oneDNN, untimed
+    monkeypatch.setattr(kernel_probe, "_memo", {})
+    monkeypatch.setattr(kernel_probe, "measure", lambda shapes: (1.0, 1.0))
 
     def use(timer: FakeTimer) -> FakeTimer:
         monkeypatch.setattr(dtype_probe, "measure", timer)

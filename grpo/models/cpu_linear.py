@@ -14,6 +14,11 @@ half-precision weight, a build without oneDNN) takes ``nn.Linear``'s own path. R
 from MKL's only by float rounding (different summation order); the sampler and the trainer use
 the same kernels, so they still agree with each other as before.
 
+On other CPUs MKL is the faster one for training: on an Intel Xeon with AMX its input gradients
+ran up to 1.6x faster. So a float32 model's training products go to the kernel that measured
+faster on the machine (``OneDNNLinear.kernel``, set by the engine from kernel_probe.py); the
+sampler's packed weights stay oneDNN's.
+
 ``GRPO_CPU_LINEAR=torch`` in the environment keeps PyTorch's default kernels.
 """
 
@@ -105,18 +110,22 @@ class OneDNNLinear(nn.Linear):
     """
 
     inference_packed = False
+    # The float32 kernel for products by the weight itself (training, and gradient-free calls
+    # without a packed copy): oneDNN, or "torch" (``nn.Linear``'s own: MKL's sgemm in PyTorch's CPU
+    # wheels) on a machine where that measured faster for training (kernel_probe.py).
+    kernel = "onednn"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.device.type != "cpu" or x.dtype not in _ONEDNN_DTYPES or self.weight.dtype != x.dtype:
             return super().forward(x)
+        by_onednn = x.dtype == torch.float32 and self.kernel == "onednn"
         if torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad
                                         or (self.bias is not None and self.bias.requires_grad)):
-            if x.dtype != torch.float32:  # bf16 training: PyTorch's own path (as fast at training's rows)
-                return super().forward(x)
-            return _OneDNNLinearFunction.apply(x, self.weight, self.bias)
+            # bf16 training: PyTorch's own path (as fast at training's rows)
+            return _OneDNNLinearFunction.apply(x, self.weight, self.bias) if by_onednn else super().forward(x)
         if self.inference_packed:
             return _onednn(x, self._packed_weight(), self.bias)
-        return _onednn(x, self.weight, self.bias) if x.dtype == torch.float32 else super().forward(x)
+        return _onednn(x, self.weight, self.bias) if by_onednn else super().forward(x)
 
     def _packed_weight(self) -> torch.Tensor:
         key = (self.weight.data_ptr(), self.weight._version)

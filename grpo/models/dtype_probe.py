@@ -319,9 +319,9 @@ def _fastest(fp32: list[Op], bf16: list[Op], counts: list[float], budget_s: floa
     return tuple(sum(c * t for c, t in zip(counts, b, strict=True)) for b in best)
 
 
-def _linears(shapes: Shapes, dtype, head_rows: int):
+def _linears(shapes: Shapes, dtype, head_rows: int, kernel: str = "onednn"):
     """One layer's Linears and a ``head_rows``-row slice of the unembedding, in ``dtype``, on the
-    kernels the model runs (oneDNN for fp32 on a CPU: cpu_linear.py)."""
+    kernels the model runs (oneDNN for fp32 on a CPU unless ``kernel`` is "torch": cpu_linear.py)."""
     import torch
     from torch import nn
 
@@ -339,6 +339,8 @@ def _linears(shapes: Shapes, dtype, head_rows: int):
     layer = nn.ModuleList(linear(a, b) for a, b in layer_shapes)
     head = linear(h, head_rows)
     use_onednn_linears(layer), use_onednn_linears(head)
+    for module in (*layer, head):
+        module.kernel = kernel  # read by OneDNNLinear only
     return list(layer), head
 
 
@@ -411,17 +413,17 @@ def _decode_ops(shapes: Shapes, dtype) -> tuple[list[Op], list[float]]:
     return [step, torch.no_grad()(lambda: head(inputs[h]))], [shapes.layers / copies, shapes.vocab / head_rows]
 
 
-def _train_ops(shapes: Shapes, dtype) -> tuple[list[Op], list[float]]:
+def _train_ops(shapes: Shapes, dtype, kernel: str = "onednn") -> tuple[list[Op], list[float]]:
     """One training pass's matmuls: ``TRAIN_ROWS`` tokens forward and back through one layer's
     Linears and a slice of the unembedding, as the trainer runs them: the frozen base in ``dtype``
-    (input gradient only), fp32 LoRA weights cast to ``dtype`` and added inside the matmul
-    (lora_linear.py)."""
+    (input gradient only; fp32 through ``kernel``), fp32 LoRA weights cast to ``dtype`` and added
+    inside the matmul (lora_linear.py)."""
     import torch
 
     from grpo.models.lora_linear import lora_side_path
 
     head_rows = min(shapes.vocab, HEAD_TRAIN_ROWS)
-    linears, head = _linears(shapes, dtype, head_rows)
+    linears, head = _linears(shapes, dtype, head_rows, kernel)
     inputs = {n: torch.randn(TRAIN_ROWS, n, dtype=dtype) for n in {shapes.hidden, shapes.q_out, shapes.intermediate}}
 
     def op(module) -> Op:

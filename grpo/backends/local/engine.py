@@ -25,8 +25,13 @@ from grpo.backends.local.folded_lora import FoldedAdapter, can_fold
 from grpo.backends.local.sampler_precision import SamplerCopy
 from grpo.backends.local.sections import section
 from grpo.checks import check_lora_targets
-from grpo.models import dtype_probe, precision
-from grpo.models.cpu_linear import keep_packed_copies, packing_works, use_onednn_linears
+from grpo.models import dtype_probe, kernel_probe, precision
+from grpo.models.cpu_linear import (
+    OneDNNLinear,
+    keep_packed_copies,
+    packing_works,
+    use_onednn_linears,
+)
 from grpo.models.lora_linear import fuse_lora_linears
 
 ATTN_PARENTS = ("attn", "attention")
@@ -91,10 +96,22 @@ def _probe_shapes(base_model: str, device: torch.device, dtypes: tuple) -> dtype
 
     if device.type != "cpu" or all(fp32(d) for d in dtypes) or not dtype_probe.enabled():
         return None
+    return _shapes(base_model)
+
+
+def _shapes(base_model: str) -> dtype_probe.Shapes | None:
     try:
         return dtype_probe.Shapes.from_config(models.load_config(base_model))
     except (OSError, ValueError):  # not a model config (an adapter directory...): load_model says what is wrong
         return None
+
+
+def _fp32_training_kernel(base_model: str, model: nn.Module) -> str:
+    """The float32 kernel a CPU model trains through: the one that measured faster here
+    (kernel_probe.py), measured only for a model that has oneDNN Linears."""
+    if dtype_probe.enabled() and any(type(m) is OneDNNLinear for m in model.modules()):
+        return kernel_probe.training_kernel(_shapes(base_model))
+    return "onednn"
 
 
 class Engine:
@@ -114,6 +131,8 @@ class Engine:
         self.tokenizer = models.load_tokenizer(base_model)
         self.model = models.load_model(base_model, device=self.device, dtype=train_dtype)
         self.dtype = next(self.model.parameters()).dtype
+        self.fp32_kernel = _fp32_training_kernel(base_model, self.model)
+        kernel_probe.use(self.model, self.fp32_kernel)
         # Sampling multiplies by oneDNN's packed layout (cpu_linear.py), at the cost of one more
         # copy of the weights it reads there: in fp32 the unembedding's (the LoRA layers are
         # folded into packed copies of their own); in bf16 a whole packed copy of the model.
@@ -167,6 +186,7 @@ class Engine:
                 else:
                     self.peft_model.add_adapter(name, config)
             use_onednn_linears(self.peft_model)  # peft's new lora_A/lora_B Linears too
+            kernel_probe.use(self.peft_model, self.fp32_kernel)
             fuse_lora_linears(self.peft_model)
             self.specs[name] = spec
             self.versions[name] = 0
@@ -183,6 +203,7 @@ class Engine:
             else:
                 self.peft_model.load_adapter(str(path), adapter_name=name)
             use_onednn_linears(self.peft_model)
+            kernel_probe.use(self.peft_model, self.fp32_kernel)
             fuse_lora_linears(self.peft_model)
             self.versions[name] = 0
             self._activate(name)

@@ -1,0 +1,143 @@
+"""Which float32 kernel trains faster on this CPU: oneDNN's Linear or PyTorch's own (MKL's sgemm).
+
+cpu_linear.py sends float32 Linears to oneDNN because MKL ran them 2.2x slower on the AMD EPYC
+where that was measured. On an Intel Xeon with AMX the order turns round for training: the input
+gradients of SmolLM2's layers and of its unembedding ran 8% and 1.6x faster through MKL, a bench
+step's training ~5% (docs/benchmark.md). Which library wins is a property of the CPU and the
+shapes, not of its flags, so the first fp32 training model of a shape on a machine times one
+training pass's matmuls (dtype_probe's ``train`` ops: one layer's Linears and a slice of the
+unembedding, forward and back, with LoRA) through both, op by op alternating, each op's fastest
+run counting; PyTorch's kernel is taken only when it measured ``MARGIN`` faster (oneDNN, the one
+chosen so far, keeps ties). Sampling keeps oneDNN's packed weights either way: a decoding step
+measured the same through both here and 2x faster through oneDNN on the EPYC.
+
+The result is cached beside the precision probe's (``$GRPO_CACHE/precision.json``) under the same
+machine key (CPU, torch, threads, shapes, probe version), printed once when measured. As with the
+precision probe, ``GRPO_PRECISION_PROBE=off`` skips it (oneDNN), and a machine whose load average
+is at least its core count is not measured (oneDNN for that run, measured by a later one).
+``GRPO_CPU_LINEAR=torch`` sends every Linear to PyTorch's kernels without measuring.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from grpo.models import dtype_probe
+from grpo.models.dtype_probe import Shapes
+
+KERNELS = ("onednn", "torch")
+MARGIN = 1.05  # PyTorch's kernel must be this many times faster: noise keeps the kernel in use so far
+BUDGET_S = 1.0
+KEY_PREFIX = "fp32 training kernel | "
+
+# (shapes) -> (oneDNN seconds, PyTorch seconds) per training pass; tests pass a fake one
+Timer = Callable[[Shapes], tuple[float, float]]
+
+_memo: dict[str, KernelTiming | None] = {}
+_lock = threading.Lock()
+
+
+@dataclass(frozen=True)
+class KernelTiming:
+    """Seconds of one probed training pass through each kernel."""
+
+    onednn_s: float
+    torch_s: float
+
+    @property
+    def choice(self) -> str:
+        return "torch" if self.torch_s * MARGIN <= self.onednn_s else "onednn"
+
+
+def training_kernel(shapes: Shapes | None, timer: Timer | None = None, cache: Path | None = None) -> str:
+    """The float32 training kernel for a model of ``shapes`` on this machine, "onednn" or "torch":
+    oneDNN without measuring where there is nothing to measure (no shapes, the probe off, oneDNN
+    not in use) or the machine is too busy to."""
+    from grpo.models import cpu_linear
+
+    if shapes is None or not dtype_probe.enabled() or not (cpu_linear.wanted() and cpu_linear.onednn_works()):
+        return "onednn"
+    timing = timings(shapes, timer, cache)
+    return "onednn" if timing is None else timing.choice
+
+
+def timings(shapes: Shapes, timer: Timer | None = None, cache: Path | None = None) -> KernelTiming | None:
+    """The KernelTiming of ``shapes``: from this process, the cache file, or measured (and cached
+    and printed once); None, printed once, where the machine is too busy to measure."""
+    key = KEY_PREFIX + dtype_probe.machine_key(shapes)
+    cache = cache if cache is not None else dtype_probe.cache_file()
+    memo_key = f"{cache} | {key}"
+    with _lock, dtype_probe._file_lock(cache):
+        if memo_key in _memo:
+            return _memo[memo_key]
+        entry = dtype_probe._read(cache).get(key)
+        try:
+            result = KernelTiming(float(entry["onednn_s"]), float(entry["torch_s"]))
+        except (KeyError, TypeError, ValueError):  # not measured yet, or a damaged entry
+            busy = dtype_probe.machine_busy()
+            if busy is not None:
+                print(f"grpo: fp32 training kernel not measured, the machine is busy ({busy}): oneDNN for this "
+                      "run, measured by a later one", file=sys.stderr, flush=True)
+                _memo[memo_key] = None
+                return None
+            result = KernelTiming(*(timer or measure)(shapes))
+            stored = dtype_probe._read(cache)  # another process may have added entries meanwhile
+            stored[key] = {"onednn_s": result.onednn_s, "torch_s": result.torch_s}
+            dtype_probe._write(cache, stored)
+            print(f"grpo: {summary(result, shapes)}; cached in {cache}", file=sys.stderr, flush=True)
+        _memo[memo_key] = result
+        return result
+
+
+def summary(result: KernelTiming, shapes: Shapes) -> str:
+    ratio = result.onednn_s / result.torch_s
+    return (f"fp32 training kernel on {dtype_probe.cpu_name()} ({shapes.signature()}): "
+            f"{'PyTorch (MKL)' if result.choice == 'torch' else 'oneDNN'} (per training pass: oneDNN "
+            f"{result.onednn_s * 1e3:.1f} ms, PyTorch {result.torch_s * 1e3:.1f} ms, PyTorch "
+            f"{f'{ratio:.2f}x faster' if ratio >= 1 else f'{1 / ratio:.2f}x slower'})")
+
+
+def measure(shapes: Shapes, budget_s: float = BUDGET_S) -> tuple[float, float]:
+    """Seconds per training pass through oneDNN and through PyTorch's kernel (dtype_probe's
+    training ops, scaled to the whole model)."""
+    import torch
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        (onednn, counts), (plain, _) = (dtype_probe._train_ops(shapes, torch.float32, kernel) for kernel in KERNELS)
+        return dtype_probe._fastest(onednn, plain, counts, budget_s)
+
+
+def use(model, kernel: str) -> int:
+    """Give every ``OneDNNLinear`` of ``model`` the float32 ``kernel``; how many."""
+    from grpo.models.cpu_linear import OneDNNLinear
+
+    if kernel not in KERNELS:
+        raise ValueError(f"unknown fp32 training kernel {kernel!r}; valid: {', '.join(KERNELS)}")
+    count = 0
+    for module in model.modules():
+        if type(module) is OneDNNLinear:
+            module.kernel = kernel
+            count += 1
+    return count
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``python -m grpo.models.kernel_probe [base_model]``: measure now (the cache is neither read
+    nor written) and print the line a first fp32 training run would print."""
+    from grpo import models
+
+    args = sys.argv[1:] if argv is None else argv
+    name = args[0] if args else "smollm2"
+    shapes = Shapes.from_config(models.load_config(name))
+    if shapes is None:
+        raise SystemExit(f"grpo: the config of {name!r} names no decoder shapes; nothing to time")
+    print(summary(KernelTiming(*measure(shapes)), shapes))
+
+
+if __name__ == "__main__":
+    main()

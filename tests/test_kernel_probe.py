@@ -1,0 +1,170 @@
+"""The float32 training kernel (grpo/models/kernel_probe.py): measured once per machine and model
+shape, PyTorch's kernel only where it measured faster by the margin, and a model that trains
+through either computes the same gradients. Timings are faked: this machine's decide nothing here."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from peft.tuners.lora import Linear as LoraLinear
+from torch import nn
+
+from grpo import models, types
+from grpo.backends.local import ServiceClient
+from grpo.models import cpu_linear, dtype_probe, kernel_probe
+from grpo.models.cpu_linear import OneDNNLinear
+
+SMOL = dtype_probe.Shapes(hidden=576, intermediate=1536, q_out=576, kv_out=192, vocab=49152, layers=30)
+needs_onednn = pytest.mark.skipif(not (cpu_linear.wanted() and cpu_linear.onednn_works()),
+                                  reason="this torch build has no oneDNN Linear: every kernel is PyTorch's")
+
+
+class FakeTimer:
+    """(oneDNN seconds, PyTorch seconds) per training pass as a machine would measure them."""
+
+    def __init__(self, onednn_s: float, torch_s: float):
+        self.result, self.calls = (onednn_s, torch_s), 0
+
+    def __call__(self, shapes: dtype_probe.Shapes) -> tuple[float, float]:
+        self.calls += 1
+        return self.result
+
+
+@pytest.fixture
+def probe(monkeypatch, tmp_path):
+    """The probe on (conftest turns it off), caching in a tmp file, timed by the FakeTimer given."""
+    monkeypatch.setenv(dtype_probe.ENV_SWITCH, "on")
+    monkeypatch.setattr(kernel_probe, "_memo", {})
+    monkeypatch.setattr(dtype_probe, "cache_file", lambda: tmp_path / "precision.json")
+    monkeypatch.setattr(dtype_probe, "machine_busy", lambda: None)
+
+    def use(timer: FakeTimer) -> FakeTimer:
+        monkeypatch.setattr(kernel_probe, "measure", timer)
+        return timer
+
+    return use
+
+
+@needs_onednn
+@pytest.mark.parametrize(("onednn_s", "torch_s", "expected"), [
+    (0.43, 0.36, "torch"),  # an Intel Xeon with AMX, SmolLM2: PyTorch (MKL) 1.2x faster
+    (0.40, 0.39, "onednn"),  # inside the margin: the kernel used so far stays
+    (0.20, 0.44, "onednn"),  # an AMD EPYC: MKL 2.2x slower
+])
+def test_pytorchs_kernel_only_where_it_measured_faster_by_the_margin(probe, onednn_s, torch_s, expected) -> None:
+    probe(FakeTimer(onednn_s, torch_s))
+    assert kernel_probe.training_kernel(SMOL) == expected
+
+
+@needs_onednn
+def test_measured_once_per_machine_said_once_and_cached(probe, tmp_path, capsys) -> None:
+    timer = probe(FakeTimer(0.432, 0.360))
+    assert kernel_probe.training_kernel(SMOL) == "torch"
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line == (f"grpo: fp32 training kernel on {dtype_probe.cpu_name()} ({SMOL.signature()}): PyTorch (MKL) "
+                    f"(per training pass: oneDNN 432.0 ms, PyTorch 360.0 ms, PyTorch 1.20x faster); "
+                    f"cached in {tmp_path / 'precision.json'}")
+    assert kernel_probe.training_kernel(SMOL) == "torch"  # same process
+    kernel_probe._memo.clear()  # as a new process: the cache file answers
+    assert kernel_probe.training_kernel(SMOL) == "torch"
+    assert timer.calls == 1 and capsys.readouterr().err == ""
+    stored = json.loads((tmp_path / "precision.json").read_text())
+    assert stored == {kernel_probe.KEY_PREFIX + dtype_probe.machine_key(SMOL): {"onednn_s": 0.432, "torch_s": 0.36}}
+
+
+@needs_onednn
+def test_a_busy_machine_is_not_measured_and_trains_through_onednn(probe, monkeypatch, tmp_path, capsys) -> None:
+    timer = probe(FakeTimer(0.432, 0.360))
+    monkeypatch.setattr(dtype_probe, "machine_busy", lambda: "load 6.4 on 2 cores")
+    assert kernel_probe.training_kernel(SMOL) == "onednn"
+    assert kernel_probe.training_kernel(SMOL) == "onednn"
+    (line,) = capsys.readouterr().err.splitlines()  # said once per run
+    assert line == ("grpo: fp32 training kernel not measured, the machine is busy (load 6.4 on 2 cores): oneDNN "
+                    "for this run, measured by a later one")
+    assert timer.calls == 0 and not (tmp_path / "precision.json").exists()
+
+
+def test_nothing_is_measured_with_the_probe_off_or_without_shapes(probe, monkeypatch) -> None:
+    timer = probe(FakeTimer(0.432, 0.360))
+    assert kernel_probe.training_kernel(None) == "onednn"
+    monkeypatch.setenv(dtype_probe.ENV_SWITCH, "off")
+    assert kernel_probe.training_kernel(SMOL) == "onednn"
+    monkeypatch.setenv(dtype_probe.ENV_SWITCH, "on")
+    monkeypatch.setenv(cpu_linear.ENV_SWITCH, "torch")  # every Linear PyTorch's already
+    assert kernel_probe.training_kernel(SMOL) == "onednn" and timer.calls == 0
+
+
+def test_an_unknown_kernel_is_refused_naming_the_valid_ones() -> None:
+    with pytest.raises(ValueError, match=r"unknown fp32 training kernel 'mkl'; valid: onednn, torch"):
+        kernel_probe.use(nn.Linear(2, 2), "mkl")
+
+
+def _lora_grads(engine_kernel: str, probe) -> tuple[list[str], dict[str, torch.Tensor], float]:
+    probe(FakeTimer(0.432, 0.360) if engine_kernel == "torch" else FakeTimer(0.2, 0.44))
+    kernel_probe._memo.clear()
+    client = ServiceClient(device="cpu", train_dtype="fp32", sample_dtype="fp32").create_lora_training_client(
+        "tiny", seed=0, rank=4)
+    kernels = sorted({m.kernel for m in client.engine.model.modules() if type(m) is OneDNNLinear})
+    tokens = list(range(3, 23))
+    datum = types.Datum(model_input=types.ModelInput.from_ints(tokens[:-1]),
+                        loss_fn_inputs={"target_tokens": tokens[1:], "weights": [0.0] * 5 + [1.0] * 14})
+    loss = client.forward_backward([datum], "cross_entropy").result().metrics["loss:sum"]
+    grads = {n: p.grad.clone() for n, p in client.engine.peft_model.named_parameters() if p.grad is not None}
+    return kernels, grads, loss
+
+
+@needs_onednn
+def test_a_model_trains_through_the_kernel_measured_and_to_the_same_gradients(probe, tmp_path) -> None:
+    kernels_torch, grads_torch, loss_torch = _lora_grads("torch", probe)
+    (tmp_path / "precision.json").unlink()  # a machine measured anew
+    kernels_onednn, grads_onednn, loss_onednn = _lora_grads("onednn", probe)
+    assert kernels_torch == ["torch"] and kernels_onednn == ["onednn"]
+    assert loss_torch == pytest.approx(loss_onednn, rel=1e-5)
+    assert grads_torch.keys() == grads_onednn.keys() and any("lora_A" in n for n in grads_torch)
+    for name in grads_torch:  # two libraries' float32 sums: equal to rounding
+        torch.testing.assert_close(grads_torch[name], grads_onednn[name], rtol=1e-4, atol=1e-6)
+
+
+@needs_onednn
+def test_the_kernel_decides_which_library_computes_a_float32_training_product(monkeypatch) -> None:
+    """Through "torch" a OneDNNLinear is nn.Linear itself, bit for bit; oneDNN's kernel is not
+    called (the one test above could pass with either library computing everything)."""
+    calls = []
+    real = cpu_linear._onednn
+    monkeypatch.setattr(cpu_linear, "_onednn", lambda *a: calls.append(1) or real(*a))
+    linear = nn.Linear(16, 8)
+    fast = OneDNNLinear(16, 8)
+    fast.load_state_dict(linear.state_dict())
+    x = torch.randn(3, 5, 16, requires_grad=True)
+    fast.kernel = "torch"
+    (out,) = torch.autograd.grad(fast(x).square().sum(), x)
+    assert out.equal(torch.autograd.grad(linear(x).square().sum(), x)[0]) and calls == []
+    fast.kernel = "onednn"
+    torch.autograd.grad(fast(x).square().sum(), x)
+    assert len(calls) == 2  # forward and input gradient
+
+
+def test_the_real_probe_times_both_kernels(tmp_path, monkeypatch) -> None:
+    """Only that measuring works and is reused: which kernel wins is this machine's."""
+    monkeypatch.setattr(kernel_probe, "_memo", {})
+    monkeypatch.setattr(dtype_probe, "machine_busy", lambda: None)
+    shapes = dtype_probe.Shapes.from_config(models.load_config("tiny"))
+    first = kernel_probe.timings(shapes, timer=lambda s: kernel_probe.measure(s, budget_s=0.2),
+                                 cache=tmp_path / "p.json")
+    assert first.onednn_s > 0 and first.torch_s > 0 and first.choice in kernel_probe.KERNELS
+    kernel_probe._memo.clear()
+
+    def no_timing(shapes):
+        raise AssertionError("measured again")
+
+    assert kernel_probe.timings(shapes, timer=no_timing, cache=tmp_path / "p.json") == first
+
+
+def test_lora_layers_keep_their_base_as_a_onednn_linear() -> None:
+    """The engine sets the kernel on the model's OneDNNLinears: peft's LoRA layers wrap them."""
+    client = ServiceClient(device="cpu", train_dtype="fp32", sample_dtype="fp32").create_lora_training_client(
+        "tiny", seed=0, rank=2)
+    bases = [m.base_layer for m in client.engine.peft_model.modules() if isinstance(m, LoraLinear)]
+    assert bases and all(type(b) is OneDNNLinear for b in bases) == (cpu_linear.wanted() and cpu_linear.onednn_works())

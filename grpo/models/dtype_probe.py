@@ -65,7 +65,8 @@ DECODE_BYTES = 1 << 30  # fp32 layer weights a probed decoding step reads at mos
 HEAD_DECODE_BYTES = 256 << 20  # the unembedding's rows timed per decoding step (scaled to the vocabulary)
 # What the probe times and how; part of the cache key, so that a new way of measuring measures again.
 # 3: the bf16 LoRA side paths it times go through packed A and B (cpu_linear.LoraSideProduct).
-PROBE_VERSION = 3
+# 4: training's LoRA product added into the base output in place, as the trainer now does.
+PROBE_VERSION = 4
 HEAD_TRAIN_ROWS = 4096  # the unembedding's rows timed per training pass (compute-bound: scales linearly)
 LORA_RANK = 16  # the API's default rank; every Linear adapted (train_attn/mlp/unembed default on)
 LORA_SCALING = 2.0  # alpha = 2 * rank
@@ -432,7 +433,8 @@ def _train_ops(shapes: Shapes, dtype, kernel: str = "onednn") -> tuple[list[Op],
         a, b = _lora(module, torch.float32, trainable=True)
 
         def run() -> None:
-            lora_side_path(module(x), x, a.weight.to(dtype), b.weight.to(dtype), LORA_SCALING).backward(grad)
+            lora_side_path(module(x), x, a.weight.to(dtype), b.weight.to(dtype), LORA_SCALING,
+                           in_place=True).backward(grad)
             a.weight.grad = b.weight.grad = None
 
         return run

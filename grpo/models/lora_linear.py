@@ -6,7 +6,8 @@ output for what is a rank-16 correction. Here the scale multiplies ``x @ A.T``
 (``[tokens, rank]``) and ``torch.addmm`` adds ``(x @ A.T) @ B.T`` into the base output inside the
 matmul: the same sum, with one pass over the output instead of three. Measured on SmolLM2-135M's
 training step the two elementwise ops were 7% of a fp32 ``forward_backward`` (AMD EPYC Zen 4,
-docs/benchmark.md).
+docs/benchmark.md). For a plain (or oneDNN) base Linear the sum is made in place, into the base
+output itself: ``addmm`` out of place copies that output first.
 
 When the base weights are bf16 (and LoRA's, as peft keeps them, fp32), peft casts every
 activation to fp32 for the LoRA product and the sum back to bf16: three more passes over
@@ -28,7 +29,7 @@ import types
 import torch
 from torch import nn
 
-from grpo.models.cpu_linear import LoraSideProduct
+from grpo.models.cpu_linear import LoraSideProduct, OneDNNLinear
 
 MARK = "_grpo_fused_lora"
 
@@ -40,17 +41,29 @@ def fused_forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
     if (args or kwargs or self.disable_adapters or self.merged or adapter is None or adapter not in self.lora_A
             or adapter in self.lora_variant or not isinstance(self.lora_dropout[adapter], nn.Identity)):
         return type(self).forward(self, x, *args, **kwargs)
-    result = self.base_layer(x)
     a, b = self.lora_A[adapter].weight, self.lora_B[adapter].weight
     if a.dtype != x.dtype:  # fp32 master weights, bf16 activations: compute in bf16 (see above)
         a, b = a.to(x.dtype), b.to(x.dtype)
-    return lora_side_path(result, x, a, b, self.scaling[adapter])
+    if type(self.base_layer) in _KEEPS_NO_OUTPUT:
+        # rows flattened first: the base's output is then a tensor of its own, not a view, and the
+        # LoRA product is added into it in place (an in-place write to a view would have autograd
+        # clone the whole gradient in the backward instead)
+        rows = x.reshape(-1, x.shape[-1])
+        out = lora_side_path(self.base_layer(rows), rows, a, b, self.scaling[adapter], in_place=True)
+        return out.view(*x.shape[:-1], out.shape[-1])
+    return lora_side_path(self.base_layer(x), x, a, b, self.scaling[adapter])
 
 
 def lora_side_path(base_out: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
-                   scaling: float) -> torch.Tensor:
-    """``base_out + scaling * (x @ a.T) @ b.T``, the scale on the rank side, the sum in the matmul."""
+                   scaling: float, in_place: bool = False) -> torch.Tensor:
+    """``base_out + scaling * (x @ a.T) @ b.T``, the scale on the rank side, the sum in the matmul.
+
+    ``in_place``: written into ``base_out``, 2-d rows that are no view and that their producer's
+    backward does not need. Out of place, ``addmm`` first copies the whole base output: 50-63 ms
+    of a 1.0-1.1 s fp32 training forward of SmolLM2 (Intel Xeon with AMX, docs/benchmark.md)."""
     down = nn.functional.linear(x, a) * scaling
+    if in_place:
+        return base_out.addmm_(down, b.t())
     flat = torch.addmm(base_out.reshape(-1, base_out.shape[-1]), down.reshape(-1, down.shape[-1]), b.t())
     return flat.view(base_out.shape)
 
@@ -67,6 +80,11 @@ class LoraSidePath(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.product.add_to(self.base(x), x)
+
+
+# Base layers whose backward keeps their input and weight, never their output: the LoRA product may
+# be added into that output in place.
+_KEEPS_NO_OUTPUT = (nn.Linear, OneDNNLinear)
 
 
 def fuse_lora_linears(model: nn.Module) -> int:

@@ -50,9 +50,10 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 ROLES = ("sample", "train")
+T = TypeVar("T")
 # bf16 must measure this many times faster than fp32 to be chosen: the probe times the Linears
 # only, and leans towards bf16 -- on an AMX Xeon (probe version 2) it measured bf16 decoding
 # 1.43-1.54x and training 1.59-1.68x faster where the whole sampler ran 1.3x and the training pass
@@ -190,31 +191,45 @@ def timings(shapes: Shapes, timer: Timer | None = None, cache: Path | None = Non
     else measured (by ``timer``, default ``measure``), cached and printed once. None, printed once
     per process, where the machine is too busy to measure: ``auto`` is fp32 until a run finds it quiet."""
     key = machine_key(shapes)
-    cache = cache if cache is not None else cache_file()
+
+    def measured() -> dict[str, Timing]:
+        seconds = (timer or measure)(shapes)
+        return {role: Timing(*seconds[role]) for role in ROLES}
+
+    return measured_once(
+        key, cache if cache is not None else cache_file(), _memo,
+        parse=lambda entry: {role: Timing(float(entry[role]["fp32_s"]), float(entry[role]["bf16_s"])) for role in ROLES},
+        measure=measured, to_json=lambda result: {role: asdict(t) for role, t in result.items()},
+        announce=lambda result: summary(result, key), what="auto precision", fallback="fp32")
+
+
+def measured_once(key: str, cache: Path, memo: dict[str, Any], parse: Callable[[Any], T], measure: Callable[[], T],
+                  to_json: Callable[[T], Any], announce: Callable[[T], str], what: str, fallback: str) -> T | None:
+    """A machine's measurement ``key``: from ``memo`` (this process), else the cache file's entry
+    (``parse``), else ``measure()``d, stored (``to_json``) and announced once. None, said once per
+    process, where the machine is too busy to measure: the caller's ``fallback`` until a run finds
+    it quiet. kernel_probe.py caches through it too."""
     memo_key = f"{cache} | {key}"
     # Two engines created at once measure once; so do two processes (the jobs of a sweep), which
     # measuring side by side would time each other.
     with _lock, _file_lock(cache):
-        if memo_key in _memo:
-            return _memo[memo_key]
-        stored = _read(cache)
-        entry = stored.get(key)
+        if memo_key in memo:
+            return memo[memo_key]
         try:
-            result = {role: Timing(float(entry[role]["fp32_s"]), float(entry[role]["bf16_s"])) for role in ROLES}
+            result = parse(_read(cache).get(key))
         except (KeyError, TypeError, ValueError):  # not measured yet, or a damaged entry: measure again
             busy = machine_busy()
             if busy is not None:  # what would be cached for good would be the other processes' load
-                print(f"grpo: auto precision not measured, the machine is busy ({busy}): fp32 for this run, "
+                print(f"grpo: {what} not measured, the machine is busy ({busy}): {fallback} for this run, "
                       "measured by a later one", file=sys.stderr, flush=True)
-                _memo[memo_key] = None
+                memo[memo_key] = None
                 return None
-            measured = (timer or measure)(shapes)
-            result = {role: Timing(*measured[role]) for role in ROLES}
-            stored = _read(cache)  # another process may have added machines meanwhile
-            stored[key] = {role: asdict(t) for role, t in result.items()}
+            result = measure()
+            stored = _read(cache)  # another process may have added entries meanwhile
+            stored[key] = to_json(result)
             _write(cache, stored)
-            print(f"grpo: {summary(result, key)}; cached in {cache}", file=sys.stderr, flush=True)
-        _memo[memo_key] = result
+            print(f"grpo: {announce(result)}; cached in {cache}", file=sys.stderr, flush=True)
+        memo[memo_key] = result
         return result
 
 

@@ -2,14 +2,14 @@
 
 cpu_linear.py sends float32 Linears to oneDNN because MKL ran them 2.2x slower on the AMD EPYC
 where that was measured. On an Intel Xeon with AMX the order turns round for training: the input
-gradients of SmolLM2's layers and of its unembedding ran 8% and 1.6x faster through MKL, a bench
-step's training ~5% (docs/benchmark.md). Which library wins is a property of the CPU and the
+gradients of SmolLM2's layers and of its unembedding ran 8% and 1.6x faster through MKL, and a
+bench step's fp32 training took 0.83-0.89x the time once it trained through MKL (docs/benchmark.md). Which library wins is a property of the CPU and the
 shapes, not of its flags, so the first fp32 training model of a shape on a machine times one
 training pass's matmuls (dtype_probe's ``train`` ops: one layer's Linears and a slice of the
 unembedding, forward and back, with LoRA) through both, op by op alternating, each op's fastest
 run counting; PyTorch's kernel is taken only when it measured ``MARGIN`` faster (oneDNN, the one
-chosen so far, keeps ties). Sampling keeps oneDNN's packed weights either way: a decoding step
-measured the same through both here and 2x faster through oneDNN on the EPYC.
+chosen so far, keeps ties). Sampling keeps oneDNN's packed weights either way: a sampling call
+measured the same through both here and 1.4x faster through oneDNN on the EPYC.
 
 The result is cached beside the precision probe's (``$GRPO_CACHE/precision.json``) under the same
 machine key (CPU, torch, threads, shapes, probe version), printed once when measured. As with the
@@ -21,9 +21,8 @@ is at least its core count is not measured (oneDNN for that run, measured by a l
 from __future__ import annotations
 
 import sys
-import threading
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from grpo.models import dtype_probe
@@ -38,7 +37,6 @@ KEY_PREFIX = "fp32 training kernel | "
 Timer = Callable[[Shapes], tuple[float, float]]
 
 _memo: dict[str, KernelTiming | None] = {}
-_lock = threading.Lock()
 
 
 @dataclass(frozen=True)
@@ -68,29 +66,11 @@ def training_kernel(shapes: Shapes | None, timer: Timer | None = None, cache: Pa
 def timings(shapes: Shapes, timer: Timer | None = None, cache: Path | None = None) -> KernelTiming | None:
     """The KernelTiming of ``shapes``: from this process, the cache file, or measured (and cached
     and printed once); None, printed once, where the machine is too busy to measure."""
-    key = KEY_PREFIX + dtype_probe.machine_key(shapes)
-    cache = cache if cache is not None else dtype_probe.cache_file()
-    memo_key = f"{cache} | {key}"
-    with _lock, dtype_probe._file_lock(cache):
-        if memo_key in _memo:
-            return _memo[memo_key]
-        entry = dtype_probe._read(cache).get(key)
-        try:
-            result = KernelTiming(float(entry["onednn_s"]), float(entry["torch_s"]))
-        except (KeyError, TypeError, ValueError):  # not measured yet, or a damaged entry
-            busy = dtype_probe.machine_busy()
-            if busy is not None:
-                print(f"grpo: fp32 training kernel not measured, the machine is busy ({busy}): oneDNN for this "
-                      "run, measured by a later one", file=sys.stderr, flush=True)
-                _memo[memo_key] = None
-                return None
-            result = KernelTiming(*(timer or measure)(shapes))
-            stored = dtype_probe._read(cache)  # another process may have added entries meanwhile
-            stored[key] = {"onednn_s": result.onednn_s, "torch_s": result.torch_s}
-            dtype_probe._write(cache, stored)
-            print(f"grpo: {summary(result, shapes)}; cached in {cache}", file=sys.stderr, flush=True)
-        _memo[memo_key] = result
-        return result
+    return dtype_probe.measured_once(
+        KEY_PREFIX + dtype_probe.machine_key(shapes), cache if cache is not None else dtype_probe.cache_file(), _memo,
+        parse=lambda entry: KernelTiming(float(entry["onednn_s"]), float(entry["torch_s"])),
+        measure=lambda: KernelTiming(*(timer or measure)(shapes)), to_json=asdict,
+        announce=lambda result: summary(result, shapes), what="fp32 training kernel", fallback="oneDNN")
 
 
 def summary(result: KernelTiming, shapes: Shapes) -> str:

@@ -3,9 +3,9 @@
 cpu_linear.py sends float32 Linears to oneDNN because MKL ran them 2.2x slower on the AMD EPYC
 where that was measured. On an Intel Xeon with AMX the order turns round for training: the input
 gradients of SmolLM2's layers and of its unembedding ran 8% and 1.6x faster through MKL, and a
-bench step's fp32 training took 0.83-0.89x the time once it trained through MKL (docs/benchmark.md). Which library wins is a property of the CPU and the
-shapes, not of its flags, so the first fp32 training model of a shape on a machine times one
-training pass's matmuls (dtype_probe's ``train`` ops: one layer's Linears and a slice of the
+bench step's fp32 training took 0.83-0.89x the time through MKL (docs/benchmark.md). Which library
+wins is a property of the CPU and the shapes, not of its flags, so the first fp32 training model
+of a shape on a machine times one training pass's matmuls (dtype_probe's ``train`` ops: one layer's Linears and a slice of the
 unembedding, forward and back, with LoRA) through both, op by op alternating, each op's fastest
 run counting; PyTorch's kernel is taken only when it measured ``MARGIN`` faster (oneDNN, the one
 chosen so far, keeps ties). Sampling keeps oneDNN's packed weights either way: a sampling call

@@ -98,7 +98,7 @@ def test_nothing_is_measured_with_the_probe_off_or_without_shapes(probe, monkeyp
 
 def test_an_unknown_kernel_is_refused_naming_the_valid_ones() -> None:
     with pytest.raises(ValueError, match=r"unknown fp32 training kernel 'mkl'; valid: onednn, torch"):
-        kernel_probe.use(nn.Linear(2, 2), "mkl")
+        cpu_linear.use_kernel(nn.Linear(2, 2), "mkl")
 
 
 def _lora_grads(engine_kernel: str, probe) -> tuple[list[str], dict[str, torch.Tensor], float]:

@@ -242,6 +242,22 @@ def use_onednn_linears(model: nn.Module) -> int:
     return count
 
 
+# The float32 kernels an ``OneDNNLinear`` multiplies by its own weight through (its ``kernel``)
+KERNELS = ("onednn", "torch")
+
+
+def use_kernel(model: nn.Module, kernel: str) -> int:
+    """Give every ``OneDNNLinear`` of ``model`` the float32 ``kernel``; how many."""
+    if kernel not in KERNELS:
+        raise ValueError(f"unknown fp32 training kernel {kernel!r}; valid: {', '.join(KERNELS)}")
+    count = 0
+    for module in model.modules():
+        if type(module) is OneDNNLinear:
+            module.kernel = kernel
+            count += 1
+    return count
+
+
 def use_torch_linears(model: nn.Module) -> int:
     """Undo ``use_onednn_linears`` (for measuring against PyTorch's default kernels)."""
     count = 0

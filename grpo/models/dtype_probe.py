@@ -341,7 +341,7 @@ def _linears(shapes: Shapes, dtype, head_rows: int, kernel: str = "onednn"):
     import torch
     from torch import nn
 
-    from grpo.models.cpu_linear import use_onednn_linears
+    from grpo.models.cpu_linear import use_kernel, use_onednn_linears
 
     h, i, q, kv = shapes.hidden, shapes.intermediate, shapes.q_out, shapes.kv_out
     layer_shapes = [(h, q), (h, kv), (h, kv), (q, h), (h, i), (h, i), (i, h)]  # q k v o gate up down
@@ -354,9 +354,9 @@ def _linears(shapes: Shapes, dtype, head_rows: int, kernel: str = "onednn"):
 
     layer = nn.ModuleList(linear(a, b) for a, b in layer_shapes)
     head = linear(h, head_rows)
-    use_onednn_linears(layer), use_onednn_linears(head)
-    for module in (*layer, head):
-        module.kernel = kernel  # read by OneDNNLinear only
+    for module in (layer, head):
+        use_onednn_linears(module)
+        use_kernel(module, kernel)
     return list(layer), head
 
 

@@ -5,11 +5,12 @@ where that was measured. On an Intel Xeon with AMX the order turns round for tra
 gradients of SmolLM2's layers and of its unembedding ran 8% and 1.6x faster through MKL, and a
 bench step's fp32 training took 0.83-0.89x the time through MKL (docs/benchmark.md). Which library
 wins is a property of the CPU and the shapes, not of its flags, so the first fp32 training model
-of a shape on a machine times one training pass's matmuls (dtype_probe's ``train`` ops: one layer's Linears and a slice of the
-unembedding, forward and back, with LoRA) through both, op by op alternating, each op's fastest
-run counting; PyTorch's kernel is taken only when it measured ``MARGIN`` faster (oneDNN, the one
-chosen so far, keeps ties). Sampling keeps oneDNN's packed weights either way: a sampling call
-measured the same through both here and 1.4x faster through oneDNN on the EPYC.
+of a shape on a machine times one training pass's matmuls (dtype_probe's ``train`` ops: one
+layer's Linears and a slice of the unembedding, forward and back, with LoRA) through both, op by
+op alternating, each op's fastest run counting; PyTorch's kernel is taken only when it measured
+``MARGIN`` faster (oneDNN, the one chosen so far, keeps ties). Sampling keeps oneDNN's packed
+weights either way: a sampling call measured the same through both here and 1.4x faster through
+oneDNN on the EPYC.
 
 The result is cached beside the precision probe's (``$GRPO_CACHE/precision.json``) under the same
 machine key (CPU, torch, threads, shapes, probe version), printed once when measured. As with the
@@ -26,9 +27,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from grpo.models import dtype_probe
+from grpo.models.cpu_linear import KERNELS
 from grpo.models.dtype_probe import Shapes
 
-KERNELS = ("onednn", "torch")
 MARGIN = 1.05  # PyTorch's kernel must be this many times faster: noise keeps the kernel in use so far
 BUDGET_S = 1.0
 KEY_PREFIX = "fp32 training kernel | "
@@ -90,20 +91,6 @@ def measure(shapes: Shapes, budget_s: float = BUDGET_S) -> tuple[float, float]:
         torch.manual_seed(0)
         (onednn, counts), (plain, _) = (dtype_probe._train_ops(shapes, torch.float32, kernel) for kernel in KERNELS)
         return dtype_probe._fastest(onednn, plain, counts, budget_s)
-
-
-def use(model, kernel: str) -> int:
-    """Give every ``OneDNNLinear`` of ``model`` the float32 ``kernel``; how many."""
-    from grpo.models.cpu_linear import OneDNNLinear
-
-    if kernel not in KERNELS:
-        raise ValueError(f"unknown fp32 training kernel {kernel!r}; valid: {', '.join(KERNELS)}")
-    count = 0
-    for module in model.modules():
-        if type(module) is OneDNNLinear:
-            module.kernel = kernel
-            count += 1
-    return count
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -30,6 +30,7 @@ from grpo.models.cpu_linear import (
     OneDNNLinear,
     keep_packed_copies,
     packing_works,
+    use_kernel,
     use_onednn_linears,
 )
 from grpo.models.lora_linear import fuse_lora_linears
@@ -87,31 +88,14 @@ def lora_target_modules(model: nn.Module, spec: LoraSpec) -> list[str]:
     return targets
 
 
-def _probe_shapes(base_model: str, device: torch.device, dtypes: tuple) -> dtype_probe.Shapes | None:
-    """The model's shapes, for timing fp32 against bf16 before the weights load in the winner;
-    None where nothing is to be timed (a GPU, fp32 asked for, the probe off) or the config names no
-    shapes (then ``auto`` is fp32)."""
-    def fp32(value) -> bool:
-        return value == torch.float32 or (isinstance(value, str) and precision.NAMES.get(value.lower()) == "fp32")
-
-    if device.type != "cpu" or all(fp32(d) for d in dtypes) or not dtype_probe.enabled():
-        return None
-    return _shapes(base_model)
-
-
 def _shapes(base_model: str) -> dtype_probe.Shapes | None:
+    """The model's Linear shapes, for the probes that time them on this CPU before the weights load
+    (auto precision: dtype_probe.py; the fp32 training kernel: kernel_probe.py); None where the
+    config names none (then auto is fp32, and the kernel oneDNN)."""
     try:
         return dtype_probe.Shapes.from_config(models.load_config(base_model))
     except (OSError, ValueError):  # not a model config (an adapter directory...): load_model says what is wrong
         return None
-
-
-def _fp32_training_kernel(base_model: str, model: nn.Module) -> str:
-    """The float32 kernel a CPU model trains through: the one that measured faster here
-    (kernel_probe.py), measured only for a model that has oneDNN Linears."""
-    if dtype_probe.enabled() and any(type(m) is OneDNNLinear for m in model.modules()):
-        return kernel_probe.training_kernel(_shapes(base_model))
-    return "onednn"
 
 
 class Engine:
@@ -125,14 +109,17 @@ class Engine:
         self.base_model = base_model
         self.device = models.resolve_device(device)
         sample_dtype = dtype if sample_dtype is None else sample_dtype
-        shapes = _probe_shapes(base_model, self.device, (dtype, sample_dtype))
+        # read once, for both probes; neither times anything on a GPU or with the probes off
+        shapes = _shapes(base_model) if self.device.type == "cpu" and dtype_probe.enabled() else None
         train_dtype = precision.resolve("train_dtype", dtype, self.device, shapes)
         self.sample_dtype = precision.resolve("sample_dtype", sample_dtype, self.device, shapes)
         self.tokenizer = models.load_tokenizer(base_model)
         self.model = models.load_model(base_model, device=self.device, dtype=train_dtype)
         self.dtype = next(self.model.parameters()).dtype
-        self.fp32_kernel = _fp32_training_kernel(base_model, self.model)
-        kernel_probe.use(self.model, self.fp32_kernel)
+        # a float32 CPU model (oneDNN Linears) trains through the kernel measured faster here
+        has_onednn = any(type(m) is OneDNNLinear for m in self.model.modules())
+        self.fp32_kernel = kernel_probe.training_kernel(shapes) if has_onednn else "onednn"
+        use_kernel(self.model, self.fp32_kernel)
         # Sampling multiplies by oneDNN's packed layout (cpu_linear.py), at the cost of one more
         # copy of the weights it reads there: in fp32 the unembedding's (the LoRA layers are
         # folded into packed copies of their own); in bf16 a whole packed copy of the model.
@@ -186,7 +173,7 @@ class Engine:
                 else:
                     self.peft_model.add_adapter(name, config)
             use_onednn_linears(self.peft_model)  # peft's new lora_A/lora_B Linears too
-            kernel_probe.use(self.peft_model, self.fp32_kernel)
+            use_kernel(self.peft_model, self.fp32_kernel)
             fuse_lora_linears(self.peft_model)
             self.specs[name] = spec
             self.versions[name] = 0
@@ -203,7 +190,7 @@ class Engine:
             else:
                 self.peft_model.load_adapter(str(path), adapter_name=name)
             use_onednn_linears(self.peft_model)
-            kernel_probe.use(self.peft_model, self.fp32_kernel)
+            use_kernel(self.peft_model, self.fp32_kernel)
             fuse_lora_linears(self.peft_model)
             self.versions[name] = 0
             self._activate(name)

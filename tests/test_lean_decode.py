@@ -65,4 +65,4 @@ def test_only_the_architecture_it_was_written_for_takes_the_lean_step():
     assert lean_decode.lean_decoder(gelu) is None
     with torch.device("meta"):
         on_meta = _tiny(LlamaConfig, LlamaForCausalLM)
-    assert lean_decode.lean_decoder(on_meta) is None  # CPU only
+    assert lean_decode.lean_decoder(on_meta) is None  # CPU and CUDA only

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers import DynamicCache
 
+from grpo.backends.local import graph_decode
 from grpo.backends.local.kv_cache import SlotCache, attention_layers
 from grpo.backends.local.lean_decode import lean_decoder
 from grpo.backends.local.prefix_cache import PrefixCache
@@ -116,7 +117,8 @@ def prompt_logprobs(model, prompts: list[list[int]], device: torch.device) -> li
 @torch.inference_mode()
 def generate(model, requests: list[GenerationRequest], tokenizer, device: torch.device, max_context: int | None = None,
              compact: str | None = None, row_bytes: Callable[[int], int] | None = None,
-             budget: int | None = None, prefix_cache: PrefixCache | None = None) -> GenerationStats:
+             budget: int | None = None, prefix_cache: PrefixCache | None = None,
+             cuda_graphs: bool | None = None) -> GenerationStats:
     """Sample every request's ``num_samples`` continuations; results go into the requests.
 
     At most ``batch_rows(requests, row_bytes, budget)`` rows decode at once; requests are
@@ -129,6 +131,10 @@ def generate(model, requests: list[GenerationRequest], tokenizer, device: torch.
 
     ``prefix_cache`` (bound by the caller to the weights of ``model``): prompts are prefilled after
     their longest cached prefix, and every prompt and every finished row is stored there.
+
+    ``cuda_graphs``: decoding steps replayed from CUDA graphs (graph_decode.py). Default: on CUDA
+    where the lean step applies, unless ``$GRPO_CUDA_GRAPHS=0``. True on a CPU runs the graphs'
+    static shapes without capturing (for tests).
     """
     compact = compact or ("half" if device.type == "cuda" else "eager")
     if compact not in ("eager", "half"):
@@ -147,6 +153,9 @@ def generate(model, requests: list[GenerationRequest], tokenizer, device: torch.
     logits = None  # next-token logits of the batch's rows
     before = prefix_cache.stats.snapshot() if prefix_cache is not None else None
     lean = lean_decoder(model)  # the decoding step without transformers' wrappers, where it applies
+    graphed = None
+    if lean is not None and (graph_decode.enabled(device) if cuda_graphs is None else cuda_graphs):
+        graphed = graph_decode.StaticDecodeStep(lean, cache, _pad_id(tokenizer), capture=device.type == "cuda")
 
     while True:
         admitted = _admissions(pending, limit - len(batch), nothing_running=not batch)
@@ -188,9 +197,12 @@ def generate(model, requests: list[GenerationRequest], tokenizer, device: torch.
         if not still:
             logits = None
             continue  # admit what is pending, or end
-        positions, mask = cache.set_step()
+        if graphed is None:
+            positions, mask = cache.set_step()
         with section("grpo.sample.decode_forward"):
-            if lean is not None:
+            if graphed is not None:  # its own positions and mask, at its static shapes
+                logits = graphed(tokens, cache.lengths)
+            elif lean is not None:
                 logits = lean(tokens[:, None], mask, positions, cache)
             else:
                 logits = model(input_ids=tokens[:, None], attention_mask=mask, position_ids=positions, cache=cache,

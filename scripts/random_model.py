@@ -1,0 +1,48 @@
+"""A random-weight model with a given model's architecture and tokenizer, saved as a local directory.
+
+    python scripts/random_model.py OUT [--like smollm2] [--shape 1.7b] [--seed 0]
+
+For benchmarks on machines that cannot get the weights (no hub, or a transfer limit smaller than
+the packaged GGUF): the same config, tokenizer and chat template as ``--like``, weights from
+``from_config`` (bf16), so every matmul has the real shapes. ``--shape 1.7b`` widens SmolLM2-135M's
+config to SmolLM2-1.7B's (hidden 2048, 24 layers, 32 heads, MLP 8192). A random model almost never
+samples EOS: every row runs to ``max_tokens``. Then ``scripts/bench.py --model OUT``.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+SHAPES = {
+    "1.7b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=24, num_attention_heads=32,
+                 num_key_value_heads=32, rope_parameters={"rope_theta": 130000.0, "rope_type": "default"}),
+}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("out", type=Path)
+    parser.add_argument("--like", default="smollm2", help="base_model whose config and tokenizer are taken")
+    parser.add_argument("--shape", choices=sorted(SHAPES), help="override the config's shapes")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from grpo import models
+
+    config = models.load_config(args.like)
+    for key, value in SHAPES.get(args.shape, {}).items():
+        setattr(config, key, value)
+    torch.manual_seed(args.seed)
+    with torch.device("cuda" if torch.cuda.is_available() else "cpu"):  # initialising 1.7B on a GPU: seconds
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    model.save_pretrained(args.out)
+    models.load_tokenizer(args.like).save_pretrained(args.out)
+    print(f"{args.out}: {sum(p.numel() for p in model.parameters()) / 1e6:.1f} M parameters, random (seed {args.seed})")
+
+
+if __name__ == "__main__":
+    main()

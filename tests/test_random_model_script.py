@@ -1,0 +1,28 @@
+"""scripts/random_model.py: a local model directory with another model's architecture and tokenizer."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+from grpo import models
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_random_model_has_the_architecture_and_tokenizer_it_copies_and_loads_as_base_model(tmp_path):
+    out = tmp_path / "random-tiny"
+    subprocess.run([sys.executable, str(ROOT / "scripts" / "random_model.py"), str(out), "--like", "tiny"],
+                   check=True, capture_output=True, text=True, timeout=300)
+    like, made = models.load_config("tiny"), models.load_config(str(out))
+    for key in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size"):
+        assert getattr(made, key) == getattr(like, key), key
+    text = [{"role": "user", "content": "What is 2 + 2?"}]
+    assert (models.load_tokenizer(str(out)).apply_chat_template(text, tokenize=True, return_dict=False)
+            == models.load_tokenizer("tiny").apply_chat_template(text, tokenize=True, return_dict=False))
+    model = models.load_model(str(out), device="cpu", dtype="fp32")
+    reference = models.load_model("tiny", device="cpu", dtype="fp32")
+    weights = dict(model.named_parameters())
+    assert weights.keys() == dict(reference.named_parameters()).keys()
+    assert float(weights["model.layers.0.mlp.up_proj.weight"].std()) > 0  # initialised, not zeros

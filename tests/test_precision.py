@@ -215,6 +215,36 @@ def test_the_real_probe_returns_a_choice_per_role_and_caches_it(tmp_path, monkey
     assert dtype_probe.timings(shapes, timer=no_timing, cache=tmp_path / "p.json") == first
 
 
+@pytest.mark.parametrize(("onednn_s", "torch_s"), [(4.0, 2.0), (2.0, 4.0)])
+def test_fp32_training_is_timed_through_the_faster_float32_kernel(monkeypatch, onednn_s, torch_s) -> None:
+    """A float32 model trains through whichever kernel measured faster (kernel_probe.py), so the
+    probe's fp32 training time is that kernel's: ``auto`` weighs bf16 against the fp32 that would
+    run. The ops advance a fake clock by their cost: the probe's arithmetic, not this CPU's speed."""
+    import types as pytypes
+
+    from grpo.models import cpu_linear
+
+    clock = [0.0]
+    cost = {(torch.float32, "onednn"): onednn_s, (torch.float32, "torch"): torch_s, (torch.bfloat16, "onednn"): 3.0}
+
+    def ops(seconds: float):
+        def op() -> None:
+            clock[0] += seconds
+        return [op, op], [1.0, 5.0]  # one op counted once a pass, one five times
+
+    monkeypatch.setattr(dtype_probe, "time", pytypes.SimpleNamespace(perf_counter=lambda: clock[0]))
+    monkeypatch.setattr(dtype_probe, "_decode_ops", lambda shapes, dtype: ops(1.0))
+    monkeypatch.setattr(dtype_probe, "_train_ops", lambda shapes, dtype, kernel="onednn": ops(cost[dtype, kernel]))
+    monkeypatch.setattr(cpu_linear, "wanted", lambda: True)
+    monkeypatch.setattr(cpu_linear, "onednn_works", lambda: True)
+    shapes = dtype_probe.Shapes.from_config(models.load_config("tiny"))
+    result = dtype_probe.measure(shapes, budget_s=0.1)
+    assert result["train"] == (6 * min(onednn_s, torch_s), 6 * 3.0)
+    assert result["sample"] == (6.0, 6.0)
+    monkeypatch.setattr(cpu_linear, "wanted", lambda: False)  # GRPO_CPU_LINEAR=torch: one kernel, nothing to pick
+    assert dtype_probe.measure(shapes, budget_s=0.1)["train"] == (6 * onednn_s, 6 * 3.0)
+
+
 @pytest.mark.skipif(not packing_works(torch.bfloat16), reason="this CPU/torch build packs no bf16 weights")
 def test_the_probe_decodes_through_every_layer_as_the_sampler_builds_it(monkeypatch) -> None:
     """bf16: the copy's stacked siblings and LoRA side paths (sampler_precision.py), fp32: folded

@@ -15,6 +15,9 @@ machine times both precisions on that model's shapes, for each role separately:
 - ``train``: a forward and backward pass of ``TRAIN_ROWS`` tokens through one layer's Linears and
   the unembedding, as the trainer runs them: the frozen base in the precision timed (input
   gradient only), LoRA's fp32 weights cast to it and added inside the matmul (lora_linear.py).
+  fp32 is timed through both float32 kernels, oneDNN's and PyTorch's, and the faster counts: a
+  float32 model trains through whichever measured faster on the machine (kernel_probe.py), and
+  timing only oneDNN made fp32 training look ~1.2x slower than it runs on an AMX Xeon.
 
 Only the Linears (with their LoRA) are timed: they are nearly all of the FLOPs and bytes, but
 attention, norms and sampling are not, so the probe ranks the precisions rather than predicting a
@@ -67,7 +70,8 @@ HEAD_DECODE_BYTES = 256 << 20  # the unembedding's rows timed per decoding step 
 # What the probe times and how; part of the cache key, so that a new way of measuring measures again.
 # 3: the bf16 LoRA side paths it times go through packed A and B (cpu_linear.LoraSideProduct).
 # 4: training's LoRA product added into the base output in place, as the trainer now does.
-PROBE_VERSION = 4
+# 5: fp32 training timed through both float32 kernels, the faster counting (kernel_probe.py).
+PROBE_VERSION = 5
 HEAD_TRAIN_ROWS = 4096  # the unembedding's rows timed per training pass (compute-bound: scales linearly)
 LORA_RANK = 16  # the API's default rank; every Linear adapted (train_attn/mlp/unembed default on)
 LORA_SCALING = 2.0  # alpha = 2 * rank
@@ -300,36 +304,52 @@ def measure(shapes: Shapes, budget_s: float = BUDGET_S) -> dict[str, tuple[float
     """Seconds per model step in fp32 and bf16 for each role (see the module docstring)."""
     import torch
 
+    from grpo.models import cpu_linear
+
     out = {}
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
-        for role, share in (("sample", 0.4), ("train", 0.6)):
-            (fp32, counts), (bf16, _) = (_OPS[role](shapes, dtype) for dtype in (torch.float32, torch.bfloat16))
-            # a decoding step runs right after the previous one, over the same weights: what of
-            # them the cache holds then is part of its time, so each run is timed after a first
-            out[role] = _fastest(fp32, bf16, counts, budget_s * share, warm_each=role == "sample")
-            del fp32, bf16  # a probed decoding step holds the model's weights in both precisions
+        # a decoding step runs right after the previous one, over the same weights: what of
+        # them the cache holds then is part of its time, so each run is timed after a first
+        (fp32, counts), (bf16, _) = (_decode_ops(shapes, dtype) for dtype in (torch.float32, torch.bfloat16))
+        out["sample"] = _fastest_of([fp32, bf16], counts, budget_s * 0.4, warm_each=True)
+        del fp32, bf16  # a probed decoding step holds the model's weights in both precisions
+        # fp32 training through each float32 kernel the model could train through, the faster counting
+        kernels = cpu_linear.KERNELS if cpu_linear.wanted() and cpu_linear.onednn_works() else ("onednn",)
+        variants = [_train_ops(shapes, torch.float32, kernel) for kernel in kernels]
+        (bf16, counts) = _train_ops(shapes, torch.bfloat16)
+        *fp32_s, bf16_s = _fastest_of([ops for ops, _ in variants] + [bf16], counts, budget_s * 0.6)
+        out["train"] = (min(fp32_s), bf16_s)
     return out
 
 
-def _fastest(fp32: list[Op], bf16: list[Op], counts: list[float], budget_s: float,
+def _fastest(first: list[Op], second: list[Op], counts: list[float], budget_s: float,
              warm_each: bool = False) -> tuple[float, float]:
-    """Each op's fastest run, fp32 and bf16 alternating op by op, summed with its count per model
-    step. Op by op, because on a loaded machine a whole model step rarely runs undisturbed while a
-    single matmul often does; alternating, so that the load falls on both precisions alike.
-    ``warm_each``: every timed run right after an untimed one of the same op."""
-    for op in fp32 + bf16:  # warm-up: oneDNN primitive creation, first touch of the weights
-        op()
-    best = ([math.inf] * len(fp32), [math.inf] * len(bf16))
+    """``_fastest_of`` two variants (fp32 and bf16; kernel_probe.py: two kernels)."""
+    a, b = _fastest_of([first, second], counts, budget_s, warm_each)
+    return a, b
+
+
+def _fastest_of(variants: list[list[Op]], counts: list[float], budget_s: float,
+                warm_each: bool = False) -> tuple[float, ...]:
+    """Each variant's seconds per model step: each op's fastest run, the variants alternating op
+    by op, summed with its count per model step. Op by op, because on a loaded machine a whole
+    model step rarely runs undisturbed while a single matmul often does; alternating, so that the
+    load falls on every variant alike. ``warm_each``: every timed run right after an untimed one
+    of the same op."""
+    for ops in variants:  # warm-up: oneDNN primitive creation, first touch of the weights
+        for op in ops:
+            op()
+    best = [[math.inf] * len(ops) for ops in variants]
     start, reps = time.perf_counter(), 0
     while reps < MAX_REPS and (reps == 0 or (elapsed := time.perf_counter() - start) < budget_s
                                or (reps < 3 and elapsed < 2 * budget_s)):
-        for j in range(len(fp32)):
-            for k, op in enumerate((fp32[j], bf16[j])):
+        for j in range(len(counts)):
+            for k, ops in enumerate(variants):
                 if warm_each:
-                    op()
+                    ops[j]()
                 t0 = time.perf_counter()
-                op()
+                ops[j]()
                 best[k][j] = min(best[k][j], time.perf_counter() - t0)
         reps += 1
     return tuple(sum(c * t for c, t in zip(counts, b, strict=True)) for b in best)
@@ -456,8 +476,6 @@ def _train_ops(shapes: Shapes, dtype, kernel: str = "onednn") -> tuple[list[Op],
 
     return [op(m) for m in linears] + [op(head)], [float(shapes.layers)] * len(linears) + [shapes.vocab / head_rows]
 
-
-_OPS = {"sample": _decode_ops, "train": _train_ops}
 
 
 def main(argv: list[str] | None = None) -> None:

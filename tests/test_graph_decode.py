@@ -65,3 +65,20 @@ def test_graphs_only_on_cuda_and_switched_off_by_the_environment(monkeypatch):
     assert graph_decode.enabled(torch.device("cuda"))
     monkeypatch.setenv("GRPO_CUDA_GRAPHS", "0")
     assert not graph_decode.enabled(torch.device("cuda"))
+
+
+def test_a_failed_capture_names_the_switch_that_decodes_without_graphs(tmp_path, monkeypatch):
+    """On a CPU a capture fails for real (no CUDA); the error says how to sample without graphs."""
+    service = ServiceClient(checkpoint_dir=tmp_path, device="cpu", train_dtype="fp32", sample_dtype="fp32")
+    tc = service.create_lora_training_client("tiny", rank=4, seed=0)
+    original = graph_decode.StaticDecodeStep
+
+    class Capturing(original):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **{**kwargs, "capture": True})
+
+    monkeypatch.setattr(graph_decode, "enabled", lambda device: True)
+    monkeypatch.setattr(graph_decode, "StaticDecodeStep", Capturing)
+    with pytest.raises(RuntimeError, match="GRPO_CUDA_GRAPHS=0"):
+        tc.save_weights_and_get_sampling_client().sample(ModelInput.from_ints(PROMPTS[0]), 1,
+                                                         SamplingParams(max_tokens=3)).result()

@@ -83,7 +83,11 @@ class StaticDecodeStep:
         if not self.capture:
             self._run(static, key[1])
         elif fresh:
-            self._capture(static, key[1])
+            try:
+                self._capture(static, key[1])
+            except Exception as err:  # a driver, kernel or memory refusal: say how to run without
+                raise RuntimeError(f"capturing the sampler's decoding step in a CUDA graph failed ({type(err).__name__}: "
+                                   f"{err}); set {ENV_SWITCH}=0 to decode without graphs") from err
             static.graph.replay()
         else:
             static.graph.replay()

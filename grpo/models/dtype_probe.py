@@ -317,17 +317,10 @@ def measure(shapes: Shapes, budget_s: float = BUDGET_S) -> dict[str, tuple[float
         # fp32 training through each float32 kernel the model could train through, the faster counting
         kernels = cpu_linear.KERNELS if cpu_linear.wanted() and cpu_linear.onednn_works() else ("onednn",)
         variants = [_train_ops(shapes, torch.float32, kernel) for kernel in kernels]
-        (bf16, counts) = _train_ops(shapes, torch.bfloat16)
+        bf16, counts = _train_ops(shapes, torch.bfloat16)
         *fp32_s, bf16_s = _fastest_of([ops for ops, _ in variants] + [bf16], counts, budget_s * 0.6)
         out["train"] = (min(fp32_s), bf16_s)
     return out
-
-
-def _fastest(first: list[Op], second: list[Op], counts: list[float], budget_s: float,
-             warm_each: bool = False) -> tuple[float, float]:
-    """``_fastest_of`` two variants (fp32 and bf16; kernel_probe.py: two kernels)."""
-    a, b = _fastest_of([first, second], counts, budget_s, warm_each)
-    return a, b
 
 
 def _fastest_of(variants: list[list[Op]], counts: list[float], budget_s: float,

@@ -12,7 +12,8 @@ Each framework runs in its own child process (so peak memory is its own), and th
 them alternately after a warm-up: shared-CPU noise then hits both sides alike, and the medians
 and their ratio are what to read. A third child times grpo's sampler against plain
 ``model.generate`` and grpo's forward_backward + optim_step against a plain peft forward +
-backward + AdamW on the same batch, alternating the two each repetition.
+backward + AdamW on the same batch, alternating the two each repetition; those peers run a
+transformers + peft model of their own, on PyTorch's own kernels (``plain_peft_model``).
 """
 
 from __future__ import annotations
@@ -158,6 +159,23 @@ def lora_targets(model: Any) -> list[str]:
     out = model.get_output_embeddings()
     return sorted({name.split(".")[-1] for name, m in model.named_modules()
                    if isinstance(m, nn.Linear) and m is not out})
+
+
+def plain_peft_model(args: argparse.Namespace, device: str, dtype: str) -> Any:
+    """The micro-benchmarks' peer: the model as a transformers + peft user has it -- PyTorch's own
+    Linear kernels, peft's LoRA layers as peft computes them, rank and alpha as grpo's adapter --
+    a copy of its own, so that nothing grpo does to its model (oneDNN Linears, the kernel its
+    probe chose, its LoRA forward) reaches the reference."""
+    from peft import LoraConfig, get_peft_model
+
+    from grpo import models
+    from grpo.models import cpu_linear
+
+    base = models.load_model(args.model, device=device, dtype=dtype)
+    cpu_linear.use_torch_linears(base)
+    lora = LoraConfig(r=args.rank, lora_alpha=2 * args.rank, lora_dropout=0.0, target_modules=lora_targets(base),
+                      bias="none", task_type="CAUSAL_LM")
+    return get_peft_model(base, lora)
 
 
 def emit(**payload: Any) -> None:
@@ -358,8 +376,9 @@ def worker_micro(args: argparse.Namespace) -> None:
     service = ServiceClient(device=device, train_dtype=dtype, sample_dtype=sample_dtype)
     tc = service.create_lora_training_client(args.model, rank=args.rank, seed=0, train_unembed=False)
     tokenizer = tc.get_tokenizer()
-    engine = tc.engine
-    model = engine.peft_model
+    # loaded on grpo's computing thread, where the peers run too: a model loaded on this thread
+    # would leave a second OpenMP team in the process (grpo/backends/local/computing.py)
+    model = tc.handle.call(lambda: plain_peft_model(args, device, dtype))
     problems = make_problems(args.prompts)
     prompts = [tokenizer.apply_chat_template(p.messages, add_generation_prompt=True, tokenize=True,
                                              return_dict=False) for p in problems]
@@ -382,8 +401,7 @@ def worker_micro(args: argparse.Namespace) -> None:
                                   pad_token_id=pad, eos_token_id=tokenizer.eos_token_id)
 
     def plain_generate() -> tuple[int, None]:
-        with engine.lock:
-            out = model.generate(input_ids=input_ids, attention_mask=attention, generation_config=gen_config)
+        out = model.generate(input_ids=input_ids, attention_mask=attention, generation_config=gen_config)
         return int(out[:, width:].numel()), None
 
     # Training batch: the sequences of one sample, advantages that are not all zero.
@@ -414,19 +432,17 @@ def worker_micro(args: argparse.Namespace) -> None:
     mask = torch.tensor([[1] * d.model_input.length + [0] * (seq_width - d.model_input.length) for d in datums], device=device)
     targets, weights = padded("target_tokens", torch.long), padded("weights", torch.float32)
     old, adv = padded("logprobs", torch.float32), padded("advantages", torch.float32)
-    params_plain = list(engine.adapter_parameters(tc.adapter).values())
-    optimizer = torch.optim.AdamW(params_plain, lr=args.lr)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=args.lr)
 
     def plain_train() -> tuple[int, None]:
         # What a peft user writes: full logits, log_softmax, gather, PPO-clip, backward, AdamW.
-        with engine.lock:
-            logits = model(input_ids=ids, attention_mask=mask).logits
-            lp = torch.log_softmax(logits.float(), -1).gather(-1, targets[..., None])[..., 0]
-            ratio = torch.exp(lp - old)
-            loss = -(torch.minimum(ratio * adv, ratio.clamp(0.8, 1.2) * adv) * weights).sum()
-            loss.backward()
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
+        logits = model(input_ids=ids, attention_mask=mask).logits
+        lp = torch.log_softmax(logits.float(), -1).gather(-1, targets[..., None])[..., 0]
+        ratio = torch.exp(lp - old)
+        loss = -(torch.minimum(ratio * adv, ratio.clamp(0.8, 1.2) * adv) * weights).sum()
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
         return 0, None
 
     def timed(fn: Callable[[], tuple[int, Any]]) -> tuple[float, int]:

@@ -2,13 +2,15 @@
 
     python scripts/cuda_check.py [base_model]      # default: smollm2
 
-Prints the device and dtype, sampling throughput, how far the trainer's logprobs are from the
-sampler's on the sampled tokens (the on-policy importance ratio's error), and whether 20
-cross-entropy steps on a fixed batch cut the loss — the engine's behaviour, not a benchmark.
+Prints the device and dtype, sampling throughput (on CUDA also without CUDA graphs), how far the
+trainer's logprobs are from the sampler's on the sampled tokens (the on-policy importance ratio's
+error), and whether 20 cross-entropy steps on a fixed batch cut the loss — the engine's behaviour,
+not a benchmark.
 """
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 
@@ -16,6 +18,7 @@ import torch
 
 import grpo as mint
 from grpo import types
+from grpo.backends.local import graph_decode
 from grpo.rl.adapter import chat_prompt_tokens
 
 QUESTIONS = [f"What is {a} + {b}? Give only the answer." for a, b in
@@ -45,6 +48,19 @@ def main(base_model: str) -> None:
     seconds = time.perf_counter() - t0
     generated = sum(len(s.tokens) for r in results for s in r.sequences)
     print(f"sampling: {generated} tokens in {seconds:.2f} s = {generated / seconds:.0f} tokens/s (8 prompts x 4)")
+    if engine.device.type == "cuda":  # the same calls without CUDA graphs (graph_decode.py)
+        os.environ[graph_decode.ENV_SWITCH] = "0"
+        try:
+            sample_all()
+            _sync(engine)
+            t0 = time.perf_counter()
+            plain = sample_all()
+            _sync(engine)
+            eager = time.perf_counter() - t0
+        finally:
+            del os.environ[graph_decode.ENV_SWITCH]
+        n = sum(len(s.tokens) for r in plain for s in r.sequences)
+        print(f"sampling without CUDA graphs: {n / eager:.0f} tokens/s; graphs {eager / seconds * generated / n:.2f}x faster")
 
     datums, sampled_lp = [], []
     for prompt, result in zip(prompts, results, strict=True):

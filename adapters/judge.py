@@ -42,7 +42,7 @@ from typing import Any
 
 import torch
 
-from grpo.backends.local import computing
+from grpo.models import computing
 
 EMPTY_MARK = "(empty response)"
 QUESTION = "Better response:"
@@ -162,7 +162,7 @@ class PairwiseJudge:
             from grpo.models import load_model
 
             # loaded, like every use of it, on the process's computing thread, with the policy's
-            # engines (grpo/backends/local/computing.py: PyTorch's work on a second thread would
+            # engines (grpo/models/computing.py: PyTorch's work on a second thread would
             # leave a small machine's cores idle)
             model = computing.run(load_model, self.model_name, device=self.device, dtype=self.dtype)
             model.requires_grad_(False)

@@ -136,19 +136,12 @@ def device_and_dtypes(args: argparse.Namespace) -> tuple[str, str, str]:
         name = {"fp32": "float32", "bf16": "bfloat16"}[args.precision]
         return device, name, name
     from grpo import models
-    from grpo.backends.local import computing
     from grpo.models import dtype_probe, precision
 
+    # (the probe measures on grpo's computing thread whoever calls it: dtype_probe.measured_once)
     shapes = dtype_probe.Shapes.from_config(models.load_config(args.model))
-
-    def resolve() -> list[str]:
-        return [str(precision.resolve(key, "auto", torch.device(device), shapes)).removeprefix("torch.")
-                for key in ("train_dtype", "sample_dtype")]
-
-    # On grpo's computing thread, where a run measures it: a probe timed on this (main) thread
-    # left a second OpenMP team in the process, and every later step of the worker ran ~1.7x
-    # slower (computing.py; bf16 step 6.2-6.5 s against 3.6 s with the probe's answer cached).
-    train, sample = computing.run(resolve)
+    train, sample = (str(precision.resolve(key, "auto", torch.device(device), shapes)).removeprefix("torch.")
+                     for key in ("train_dtype", "sample_dtype"))
     return device, train, sample
 
 
@@ -377,7 +370,7 @@ def worker_micro(args: argparse.Namespace) -> None:
     tc = service.create_lora_training_client(args.model, rank=args.rank, seed=0, train_unembed=False)
     tokenizer = tc.get_tokenizer()
     # loaded on grpo's computing thread, where the peers run too: a model loaded on this thread
-    # would leave a second OpenMP team in the process (grpo/backends/local/computing.py)
+    # would leave a second OpenMP team in the process (grpo/models/computing.py)
     model = tc.handle.call(lambda: plain_peft_model(args, device, dtype))
     problems = make_problems(args.prompts)
     prompts = [tokenizer.apply_chat_template(p.messages, add_generation_prompt=True, tokenize=True,
@@ -454,7 +447,7 @@ def worker_micro(args: argparse.Namespace) -> None:
 
     def on_engine_thread(fn: Callable[[], tuple[int, Any]]) -> Callable[[], tuple[int, Any]]:
         # The peers run on the thread grpo computes on: PyTorch's OpenMP teams of two computing
-        # threads slow each other on a machine with few cores (grpo/backends/local/computing.py),
+        # threads slow each other on a machine with few cores (grpo/models/computing.py),
         # and a peft user's script computes on one thread too.
         return lambda: tc.handle.call(fn)
 

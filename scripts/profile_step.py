@@ -14,7 +14,7 @@ backend marks with ``record_function`` (``grpo.sample.*``, ``grpo.train.*``); "s
 is the decode loop's own Python between them (row bookkeeping, stop checks, the KV cache's slot
 moves and masks), and "outside the engine" is the wall time no range covers (futures, building
 datums, the tokenizer). ``--ops`` lists the heaviest operators of the decoding forward and of a
-training call, each profiled on the computing thread (grpo/backends/local/computing.py) where it
+training call, each profiled on the computing thread (grpo/models/computing.py) where it
 runs: profiled from the main thread, a second OpenMP team slowed every kernel of it by ~1.5x.
 """
 

@@ -18,7 +18,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # tests/test_precision.py turns the probe on with fake and real timers.
 os.environ["GRPO_PRECISION_PROBE"] = "off"
 # The suite runs several processes at once on few cores (xdist workers, the servers and CLI runs
-# they start). Each grpo process computes on one OpenMP team (grpo/backends/local/computing.py),
+# they start). Each grpo process computes on one OpenMP team (grpo/models/computing.py),
 # whose idle threads by default spin ~3 ms after every parallel region: good for one process on
 # its cores, CPU stolen from the others when processes outnumber cores (the slow suite ran ~3x
 # longer). Passive waiting is OpenMP's setting for such a machine; set before torch loads libgomp.

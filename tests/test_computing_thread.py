@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from grpo import types
-from grpo.backends.local import ServiceClient, computing, engine, sampler, trainer
+from grpo.backends.local import ServiceClient, engine, sampler, trainer
+from grpo.models import computing
 
 
 @pytest.fixture
@@ -52,7 +53,7 @@ def test_loading_training_and_sampling_run_on_one_thread(threads_seen, tmp_path)
 
 def test_every_engine_of_the_process_and_the_judge_compute_on_one_thread(threads_seen, tmp_path) -> None:
     """Two ServiceClients (two engines) and the chat adapter's judge: one computing thread between
-    them (grpo/backends/local/computing.py), which can hand itself work without waiting on itself."""
+    them (grpo/models/computing.py), which can hand itself work without waiting on itself."""
     from adapters.judge import PairwiseJudge
 
     for run in ("a", "b"):
@@ -79,3 +80,29 @@ def test_a_closed_service_refuses_training_and_sampling_but_the_computing_thread
     other = ServiceClient(checkpoint_dir=tmp_path / "b", dtype="fp32").create_lora_training_client("tiny", rank=2)
     sample = other.save_weights_and_get_sampling_client().sample(prompt, 1, types.SamplingParams(max_tokens=2, seed=0))
     assert 1 <= len(sample.result().sequences[0].tokens) <= 2
+
+
+def test_the_probes_measure_on_the_computing_thread_whoever_asks(tmp_path, monkeypatch) -> None:
+    """A probe timed on a caller's own thread left a second OpenMP team in the process, after which
+    every kernel of grpo's ran ~1.7x slower (docs/benchmark.md): they measure on the computing thread."""
+    from grpo import models
+    from grpo.models import dtype_probe, kernel_probe
+
+    monkeypatch.setattr(dtype_probe, "_memo", {})
+    monkeypatch.setattr(kernel_probe, "_memo", {})
+    monkeypatch.setattr(dtype_probe, "machine_busy", lambda: None)
+    seen: list[str] = []
+
+    def precision_timer(shapes):
+        seen.append(threading.current_thread().name)
+        return {"sample": (1.0, 2.0), "train": (1.0, 2.0)}
+
+    def kernel_timer(shapes):
+        seen.append(threading.current_thread().name)
+        return 1.0, 2.0
+
+    shapes = dtype_probe.Shapes.from_config(models.load_config("tiny"))
+    dtype_probe.timings(shapes, timer=precision_timer, cache=tmp_path / "p.json")
+    kernel_probe.timings(shapes, timer=kernel_timer, cache=tmp_path / "p.json")
+    assert len(seen) == 2 and seen[0] == seen[1] and seen[0].startswith("grpo-compute"), seen
+    assert threading.current_thread().name not in seen

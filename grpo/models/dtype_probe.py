@@ -55,6 +55,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
+from grpo.models import computing
+
 ROLES = ("sample", "train")
 T = TypeVar("T")
 # bf16 must measure this many times faster than fp32 to be chosen: the probe times the Linears
@@ -212,7 +214,14 @@ def measured_once(key: str, cache: Path, memo: dict[str, Any], parse: Callable[[
     """A machine's measurement ``key``: from ``memo`` (this process), else the cache file's entry
     (``parse``), else ``measure()``d, stored (``to_json``) and announced once. None, said once per
     process, where the machine is too busy to measure: the caller's ``fallback`` until a run finds
-    it quiet. kernel_probe.py caches through it too."""
+    it quiet. kernel_probe.py caches through it too.
+
+    Run on the process's computing thread (computing.py), wherever it is called from: a probe timed
+    on another thread leaves a second OpenMP team in the process, after which every kernel of
+    grpo's ran ~1.7x slower (docs/benchmark.md). The whole call goes there, the cached answer's
+    lookup too, so that no lock is taken off that thread which the computing thread could wait for."""
+    if not computing.on_computing_thread():
+        return computing.run(measured_once, key, cache, memo, parse, measure, to_json, announce, what, fallback)
     memo_key = f"{cache} | {key}"
     # Two engines created at once measure once; so do two processes (the jobs of a sweep), which
     # measuring side by side would time each other.

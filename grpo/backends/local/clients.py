@@ -37,11 +37,11 @@ from grpo.api import names
 from grpo.api.checkpoint_store import CheckpointStore, default_root
 from grpo.api.rest_client import RestClient
 from grpo.backends.local import age_export, custom_loss, heap, memory, sampler, trainer
-from grpo.backends.local import computing as local_computing
 from grpo.backends.local.engine import Engine, LoraSpec
 from grpo.backends.local.prefix_cache import PrefixCache
 from grpo.backends.local.sections import section
 from grpo.files import atomic_write_text, replace_dir, staging_path
+from grpo.models import computing as local_computing
 from grpo.models import precision
 from grpo.types import (
     AdamParams,

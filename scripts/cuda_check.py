@@ -90,6 +90,20 @@ def main(base_model: str) -> None:
           f"({last / first:.2f}x), {per_step * 1000:.0f} ms per forward_backward + optim_step")
     if engine.device.type == "cuda":
         print(f"peak GPU memory: {torch.cuda.max_memory_allocated() / 2**20:.0f} MiB")
+        # How host-bound a training call is: its kernels, and their GPU time against its wall time
+        # (an H100 ran ~9,500 kernels and ~30 ms of GPU work in a 0.37 s call, docs/benchmark.md).
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            t0 = time.perf_counter()
+            training.forward_backward(datums, loss_fn="cross_entropy").result()
+            training.optim_step(types.AdamParams(learning_rate=1e-3)).result()
+            _sync(engine)
+            wall = time.perf_counter() - t0
+        kernels = sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
+        gpu_s = sum(e.self_device_time_total for e in prof.key_averages()) / 1e6
+        print(f"one training call under the profiler: {wall * 1000:.0f} ms, {kernels} kernels, "
+              f"{gpu_s * 1000:.1f} ms of GPU time ({gpu_s / wall:.0%} busy)")
 
 
 def _sync(engine) -> None:

@@ -479,7 +479,6 @@ def _train_ops(shapes: Shapes, dtype, kernel: str = "onednn") -> tuple[list[Op],
     return [op(m) for m in linears] + [op(head)], [float(shapes.layers)] * len(linears) + [shapes.vocab / head_rows]
 
 
-
 def main(argv: list[str] | None = None) -> None:
     """``python -m grpo.models.dtype_probe [base_model]``: measure now (the cache is neither read nor
     written) and print the line ``auto`` would print."""

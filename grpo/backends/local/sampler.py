@@ -156,6 +156,10 @@ def generate(model, requests: list[GenerationRequest], tokenizer, device: torch.
     graphed = None
     if lean is not None and (graph_decode.enabled(device) if cuda_graphs is None else cuda_graphs):
         graphed = graph_decode.StaticDecodeStep(lean, cache, _pad_id(tokenizer), capture=device.type == "cuda")
+    elif device.type == "cuda":
+        # without graphs the GPU runs the model's own forward, as before graphs: the lean step
+        # eager measured no faster there (1.77 against 1.59 s a sampling call on an H100)
+        lean = None
 
     while True:
         admitted = _admissions(pending, limit - len(batch), nothing_running=not batch)

@@ -13,8 +13,8 @@ outputs from one call rather than one member lookup each.
 It takes a model only when every part is what it was written against -- transformers'
 ``LlamaForCausalLM`` (as such or under peft) with SDPA attention, full-attention layers and SiLU
 MLPs, on a CPU or a CUDA GPU -- and returns None otherwise: the sampler then calls the model's own
-forward. On CUDA it is also the step the sampler captures in CUDA graphs (graph_decode.py): it
-makes no host synchronisation and no decision on a tensor's value.
+forward. On CUDA the sampler takes it only to capture it in CUDA graphs (graph_decode.py: it makes
+no host synchronisation and no decision on a tensor's value); run eagerly there it saved nothing.
 """
 
 from __future__ import annotations

@@ -82,3 +82,35 @@ def test_a_failed_capture_names_the_switch_that_decodes_without_graphs(tmp_path,
     with pytest.raises(RuntimeError, match="GRPO_CUDA_GRAPHS=0"):
         tc.save_weights_and_get_sampling_client().sample(ModelInput.from_ints(PROMPTS[0]), 1,
                                                          SamplingParams(max_tokens=3)).result()
+
+
+@pytest.mark.parametrize("compact", ["eager", "half"])  # half: the GPU's default, finished rows ride along
+def test_static_steps_through_continuous_batching_draw_what_the_lean_step_draws(compact):
+    """Five slots for 16 rows: requests are admitted into slots that padded rows of the static
+    step have written into, while other rows decode; rows stop at scattered steps."""
+    import torch
+
+    from grpo import models
+    from grpo.backends.local import sampler
+
+    model = models.load_model("tiny")
+    tokenizer = models.load_tokenizer("tiny")
+    prompts = [[1, 504, 3458, 314, 253, 1345, 28], [1, 9906, 30], [1, *range(42, 52)], [1, 5, 6]]
+
+    def requests():
+        return [sampler.GenerationRequest(p, 4, SamplingParams(max_tokens=6 + 5 * i, temperature=1.0, seed=11 + i,
+                                                               stop=list(range(3000, 9000))))
+                for i, p in enumerate(prompts)]
+
+    runs = {}
+    for graphs in (False, True):
+        batch = requests()
+        stats = sampler.generate(model, batch, tokenizer, torch.device("cpu"), compact=compact,
+                                 row_bytes=lambda n: 1, budget=5, cuda_graphs=graphs)
+        runs[graphs] = ([s for req in batch for s in req.sequences], stats)
+    (plain, plain_stats), (static, static_stats) = runs[False], runs[True]
+    assert static_stats.admissions == plain_stats.admissions == 4
+    assert {s.stop_reason for s in plain} == {"stop", "length"}  # rows leave at different steps
+    assert [s.tokens for s in static] == [s.tokens for s in plain]
+    for a, b in zip(static, plain, strict=True):
+        assert a.logprobs == pytest.approx(b.logprobs, abs=1e-5)

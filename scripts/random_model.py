@@ -4,7 +4,9 @@
 
 For benchmarks on machines that cannot get the weights (no hub, or a transfer limit smaller than
 the packaged GGUF): the same config, tokenizer and chat template as ``--like``, weights from
-``from_config`` (bf16), so every matmul has the real shapes. ``--shape 1.7b`` widens SmolLM2-135M's
+``from_config`` (bf16), so every matmul has the real shapes. ``--like`` is any base_model name, or
+a directory holding only a model's config and tokenizer files (a few MB: what to copy to such a
+machine, e.g. grpo's cache of the packaged SmolLM2 without its model.safetensors). ``--shape 1.7b`` widens SmolLM2-135M's
 config to SmolLM2-1.7B's (hidden 2048, 24 layers, 32 heads, MLP 8192). A random model almost never
 samples EOS: every row runs to ``max_tokens``. Then ``scripts/bench.py --model OUT``.
 """
@@ -23,7 +25,7 @@ SHAPES = {
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("out", type=Path)
-    parser.add_argument("--like", default="smollm2", help="base_model whose config and tokenizer are taken")
+    parser.add_argument("--like", default="smollm2", help="base_model, or a directory of config + tokenizer files, whose config and tokenizer are taken")
     parser.add_argument("--shape", choices=sorted(SHAPES), help="override the config's shapes")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()

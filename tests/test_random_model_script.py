@@ -26,3 +26,24 @@ def test_random_model_has_the_architecture_and_tokenizer_it_copies_and_loads_as_
     weights = dict(model.named_parameters())
     assert weights.keys() == dict(reference.named_parameters()).keys()
     assert float(weights["model.layers.0.mlp.up_proj.weight"].std()) > 0  # initialised, not zeros
+
+
+def test_like_takes_a_directory_of_config_and_tokenizer_files_only(tmp_path):
+    """What a machine without the packaged weights gets: a few MB of config and tokenizer files."""
+    import shutil
+
+    models.load_tokenizer("smollm2")  # the packaged model's directory exists after its first use
+    source = models.cache_dir() / "smollm2-135m-instruct"
+    like = tmp_path / "cfg"
+    like.mkdir()
+    for f in source.iterdir():
+        if f.name != "model.safetensors":
+            shutil.copy(f, like / f.name)
+    out = tmp_path / "random-135m"
+    subprocess.run([sys.executable, str(ROOT / "scripts" / "random_model.py"), str(out), "--like", str(like)],
+                   check=True, capture_output=True, text=True, timeout=300)
+    made, packaged = models.load_config(str(out)), models.load_config("smollm2")
+    assert (made.hidden_size, made.num_hidden_layers, made.vocab_size) == (packaged.hidden_size,
+                                                                            packaged.num_hidden_layers,
+                                                                            packaged.vocab_size)
+    assert (out / "model.safetensors").stat().st_size > 200e6  # 135M parameters in bf16

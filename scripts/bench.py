@@ -154,21 +154,35 @@ def lora_targets(model: Any) -> list[str]:
                    if isinstance(m, nn.Linear) and m is not out})
 
 
-def plain_peft_model(args: argparse.Namespace, device: str, dtype: str) -> Any:
-    """The micro-benchmarks' peer: the model as a transformers + peft user has it -- PyTorch's own
-    Linear kernels, peft's LoRA layers as peft computes them, rank and alpha as grpo's adapter --
-    a copy of its own, so that nothing grpo does to its model (oneDNN Linears, the kernel its
-    probe chose, its LoRA forward) reaches the reference."""
-    from peft import LoraConfig, get_peft_model
-
+def plain_model(args: argparse.Namespace, device: str, dtype: str) -> Any:
+    """The model as a transformers user has it: PyTorch's own Linear kernels, not the oneDNN ones
+    grpo's model loader switches a CPU float32 model to (grpo/models/cpu_linear.py)."""
     from grpo import models
     from grpo.models import cpu_linear
 
-    base = models.load_model(args.model, device=device, dtype=dtype)
-    cpu_linear.use_torch_linears(base)
-    lora = LoraConfig(r=args.rank, lora_alpha=2 * args.rank, lora_dropout=0.0, target_modules=lora_targets(base),
+    model = models.load_model(args.model, device=device, dtype=dtype)
+    cpu_linear.use_torch_linears(model)
+    return model
+
+
+def peer_lora(model: Any, rank: int) -> Any:
+    """The peers' LoRA (TRL's and the micro-benchmarks'), as grpo's adapter: rank, alpha 2 x rank,
+    every Linear of the decoder, no dropout."""
+    from peft import LoraConfig
+
+    return LoraConfig(r=rank, lora_alpha=2 * rank, lora_dropout=0.0, target_modules=lora_targets(model),
                       bias="none", task_type="CAUSAL_LM")
-    return get_peft_model(base, lora)
+
+
+def plain_peft_model(args: argparse.Namespace, device: str, dtype: str) -> Any:
+    """The micro-benchmarks' peer: the model as a transformers + peft user has it -- PyTorch's own
+    Linear kernels, peft's LoRA layers as peft computes them -- a copy of its own, so that nothing
+    grpo does to its model (oneDNN Linears, the kernel its probe chose, its LoRA forward) reaches
+    the reference."""
+    from peft import get_peft_model
+
+    base = plain_model(args, device, dtype)
+    return get_peft_model(base, peer_lora(base, args.rank))
 
 
 def emit(**payload: Any) -> None:
@@ -271,18 +285,13 @@ def worker_grpo(args: argparse.Namespace) -> None:
 def worker_trl(args: argparse.Namespace) -> None:
     import torch
     from datasets import Dataset
-    from peft import LoraConfig
     from transformers import TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
     from grpo import models
-    from grpo.models import cpu_linear
 
     device, dtype, _ = device_and_dtypes(args)
-    model = models.load_model(args.model, device=device, dtype=dtype)
-    # TRL as its users run it: PyTorch's own Linear kernels, not the oneDNN ones grpo's model
-    # loader switches a CPU float32 model to (grpo/models/cpu_linear.py).
-    cpu_linear.use_torch_linears(model)
+    model = plain_model(args, device, dtype)  # TRL as its users run it
     tokenizer = models.load_tokenizer(args.model)
     n_steps = args.warmup + args.steps
     problems = make_problems(args.prompts * n_steps)
@@ -309,8 +318,7 @@ def worker_trl(args: argparse.Namespace) -> None:
         max_steps=n_steps, logging_steps=10**6, save_strategy="no", report_to=[],
         disable_tqdm=True, shuffle_dataset=False, dataloader_num_workers=0, seed=0,
     )
-    lora = LoraConfig(r=args.rank, lora_alpha=2 * args.rank, lora_dropout=0.0,
-                      target_modules=lora_targets(model), bias="none", task_type="CAUSAL_LM")
+    lora = peer_lora(model, args.rank)
 
     class Pace(TrainerCallback):
         """Hand control to the parent between optimizer steps and time each step."""

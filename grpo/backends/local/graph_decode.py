@@ -93,11 +93,11 @@ class StaticDecodeStep:
             static.graph.replay()
         return static.logits[:rows].clone()  # the graph's output is overwritten by its next replay
 
-    def _run(self, static: _Static, columns: int) -> torch.Tensor:
+    def _run(self, static: _Static, columns: int) -> None:
+        """The step at ``static``'s shapes, its logits into ``static.logits``."""
         step = self.cache.step
         step.lengths_tensor, step.width = static.lengths, columns
         static.logits = self.lean(static.tokens[:, None], self.cache.decode_mask(), static.lengths[:, None], self.cache)
-        return static.logits
 
     def _capture(self, static: _Static, columns: int) -> None:
         # Warm-up on a side stream first (cuBLAS and the attention kernels set themselves up

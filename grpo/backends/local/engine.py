@@ -172,9 +172,7 @@ class Engine:
                     self.peft_model = get_peft_model(self.model, config, adapter_name=name)
                 else:
                     self.peft_model.add_adapter(name, config)
-            use_onednn_linears(self.peft_model)  # peft's new lora_A/lora_B Linears too
-            use_kernel(self.peft_model, self.fp32_kernel)
-            fuse_lora_linears(self.peft_model)
+            self._own_lora_layers()
             self.specs[name] = spec
             self.versions[name] = 0
             self._activate(name)
@@ -189,9 +187,7 @@ class Engine:
                 self.peft_model = PeftModel.from_pretrained(self.model, str(path), adapter_name=name)
             else:
                 self.peft_model.load_adapter(str(path), adapter_name=name)
-            use_onednn_linears(self.peft_model)
-            use_kernel(self.peft_model, self.fp32_kernel)
-            fuse_lora_linears(self.peft_model)
+            self._own_lora_layers()
             self.versions[name] = 0
             self._activate(name)
             for p in self.adapter_parameters(name).values():
@@ -323,6 +319,13 @@ class Engine:
                 return
             with self.use(adapter, snapshot) as model:
                 yield model
+
+    def _own_lora_layers(self) -> None:
+        """The Linears peft just added (lora_A, lora_B) on this engine's kernels, and its LoRA
+        layers on grpo's forward (lora_linear.py)."""
+        use_onednn_linears(self.peft_model)
+        use_kernel(self.peft_model, self.fp32_kernel)
+        fuse_lora_linears(self.peft_model)
 
     def causal_lm(self) -> nn.Module:
         """The transformers model with LoRA layers injected (peft's wrapper stripped)."""

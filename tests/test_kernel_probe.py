@@ -75,6 +75,45 @@ def test_measured_once_per_machine_said_once_and_cached(probe, tmp_path, capsys)
 
 
 @needs_onednn
+def test_after_auto_resolved_to_fp32_its_numbers_choose_the_kernel_untimed(probe, monkeypatch, tmp_path, capsys) -> None:
+    """``auto`` resolving to fp32 has timed fp32 training through both kernels (dtype_probe.py):
+    the kernel probe answers from those numbers instead of timing the same ops again."""
+    timer = probe(FakeTimer(0.9, 0.1))  # would choose PyTorch's kernel too: only its calls tell
+    monkeypatch.setattr(dtype_probe, "_memo", {})
+    monkeypatch.setattr(dtype_probe, "_by_kernel_memo", {})
+    monkeypatch.setattr(dtype_probe, "measure", lambda shapes: {  # bf16 slower in both roles: auto is fp32
+        "sample": (0.030, 0.060), "train": (0.360, 0.500), dtype_probe.BY_KERNEL: {"onednn": 0.432, "torch": 0.360}})
+    engine = ServiceClient(device="cpu").create_lora_training_client("tiny", seed=0, rank=2).engine
+    assert engine.dtype is torch.float32 and engine.fp32_kernel == "torch" and timer.calls == 0
+    precision_line, kernel_line = capsys.readouterr().err.splitlines()
+    assert precision_line.startswith("grpo: auto precision on ")
+    assert kernel_line.endswith("(per training pass: oneDNN 432.0 ms, PyTorch 360.0 ms, PyTorch 1.20x faster, as the "
+                                f"precision probe timed them); cached in {tmp_path / 'precision.json'}")
+    shapes = dtype_probe.Shapes.from_config(models.load_config("tiny"))
+    stored = json.loads((tmp_path / "precision.json").read_text())
+    key = dtype_probe.machine_key(shapes)
+    assert stored[key][dtype_probe.BY_KERNEL] == {"onednn": 0.432, "torch": 0.36}
+    assert stored[kernel_probe.KEY_PREFIX + key] == {"onednn_s": 0.432, "torch_s": 0.36}
+    for memo in (dtype_probe._memo, dtype_probe._by_kernel_memo, kernel_probe._memo):
+        memo.clear()  # as a new process: the cache file answers both, silently
+    assert ServiceClient(device="cpu").create_lora_training_client("tiny", seed=0, rank=2).engine.fp32_kernel == "torch"
+    assert capsys.readouterr().err == "" and timer.calls == 0
+
+
+@needs_onednn
+def test_a_precision_entry_without_both_kernels_numbers_is_timed(probe, monkeypatch, tmp_path) -> None:
+    """An entry of a probe that timed one kernel (or a damaged one) answers nothing: measured."""
+    timer = probe(FakeTimer(0.432, 0.360))
+    monkeypatch.setattr(dtype_probe, "_by_kernel_memo", {})
+    key = dtype_probe.machine_key(SMOL)
+    for numbers in ({"onednn": 0.2}, "damaged", {"onednn": "fast", "torch": 0.1}):
+        kernel_probe._memo.clear()
+        (tmp_path / "precision.json").write_text(json.dumps({key: {dtype_probe.BY_KERNEL: numbers}}))
+        assert kernel_probe.training_kernel(SMOL) == "torch"
+    assert timer.calls == 3
+
+
+@needs_onednn
 def test_a_busy_machine_is_not_measured_and_trains_through_onednn(probe, monkeypatch, tmp_path, capsys) -> None:
     timer = probe(FakeTimer(0.432, 0.360))
     monkeypatch.setattr(dtype_probe, "machine_busy", lambda: "load 6.4 on 2 cores")

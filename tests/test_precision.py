@@ -241,8 +241,11 @@ def test_fp32_training_is_timed_through_the_faster_float32_kernel(monkeypatch, o
     result = dtype_probe.measure(shapes, budget_s=0.1)
     assert result["train"] == (6 * min(onednn_s, torch_s), 6 * 3.0)
     assert result["sample"] == (6.0, 6.0)
+    # each kernel's time kept too: the kernel probe answers from it (tests/test_kernel_probe.py)
+    assert result[dtype_probe.BY_KERNEL] == {"onednn": 6 * onednn_s, "torch": 6 * torch_s}
     monkeypatch.setattr(cpu_linear, "wanted", lambda: False)  # GRPO_CPU_LINEAR=torch: one kernel, nothing to pick
-    assert dtype_probe.measure(shapes, budget_s=0.1)["train"] == (6 * onednn_s, 6 * 3.0)
+    result = dtype_probe.measure(shapes, budget_s=0.1)
+    assert result["train"] == (6 * onednn_s, 6 * 3.0) and dtype_probe.BY_KERNEL not in result
 
 
 @pytest.mark.skipif(not packing_works(torch.bfloat16), reason="this CPU/torch build packs no bf16 weights")

@@ -128,11 +128,15 @@ class Timing:
         return self.bf16_s / self.fp32_s
 
 
-# (shapes) -> {role: (fp32 seconds, bf16 seconds)}; tests pass a fake one
+# (shapes) -> {role: (fp32 seconds, bf16 seconds)} (and, optionally, BY_KERNEL: {kernel: fp32 training
+# seconds}); tests pass a fake one
 Timer = Callable[[Shapes], dict[str, tuple[float, float]]]
 Op = Callable[[], Any]  # one matmul (forward, or forward and backward) of the probe
 
 _memo: dict[str, dict[str, Timing] | None] = {}
+# measure()'s seconds of fp32 training per float32 kernel, beside the roles (where both kernels were timed)
+BY_KERNEL = "fp32_train_by_kernel"
+_by_kernel_memo: dict[str, dict[str, float]] = {}
 _lock = threading.Lock()
 
 
@@ -197,16 +201,39 @@ def timings(shapes: Shapes, timer: Timer | None = None, cache: Path | None = Non
     else measured (by ``timer``, default ``measure``), cached and printed once. None, printed once
     per process, where the machine is too busy to measure: ``auto`` is fp32 until a run finds it quiet."""
     key = machine_key(shapes)
+    cache = cache if cache is not None else cache_file()
+    by_kernel: dict[str, float] = {}  # fp32 training per float32 kernel, where measured: kept with the entry
 
     def measured() -> dict[str, Timing]:
         seconds = (timer or measure)(shapes)
+        by_kernel.update(seconds.get(BY_KERNEL, {}))
+        if by_kernel:
+            _by_kernel_memo[f"{cache} | {key}"] = dict(by_kernel)
         return {role: Timing(*seconds[role]) for role in ROLES}
 
+    def to_json(result: dict[str, Timing]) -> dict:
+        return {role: asdict(t) for role, t in result.items()} | ({BY_KERNEL: dict(by_kernel)} if by_kernel else {})
+
     return measured_once(
-        key, cache if cache is not None else cache_file(), _memo,
+        key, cache, _memo,
         parse=lambda entry: {role: Timing(float(entry[role]["fp32_s"]), float(entry[role]["bf16_s"])) for role in ROLES},
-        measure=measured, to_json=lambda result: {role: asdict(t) for role, t in result.items()},
-        announce=lambda result: summary(result, key), what="auto precision", fallback="fp32")
+        measure=measured, to_json=to_json, announce=lambda result: summary(result, key), what="auto precision",
+        fallback="fp32")
+
+
+def fp32_training_by_kernel(shapes: Shapes, cache: Path | None = None) -> dict[str, float] | None:
+    """Seconds of a fp32 training pass through each float32 kernel, as this probe measured them
+    for ``shapes`` on this machine (in this process, or cached); None where it has not. The kernel
+    probe (kernel_probe.py) takes its answer from them rather than timing the same ops again."""
+    key, cache = machine_key(shapes), cache if cache is not None else cache_file()
+    found = _by_kernel_memo.get(f"{cache} | {key}")
+    if found is None:
+        entry = _read(cache).get(key)
+        found = entry.get(BY_KERNEL) if isinstance(entry, dict) else None
+    try:
+        return {kernel: float(seconds) for kernel, seconds in found.items()}
+    except (AttributeError, TypeError, ValueError):  # none, or a damaged entry
+        return None
 
 
 def measured_once(key: str, cache: Path, memo: dict[str, Any], parse: Callable[[Any], T], measure: Callable[[], T],
@@ -329,6 +356,8 @@ def measure(shapes: Shapes, budget_s: float = BUDGET_S) -> dict[str, tuple[float
         bf16, counts = _train_ops(shapes, torch.bfloat16)
         *fp32_s, bf16_s = _fastest_of([ops for ops, _ in variants] + [bf16], counts, budget_s * 0.6)
         out["train"] = (min(fp32_s), bf16_s)
+        if len(kernels) > 1:
+            out[BY_KERNEL] = dict(zip(kernels, fp32_s, strict=True))
     return out
 
 

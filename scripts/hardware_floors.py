@@ -13,6 +13,14 @@ the copy bandwidth (GB/s of a 256 MiB ``copy_``, read plus write). From them:
 
 Attention's own FLOPs are left out (at 32-token answers after ~45-token prompts they are <2% of
 the matmuls on SmolLM2), so the floors are a little low, never high.
+
+And what the kernels alone allow (``kernels_alone``): the step's own matmuls at its own shapes,
+everything else free -- a decoding step's Linears at its mean rows through the sampler's kernel
+(oneDNN's packed layout where it packs, grpo/models/cpu_linear.py), and a training pass's forward
+and input-gradient products through ``torch.mm`` (the kernel the peak is measured with), every
+Linear's weight distinct as in the model. Where these alone miss a goal, the goal is out of reach
+of the kernel library on this machine, whatever grpo does around them; the distance between them
+and grpo's step is grpo's own.
 """
 
 from __future__ import annotations
@@ -60,6 +68,8 @@ class ModelSize:
     decoder_matmul_params: int  # every Linear of the decoder layers
     head_params: int  # the unembedding
     weight_bytes: int  # what a decoding step reads: the decoder's Linears and the unembedding
+    # every decoder Linear's (out, in) in order, then the unembedding's: what kernels_alone multiplies
+    linear_shapes: tuple[tuple[int, int], ...] = ()
 
     @classmethod
     def of(cls, model) -> ModelSize:
@@ -67,11 +77,18 @@ class ModelSize:
 
         head = model.get_output_embeddings()
         decoder = model.get_decoder()
-        linears = [m for m in decoder.modules() if isinstance(m, nn.Linear)]
+        # the model's own Linears: peft's LoRA A and B (Linears inside the adapted layers) are
+        # overhead above the floors, not part of them
+        linears = [m for name, m in decoder.named_modules() if isinstance(m, nn.Linear) and ".lora_" not in f".{name}"]
         decoder_params = sum(m.weight.numel() for m in linears)
         head_params = head.weight.numel()
         size = head.weight.element_size()
-        return cls(decoder_params, head_params, (decoder_params + head_params) * size)
+        shapes = tuple((m.out_features, m.in_features) for m in linears) + (tuple(head.weight.shape),)
+        return cls(decoder_params, head_params, (decoder_params + head_params) * size, shapes)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> ModelSize:
+        return cls(**{**data, "linear_shapes": tuple(tuple(s) for s in data.get("linear_shapes", ()))})
 
 
 def decode_step_floor_s(size: ModelSize, machine: Machine, rows: float) -> dict[str, float]:
@@ -96,3 +113,39 @@ def step_floor_s(size: ModelSize, machine: Machine, decode_steps: int, rows_deco
 
 def as_dict(machine: Machine, size: ModelSize) -> dict:
     return {"machine": asdict(machine), "model": asdict(size)}
+
+
+def kernels_alone(size: ModelSize, dtype: str, rows: float, processed_tokens: int, counted_tokens: int,
+                  reps: int = 5) -> dict[str, float]:
+    """Seconds of the step's matmuls alone, the fastest of ``reps`` (see the module docstring):
+    ``decode_linears_s``, one decoding step's Linears and unembedding at ``rows`` rows;
+    ``train_matmuls_s``, one training pass's forward and input-gradient products (the decoder's for
+    ``processed_tokens``, the unembedding's for ``counted_tokens``). Weights are random: a kernel's
+    rate does not depend on the values. Call it on the thread that runs grpo's kernels
+    (grpo/models/computing.py): another thread's OpenMP team slows them."""
+    import torch
+
+    from grpo.models.cpu_linear import PackedLinear, can_pack
+
+    torch_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype]
+    *decoder, head = size.linear_shapes
+    weights = [torch.empty(shape, dtype=torch_dtype).uniform_(-0.05, 0.05) for shape in size.linear_shapes]
+    decode_rows = max(1, round(rows))
+    inputs = {n: torch.randn(max(decode_rows, processed_tokens), n, dtype=torch_dtype)
+              for n in {fan_in for _, fan_in in size.linear_shapes} | {fan_out for fan_out, _ in size.linear_shapes}}
+    sampler = [PackedLinear(w, None) if can_pack(w) else (lambda x, w=w: torch.nn.functional.linear(x, w))
+               for w in weights]
+
+    def decode_step() -> None:
+        for linear, (_, fan_in) in zip(sampler, size.linear_shapes, strict=True):
+            linear(inputs[fan_in][:decode_rows])
+
+    def train_pass() -> None:
+        for w, (fan_out, fan_in), tokens in zip(weights, size.linear_shapes, [processed_tokens] * len(decoder)
+                                                 + [counted_tokens], strict=True):
+            torch.mm(inputs[fan_in][:tokens], w.t())  # forward
+            torch.mm(inputs[fan_out][:tokens], w)  # the input's gradient (the frozen base has none of its own)
+
+    with torch.inference_mode():
+        return {"decode_linears_s": min(_timed(decode_step) for _ in range(reps + 1)),
+                "train_matmuls_s": min(_timed(train_pass) for _ in range(reps + 1))}

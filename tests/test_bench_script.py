@@ -1,4 +1,5 @@
-"""scripts/bench.py's micro-benchmark peers are plain transformers + peft, untouched by grpo."""
+"""scripts/bench.py's micro-benchmark peers are plain transformers + peft, untouched by grpo, and
+its goals table reads each goal against what the matmul kernels alone allow."""
 
 from __future__ import annotations
 
@@ -37,3 +38,40 @@ def test_the_peers_model_is_plain_and_grpos_own_model_keeps_its_kernels(tmp_path
     ids = torch.tensor([[1, 504, 3458, 314]])
     with torch.no_grad():  # the same base weights: B starts at zero, so both compute the base model
         assert torch.allclose(plain(input_ids=ids).logits, tc.engine.peft_model(input_ids=ids).logits, atol=1e-4)
+
+
+def test_the_goals_table_shows_what_the_kernels_alone_allow(capsys):
+    """Numbers chosen so every ratio is exact: each goal row carries grpo's value, the kernels-alone
+    value beside it, and met/unmet from grpo's value alone."""
+    import hardware_floors
+
+    size = hardware_floors.ModelSize(decoder_matmul_params=1_000_000, head_params=500_000, weight_bytes=10_000_000,
+                                     linear_shapes=((1000, 1000), (500, 1000)))
+    floors = {"machine": {"peak_gflops": 100.0, "bandwidth_gbs": 10.0, "dtype": "bf16"},
+              "model": {**size.__dict__, "linear_shapes": [list(s) for s in size.linear_shapes]},
+              "kernels_alone": {"decode_linears_s": 0.002, "train_matmuls_s": 0.5}}
+    event = {"seconds": 4.0, "sample_s": 2.0, "train_s": 2.0, "decode_steps": 10, "rows_decoded": 200,
+             "prompt_tokens": 100, "processed_tokens": 1000, "tokens": 500, "decode_forward_s": 0.05,
+             "train_compute_s": 1.0}
+    out = bench.against_hardware([event], floors, step_ratio=0.2)
+    # train FLOPs 4 x 1e6 x 1000 + 4 x 5e5 x 500 = 5e9: 5 GFLOP/s in grpo's second, 10 with the matmuls alone
+    assert out["decode_ms"] == 5.0 and out["decode_stream_floor_ms"] == 1.0 and out["decode_linears_ms"] == 2.0
+    assert out["train_gflops"] == 5.0 and out["train_matmuls_gflops"] == 10.0
+    table = capsys.readouterr().out
+    assert "| what | measured | the matmul kernels alone | goal | met |" in table
+    assert "| step, grpo / TRL (time, bf16) | 0.20 | - | <= 0.25 | yes |" in table
+    assert "20.0 rows, compute floor 0.6 ms) | 5.00x | 2.00x (2.0 ms) | <= 1.5x | no |" in table
+    assert "(5 / 100 bf16 GFLOP/s) | 5% | 10% (10 GFLOP/s) | >= 50% | no |" in table
+
+
+def test_the_goals_table_without_the_kernels_alone_keeps_its_rows(capsys):
+    """A result written before the kernels were timed alone (no ``kernels_alone``) still reads."""
+    floors = {"machine": {"peak_gflops": 100.0, "bandwidth_gbs": 10.0, "dtype": "fp32"},
+              "model": {"decoder_matmul_params": 1_000_000, "head_params": 500_000, "weight_bytes": 10_000_000}}
+    event = {"seconds": 4.0, "sample_s": 2.0, "train_s": 2.0, "decode_steps": 10, "rows_decoded": 200,
+             "prompt_tokens": 100, "processed_tokens": 1000, "tokens": 500, "decode_forward_s": 0.014,
+             "train_compute_s": 0.08}
+    out = bench.against_hardware([event], floors, step_ratio=None)
+    assert "decode_linears_ms" not in out and "train_matmuls_gflops" not in out
+    table = capsys.readouterr().out
+    assert "| 1.40x | - | <= 1.5x | yes |" in table and "| 62% | - | >= 50% | yes |" in table

@@ -3,9 +3,11 @@ run and add up, so the profile and the goals table in docs/benchmark.md cannot s
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 import sys
+from dataclasses import asdict
 from pathlib import Path
 
 import pytest
@@ -31,6 +33,47 @@ def test_floors_follow_their_formulas():
                                         processed_tokens=100, counted_tokens=60)
     assert step["sample_s"] == pytest.approx(2 * many["floor_s"] + 2 * 1e6 * 30 / 100e9)
     assert step["step_s"] == pytest.approx(step["sample_s"] + step["train_s"])
+
+
+def test_the_models_size_counts_its_own_linears_not_loras():
+    """The floors are the model's weights: a LoRA adapter's A and B are overhead above them."""
+    from peft import LoraConfig, get_peft_model
+
+    from grpo import models
+
+    model = models.load_model("tiny", device="cpu", dtype="fp32")
+    plain = hardware_floors.ModelSize.of(model)
+    config = model.config
+    hidden, inter, layers = config.hidden_size, config.intermediate_size, config.num_hidden_layers
+    head_dim = getattr(config, "head_dim", None) or hidden // config.num_attention_heads
+    q, kv = config.num_attention_heads * head_dim, config.num_key_value_heads * head_dim
+    per_layer = hidden * (2 * q + 2 * kv) + 3 * hidden * inter  # q, o, k, v; gate, up, down
+    assert plain.decoder_matmul_params == layers * per_layer
+    assert plain.head_params == config.vocab_size * hidden
+    assert plain.weight_bytes == 4 * (plain.decoder_matmul_params + plain.head_params)
+    assert len(plain.linear_shapes) == 7 * layers + 1 and plain.linear_shapes[-1] == (config.vocab_size, hidden)
+    adapted = get_peft_model(model, LoraConfig(r=4, target_modules=["q_proj", "v_proj", "down_proj"]))
+    assert hardware_floors.ModelSize.of(adapted.get_base_model()) == plain
+    # as the bench's worker hands it to its parent
+    assert hardware_floors.ModelSize.from_dict(json.loads(json.dumps(asdict(plain)))) == plain
+
+
+def test_the_kernels_alone_multiply_the_steps_own_shapes(monkeypatch):
+    """Timed once per rep each: a decoding step's Linears at its rows through the sampler's kernel,
+    and a training pass's forward and input-gradient products through torch.mm."""
+    import torch
+
+    size = hardware_floors.ModelSize(decoder_matmul_params=2 * 8 * 16, head_params=32 * 8, weight_bytes=0,
+                                     linear_shapes=((16, 8), (8, 16), (32, 8)))
+    products = []
+    real_mm = torch.mm
+    monkeypatch.setattr(torch, "mm", lambda a, b: products.append((tuple(a.shape), tuple(b.shape))) or real_mm(a, b))
+    out = hardware_floors.kernels_alone(size, "fp32", rows=2.6, processed_tokens=5, counted_tokens=3, reps=1)
+    assert out["decode_linears_s"] > 0 and out["train_matmuls_s"] > 0
+    pass_products = [((5, 8), (8, 16)), ((5, 16), (16, 8)),  # forward and input gradient of (16, 8)
+                     ((5, 16), (16, 8)), ((5, 8), (8, 16)),  # of (8, 16)
+                     ((3, 8), (8, 32)), ((3, 32), (32, 8))]  # the unembedding's, counted tokens only
+    assert products == pass_products * 2  # reps + 1 passes
 
 
 def test_profile_of_a_step_names_every_section():

@@ -277,17 +277,18 @@ def worker_grpo(args: argparse.Namespace) -> None:
              train_compute_s=seconds.get("grpo.train.decoder_forward", 0.0)
              + seconds.get("grpo.train.unembed_loss_backward", 0.0))
     config = tc.engine.model.config
-    size = hardware_floors.ModelSize.of(tc.engine.model)
+    precision, sample_precision = ("bf16" if name == "bfloat16" else "fp32" for name in (dtype, sample_dtype))
+    # a decoding step streams the sampler's weights: its own precision's bytes where the two differ
+    size = hardware_floors.ModelSize.of(tc.engine.model, sample_precision)
     floors = None
     if device == "cpu":  # measured where grpo's kernels ran (computing.py), after the steps
-        precision = "bf16" if dtype == "bfloat16" else "fp32"
         machine = computing.run(hardware_floors.measure, config.hidden_size, config.intermediate_size, precision)
         shapes = {k: median([e[k] for e in timed]) for k in ("processed_tokens", "tokens")} if timed else None
         alone = computing.run(
             hardware_floors.kernels_alone, size, precision,
             sum(e["rows_decoded"] for e in timed) / max(sum(e["decode_steps"] for e in timed), 1),
-            int(shapes["processed_tokens"]), int(shapes["tokens"])) if shapes else {}
-        floors = {**hardware_floors.as_dict(machine, size), "kernels_alone": alone}
+            int(shapes["processed_tokens"]), int(shapes["tokens"]), sample_dtype=sample_precision) if shapes else {}
+        floors = {**hardware_floors.as_dict(machine, size), "kernels_alone": alone, "sample_dtype": sample_precision}
     emit(event="done", **memory_report(device), **({"floors": floors} if floors else {}))
 
 
@@ -690,7 +691,8 @@ def against_hardware(events: list[dict[str, Any]], floors: dict[str, Any], step_
     if "decode_linears_s" in alone:
         out["decode_linears_ms"] = 1000 * alone["decode_linears_s"]
         linears = f"{out['decode_linears_ms'] / out['decode_stream_floor_ms']:.2f}x ({out['decode_linears_ms']:.1f} ms)"
-    table.append((f"decoding step / weight-stream floor ({decode_ms:.1f} ms / {out['decode_stream_floor_ms']:.1f} ms; "
+    table.append((f"decoding step / weight-stream floor ({floors.get('sample_dtype', machine.dtype)}: "
+                  f"{decode_ms:.1f} ms / {out['decode_stream_floor_ms']:.1f} ms; "
                   f"{rows:.1f} rows, compute floor {out['decode_compute_floor_ms']:.1f} ms)", f"{ratio:.2f}x",
                   linears or "-", f"<= {GOALS['decode_vs_stream']:.1f}x", ratio <= GOALS["decode_vs_stream"]))
     share = train_gflops / machine.peak_gflops

@@ -28,6 +28,8 @@ from __future__ import annotations
 import time
 from dataclasses import asdict, dataclass
 
+BYTES = {"fp32": 4, "bf16": 2}  # per weight, by precision
+
 
 @dataclass(frozen=True)
 class Machine:
@@ -72,7 +74,9 @@ class ModelSize:
     linear_shapes: tuple[tuple[int, int], ...] = ()
 
     @classmethod
-    def of(cls, model) -> ModelSize:
+    def of(cls, model, sample_dtype: str | None = None) -> ModelSize:
+        """``model``'s Linears; ``weight_bytes`` at ``sample_dtype`` ("fp32", "bf16": the sampler's
+        precision, where it differs from the model's), else at the model's own."""
         from torch import nn
 
         head = model.get_output_embeddings()
@@ -82,7 +86,7 @@ class ModelSize:
         linears = [m for name, m in decoder.named_modules() if isinstance(m, nn.Linear) and ".lora_" not in f".{name}"]
         decoder_params = sum(m.weight.numel() for m in linears)
         head_params = head.weight.numel()
-        size = head.weight.element_size()
+        size = BYTES[sample_dtype] if sample_dtype else head.weight.element_size()
         shapes = tuple((m.out_features, m.in_features) for m in linears) + (tuple(head.weight.shape),)
         return cls(decoder_params, head_params, (decoder_params + head_params) * size, shapes)
 
@@ -116,29 +120,36 @@ def as_dict(machine: Machine, size: ModelSize) -> dict:
 
 
 def kernels_alone(size: ModelSize, dtype: str, rows: float, processed_tokens: int, counted_tokens: int,
-                  reps: int = 5) -> dict[str, float]:
+                  reps: int = 5, sample_dtype: str | None = None) -> dict[str, float]:
     """Seconds of the step's matmuls alone, the fastest of ``reps`` (see the module docstring):
-    ``decode_linears_s``, one decoding step's Linears and unembedding at ``rows`` rows;
-    ``train_matmuls_s``, one training pass's forward and input-gradient products (the decoder's for
-    ``processed_tokens``, the unembedding's for ``counted_tokens``). Weights are random: a kernel's
-    rate does not depend on the values. Call it on the thread that runs grpo's kernels
-    (grpo/models/computing.py): another thread's OpenMP team slows them."""
+    ``decode_linears_s``, one decoding step's Linears and unembedding at ``rows`` rows, in
+    ``sample_dtype`` (default ``dtype``); ``train_matmuls_s``, one training pass's forward and
+    input-gradient products in ``dtype`` (the decoder's for ``processed_tokens``, the unembedding's
+    for ``counted_tokens``). Weights are random: a kernel's rate does not depend on the values.
+    Call it on the thread that runs grpo's kernels (grpo/models/computing.py): another thread's
+    OpenMP team slows them."""
     import torch
 
-    from grpo.models.cpu_linear import PackedLinear, can_pack
+    from grpo.models import cpu_linear
 
-    torch_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype]
+    dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16}
+    train_dtype, decode_dtype = dtypes[dtype], dtypes[sample_dtype or dtype]
     *decoder, head = size.linear_shapes
-    weights = [torch.empty(shape, dtype=torch_dtype).uniform_(-0.05, 0.05) for shape in size.linear_shapes]
+    weights = [torch.empty(shape, dtype=train_dtype).uniform_(-0.05, 0.05) for shape in size.linear_shapes]
     decode_rows = max(1, round(rows))
-    inputs = {n: torch.randn(max(decode_rows, processed_tokens), n, dtype=torch_dtype)
-              for n in {fan_in for _, fan_in in size.linear_shapes} | {fan_out for fan_out, _ in size.linear_shapes}}
-    sampler = [PackedLinear(w, None) if can_pack(w) else (lambda x, w=w: torch.nn.functional.linear(x, w))
-               for w in weights]
+    fans = {fan_in for _, fan_in in size.linear_shapes} | {fan_out for fan_out, _ in size.linear_shapes}
+    inputs = {n: torch.randn(processed_tokens, n, dtype=train_dtype) for n in fans}
+    decode_inputs = {n: torch.randn(decode_rows, n, dtype=decode_dtype) for n in fans}
+
+    def sampler_linear(w: torch.Tensor):
+        w = w.to(decode_dtype)
+        return cpu_linear.PackedLinear(w, None) if cpu_linear.can_pack(w) else (lambda x: torch.nn.functional.linear(x, w))
+
+    sampler = [sampler_linear(w) for w in weights]
 
     def decode_step() -> None:
         for linear, (_, fan_in) in zip(sampler, size.linear_shapes, strict=True):
-            linear(inputs[fan_in][:decode_rows])
+            linear(decode_inputs[fan_in])
 
     def train_pass() -> None:
         for w, (fan_out, fan_in), tokens in zip(weights, size.linear_shapes, [processed_tokens] * len(decoder)

@@ -75,3 +75,14 @@ def test_the_goals_table_without_the_kernels_alone_keeps_its_rows(capsys):
     assert "decode_linears_ms" not in out and "train_matmuls_gflops" not in out
     table = capsys.readouterr().out
     assert "| 1.40x | - | <= 1.5x | yes |" in table and "| 62% | - | >= 50% | yes |" in table
+
+
+def test_a_bf16_sampler_beside_an_fp32_trainer_is_held_to_its_own_floor(capsys):
+    """The decoding row names the sampler's precision, whose bytes the floor streams."""
+    floors = {"machine": {"peak_gflops": 100.0, "bandwidth_gbs": 10.0, "dtype": "fp32"}, "sample_dtype": "bf16",
+              "model": {"decoder_matmul_params": 1_000_000, "head_params": 500_000, "weight_bytes": 3_000_000}}
+    event = {"seconds": 4.0, "sample_s": 2.0, "train_s": 2.0, "decode_steps": 10, "rows_decoded": 200,
+             "prompt_tokens": 100, "processed_tokens": 1000, "tokens": 500, "decode_forward_s": 0.006,
+             "train_compute_s": 0.08}
+    bench.against_hardware([event], floors, step_ratio=None)
+    assert "| decoding step / weight-stream floor (bf16: 0.6 ms / 0.3 ms; 20.0 rows" in capsys.readouterr().out

@@ -52,6 +52,8 @@ def test_the_models_size_counts_its_own_linears_not_loras():
     assert plain.head_params == config.vocab_size * hidden
     assert plain.weight_bytes == 4 * (plain.decoder_matmul_params + plain.head_params)
     assert len(plain.linear_shapes) == 7 * layers + 1 and plain.linear_shapes[-1] == (config.vocab_size, hidden)
+    # a bf16 sampler beside an fp32 trainer streams half the bytes a decoding step
+    assert hardware_floors.ModelSize.of(model, "bf16").weight_bytes == plain.weight_bytes // 2
     adapted = get_peft_model(model, LoraConfig(r=4, target_modules=["q_proj", "v_proj", "down_proj"]))
     assert hardware_floors.ModelSize.of(adapted.get_base_model()) == plain
     # as the bench's worker hands it to its parent
@@ -74,6 +76,26 @@ def test_the_kernels_alone_multiply_the_steps_own_shapes(monkeypatch):
                      ((5, 16), (16, 8)), ((5, 8), (8, 16)),  # of (8, 16)
                      ((3, 8), (8, 32)), ((3, 32), (32, 8))]  # the unembedding's, counted tokens only
     assert products == pass_products * 2  # reps + 1 passes
+
+
+def test_the_kernels_alone_decode_in_the_samplers_precision(monkeypatch):
+    """A bf16 sampler beside an fp32 trainer: the decoding step's Linears multiply bf16 weights,
+    the training pass's products stay fp32."""
+    import torch
+
+    from grpo.models import cpu_linear
+
+    size = hardware_floors.ModelSize(decoder_matmul_params=8 * 16, head_params=32 * 8, weight_bytes=0,
+                                     linear_shapes=((16, 8), (32, 8)))
+    decoded, trained = [], []
+    monkeypatch.setattr(cpu_linear, "can_pack", lambda w: False)  # through F.linear, whatever this CPU packs
+    real_linear, real_mm = torch.nn.functional.linear, torch.mm
+    monkeypatch.setattr(torch.nn.functional, "linear", lambda x, w: decoded.append((x.dtype, w.dtype)) or real_linear(x, w))
+    monkeypatch.setattr(torch, "mm", lambda a, b: trained.append((a.dtype, b.dtype)) or real_mm(a, b))
+    hardware_floors.kernels_alone(size, "fp32", rows=2, processed_tokens=5, counted_tokens=3, reps=1,
+                                  sample_dtype="bf16")
+    assert set(decoded) == {(torch.bfloat16, torch.bfloat16)} and len(decoded) == 2 * 2
+    assert set(trained) == {(torch.float32, torch.float32)} and len(trained) == 2 * 2 * 2
 
 
 def test_profile_of_a_step_names_every_section():

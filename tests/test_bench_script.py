@@ -4,6 +4,8 @@ its goals table reads each goal against what the matmul kernels alone allow."""
 from __future__ import annotations
 
 import argparse
+import json
+import subprocess
 import sys
 from pathlib import Path
 
@@ -86,3 +88,17 @@ def test_a_bf16_sampler_beside_an_fp32_trainer_is_held_to_its_own_floor(capsys):
              "train_compute_s": 0.08}
     bench.against_hardware([event], floors, step_ratio=None)
     assert "| decoding step / weight-stream floor (bf16: 0.6 ms / 0.3 ms; 20.0 rows" in capsys.readouterr().out
+
+
+def test_a_bench_run_reports_every_goal_with_the_kernels_alone(tmp_path):
+    """The whole bench on the tiny model, grpo alone: its worker measures the floors and the kernels
+    alone after its steps, and the table and the JSON carry them."""
+    out = tmp_path / "bench.json"
+    proc = subprocess.run([sys.executable, "scripts/bench.py", "--model", "tiny", "--no-trl", "--no-micro", "--steps", "1",
+                           "--warmup", "1", "--prompts", "2", "--group", "2", "--max-tokens", "4", "--precision", "fp32",
+                           "--json", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "| what | measured | the matmul kernels alone | goal | met |" in proc.stdout
+    result = json.loads(out.read_text())["against_hardware"]
+    assert result["decode_linears_ms"] > 0 and result["train_matmuls_gflops"] > 0
+    assert result["decode_ms"] > 0 and result["decode_stream_floor_ms"] > 0

@@ -82,6 +82,31 @@ def test_ttl_expires_and_removes_a_checkpoint_and_none_clears_it(store) -> None:
         store.set_ttl(kept.tinker_path, -5)
 
 
+def test_expiry_is_swept_for_what_is_read_and_a_listing_reads_each_run_once(store, monkeypatch) -> None:
+    """Listing or resolving one run purges that run's expired checkpoints, not the whole store's:
+    purging everything for every run listed made one page of ``list_runs`` read the store once per
+    run (90 s for 1,475 runs of a real cache). Whole-store listings still purge everything."""
+    runs = [store.create_run("tiny", lora_rank=2).training_run_id for _ in range(5)]
+    expiring = {run: store.save(run, "sampler", "s", writer({"f": b"x"}), ttl_seconds=1).tinker_path for run in runs}
+    time.sleep(1.1)
+    first, second, *rest = runs
+    assert store.list_checkpoints(first).checkpoints == []
+    assert not store._dir(expiring[first]).exists() and store._dir(expiring[second]).exists()  # not second's
+    with pytest.raises(FileNotFoundError, match="expired"):
+        store.resolve(expiring[second])
+    assert not store._dir(expiring[second]).exists() and all(store._dir(expiring[r]).exists() for r in rest)
+
+    reads = []
+    real = store._checkpoint_paths
+    monkeypatch.setattr(store, "_checkpoint_paths", lambda run_id: reads.append(run_id) or real(run_id))
+    page = store.list_runs(limit=2)
+    assert page.cursor.total_count == 5 and not any(store._dir(expiring[r]).exists() for r in rest)
+    assert sorted(set(reads)) == sorted(runs) and len(reads) == 2 * len(runs)  # a purge and a listing per run
+    reads.clear()
+    store.list_user_checkpoints()
+    assert len(reads) == 2 * len(runs)  # one sweep of the store, one listing
+
+
 def test_publish_delete_and_overwrite(store) -> None:
     run = store.create_run("tiny", lora_rank=2)
     path = store.save(run.training_run_id, "sampler", "s", writer({"f": b"old"})).tinker_path

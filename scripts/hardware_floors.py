@@ -134,7 +134,7 @@ def kernels_alone(size: ModelSize, dtype: str, rows: float, processed_tokens: in
 
     dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16}
     train_dtype, decode_dtype = dtypes[dtype], dtypes[sample_dtype or dtype]
-    *decoder, head = size.linear_shapes
+    *decoder, _ = size.linear_shapes  # the unembedding last
     weights = [torch.empty(shape, dtype=train_dtype).uniform_(-0.05, 0.05) for shape in size.linear_shapes]
     decode_rows = max(1, round(rows))
     fans = {fan_in for _, fan_in in size.linear_shapes} | {fan_out for fan_out, _ in size.linear_shapes}

@@ -276,6 +276,8 @@ def worker_grpo(args: argparse.Namespace) -> None:
              decode_forward_s=seconds.get("grpo.sample.decode_forward", 0.0),
              train_compute_s=seconds.get("grpo.train.decoder_forward", 0.0)
              + seconds.get("grpo.train.unembed_loss_backward", 0.0))
+    # peak memory is the steps': read before the measurements below allocate weights and buffers of their own
+    memory = memory_report(device)
     config = tc.engine.model.config
     precision, sample_precision = ("bf16" if name == "bfloat16" else "fp32" for name in (dtype, sample_dtype))
     # a decoding step streams the sampler's weights: its own precision's bytes where the two differ
@@ -289,7 +291,7 @@ def worker_grpo(args: argparse.Namespace) -> None:
             sum(e["rows_decoded"] for e in timed) / max(sum(e["decode_steps"] for e in timed), 1),
             int(shapes["processed_tokens"]), int(shapes["tokens"]), sample_dtype=sample_precision) if shapes else {}
         floors = {**hardware_floors.as_dict(machine, size), "kernels_alone": alone, "sample_dtype": sample_precision}
-    emit(event="done", **memory_report(device), **({"floors": floors} if floors else {}))
+    emit(event="done", **memory, **({"floors": floors} if floors else {}))
 
 
 # --------------------------------------------------------------------------- TRL worker

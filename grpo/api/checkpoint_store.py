@@ -162,16 +162,34 @@ class CheckpointStore:
                            last_sampler_checkpoint=last["sampler"], user_metadata=record["user_metadata"])
 
     def list_runs(self, limit: int = 20, offset: int = 0) -> TrainingRunsResponse:
-        """Runs, most recently active first."""
-        runs = []
+        """Runs, most recently active first. Every run's last activity is read from its record and
+        its checkpoints' metadata (its expired checkpoints swept on the way); the full records, each
+        of which sizes every checkpoint's files, are built for the page's runs alone."""
+        active = []
         for p in self._run_dirs():
             try:
-                runs.append(self.get_run(p.name))
+                active.append((self._last_activity(p.name), p.name))
             except _UNTRUSTED as err:
                 self._skip(p.name, err)
-        runs.sort(key=lambda r: r.last_request_time, reverse=True)
-        return TrainingRunsResponse(training_runs=runs[offset:offset + limit],
-                                    cursor=Cursor(offset=offset, limit=limit, total_count=len(runs)))
+        active.sort(key=lambda entry: entry[0], reverse=True)
+        page = []
+        for _, run_id in active[offset:offset + limit]:
+            try:
+                page.append(self.get_run(run_id))
+            except _UNTRUSTED as err:  # changed since its activity was read
+                self._skip(run_id, err)
+        return TrainingRunsResponse(training_runs=page,
+                                    cursor=Cursor(offset=offset, limit=limit, total_count=len(active)))
+
+    def _last_activity(self, run_id: str) -> datetime.datetime:
+        """``get_run(run_id).last_request_time``, from the record and the checkpoints' metadata alone."""
+        times = [datetime.datetime.fromisoformat(self._run_record(run_id)["created"])]
+        for meta in self._sweep(run_id, []):
+            try:
+                times.append(datetime.datetime.fromisoformat(meta["time"]))
+            except _UNTRUSTED as err:
+                self._skip(meta["path"].removeprefix("tinker://"), err)
+        return max(times)
 
     def _run_record(self, run_id: str) -> dict[str, Any]:
         path = names.under_root(self.root, names.check_run_id(run_id, "training_run_id"), RUN_FILE,
@@ -267,12 +285,25 @@ class CheckpointStore:
         return CheckpointsListResponse(checkpoints=found)
 
     def list_user_checkpoints(self, limit: int = 100, offset: int = 0) -> CheckpointsListResponse:
-        """Every run's checkpoints, newest first, one page of them."""
-        self.purge_expired()
-        found = [c for run in self._run_dirs() for c in self._checkpoints(run.name)]
-        found.sort(key=lambda c: c.time, reverse=True)
-        return CheckpointsListResponse(checkpoints=found[offset:offset + limit],
-                                       cursor=Cursor(offset=offset, limit=limit, total_count=len(found)))
+        """Every run's checkpoints, newest first, one page of them: ordered by their metadata's
+        times (expired ones swept on the way), full records (which size the files) for the page alone."""
+        found = []
+        for run in self._run_dirs():
+            for meta in self._sweep(run.name, []):
+                try:
+                    found.append((datetime.datetime.fromisoformat(meta["time"]), meta["path"]))
+                except _UNTRUSTED as err:
+                    self._skip(meta["path"].removeprefix("tinker://"), err)
+        found.sort(key=lambda entry: entry[0], reverse=True)
+        page = []
+        for _, path in found[offset:offset + limit]:
+            try:
+                page.append(self.get_checkpoint(path))
+            except FileNotFoundError:
+                continue  # deleted by someone else just now
+            except _UNTRUSTED as err:
+                self._skip(path.removeprefix("tinker://"), err)
+        return CheckpointsListResponse(checkpoints=page, cursor=Cursor(offset=offset, limit=limit, total_count=len(found)))
 
     def _checkpoints(self, run_id: str) -> list[Checkpoint]:
         """The run's checkpoints that can be trusted; the others are skipped (and logged once)."""
@@ -317,22 +348,31 @@ class CheckpointStore:
         is all that listing or resolving one run needs -- and return their paths. (Every run's,
         each time one run was listed, made a page of ``list_runs`` read the whole store once per
         run: 90 s for 1,475 runs.)"""
-        gone = []
-        moment = now()
+        gone: list[str] = []
         for run in [run_id] if run_id is not None else [r.name for r in self._run_dirs()]:
-            for path in self._checkpoint_paths(run):
-                try:
-                    expires = json.loads(self._meta_file(path).read_text()).get("expires_at")
-                    expired = expires is not None and datetime.datetime.fromisoformat(expires) <= moment
-                except FileNotFoundError:
-                    continue  # deleted by someone else just now
-                except _UNTRUSTED as err:
-                    self._skip(path.removeprefix("tinker://"), err)
-                    continue
-                if expired:
-                    self._remove(path)
-                    gone.append(path)
+            self._sweep(run, gone)
         return gone
+
+    def _sweep(self, run_id: str, gone: list[str]) -> list[dict[str, Any]]:
+        """The metadata of ``run_id``'s live checkpoints, its expired ones deleted (their paths
+        added to ``gone``) on the way; entries that cannot be trusted are skipped (logged once)."""
+        live, moment = [], now()
+        for path in self._checkpoint_paths(run_id):
+            try:
+                meta = json.loads(self._meta_file(path).read_text())
+                expires = meta.get("expires_at")
+                expired = expires is not None and datetime.datetime.fromisoformat(expires) <= moment
+            except FileNotFoundError:
+                continue  # deleted by someone else just now
+            except _UNTRUSTED as err:
+                self._skip(path.removeprefix("tinker://"), err)
+                continue
+            if expired:
+                self._remove(path)
+                gone.append(path)
+            else:
+                live.append({**meta, "path": path})
+        return live
 
     def _update_meta(self, path: str, **changes: Any) -> Checkpoint:
         with self._lock:

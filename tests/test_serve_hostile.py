@@ -415,6 +415,8 @@ def test_external_weights_urls_are_signed_urls_of_the_server_not_paths_of_its_di
 def test_a_planted_checkpoint_leaves_every_listing_answering(env):
     store = env["base"] / "checkpoints"
     run = next(p for p in store.iterdir() if (p / "run.json").exists())
+    # the run's first saved state may not exist yet (this test alone, or first on its worker)
+    (run / "weights").mkdir(exist_ok=True)
     planted = [run / "weights" / "planted", run / "weights" / "planted.meta.json"]
     planted[0].symlink_to(env["outside"] / "victim", target_is_directory=True)
     planted[1].write_text('{"time": "2020-01-01T00:00:00+00:00"}')

@@ -183,13 +183,8 @@ class CheckpointStore:
 
     def _last_activity(self, run_id: str) -> datetime.datetime:
         """``get_run(run_id).last_request_time``, from the record and the checkpoints' metadata alone."""
-        times = [datetime.datetime.fromisoformat(self._run_record(run_id)["created"])]
-        for meta in self._sweep(run_id, []):
-            try:
-                times.append(datetime.datetime.fromisoformat(meta["time"]))
-            except _UNTRUSTED as err:
-                self._skip(meta["path"].removeprefix("tinker://"), err)
-        return max(times)
+        created = datetime.datetime.fromisoformat(self._run_record(run_id)["created"])
+        return max([created] + [time for time, _ in self._live_times(run_id)])
 
     def _run_record(self, run_id: str) -> dict[str, Any]:
         path = names.under_root(self.root, names.check_run_id(run_id, "training_run_id"), RUN_FILE,
@@ -287,28 +282,19 @@ class CheckpointStore:
     def list_user_checkpoints(self, limit: int = 100, offset: int = 0) -> CheckpointsListResponse:
         """Every run's checkpoints, newest first, one page of them: ordered by their metadata's
         times (expired ones swept on the way), full records (which size the files) for the page alone."""
-        found = []
-        for run in self._run_dirs():
-            for meta in self._sweep(run.name, []):
-                try:
-                    found.append((datetime.datetime.fromisoformat(meta["time"]), meta["path"]))
-                except _UNTRUSTED as err:
-                    self._skip(meta["path"].removeprefix("tinker://"), err)
+        found = [entry for run in self._run_dirs() for entry in self._live_times(run.name)]
         found.sort(key=lambda entry: entry[0], reverse=True)
-        page = []
-        for _, path in found[offset:offset + limit]:
-            try:
-                page.append(self.get_checkpoint(path))
-            except FileNotFoundError:
-                continue  # deleted by someone else just now
-            except _UNTRUSTED as err:
-                self._skip(path.removeprefix("tinker://"), err)
+        page = self._trusted([path for _, path in found[offset:offset + limit]])
         return CheckpointsListResponse(checkpoints=page, cursor=Cursor(offset=offset, limit=limit, total_count=len(found)))
 
     def _checkpoints(self, run_id: str) -> list[Checkpoint]:
         """The run's checkpoints that can be trusted; the others are skipped (and logged once)."""
+        return self._trusted(self._checkpoint_paths(run_id))
+
+    def _trusted(self, paths: list[str]) -> list[Checkpoint]:
+        """The Checkpoints of ``paths`` that can be trusted; the others are skipped (and logged once)."""
         found = []
-        for path in self._checkpoint_paths(run_id):
+        for path in paths:
             try:
                 found.append(self.get_checkpoint(path))
             except FileNotFoundError:
@@ -316,6 +302,16 @@ class CheckpointStore:
             except _UNTRUSTED as err:
                 self._skip(path.removeprefix("tinker://"), err)
         return found
+
+    def _live_times(self, run_id: str) -> list[tuple[datetime.datetime, str]]:
+        """(time, path) of ``run_id``'s live checkpoints, from their metadata (expired ones swept)."""
+        out = []
+        for meta in self._sweep(run_id, []):
+            try:
+                out.append((datetime.datetime.fromisoformat(meta["time"]), meta["path"]))
+            except _UNTRUSTED as err:
+                self._skip(meta["path"].removeprefix("tinker://"), err)
+        return out
 
     def _checkpoint_paths(self, run_id: str) -> list[str]:
         out = []

@@ -181,6 +181,8 @@ def test_a_planted_checkpoint_is_skipped_and_every_listing_still_answers(store, 
     (weights / "planted.meta.json").write_text('{"time": "2020-01-01T00:00:00+00:00"}')
     (weights / "garbled.meta.json").write_text("{not json")
     (weights / "garbled").mkdir()
+    (weights / "listed.meta.json").write_text("[]")  # JSON, but no record: no field can be read from it
+    (weights / "listed").mkdir()
     other = store.create_run("tiny", lora_rank=2)
     (store.root / other.training_run_id / "run.json").write_text("{broken")  # a run record that does not parse
     import logging
@@ -191,6 +193,6 @@ def test_a_planted_checkpoint_is_skipped_and_every_listing_still_answers(store, 
             assert [r.training_run_id for r in store.list_runs().training_runs] == [run.training_run_id]
             store.purge_expired()
     skipped = [r.getMessage() for r in caplog.records]
-    assert len(skipped) == 3 and all(str(store.root) not in m for m in skipped), skipped  # once each
-    assert any("planted" in m for m in skipped) and any("garbled" in m for m in skipped)
+    assert len(skipped) == 4 and all(str(store.root) not in m for m in skipped), skipped  # once each
+    assert all(any(name in m for m in skipped) for name in ("planted", "garbled", "listed"))
     assert (outside / "ckpt" / "adapter_config.json").exists()

@@ -71,8 +71,9 @@ OWNER = "local"
 # What cannot be trusted on disk (a run or checkpoint that is a symlink out of the store, a record
 # that does not parse) is skipped by every listing and logged once here, never the listing's failure.
 log = logging.getLogger(__name__)
-# What reading a planted or half-written entry can raise (UnsafeName and JSON errors are ValueErrors).
-_UNTRUSTED = (ValueError, OSError, KeyError, TypeError)
+# What reading a planted or half-written entry can raise (UnsafeName and JSON errors are ValueErrors;
+# AttributeError: JSON that is no object, whose fields cannot be read).
+_UNTRUSTED = (ValueError, OSError, KeyError, TypeError, AttributeError)
 # Files a loader needs, in the archive and the per-file listing; staging leftovers never are.
 _HIDDEN_SUFFIXES = (".tmp", ".old")
 

@@ -285,11 +285,10 @@ def worker_grpo(args: argparse.Namespace) -> None:
     floors = None
     if device == "cpu":  # measured where grpo's kernels ran (computing.py), after the steps
         machine = computing.run(hardware_floors.measure, config.hidden_size, config.intermediate_size, precision)
-        shapes = {k: median([e[k] for e in timed]) for k in ("processed_tokens", "tokens")} if timed else None
         alone = computing.run(
-            hardware_floors.kernels_alone, size, precision,
-            sum(e["rows_decoded"] for e in timed) / max(sum(e["decode_steps"] for e in timed), 1),
-            int(shapes["processed_tokens"]), int(shapes["tokens"]), sample_dtype=sample_precision) if shapes else {}
+            hardware_floors.kernels_alone, size, precision, rows_per_decode_step(timed),
+            int(median([e["processed_tokens"] for e in timed])), int(median([e["tokens"] for e in timed])),
+            sample_dtype=sample_precision) if timed else {}
         floors = {**hardware_floors.as_dict(machine, size), "kernels_alone": alone, "sample_dtype": sample_precision}
     emit(event="done", **memory, **({"floors": floors} if floors else {}))
 
@@ -560,6 +559,12 @@ def median(xs: list[float]) -> float:
     return statistics.median(xs) if xs else float("nan")
 
 
+def rows_per_decode_step(events: list[dict[str, Any]]) -> float:
+    """The timed steps' rows per decoding step (median rows over median steps): what the decoding
+    floor is taken at, in the goals table, and the kernels alone, in grpo's worker."""
+    return median([e["rows_decoded"] for e in events]) / max(median([e["decode_steps"] for e in events]), 1)
+
+
 def run_steps(args: argparse.Namespace, log_dir: Path) -> dict[str, Any]:
     roles = ["grpo"] + ([] if args.no_trl else ["trl"])
     children = {}
@@ -671,13 +676,13 @@ def against_hardware(events: list[dict[str, Any]], floors: dict[str, Any], step_
     med = {k: median([e[k] for e in events]) for k in (
         "seconds", "sample_s", "train_s", "decode_steps", "rows_decoded", "prompt_tokens", "processed_tokens",
         "tokens", "decode_forward_s", "train_compute_s")}
-    rows = med["rows_decoded"] / max(med["decode_steps"], 1)
+    rows = rows_per_decode_step(events)
     decode = hardware_floors.decode_step_floor_s(size, machine, rows)
     decode_ms = 1000 * med["decode_forward_s"] / max(med["decode_steps"], 1)
     floor = hardware_floors.step_floor_s(size, machine, int(med["decode_steps"]), int(med["rows_decoded"]),
                                          int(med["prompt_tokens"]), int(med["processed_tokens"]), int(med["tokens"]))
-    train_gflops = hardware_floors.train_flops(size, med["processed_tokens"], med["tokens"]) / max(
-        med["train_compute_s"], 1e-9) / 1e9
+    flops = hardware_floors.train_flops(size, med["processed_tokens"], med["tokens"])
+    train_gflops = flops / max(med["train_compute_s"], 1e-9) / 1e9
     out = {"decode_ms": decode_ms, "decode_stream_floor_ms": 1000 * decode["stream_s"],
            "decode_compute_floor_ms": 1000 * decode["compute_s"], "rows_per_decode_step": rows,
            "train_gflops": train_gflops, "peak_gflops": machine.peak_gflops, "bandwidth_gbs": machine.bandwidth_gbs,
@@ -700,8 +705,7 @@ def against_hardware(events: list[dict[str, Any]], floors: dict[str, Any], step_
     share = train_gflops / machine.peak_gflops
     matmuls = ""
     if "train_matmuls_s" in alone:
-        out["train_matmuls_gflops"] = hardware_floors.train_flops(size, med["processed_tokens"], med["tokens"]) / max(
-            alone["train_matmuls_s"], 1e-9) / 1e9
+        out["train_matmuls_gflops"] = flops / max(alone["train_matmuls_s"], 1e-9) / 1e9
         matmuls = f"{out['train_matmuls_gflops'] / machine.peak_gflops:.0%} ({out['train_matmuls_gflops']:.0f} GFLOP/s)"
     table.append((f"training matmul rate / peak ({train_gflops:.0f} / {machine.peak_gflops:.0f} {machine.dtype} GFLOP/s)",
                   f"{share:.0%}", matmuls or "-", f">= {GOALS['train_of_peak']:.0%}", share >= GOALS["train_of_peak"]))

@@ -42,6 +42,12 @@ def test_the_peers_model_is_plain_and_grpos_own_model_keeps_its_kernels(tmp_path
         assert torch.allclose(plain(input_ids=ids).logits, tc.engine.peft_model(input_ids=ids).logits, atol=1e-4)
 
 
+def step_event(**timings: float) -> dict[str, float]:
+    """A grpo worker's step event: 10 decoding steps of 20 rows, 1000 tokens processed, 500 counted."""
+    return {"seconds": 4.0, "sample_s": 2.0, "train_s": 2.0, "decode_steps": 10, "rows_decoded": 200,
+            "prompt_tokens": 100, "processed_tokens": 1000, "tokens": 500, **timings}
+
+
 def test_the_goals_table_shows_what_the_kernels_alone_allow(capsys):
     """Numbers chosen so every ratio is exact: each goal row carries grpo's value, the kernels-alone
     value beside it, and met/unmet from grpo's value alone."""
@@ -52,9 +58,7 @@ def test_the_goals_table_shows_what_the_kernels_alone_allow(capsys):
     floors = {"machine": {"peak_gflops": 100.0, "bandwidth_gbs": 10.0, "dtype": "bf16"},
               "model": {**size.__dict__, "linear_shapes": [list(s) for s in size.linear_shapes]},
               "kernels_alone": {"decode_linears_s": 0.002, "train_matmuls_s": 0.5}}
-    event = {"seconds": 4.0, "sample_s": 2.0, "train_s": 2.0, "decode_steps": 10, "rows_decoded": 200,
-             "prompt_tokens": 100, "processed_tokens": 1000, "tokens": 500, "decode_forward_s": 0.05,
-             "train_compute_s": 1.0}
+    event = step_event(decode_forward_s=0.05, train_compute_s=1.0)
     out = bench.against_hardware([event], floors, step_ratio=0.2)
     # train FLOPs 4 x 1e6 x 1000 + 4 x 5e5 x 500 = 5e9: 5 GFLOP/s in grpo's second, 10 with the matmuls alone
     assert out["decode_ms"] == 5.0 and out["decode_stream_floor_ms"] == 1.0 and out["decode_linears_ms"] == 2.0
@@ -70,9 +74,7 @@ def test_the_goals_table_without_the_kernels_alone_keeps_its_rows(capsys):
     """A result written before the kernels were timed alone (no ``kernels_alone``) still reads."""
     floors = {"machine": {"peak_gflops": 100.0, "bandwidth_gbs": 10.0, "dtype": "fp32"},
               "model": {"decoder_matmul_params": 1_000_000, "head_params": 500_000, "weight_bytes": 10_000_000}}
-    event = {"seconds": 4.0, "sample_s": 2.0, "train_s": 2.0, "decode_steps": 10, "rows_decoded": 200,
-             "prompt_tokens": 100, "processed_tokens": 1000, "tokens": 500, "decode_forward_s": 0.014,
-             "train_compute_s": 0.08}
+    event = step_event(decode_forward_s=0.014, train_compute_s=0.08)
     out = bench.against_hardware([event], floors, step_ratio=None)
     assert "decode_linears_ms" not in out and "train_matmuls_gflops" not in out
     table = capsys.readouterr().out
@@ -83,9 +85,7 @@ def test_a_bf16_sampler_beside_an_fp32_trainer_is_held_to_its_own_floor(capsys):
     """The decoding row names the sampler's precision, whose bytes the floor streams."""
     floors = {"machine": {"peak_gflops": 100.0, "bandwidth_gbs": 10.0, "dtype": "fp32"}, "sample_dtype": "bf16",
               "model": {"decoder_matmul_params": 1_000_000, "head_params": 500_000, "weight_bytes": 3_000_000}}
-    event = {"seconds": 4.0, "sample_s": 2.0, "train_s": 2.0, "decode_steps": 10, "rows_decoded": 200,
-             "prompt_tokens": 100, "processed_tokens": 1000, "tokens": 500, "decode_forward_s": 0.006,
-             "train_compute_s": 0.08}
+    event = step_event(decode_forward_s=0.006, train_compute_s=0.08)
     bench.against_hardware([event], floors, step_ratio=None)
     assert "| decoding step / weight-stream floor (bf16: 0.6 ms / 0.3 ms; 20.0 rows" in capsys.readouterr().out
 

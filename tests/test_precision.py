@@ -96,7 +96,8 @@ def test_auto_measures_once_per_machine_and_says_so_once(probe, tmp_path, capsys
     engine = ServiceClient(device="cpu").create_lora_training_client("tiny", seed=0, rank=2).engine
     assert engine.dtype is torch.bfloat16 and engine.sample_dtype is torch.bfloat16
     (line,) = capsys.readouterr().err.splitlines()
-    assert line.startswith(f"grpo: auto precision on {dtype_probe.cpu_name()} (torch {torch.__version__}")
+    assert line.startswith(f"grpo: auto precision on {dtype_probe.cpu_name()} ({dtype_probe.instruction_sets()} | "
+                           f"torch {torch.__version__}")
     assert "sample_dtype bf16 (per decoding step: fp32 30.0 ms, bf16 15.0 ms, bf16 2.00x faster)" in line
     assert "train_dtype bf16 (per training pass: fp32 2000.0 ms, bf16 1000.0 ms, bf16 2.00x faster)" in line
     ServiceClient(device="cpu").create_lora_training_client("tiny", seed=0, rank=2)  # same process
@@ -105,6 +106,34 @@ def test_auto_measures_once_per_machine_and_says_so_once(probe, tmp_path, capsys
     assert dtype_probe.timings(shapes)["sample"] == dtype_probe.Timing(0.030, 0.015)
     assert timer.calls == 1 and capsys.readouterr().err == ""
     assert list(json.loads((tmp_path / "precision.json").read_text())) == [dtype_probe.machine_key(shapes)]
+
+
+def test_a_cache_entry_from_other_instruction_sets_is_not_used(probe, monkeypatch, tmp_path) -> None:
+    """Clouds name different CPUs alike, and a home directory may be shared across a cluster's
+    nodes: an answer measured with AMX must not be read on a node without it, nor where oneDNN or
+    MKL are capped to fewer instruction sets."""
+    timer = probe(FakeTimer(sample=(0.030, 0.015), train=(2.0, 1.0)))
+    shapes = dtype_probe.Shapes.from_config(models.load_config("tiny"))
+    real_cpuinfo = dtype_probe._cpuinfo
+    keys = []
+    for flags, caps in (("avx2 avx512f amx_bf16 amx_tile", {}), ("avx2 avx512f", {}),
+                        ("avx2 avx512f", {"ONEDNN_MAX_CPU_ISA": "AVX2"}),
+                        ("avx2 avx512f", {"ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2"})):
+        monkeypatch.setattr(dtype_probe, "_cpuinfo", lambda field, flags=flags: flags if field == "flags"
+                            else real_cpuinfo(field))
+        for name in dtype_probe.ISA_CAPS:
+            monkeypatch.delenv(name, raising=False)
+        for name, value in caps.items():
+            monkeypatch.setenv(name, value)
+        dtype_probe._memo.clear()  # as a new process on that node
+        dtype_probe.timings(shapes)
+        keys.append(dtype_probe.machine_key(shapes))
+    assert timer.calls == 4 and len(set(keys)) == 4
+    assert sorted(json.loads((tmp_path / "precision.json").read_text())) == sorted(keys)
+    assert "flags " in keys[0] and "ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2" in keys[3]
+    dtype_probe._memo.clear()  # the same node again: its entry answers
+    dtype_probe.timings(shapes)
+    assert timer.calls == 4
 
 
 def test_a_busy_machine_is_not_measured_and_auto_is_fp32_until_a_quiet_run(probe, monkeypatch, tmp_path, capsys):

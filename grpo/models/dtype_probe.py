@@ -31,9 +31,9 @@ than fp32 beyond measurement noise, and noise (which slows both alike) leans tow
 the cache file to measure again.
 
 The result is cached in ``$GRPO_CACHE/precision.json`` (and in this process) keyed by CPU model,
-torch version, thread count, fp32 Linear kernel, the shapes and the probe's own version, so the
-probe (about 4 s on a quiet machine, 1 GB of memory for SmolLM2) is paid once per machine and model
-shape; the choice and its numbers are printed once, when measured.
+its instruction sets (``instruction_sets``), torch version, thread count, fp32 Linear kernel, the
+shapes and the probe's own version, so the probe (about 4 s on a quiet machine, 1 GB of memory for
+SmolLM2) is paid once per machine and model shape; the choice and its numbers are printed once, when measured.
 ``GRPO_PRECISION_PROBE=off`` skips the probe: ``auto`` is then fp32 on a CPU. So is it, for the run,
 where the load average is at least the number of cores: a measurement there would time the other
 processes, and be cached.
@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import hashlib
 import json
 import math
 import os
@@ -170,15 +171,35 @@ def _cpuinfo(field: str) -> str:
     return ""
 
 
+# Environment variables that cap the instruction sets the kernels use (oneDNN, MKL); ATen's own
+# cap (ATEN_CPU_CAPABILITY) shows in torch's capability, which the key names.
+ISA_CAPS = ("ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS")
+
+
+def instruction_sets() -> str:
+    """What decides which kernels run, beyond the CPU's name: ATen's vector capability, a digest of
+    the CPU's avx*/amx* flags and any cap set on oneDNN's or MKL's instruction sets. Clouds name
+    different CPUs alike ("Intel(R) Xeon(R) Processor", "AMD EPYC"), and a cache under a home
+    directory shared across a cluster's nodes would otherwise hand an AMX node's bf16 answer to an
+    avx2-only node, where bf16 runs up to 19x slower."""
+    import torch
+
+    flags = sorted({f for f in _cpuinfo("flags").split() if f.startswith(("avx", "amx"))})
+    digest = hashlib.sha1(" ".join(flags).encode()).hexdigest()[:8]
+    caps = "".join(f" {name}={os.environ[name]}" for name in ISA_CAPS if os.environ.get(name))
+    return f"{torch.backends.cpu.get_cpu_capability()} flags {digest}{caps}"
+
+
 def machine_key(shapes: Shapes) -> str:
-    """What a measurement depends on besides noise: CPU, torch, threads, fp32 kernel, shapes."""
+    """What a measurement depends on besides noise: CPU and its instruction sets, torch, threads,
+    fp32 kernel, shapes."""
     import torch
 
     from grpo.models import cpu_linear
 
     kernel = "onednn" if cpu_linear.wanted() and cpu_linear.onednn_works() else "torch"
-    return (f"{cpu_name()} | torch {torch.__version__} | {torch.get_num_threads()} threads | {kernel} | "
-            f"{shapes.signature()} | probe {PROBE_VERSION}")
+    return (f"{cpu_name()} | {instruction_sets()} | torch {torch.__version__} | {torch.get_num_threads()} threads | "
+            f"{kernel} | {shapes.signature()} | probe {PROBE_VERSION}")
 
 
 def cache_file() -> Path:

@@ -131,6 +131,9 @@ def test_a_cache_entry_from_other_instruction_sets_is_not_used(probe, monkeypatc
     assert timer.calls == 4 and len(set(keys)) == 4
     assert sorted(json.loads((tmp_path / "precision.json").read_text())) == sorted(keys)
     assert "flags " in keys[0] and "ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2" in keys[3]
+    # and a number recorded under caps says so beside the flags (bench.py's machine line)
+    assert dtype_probe.cpu_description().endswith(
+        "avx2 avx512f (kernels capped: ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2)")
     dtype_probe._memo.clear()  # the same node again: its entry answers
     dtype_probe.timings(shapes)
     assert timer.calls == 4

@@ -149,15 +149,23 @@ def enabled() -> bool:
     return value == "on"
 
 
+# Environment variables that cap the instruction sets the kernels use (oneDNN, MKL); ATen's own
+# cap (ATEN_CPU_CAPABILITY) shows in torch's capability, which the key names.
+ISA_CAPS = ("ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS")
+
+
 def cpu_name() -> str:
     return _cpuinfo("model name") or platform.processor() or platform.machine() or "unknown CPU"
 
 
 def cpu_description() -> str:
     """The CPU model and its vector and matrix instruction sets (avx*, amx*), as every recorded
-    number is to name them."""
+    number is to name them, and any cap set on the kernels' instruction sets (a run emulating a
+    lesser CPU says so)."""
     flags = [f for f in _cpuinfo("flags").split() if f.startswith(("avx", "amx"))]
-    return f"{cpu_name()}; {' '.join(flags) or 'no avx flags'}"
+    caps = [f"{name}={os.environ[name]}" for name in ("ATEN_CPU_CAPABILITY", *ISA_CAPS) if os.environ.get(name)]
+    capped = f" (kernels capped: {' '.join(caps)})" if caps else ""
+    return f"{cpu_name()}; {' '.join(flags) or 'no avx flags'}{capped}"
 
 
 def _cpuinfo(field: str) -> str:
@@ -169,11 +177,6 @@ def _cpuinfo(field: str) -> str:
     except OSError:
         pass
     return ""
-
-
-# Environment variables that cap the instruction sets the kernels use (oneDNN, MKL); ATen's own
-# cap (ATEN_CPU_CAPABILITY) shows in torch's capability, which the key names.
-ISA_CAPS = ("ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS")
 
 
 def instruction_sets() -> str:

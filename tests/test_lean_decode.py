@@ -12,7 +12,7 @@ import torch
 from backend_helpers import perturb_adapter
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-from grpo.backends.local import ServiceClient, lean_decode, sampler
+from grpo.backends.local import ServiceClient, lean_decode, native_decode, sampler
 from grpo.types import ModelInput, SamplingParams
 
 PROMPTS = [[1, 504, 3458, 314, 253, 1345, 28], [1, 9906, 30], [1, *range(42, 60)]]
@@ -32,6 +32,7 @@ def test_lean_decoding_steps_sample_what_the_models_forward_samples(tmp_path, mo
     service = ServiceClient(checkpoint_dir=tmp_path, device="cpu", train_dtype=train_dtype, sample_dtype=sample_dtype)
     tc = service.create_lora_training_client("tiny", rank=4, seed=0)
     perturb_adapter(tc, seed=3)
+    monkeypatch.setenv(native_decode.ENV_SWITCH, "off")  # the eager lean step (the native one: test_native_decode.py)
     used = []
 
     def spied(model):

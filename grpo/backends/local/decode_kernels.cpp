@@ -1,0 +1,260 @@
+// The sampler's decoding step on a CPU, beside its matmuls: grpo/backends/local/native_decode.py.
+//
+// At a decoding step's few rows, each of PyTorch's small operators (an RMSNorm is eight of them,
+// the rotary embedding ten, the KV-cache writes and grouped-query attention a dozen more) costs
+// more in dispatch and passes over memory than in arithmetic. These kernels do a layer's non-matmul
+// work in four calls, in float32 or bfloat16, rounding to the tensor's dtype wherever the eager
+// operators do, so that they compute what transformers' Llama layers compute up to the order of
+// float sums. Built once per machine by torch.utils.cpp_extension; registered as torch.ops.grpo_decode.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <initializer_list>
+#include <vector>
+
+namespace {
+
+// float32 or bfloat16: the sampler's two precisions
+#define DISPATCH_SAMPLER_TYPES(TYPE, NAME, ...)                                                  \
+  [&] {                                                                                           \
+    if ((TYPE) == at::kFloat) {                                                                   \
+      using scalar_t = float;                                                                     \
+      return __VA_ARGS__();                                                                       \
+    }                                                                                             \
+    TORCH_CHECK((TYPE) == at::kBFloat16, NAME, ": float32 or bfloat16 tensors only, got ", TYPE); \
+    using scalar_t = c10::BFloat16;                                                               \
+    return __VA_ARGS__();                                                                         \
+  }()
+
+// n values of T as floats (bf16: the high half of a float's bits, a shift that vectorizes)
+inline void to_float(const float* src, float* dst, int64_t n) { std::memcpy(dst, src, n * sizeof(float)); }
+inline void to_float(const c10::BFloat16* src, float* dst, int64_t n) {
+  const uint16_t* s = reinterpret_cast<const uint16_t*>(src);
+  uint32_t* d = reinterpret_cast<uint32_t*>(dst);
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) d[i] = static_cast<uint32_t>(s[i]) << 16;
+}
+// floats rounded to T, as T's own conversion rounds (to nearest even)
+inline void from_float(const float* src, float* dst, int64_t n) { std::memcpy(dst, src, n * sizeof(float)); }
+inline void from_float(const float* src, c10::BFloat16* dst, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = c10::BFloat16(src[i]);
+}
+// a float rounded to T and back: where an eager operator's result would be stored in T
+template <typename T> inline float in_dtype(float v) { return static_cast<float>(static_cast<T>(v)); }
+
+void check_rows(const at::Tensor& t, int64_t rows, int64_t width, const char* what) {
+  TORCH_CHECK(t.device().is_cpu(), what, ": a CPU tensor is expected");
+  TORCH_CHECK(t.dim() == 2 && t.size(0) == rows && t.size(1) == width && t.stride(1) == 1, what,
+              ": expected [", rows, ", ", width, "] with contiguous rows, got ", t.sizes(), " strides ", t.strides());
+}
+
+// hidden = residual + x (rounded to T), then out = weight * T(hidden * rsqrt(mean(hidden^2) + eps)):
+// the residual add before transformers' LlamaRMSNorm, and the norm itself.
+template <typename T>
+void add_rms_norm_impl(const T* res, int64_t res_stride, const T* x, int64_t x_stride, const T* weight, T* hidden,
+                       T* out, int64_t rows, int64_t dim, float eps) {
+  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> h(dim), w(dim), y(dim), xs(dim);
+    to_float(weight, w.data(), dim);
+    for (int64_t r = begin; r < end; ++r) {
+      to_float(res + r * res_stride, h.data(), dim);
+      if (x != nullptr) {
+        to_float(x + r * x_stride, xs.data(), dim);
+        for (int64_t i = 0; i < dim; ++i) h[i] = in_dtype<T>(h[i] + xs[i]);
+        from_float(h.data(), hidden + r * dim, dim);
+      }
+      float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+      for (int64_t i = 0; i < dim; ++i) sum += h[i] * h[i];
+      const float scale = 1.f / std::sqrt(sum / static_cast<float>(dim) + eps);
+      for (int64_t i = 0; i < dim; ++i) y[i] = w[i] * in_dtype<T>(h[i] * scale);
+      from_float(y.data(), out + r * dim, dim);
+    }
+  });
+}
+
+std::vector<at::Tensor> add_rms_norm(const at::Tensor& residual, const c10::optional<at::Tensor>& x,
+                                     const at::Tensor& weight, double eps) {
+  TORCH_CHECK(residual.dim() == 2, "add_rms_norm: residual must be [rows, dim], got ", residual.sizes());
+  const int64_t rows = residual.size(0), dim = residual.size(1);
+  check_rows(residual, rows, dim, "add_rms_norm: residual");
+  if (x.has_value()) {
+    check_rows(*x, rows, dim, "add_rms_norm: x");
+    TORCH_CHECK(x->scalar_type() == residual.scalar_type(), "add_rms_norm: x and residual differ in dtype");
+  }
+  TORCH_CHECK(weight.dim() == 1 && weight.size(0) == dim && weight.is_contiguous() &&
+                  weight.scalar_type() == residual.scalar_type(),
+              "add_rms_norm: weight must be a contiguous [", dim, "] of the residual's dtype");
+  auto out = at::empty({rows, dim}, residual.options());
+  auto hidden = x.has_value() ? at::empty({rows, dim}, residual.options()) : residual;
+  DISPATCH_SAMPLER_TYPES(residual.scalar_type(), "add_rms_norm", [&] {
+    add_rms_norm_impl<scalar_t>(residual.data_ptr<scalar_t>(), residual.stride(0),
+                                x.has_value() ? x->data_ptr<scalar_t>() : nullptr, x.has_value() ? x->stride(0) : 0,
+                                weight.data_ptr<scalar_t>(), hidden.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(),
+                                rows, dim, static_cast<float>(eps));
+  });
+  return {hidden, out};
+}
+
+// T(silu(gate)) * up, rounded to T: the Llama MLP's activation and product
+template <typename T>
+void silu_mul_impl(const T* gate, int64_t gate_stride, const T* up, int64_t up_stride, T* out, int64_t rows,
+                   int64_t width) {
+  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> g(width), u(width);
+    for (int64_t r = begin; r < end; ++r) {
+      to_float(gate + r * gate_stride, g.data(), width);
+      to_float(up + r * up_stride, u.data(), width);
+      float* gp = g.data();
+      const float* upp = u.data();
+#pragma omp simd
+      for (int64_t i = 0; i < width; ++i) gp[i] = gp[i] / (1.f + std::exp(-gp[i]));
+      for (int64_t i = 0; i < width; ++i) gp[i] = in_dtype<T>(gp[i]) * upp[i];
+      from_float(gp, out + r * width, width);
+    }
+  });
+}
+
+at::Tensor silu_mul(const at::Tensor& gate, const at::Tensor& up) {
+  TORCH_CHECK(gate.dim() == 2, "silu_mul: gate must be [rows, width], got ", gate.sizes());
+  const int64_t rows = gate.size(0), width = gate.size(1);
+  check_rows(gate, rows, width, "silu_mul: gate");
+  check_rows(up, rows, width, "silu_mul: up");
+  TORCH_CHECK(gate.scalar_type() == up.scalar_type(), "silu_mul: gate and up differ in dtype");
+  auto out = at::empty({rows, width}, gate.options());
+  DISPATCH_SAMPLER_TYPES(gate.scalar_type(), "silu_mul", [&] {
+    silu_mul_impl<scalar_t>(gate.data_ptr<scalar_t>(), gate.stride(0), up.data_ptr<scalar_t>(), up.stride(0),
+                            out.data_ptr<scalar_t>(), rows, width);
+  });
+  return out;
+}
+
+// One decoding step's attention in a layer: q and k rotated (rotate_half convention, each product
+// and the sum rounded to T, as transformers' apply_rotary_pos_emb), the new key and value written
+// to each row's next cache column (lengths[r]), then each query head attends over its row's
+// columns 0..lengths[r] through key head h / (heads / kv_heads), in float32, output rounded to T.
+template <typename T>
+void rope_attend_impl(const T* q, int64_t q_stride, const T* k, int64_t k_stride, const T* v, int64_t v_stride,
+                      const T* cos, int64_t cos_stride, const T* sin, int64_t sin_stride, T* k_cache, T* v_cache,
+                      int64_t slot_stride, int64_t head_stride, const int64_t* lengths, T* out, int64_t rows,
+                      int64_t heads, int64_t kv_heads, int64_t dim, float scale) {
+  const int64_t half = dim / 2, group = heads / kv_heads;
+  auto rotate = [&](const T* x, const float* c, const float* s, float* y) {
+    for (int64_t i = 0; i < dim; ++i) {
+      const float xi = static_cast<float>(x[i]);
+      const float turned = i < half ? -static_cast<float>(x[i + half]) : static_cast<float>(x[i - half]);
+      y[i] = in_dtype<T>(in_dtype<T>(xi * c[i]) + in_dtype<T>(turned * s[i]));
+    }
+  };
+  at::parallel_for(0, rows * kv_heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> c(dim), s(dim), rotated(dim), queries(group * dim), acc(dim), keys, values, scores;
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t r = task / kv_heads, g = task % kv_heads, n = lengths[r] + 1;
+      to_float(cos + r * cos_stride, c.data(), dim);
+      to_float(sin + r * sin_stride, s.data(), dim);
+      T* row_keys = k_cache + r * slot_stride + g * head_stride;
+      T* row_values = v_cache + r * slot_stride + g * head_stride;
+      rotate(k + r * k_stride + g * dim, c.data(), s.data(), rotated.data());
+      from_float(rotated.data(), row_keys + lengths[r] * dim, dim);
+      std::memcpy(row_values + lengths[r] * dim, v + r * v_stride + g * dim, dim * sizeof(T));
+      for (int64_t j = 0; j < group; ++j) rotate(q + r * q_stride + (g * group + j) * dim, c.data(), s.data(),
+                                                 queries.data() + j * dim);
+      keys.resize(n * dim);
+      values.resize(n * dim);
+      scores.resize(n);
+      to_float(row_keys, keys.data(), n * dim);
+      to_float(row_values, values.data(), n * dim);
+      for (int64_t j = 0; j < group; ++j) {
+        const float* qj = queries.data() + j * dim;
+        float top = -INFINITY;
+        for (int64_t p = 0; p < n; ++p) {
+          const float* kp = keys.data() + p * dim;
+          float dot = 0.f;
+#pragma omp simd reduction(+ : dot)
+          for (int64_t i = 0; i < dim; ++i) dot += qj[i] * kp[i];
+          scores[p] = dot * scale;
+          top = std::max(top, scores[p]);
+        }
+        float total = 0.f;
+        float* sp = scores.data();
+#pragma omp simd reduction(+ : total)
+        for (int64_t p = 0; p < n; ++p) {
+          sp[p] = std::exp(sp[p] - top);
+          total += sp[p];
+        }
+        float* a = acc.data();
+        std::fill(acc.begin(), acc.end(), 0.f);
+        for (int64_t p = 0; p < n; ++p) {
+          const float* vp = values.data() + p * dim;
+          const float weight = sp[p];
+#pragma omp simd
+          for (int64_t i = 0; i < dim; ++i) a[i] += weight * vp[i];
+        }
+        const float inv = 1.f / total;
+#pragma omp simd
+        for (int64_t i = 0; i < dim; ++i) a[i] *= inv;
+        from_float(a, out + r * heads * dim + (g * group + j) * dim, dim);
+      }
+    }
+  });
+}
+
+at::Tensor rope_attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cos,
+                       const at::Tensor& sin, at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& lengths,
+                       int64_t heads, double scale) {
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous() &&
+                  v_cache.sizes() == k_cache.sizes() && k_cache.device().is_cpu(),
+              "rope_attend: the caches must be contiguous CPU [slots, kv_heads, capacity, head_dim] tensors of one "
+              "shape, got ", k_cache.sizes(), " and ", v_cache.sizes());
+  const int64_t slots = k_cache.size(0), kv_heads = k_cache.size(1), capacity = k_cache.size(2),
+                dim = k_cache.size(3);
+  TORCH_CHECK(lengths.dim() == 1 && lengths.scalar_type() == at::kLong && lengths.device().is_cpu(),
+              "rope_attend: lengths must be a 1-d int64 CPU tensor");
+  const int64_t rows = lengths.size(0);
+  TORCH_CHECK(rows <= slots, "rope_attend: ", rows, " rows for ", slots, " cache slots");
+  TORCH_CHECK(dim % 2 == 0 && heads > 0 && heads % kv_heads == 0,
+              "rope_attend: ", heads, " query heads over ", kv_heads, " key heads of dim ", dim);
+  check_rows(q, rows, heads * dim, "rope_attend: q");
+  check_rows(k, rows, kv_heads * dim, "rope_attend: k");
+  check_rows(v, rows, kv_heads * dim, "rope_attend: v");
+  check_rows(cos, rows, dim, "rope_attend: cos");
+  check_rows(sin, rows, dim, "rope_attend: sin");
+  const auto dtype = k_cache.scalar_type();
+  for (const at::Tensor* t : std::initializer_list<const at::Tensor*>{&q, &k, &v, &cos, &sin, &v_cache})
+    TORCH_CHECK(t->scalar_type() == dtype, "rope_attend: every tensor must have the caches' dtype ", dtype);
+  auto lens = lengths.contiguous();
+  const int64_t* lp = lens.data_ptr<int64_t>();
+  for (int64_t r = 0; r < rows; ++r)
+    TORCH_CHECK(lp[r] >= 0 && lp[r] < capacity, "rope_attend: row ", r, " is at column ", lp[r],
+                " of a cache with ", capacity, " columns");
+  auto out = at::empty({rows, heads * dim}, q.options());
+  DISPATCH_SAMPLER_TYPES(dtype, "rope_attend", [&] {
+    rope_attend_impl<scalar_t>(q.data_ptr<scalar_t>(), q.stride(0), k.data_ptr<scalar_t>(), k.stride(0),
+                               v.data_ptr<scalar_t>(), v.stride(0), cos.data_ptr<scalar_t>(), cos.stride(0),
+                               sin.data_ptr<scalar_t>(), sin.stride(0), k_cache.data_ptr<scalar_t>(),
+                               v_cache.data_ptr<scalar_t>(), k_cache.stride(0), k_cache.stride(1), lp,
+                               out.data_ptr<scalar_t>(), rows, heads, kv_heads, dim, static_cast<float>(scale));
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(grpo_decode, m) {
+  m.def("add_rms_norm(Tensor residual, Tensor? x, Tensor weight, float eps) -> Tensor[]");
+  m.def("silu_mul(Tensor gate, Tensor up) -> Tensor");
+  m.def("rope_attend(Tensor q, Tensor k, Tensor v, Tensor cos, Tensor sin, Tensor(a!) k_cache, Tensor(b!) v_cache, "
+        "Tensor lengths, int heads, float scale) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(grpo_decode, CPU, m) {
+  m.impl("add_rms_norm", add_rms_norm);
+  m.impl("silu_mul", silu_mul);
+  m.impl("rope_attend", rope_attend);
+}

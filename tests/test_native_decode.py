@@ -1,0 +1,209 @@
+"""The native decoding kernels compute what the eager operators compute, and the sampler decodes
+with them on a CPU -- or, where they cannot be built, says so once and decodes without them.
+
+Each kernel is checked against the operators it replaces (transformers' own RMSNorm, rotary
+embedding and SDPA attention), in float32 to float rounding and in bf16 to a unit in the last
+place; the whole step against ``LeanDecoder``'s through real sampling calls.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from backend_helpers import perturb_adapter
+from transformers import LlamaConfig
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.models.llama.modeling_llama import LlamaRMSNorm, apply_rotary_pos_emb
+
+from grpo.backends.local import ServiceClient, native_decode, sampler
+from grpo.models import dtype_probe
+from grpo.types import ModelInput, SamplingParams
+
+DTYPES = [torch.float32, torch.bfloat16]
+ULP = {torch.float32: 2.0**-23, torch.bfloat16: 2.0**-7}
+# float32: sums in another order and 1 / sqrt for rsqrt move the last few bits; bf16: one rounding
+# step lands the other way now and then
+ROUNDING_ULPS = {torch.float32: 8, torch.bfloat16: 1}
+
+
+@pytest.fixture(scope="module")
+def ops():
+    found = native_decode.kernels()
+    if found is None:
+        pytest.fail(f"the native kernels did not build here: {native_decode._loaded.get('error')}")
+    return found
+
+
+def _within(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype, ulps: float) -> None:
+    got, want = got.float(), want.float()
+    scale = want.abs().clamp_min(want.abs().mean())
+    worst = ((got - want).abs() / scale).max().item()
+    assert worst <= ulps * ULP[dtype], f"{worst:.3g} > {ulps} ulps of {dtype}"
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_add_rms_norm_is_the_residual_add_and_llamas_rms_norm(ops, dtype) -> None:
+    torch.manual_seed(0)
+    norm = LlamaRMSNorm(48, eps=1e-5).to(dtype)
+    norm.weight.data.uniform_(0.5, 1.5)
+    residual, x = torch.randn(5, 48, dtype=dtype) * 3, torch.randn(5, 48, dtype=dtype)
+    hidden, normed = ops.add_rms_norm(residual, x, norm.weight, norm.variance_epsilon)
+    assert torch.equal(hidden, residual + x)  # one rounding of the sum either way
+    _within(normed, norm(residual + x), dtype, ulps=ROUNDING_ULPS[dtype])
+    same, alone = ops.add_rms_norm(residual, None, norm.weight, norm.variance_epsilon)
+    assert same is residual  # no add: the residual is returned as it is
+    _within(alone, norm(residual), dtype, ulps=ROUNDING_ULPS[dtype])
+    # rows of a wider tensor (a view with a row stride), as a stacked projection's slice
+    wide = torch.randn(5, 96, dtype=dtype)
+    _within(ops.add_rms_norm(wide[:, 48:], None, norm.weight, 1e-5)[1], norm(wide[:, 48:]), dtype, ulps=ROUNDING_ULPS[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_mul_is_llamas_activation_times_up(ops, dtype) -> None:
+    torch.manual_seed(1)
+    gate_up = torch.randn(6, 2 * 80, dtype=dtype) * 4
+    gate, up = gate_up[:, :80], gate_up[:, 80:]
+    _within(ops.silu_mul(gate, up), torch.nn.functional.silu(gate) * up, dtype, ulps=ROUNDING_ULPS[dtype])
+
+
+def _eager_step(q, k, v, cos, sin, keys, values, lengths, heads, scale):
+    """What LeanDecoder does for one layer's attention: rotary, the slot cache's writes, SDPA with
+    transformers' grouped-query packing and the decode mask."""
+    rows, dim = lengths.shape[0], keys.shape[-1]
+    q = q.view(rows, 1, heads, dim).transpose(1, 2)
+    k = k.view(rows, 1, -1, dim).transpose(1, 2)
+    v = v.view(rows, 1, -1, dim).transpose(1, 2)
+    q, k = apply_rotary_pos_emb(q, k, cos[:, None], sin[:, None])
+    index = torch.arange(rows)
+    keys[index, :, lengths] = k[:, :, 0]
+    values[index, :, lengths] = v[:, :, 0]
+    width = int(lengths.max()) + 1
+    mask = (torch.arange(width)[None] <= lengths[:, None])[:, None, None, :]
+
+    class Module:
+        num_key_value_groups = heads // keys.shape[1]
+        is_causal = True
+
+    out, _ = sdpa_attention_forward(Module(), q, keys[:rows, :, :width], values[:rows, :, :width], mask, scaling=scale)
+    return out.reshape(rows, heads * dim)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rope_attend_is_rotary_cache_write_and_grouped_query_attention(ops, dtype) -> None:
+    torch.manual_seed(2)
+    rows, heads, kv_heads, dim, capacity = 4, 6, 2, 16, 12
+    lengths = torch.tensor([3, 0, 7, 11])  # each row's new column; 11: the cache's last
+    q = torch.randn(rows, heads * dim, dtype=dtype)
+    kv = torch.randn(rows, 2 * kv_heads * dim, dtype=dtype)  # k and v side by side, as a stacked product
+    k, v = kv[:, :kv_heads * dim], kv[:, kv_heads * dim:]
+    angle = lengths[:, None].float() * torch.linspace(0.1, 1.0, dim // 2)[None]
+    cos, sin = torch.cat([angle, angle], -1).cos().to(dtype), torch.cat([angle, angle], -1).sin().to(dtype)
+    keys = torch.randn(rows + 1, kv_heads, capacity, dim, dtype=dtype)  # a spare slot beyond the rows
+    values = torch.randn(rows + 1, kv_heads, capacity, dim, dtype=dtype)
+    ours_k, ours_v = keys.clone(), values.clone()
+    want = _eager_step(q, k, v, cos, sin, keys, values, lengths, heads, dim**-0.5)
+    got = ops.rope_attend(q, k, v, cos, sin, ours_k, ours_v, lengths, heads, dim**-0.5)
+    assert torch.equal(ours_k, keys) and torch.equal(ours_v, values)  # the same writes, the same rounding
+    _within(got, want, dtype, ulps=2 if dtype == torch.bfloat16 else 64)
+
+
+def test_kernels_refuse_bad_input_with_what_was_expected(ops) -> None:
+    keys = torch.zeros(2, 1, 4, 8)
+    q, k = torch.zeros(2, 8), torch.zeros(2, 8)
+    cs = torch.zeros(2, 8)
+    with pytest.raises(RuntimeError, match="row 1 is at column 4 of a cache with 4 columns"):
+        ops.rope_attend(q, k, k, cs, cs, keys, keys.clone(), torch.tensor([0, 4]), 1, 1.0)
+    with pytest.raises(RuntimeError, match="float32 or bfloat16 tensors only"):
+        ops.silu_mul(torch.zeros(2, 3, dtype=torch.float64), torch.zeros(2, 3, dtype=torch.float64))
+    with pytest.raises(RuntimeError, match=r"x: expected \[2, 3\]"):
+        ops.add_rms_norm(torch.zeros(2, 3), torch.zeros(2, 4), torch.ones(3), 1e-5)
+
+
+PROMPTS = [[1, 504, 3458, 314, 253, 1345, 28], [1, 9906, 30], [1, *range(42, 60)]]
+
+
+def _sample_all(tc, temperature: float) -> list[tuple[list[int], list[float]]]:
+    client = tc.save_weights_and_get_sampling_client()
+    futures = [client.sample(ModelInput.from_ints(p), 3, SamplingParams(max_tokens=12, temperature=temperature, seed=i))
+               for i, p in enumerate(PROMPTS)]
+    return [(list(s.tokens), list(s.logprobs)) for f in futures for s in f.result().sequences]
+
+
+@pytest.mark.parametrize(("train_dtype", "sample_dtype"), [("fp32", "fp32"), ("fp32", "bf16")])
+def test_the_sampler_decodes_through_the_kernels_as_it_does_without_them(tmp_path, monkeypatch, ops, train_dtype,
+                                                                         sample_dtype):
+    """fp32: the trainer's model with LoRA folded; bf16: the sampler's copy with stacked projections
+    and LoRA side paths. Greedy tokens equal; logprobs within float (fp32) or bf16 rounding."""
+    service = ServiceClient(checkpoint_dir=tmp_path, device="cpu", train_dtype=train_dtype, sample_dtype=sample_dtype)
+    tc = service.create_lora_training_client("tiny", rank=4, seed=0)
+    perturb_adapter(tc, seed=3)
+    used, real = [], native_decode.native_decoder
+
+    def spied(lean, device):
+        decoder = real(lean, device)
+        used.append(type(decoder) is native_decode.NativeDecoder)
+        return decoder
+
+    monkeypatch.setattr(native_decode, "native_decoder", spied)
+    native = _sample_all(tc, temperature=0.0)
+    assert used and all(used)
+    monkeypatch.setenv(native_decode.ENV_SWITCH, "off")
+    eager = _sample_all(tc, temperature=0.0)
+    assert not used[-1]
+    bound = 1e-5 if sample_dtype == "fp32" else 0.05
+    for (tokens, logprobs), (want_tokens, want_logprobs) in zip(native, eager, strict=True):
+        assert tokens == want_tokens
+        assert max(abs(a - b) for a, b in zip(logprobs, want_logprobs, strict=True)) < bound
+
+
+def test_where_the_kernels_do_not_build_the_sampler_says_so_once_and_decodes_without(tmp_path, monkeypatch, capsys):
+    def no_compiler():
+        raise RuntimeError("Error building extension 'grpo_decode': c++: error: command not found")
+
+    monkeypatch.setattr(native_decode, "_loaded", {})
+    monkeypatch.setattr(native_decode, "_load", no_compiler)
+    service = ServiceClient(checkpoint_dir=tmp_path, device="cpu", dtype="fp32")
+    tc = service.create_lora_training_client("tiny", rank=4, seed=0)
+    first, second = _sample_all(tc, temperature=0.0), _sample_all(tc, temperature=0.0)
+    assert first == second and all(tokens for tokens, _ in first)
+    err = capsys.readouterr().err
+    assert err.count("native decoding kernels unavailable") == 1
+    assert "c++: error: command not found" in err and "GRPO_NATIVE_KERNELS=off" in err
+
+
+def test_the_switch_takes_on_or_off(monkeypatch) -> None:
+    monkeypatch.setenv(native_decode.ENV_SWITCH, "sometimes")
+    with pytest.raises(ValueError, match="GRPO_NATIVE_KERNELS='sometimes' is invalid; valid: on, off"):
+        native_decode.enabled()
+    monkeypatch.setenv(native_decode.ENV_SWITCH, "off")
+    assert native_decode.kernels() is None
+
+
+def test_a_build_is_never_loaded_on_other_instruction_sets(monkeypatch) -> None:
+    """A cache under a home directory shared by a cluster's nodes: each CPU kind builds its own."""
+    here = native_decode.build_directory()
+    monkeypatch.setattr(dtype_probe, "instruction_sets", lambda: "AVX2 flags 00000000")
+    assert native_decode.build_directory() != here
+    assert here.parent == native_decode.build_directory().parent
+
+
+def test_models_outside_what_the_kernels_compute_keep_the_eager_step(monkeypatch) -> None:
+    from transformers import LlamaForCausalLM
+
+    from grpo.backends.local.lean_decode import lean_decoder
+
+    config = LlamaConfig(vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2)
+    config._attn_implementation = "sdpa"
+    model = LlamaForCausalLM(config)
+    assert type(native_decode.native_decoder(lean_decoder(model), torch.device("cpu"))) is native_decode.NativeDecoder
+    assert type(native_decode.native_decoder(lean_decoder(model.double()), torch.device("cpu"))) is not \
+        native_decode.NativeDecoder  # float64: not a sampler precision
+    mixed = LlamaForCausalLM(config).to(torch.bfloat16)
+    mixed.model.norm.float()  # norms kept in float32 beside bf16 weights
+    assert type(native_decode.native_decoder(lean_decoder(mixed), torch.device("cpu"))) is not \
+        native_decode.NativeDecoder
+    monkeypatch.setenv(native_decode.ENV_SWITCH, "off")
+    assert type(native_decode.native_decoder(lean_decoder(model), torch.device("cpu"))) is not \
+        native_decode.NativeDecoder
+    assert sampler.native_decode is native_decode

@@ -12,6 +12,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <bit>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -47,6 +48,26 @@ inline void from_float(const float* src, c10::BFloat16* dst, int64_t n) {
 }
 // a float rounded to T and back: where an eager operator's result would be stored in T
 template <typename T> inline float in_dtype(float v) { return static_cast<float>(static_cast<T>(v)); }
+
+// exp(x) in a form the compiler vectorizes (libm's expf is a call per value): 2^n * exp(r) with
+// |r| <= ln(2)/2, Cephes' polynomial for exp(r), within ~2 float ulps of expf. Large arguments are
+// clamped below expf's overflow, NaN passes through.
+inline float vexp(float x) {
+  const float clamped = std::min(std::max(x, -87.0f), 88.0f);
+  // n = the nearest integer, by the 1.5 * 2^23 trick (floor would be a call per value)
+  const float n = (clamped * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
+  float r = clamped - n * 0.693359375f;
+  r = r - n * -2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  const float y = p * r * r + r + 1.0f;
+  const float scale = std::bit_cast<float>((static_cast<int32_t>(n) + 127) << 23);
+  return x != x ? x : y * scale;
+}
 
 void check_rows(const at::Tensor& t, int64_t rows, int64_t width, const char* what) {
   TORCH_CHECK(t.device().is_cpu(), what, ": a CPU tensor is expected");
@@ -114,7 +135,7 @@ void silu_mul_impl(const T* gate, int64_t gate_stride, const T* up, int64_t up_s
       float* gp = g.data();
       const float* upp = u.data();
 #pragma omp simd
-      for (int64_t i = 0; i < width; ++i) gp[i] = gp[i] / (1.f + std::exp(-gp[i]));
+      for (int64_t i = 0; i < width; ++i) gp[i] = gp[i] / (1.f + vexp(-gp[i]));
       for (int64_t i = 0; i < width; ++i) gp[i] = in_dtype<T>(gp[i]) * upp[i];
       from_float(gp, out + r * width, width);
     }
@@ -139,32 +160,37 @@ at::Tensor silu_mul(const at::Tensor& gate, const at::Tensor& up) {
 // and the sum rounded to T, as transformers' apply_rotary_pos_emb), the new key and value written
 // to each row's next cache column (lengths[r]), then each query head attends over its row's
 // columns 0..lengths[r] through key head h / (heads / kv_heads), in float32, output rounded to T.
-template <typename T>
+// HEAD_DIM: the head dimension known when compiling (64, 128: loops of fixed length, unrolled
+// and without remainders), or 0 for any other, taken from ``head_dim``.
+template <typename T, int64_t HEAD_DIM>
 void rope_attend_impl(const T* q, int64_t q_stride, const T* k, int64_t k_stride, const T* v, int64_t v_stride,
                       const T* cos, int64_t cos_stride, const T* sin, int64_t sin_stride, T* k_cache, T* v_cache,
                       int64_t slot_stride, int64_t head_stride, const int64_t* lengths, T* out, int64_t rows,
-                      int64_t heads, int64_t kv_heads, int64_t dim, float scale) {
+                      int64_t heads, int64_t kv_heads, int64_t head_dim, float scale) {
+  const int64_t dim = HEAD_DIM > 0 ? HEAD_DIM : head_dim;
   const int64_t half = dim / 2, group = heads / kv_heads;
-  auto rotate = [&](const T* x, const float* c, const float* s, float* y) {
-    for (int64_t i = 0; i < dim; ++i) {
-      const float xi = static_cast<float>(x[i]);
-      const float turned = i < half ? -static_cast<float>(x[i + half]) : static_cast<float>(x[i - half]);
-      y[i] = in_dtype<T>(in_dtype<T>(xi * c[i]) + in_dtype<T>(turned * s[i]));
-    }
+  auto rotate = [&](const T* x, const float* c, const float* s, float* xf, float* y) {
+    to_float(x, xf, dim);
+#pragma omp simd
+    for (int64_t i = 0; i < half; ++i)
+      y[i] = in_dtype<T>(in_dtype<T>(xf[i] * c[i]) + in_dtype<T>(-xf[i + half] * s[i]));
+#pragma omp simd
+    for (int64_t i = half; i < dim; ++i)
+      y[i] = in_dtype<T>(in_dtype<T>(xf[i] * c[i]) + in_dtype<T>(xf[i - half] * s[i]));
   };
   at::parallel_for(0, rows * kv_heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> c(dim), s(dim), rotated(dim), queries(group * dim), acc(dim), keys, values, scores;
+    std::vector<float> c(dim), s(dim), xf(dim), rotated(dim), queries(group * dim), acc(dim), keys, values, scores;
     for (int64_t task = begin; task < end; ++task) {
       const int64_t r = task / kv_heads, g = task % kv_heads, n = lengths[r] + 1;
       to_float(cos + r * cos_stride, c.data(), dim);
       to_float(sin + r * sin_stride, s.data(), dim);
       T* row_keys = k_cache + r * slot_stride + g * head_stride;
       T* row_values = v_cache + r * slot_stride + g * head_stride;
-      rotate(k + r * k_stride + g * dim, c.data(), s.data(), rotated.data());
+      rotate(k + r * k_stride + g * dim, c.data(), s.data(), xf.data(), rotated.data());
       from_float(rotated.data(), row_keys + lengths[r] * dim, dim);
       std::memcpy(row_values + lengths[r] * dim, v + r * v_stride + g * dim, dim * sizeof(T));
-      for (int64_t j = 0; j < group; ++j) rotate(q + r * q_stride + (g * group + j) * dim, c.data(), s.data(),
-                                                 queries.data() + j * dim);
+      for (int64_t j = 0; j < group; ++j)
+        rotate(q + r * q_stride + (g * group + j) * dim, c.data(), s.data(), xf.data(), queries.data() + j * dim);
       keys.resize(n * dim);
       values.resize(n * dim);
       scores.resize(n);
@@ -185,7 +211,7 @@ void rope_attend_impl(const T* q, int64_t q_stride, const T* k, int64_t k_stride
         float* sp = scores.data();
 #pragma omp simd reduction(+ : total)
         for (int64_t p = 0; p < n; ++p) {
-          sp[p] = std::exp(sp[p] - top);
+          sp[p] = vexp(sp[p] - top);
           total += sp[p];
         }
         float* a = acc.data();
@@ -235,11 +261,15 @@ at::Tensor rope_attend(const at::Tensor& q, const at::Tensor& k, const at::Tenso
                 " of a cache with ", capacity, " columns");
   auto out = at::empty({rows, heads * dim}, q.options());
   DISPATCH_SAMPLER_TYPES(dtype, "rope_attend", [&] {
-    rope_attend_impl<scalar_t>(q.data_ptr<scalar_t>(), q.stride(0), k.data_ptr<scalar_t>(), k.stride(0),
-                               v.data_ptr<scalar_t>(), v.stride(0), cos.data_ptr<scalar_t>(), cos.stride(0),
-                               sin.data_ptr<scalar_t>(), sin.stride(0), k_cache.data_ptr<scalar_t>(),
-                               v_cache.data_ptr<scalar_t>(), k_cache.stride(0), k_cache.stride(1), lp,
-                               out.data_ptr<scalar_t>(), rows, heads, kv_heads, dim, static_cast<float>(scale));
+    auto run = [&](auto impl) {
+      impl(q.data_ptr<scalar_t>(), q.stride(0), k.data_ptr<scalar_t>(), k.stride(0), v.data_ptr<scalar_t>(),
+           v.stride(0), cos.data_ptr<scalar_t>(), cos.stride(0), sin.data_ptr<scalar_t>(), sin.stride(0),
+           k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(), k_cache.stride(0), k_cache.stride(1), lp,
+           out.data_ptr<scalar_t>(), rows, heads, kv_heads, dim, static_cast<float>(scale));
+    };
+    if (dim == 64) run(rope_attend_impl<scalar_t, 64>);
+    else if (dim == 128) run(rope_attend_impl<scalar_t, 128>);
+    else run(rope_attend_impl<scalar_t, 0>);
   });
   return out;
 }

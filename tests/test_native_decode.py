@@ -88,10 +88,11 @@ def _eager_step(q, k, v, cos, sin, keys, values, lengths, heads, scale):
     return out.reshape(rows, heads * dim)
 
 
+@pytest.mark.parametrize("dim", [16, 64, 128])  # 64 and 128 are compiled as fixed lengths of their own
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_rope_attend_is_rotary_cache_write_and_grouped_query_attention(ops, dtype) -> None:
+def test_rope_attend_is_rotary_cache_write_and_grouped_query_attention(ops, dtype, dim) -> None:
     torch.manual_seed(2)
-    rows, heads, kv_heads, dim, capacity = 4, 6, 2, 16, 12
+    rows, heads, kv_heads, capacity = 4, 6, 2, 12
     lengths = torch.tensor([3, 0, 7, 11])  # each row's new column; 11: the cache's last
     q = torch.randn(rows, heads * dim, dtype=dtype)
     kv = torch.randn(rows, 2 * kv_heads * dim, dtype=dtype)  # k and v side by side, as a stacked product
@@ -153,6 +154,39 @@ def test_the_sampler_decodes_through_the_kernels_as_it_does_without_them(tmp_pat
     bound = 1e-5 if sample_dtype == "fp32" else 0.05
     for (tokens, logprobs), (want_tokens, want_logprobs) in zip(native, eager, strict=True):
         assert tokens == want_tokens
+        assert max(abs(a - b) for a, b in zip(logprobs, want_logprobs, strict=True)) < bound
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_model_with_smollm2s_head_shapes_samples_alike_with_and_without_the_kernels(tokenizer, monkeypatch, dtype):
+    """Head dim 64, 9 query heads over 3 key heads, as SmolLM2 (the tiny model's heads are 8 wide,
+    which the kernels take on their general path): random weights, greedy (a bf16 draw at
+    temperature 1 may land on a neighbouring token), rows stopping at different steps."""
+    from transformers import LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=576, intermediate_size=256, num_hidden_layers=2,
+                         num_attention_heads=9, num_key_value_heads=3, tie_word_embeddings=True)
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config).to(dtype).eval()
+    prompts = [[1, 504, 3458, 314, 253, 1345, 28], [1, 9906, 30], [1, *range(42, 60)]]
+    stop = frozenset(range(0, len(tokenizer), 7))  # a seventh of the vocabulary ends a row
+
+    def run() -> list[tuple[list[int], list[float], str]]:
+        requests = [sampler.GenerationRequest(p, 2, SamplingParams(max_tokens=16, temperature=0.0, seed=5 + i,
+                                                                   stop=sorted(stop)))
+                    for i, p in enumerate(prompts)]
+        with torch.inference_mode():
+            sampler.generate(model, requests, tokenizer, torch.device("cpu"))
+        return [(list(s.tokens), list(s.logprobs), s.stop_reason) for r in requests for s in r.sequences]
+
+    native = run()
+    monkeypatch.setenv(native_decode.ENV_SWITCH, "off")
+    eager = run()
+    assert len({len(tokens) for tokens, *_ in eager}) > 1  # rows finished at different steps, riding along after
+    bound = 1e-4 if dtype == torch.float32 else 0.1
+    for (tokens, logprobs, reason), (want_tokens, want_logprobs, want_reason) in zip(native, eager, strict=True):
+        assert (tokens, reason) == (want_tokens, want_reason)
         assert max(abs(a - b) for a, b in zip(logprobs, want_logprobs, strict=True)) < bound
 
 

@@ -36,10 +36,10 @@ namespace {
 // n values of T as floats (bf16: the high half of a float's bits, a shift that vectorizes)
 inline void to_float(const float* src, float* dst, int64_t n) { std::memcpy(dst, src, n * sizeof(float)); }
 inline void to_float(const c10::BFloat16* src, float* dst, int64_t n) {
-  const uint16_t* s = reinterpret_cast<const uint16_t*>(src);
-  uint32_t* d = reinterpret_cast<uint32_t*>(dst);
+  // bit_cast, not a uint32_t* over dst: stores through another type's pointer may be reordered
+  // past the float loads that follow (strict aliasing), which broke bf16 once loops were unrolled
 #pragma omp simd
-  for (int64_t i = 0; i < n; ++i) d[i] = static_cast<uint32_t>(s[i]) << 16;
+  for (int64_t i = 0; i < n; ++i) dst[i] = std::bit_cast<float>(static_cast<uint32_t>(src[i].x) << 16);
 }
 // floats rounded to T, as T's own conversion rounds (to nearest even)
 inline void from_float(const float* src, float* dst, int64_t n) { std::memcpy(dst, src, n * sizeof(float)); }

@@ -68,8 +68,10 @@ def build_directory() -> Path:
     from grpo import models
     from grpo.models import dtype_probe
 
-    identity = "\n".join([SOURCE.read_text(), torch.__version__, dtype_probe.cpu_name(),
-                          dtype_probe.instruction_sets(), " ".join(_arch_flags()), sys.version])
+    # torch's own path too: two environments' builds differ in their include paths, and sharing a
+    # folder, each would rebuild over the other's
+    identity = "\n".join([SOURCE.read_text(), torch.__version__, str(Path(torch.__file__).parent),
+                          dtype_probe.cpu_name(), dtype_probe.instruction_sets(), " ".join(_arch_flags()), sys.version])
     return models.cache_dir() / "kernels" / f"grpo_decode_{hashlib.sha1(identity.encode()).hexdigest()[:16]}"
 
 

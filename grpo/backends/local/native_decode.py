@@ -23,6 +23,7 @@ import fcntl
 import hashlib
 import os
 import platform
+import shutil
 import sys
 import threading
 import time
@@ -107,11 +108,31 @@ def _load():
         if not built:
             print(f"grpo: building the native decoding kernels (once per machine and torch version) in {directory}",
                   file=sys.stderr)
-        cpp_extension.load(name=name, sources=[str(SOURCE)], build_directory=str(directory), is_python_module=False,
-                           extra_cflags=["-O3", "-fopenmp", "-fno-math-errno", "-ffp-contract=off", *_arch_flags()], verbose=False)
+        with _ninja_on_path():
+            cpp_extension.load(name=name, sources=[str(SOURCE)], build_directory=str(directory),
+                               is_python_module=False, verbose=False,
+                               extra_cflags=["-O3", "-fopenmp", "-fno-math-errno", "-ffp-contract=off", *_arch_flags()])
         if not built:
             print(f"grpo: built the native decoding kernels in {time.perf_counter() - started:.1f} s", file=sys.stderr)
     return torch.ops.grpo_decode
+
+
+@contextlib.contextmanager
+def _ninja_on_path():
+    """cpp_extension runs ``ninja`` from PATH; the ninja package (a dependency) has it in the
+    environment's bin folder, which is not on PATH where the environment is not activated
+    (``.venv/bin/python -m grpo``)."""
+    if shutil.which("ninja") is not None:
+        yield
+        return
+    import ninja
+
+    before = os.environ.get("PATH", "")
+    os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + before
+    try:
+        yield
+    finally:
+        os.environ["PATH"] = before
 
 
 @contextlib.contextmanager

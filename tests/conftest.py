@@ -49,3 +49,13 @@ def fp32_service(tmp_path):
     from grpo.backends.local import ServiceClient
 
     return ServiceClient(checkpoint_dir=tmp_path / "checkpoints", dtype="fp32")
+
+
+def pytest_sessionstart(session):
+    """The CPU sampler builds its native kernels on first use and says so on stderr
+    (grpo/backends/local/native_decode.py). Built here, before any test (under xdist the controller
+    builds, each worker then loads the build), no test's captured stderr depends on whether it
+    happened to be the first to sample."""
+    from grpo.backends.local import native_decode
+
+    native_decode.kernels()

@@ -163,7 +163,8 @@ def test_the_sampler_decodes_through_the_kernels_as_it_does_without_them(tmp_pat
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_a_model_with_smollm2s_head_shapes_samples_alike_with_and_without_the_kernels(tokenizer, monkeypatch, dtype):
+def test_a_model_with_smollm2s_head_shapes_samples_alike_with_and_without_the_kernels(tokenizer, monkeypatch, ops,
+                                                                                       dtype):
     """Head dim 64, 9 query heads over 3 key heads, as SmolLM2 (the tiny model's heads are 8 wide,
     which the kernels take on their general path): random weights, greedy (a bf16 draw at
     temperature 1 may land on a neighbouring token), rows stopping at different steps."""
@@ -185,6 +186,9 @@ def test_a_model_with_smollm2s_head_shapes_samples_alike_with_and_without_the_ke
             sampler.generate(model, requests, tokenizer, torch.device("cpu"))
         return [(list(s.tokens), list(s.logprobs), s.stop_reason) for r in requests for s in r.sequences]
 
+    from grpo.backends.local.lean_decode import lean_decoder
+
+    assert type(native_decode.native_decoder(lean_decoder(model), torch.device("cpu"))) is native_decode.NativeDecoder
     native = run()
     monkeypatch.setenv(native_decode.ENV_SWITCH, "off")
     eager = run()

@@ -155,8 +155,7 @@ class NativeDecoder(LeanDecoder):
     def __init__(self, causal_lm, ops):
         super().__init__(causal_lm)
         self.ops = ops
-        config = causal_lm.config
-        self.heads = int(config.num_attention_heads)
+        self.heads = int(causal_lm.config.num_attention_heads)
 
     def __call__(self, input_ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor,
                  cache: SlotCache) -> torch.Tensor:

@@ -263,3 +263,32 @@ def test_ninja_is_found_where_the_environment_is_not_activated(monkeypatch) -> N
         assert os.environ["PATH"].split(os.pathsep)[0] == ninja.BIN_DIR
         assert os.path.exists(os.path.join(ninja.BIN_DIR, "ninja"))
     assert os.environ["PATH"] == "/nowhere"
+
+
+@pytest.mark.slow
+def test_a_build_that_does_not_load_is_built_again(tmp_path, ops) -> None:
+    """A library left broken in the cache (a build killed while linking, a truncated copy) is
+    built again from scratch, not loaded for ever with the eager step as the result. Two fresh
+    processes on a fresh cache: two builds."""
+    import subprocess
+    import sys
+
+    code = ("from grpo.backends.local import native_decode as n; "
+            "print(n.kernels() is not None); print(n.build_directory())")
+    env = {**os.environ, "GRPO_CACHE": str(tmp_path), native_decode.ENV_SWITCH: "on"}
+
+    def run() -> tuple[list[str], str]:
+        done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr
+        return done.stdout.split(), done.stderr
+
+    (loaded, folder), err = run()
+    assert loaded == "True" and "built the native decoding kernels" in err
+    library = next(p for p in os.scandir(folder) if p.name.endswith(".so"))
+    with open(library.path, "wb") as handle:
+        handle.write(b"half a library")
+    (loaded, _), err = run()
+    assert loaded == "True"
+    assert "did not load" in err and "building them again" in err and "built the native decoding kernels" in err
+    (loaded, _), err = run()  # and the rebuilt one is simply loaded
+    assert loaded == "True" and err.strip() == ""

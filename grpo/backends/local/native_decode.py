@@ -38,6 +38,7 @@ ENV_SWITCH = "GRPO_NATIVE_KERNELS"
 SOURCE = Path(__file__).with_name("decode_kernels.cpp")
 DTYPES = (torch.float32, torch.bfloat16)
 
+_LOCK = "grpo.lock"  # the build folder's flock (_build_lock)
 _lock = threading.Lock()
 _loaded: dict[str, object] = {}  # "ops" -> torch.ops.grpo_decode, or "error" -> why not
 
@@ -91,11 +92,15 @@ def kernels():
                               lines[-1])[:300]
                 _loaded["error"] = reason
                 print(f"grpo: native decoding kernels unavailable ({type(exc).__name__}: {reason}); decoding with "
-                      f"PyTorch's operators ({ENV_SWITCH}=off skips them)", file=sys.stderr)
+                      f"PyTorch's operators ({ENV_SWITCH}=off skips them; the build: {build_directory()})",
+                      file=sys.stderr)
         return _loaded.get("ops")
 
 
 def _load():
+    """Load this machine's build, or build it (and load it). The folder's name is a digest of
+    everything the library depends on, so a library found there is the right one; one that does
+    not load (a build killed while linking, a truncated copy) is built again from scratch."""
     from torch.utils import cpp_extension
 
     directory = build_directory()
@@ -103,17 +108,24 @@ def _load():
     name = directory.name
     library = directory / f"{name}.so"
     with _build_lock(directory):
-        built = library.exists()
+        if library.exists():
+            try:
+                torch.ops.load_library(str(library))
+                return torch.ops.grpo_decode
+            except OSError as exc:
+                print(f"grpo: the native decoding kernels in {directory} did not load ({exc}); building them again",
+                      file=sys.stderr)
+        for path in directory.iterdir():  # a clean build: no object file half-written by a killed one
+            if path.name != _LOCK:
+                shutil.rmtree(path) if path.is_dir() else path.unlink()
+        print(f"grpo: building the native decoding kernels (once per machine and torch version) in {directory}",
+              file=sys.stderr)
         started = time.perf_counter()
-        if not built:
-            print(f"grpo: building the native decoding kernels (once per machine and torch version) in {directory}",
-                  file=sys.stderr)
         with _ninja_on_path():
             cpp_extension.load(name=name, sources=[str(SOURCE)], build_directory=str(directory),
                                is_python_module=False, verbose=False,
                                extra_cflags=["-O3", "-fopenmp", "-fno-math-errno", "-ffp-contract=off", *_arch_flags()])
-        if not built:
-            print(f"grpo: built the native decoding kernels in {time.perf_counter() - started:.1f} s", file=sys.stderr)
+        print(f"grpo: built the native decoding kernels in {time.perf_counter() - started:.1f} s", file=sys.stderr)
     return torch.ops.grpo_decode
 
 
@@ -140,7 +152,7 @@ def _build_lock(directory: Path):
     """One process builds at a time (xdist workers, several runs starting together). An flock is
     let go when its process dies, whereas cpp_extension's own lock file outlives a build that was
     killed and makes every later one wait for ever: under ours, such a file is stale and removed."""
-    with open(directory / "grpo.lock", "w") as handle:
+    with open(directory / _LOCK, "w") as handle:
         fcntl.flock(handle, fcntl.LOCK_EX)
         try:
             (directory / "lock").unlink(missing_ok=True)

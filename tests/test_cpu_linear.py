@@ -13,6 +13,7 @@ from grpo.backends.local import ServiceClient
 from grpo.backends.local.engine import Engine, LoraSpec
 from grpo.models import cpu_linear
 from grpo.models.cpu_linear import OneDNNLinear, PackedLinear
+from grpo.models.fused_projections import FusedMember
 from grpo.rl.advantages import build_datum
 from grpo.rl.rollouts import Rollout
 from grpo.types import Datum, ModelInput, SamplingParams
@@ -145,10 +146,11 @@ def test_folding_packs_the_folded_weights():
     x = torch.randn(2, 3, 64)
     with engine.sampling_model("policy") as model:
         assert engine._folded is not None  # can_fold accepted OneDNNLinear bases
-        folded = [m for m in model.modules() if isinstance(m, PackedLinear)]
+        folded = [m for m in model.modules() if isinstance(m, PackedLinear)]  # o_proj, down_proj
         assert folded and not [m for m in model.modules() if hasattr(m, "lora_A")]
+        # q/k/v (and gate/up) folded into one stacked packed weight, each a member reading its slice
         q = model.get_submodule("base_model.model.model.layers.0.self_attn.q_proj")
-        assert type(q) is PackedLinear
+        assert type(q) is FusedMember and q.group.sizes == [64, 32, 32] and q.group.packed.is_mkldnn
         torch.testing.assert_close(q(x), F.linear(x, expected_weight, layer.base_layer.bias), rtol=1e-5, atol=1e-5)
     # the LoRA layers are back in place for training
     assert type(engine.peft_model.get_submodule("base_model.model.model.layers.0.self_attn.q_proj")) is not PackedLinear

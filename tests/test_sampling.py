@@ -18,6 +18,7 @@ from backend_helpers import (
 
 from grpo import types
 from grpo.backends.local import ServiceClient, sampler
+from grpo.models.cpu_linear import packing_works
 
 PROMPTS = [[1, 504, 3458, 314, 253, 1345, 28], [1, 9906, 30], [1, 42, 43, 44, 45, 46, 47, 48, 49, 50, 51, 52]]
 
@@ -352,6 +353,13 @@ def test_folded_sampling_matches_peft_layers_and_leaves_the_model_as_it_was(trai
 
     folded, unfolded = draw(True), draw(False)
     assert engine._folded is not None and engine._folded.key[0] == client.adapter
+    if packing_works(torch.float32):  # siblings folded into one stacked, packed weight (one call each)
+        from grpo.models.fused_projections import FusedMember
+
+        siblings = {n: m for n, m in engine._folded.replacements.items()
+                    if n.rsplit(".", 1)[-1] in ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")}
+        assert siblings and all(type(m) is FusedMember for m in siblings.values())
+        assert {len(m.group.sizes) for m in siblings.values()} == {2, 3}
     for rf, ru in zip(folded, unfolded, strict=True):
         for sf, su in zip(rf.sequences, ru.sequences, strict=True):
             assert sf.tokens == su.tokens

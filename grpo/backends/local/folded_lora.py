@@ -5,7 +5,11 @@ every adapted Linear (210 of them on SmolLM2 with all-linear LoRA): on a CPU tha
 decode step. For sampling, where no gradient is needed, each adapted Linear is swapped for a plain
 ``nn.Linear`` whose weight is ``W + scaling * B @ A``, built once per set of adapter weights. On a
 CPU with oneDNN it is kept only in oneDNN's packed layout (``PackedLinear``, cpu_linear.py): the
-folding pays one reorder per layer, and every decoding step multiplies without one.
+folding pays one reorder per layer, and every decoding step multiplies without one. Sibling
+projections sharing an input (q/k/v, gate/up) are folded into one stacked packed weight
+(fused_projections.py): at a decoding step's ~24 rows each oneDNN call has a fixed cost, and the
+stacked products of SmolLM2's 30 layers took 28.9-30.4 ms against 32.9-34.0 ms one by one
+(float32, Intel Xeon with AMX, docs/benchmark.md).
 
 The swap replaces modules in the tree and puts the originals back afterwards; the base weights
 themselves are never written to, so nothing drifts (peft's merge/unmerge adds and subtracts the
@@ -23,6 +27,7 @@ import torch
 from torch import nn
 
 from grpo.models.cpu_linear import OneDNNLinear, PackedLinear, can_pack
+from grpo.models.fused_projections import FusedMember, FusedProjections, sibling_sets
 
 
 class FoldedAdapter:
@@ -36,13 +41,45 @@ class FoldedAdapter:
         self.weights = weights  # held so that an id() in ``key`` cannot be reused while cached
         self.replacements: dict[str, nn.Linear] = {}
         old = recycle.replacements if recycle is not None else {}
-        for name in [n for n, m in old.items() if isinstance(m, PackedLinear)]:
+        for name in [n for n, m in old.items() if isinstance(m, PackedLinear | FusedMember)]:
             del old[name]  # packed weights are not rewritten in place: free them before packing anew
         scratch: dict[tuple, torch.Tensor] = {}  # one dense buffer per weight shape, for packing
+        layers = dict(lora_layers(peft_model, adapter))
+
+        def lora_of(name: str, module: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+            a = weights[f"{name}.lora_A.{adapter}.weight"] if weights else module.lora_A[adapter].weight
+            b = weights[f"{name}.lora_B.{adapter}.weight"] if weights else module.lora_B[adapter].weight
+            return a, b
+
         with torch.no_grad():
-            for name, module in lora_layers(peft_model, adapter):
-                a = weights[f"{name}.lora_A.{adapter}.weight"] if weights else module.lora_A[adapter].weight
-                b = weights[f"{name}.lora_B.{adapter}.weight"] if weights else module.lora_B[adapter].weight
+            # Sibling projections (q/k/v, gate/up) folded into one stacked, packed weight: one
+            # oneDNN call where there were three or two, each with a fixed cost at a decoding
+            # step's few rows (fused_projections.py, as the bf16 sampler's copy has them).
+            for paths in sibling_sets(peft_model):
+                members = [layers.get(p) for p in paths]
+                if not all(m is not None and can_pack(m.base_layer.weight) for m in members) or \
+                        len({(m.base_layer.in_features, m.base_layer.bias is None) for m in members}) != 1:
+                    continue
+                first = members[0].base_layer
+                key = ((sum(m.base_layer.out_features for m in members), first.in_features), first.weight.dtype)
+                if key not in scratch:
+                    scratch[key] = torch.empty(key[0], dtype=key[1])
+                stacked = scratch[key]
+                start = 0
+                for path, m in zip(paths, members, strict=True):
+                    a, b = lora_of(path, m)
+                    base = m.base_layer
+                    torch.addmm(base.weight, b.to(base.weight.dtype), a.to(base.weight.dtype),
+                                alpha=m.scaling[adapter], out=stacked[start:start + base.out_features])
+                    start += base.out_features
+                    del layers[path]
+                biases = None if first.bias is None else torch.cat(
+                    [m.base_layer.bias.detach() for m in members])
+                group = FusedProjections(stacked, biases, [m.base_layer.out_features for m in members])
+                for index, (path, m) in enumerate(zip(paths, members, strict=True)):
+                    self.replacements[path] = FusedMember(group, index, m.base_layer.in_features)
+            for name, module in layers.items():
+                a, b = lora_of(name, module)
                 base = module.base_layer
                 if can_pack(base.weight):
                     # Folded into a scratch buffer, then kept only in oneDNN's packed layout

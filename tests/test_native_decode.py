@@ -292,3 +292,14 @@ def test_a_build_that_does_not_load_is_built_again(tmp_path, ops) -> None:
     assert "did not load" in err and "building them again" in err and "built the native decoding kernels" in err
     (loaded, _), err = run()  # and the rebuilt one is simply loaded
     assert loaded == "True" and err.strip() == ""
+
+
+def test_the_kernels_are_compiled_for_the_vector_width_aten_is_capped_to(monkeypatch) -> None:
+    """A run emulating an avx2-only CPU (ATEN_CPU_CAPABILITY=avx2) gets avx2 code, not this CPU's."""
+    monkeypatch.setattr(native_decode.platform, "machine", lambda: "x86_64")
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")
+    assert native_decode._arch_flags() == ["-march=haswell", "-mtune=native"]
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX512")
+    assert native_decode._arch_flags() == ["-march=native"]
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "DEFAULT")
+    assert native_decode._arch_flags() == []

@@ -60,7 +60,7 @@ def _arch_flags() -> list[str]:
     if capability.startswith("AVX512"):
         return ["-march=native"]
     if capability == "AVX2":
-        return ["-march=native"]
+        return ["-march=haswell", "-mtune=native"]
     return []
 
 

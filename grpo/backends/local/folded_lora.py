@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from grpo.models.cpu_linear import OneDNNLinear, PackedLinear, can_pack
-from grpo.models.fused_projections import FusedMember, FusedProjections, sibling_sets
+from grpo.models.fused_projections import FusedMember, FusedProjections, sibling_sets, stackable
 
 
 class FoldedAdapter:
@@ -46,59 +46,53 @@ class FoldedAdapter:
         scratch: dict[tuple, torch.Tensor] = {}  # one dense buffer per weight shape, for packing
         layers = dict(lora_layers(peft_model, adapter))
 
-        def lora_of(name: str, module: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+        def fold(name: str, out: torch.Tensor) -> None:
+            """W + scaling * B @ A of layer ``name``, in one kernel, into ``out``."""
+            module = layers.pop(name)
             a = weights[f"{name}.lora_A.{adapter}.weight"] if weights else module.lora_A[adapter].weight
             b = weights[f"{name}.lora_B.{adapter}.weight"] if weights else module.lora_B[adapter].weight
-            return a, b
+            base = module.base_layer
+            torch.addmm(base.weight, b.to(base.weight.dtype), a.to(base.weight.dtype), alpha=module.scaling[adapter],
+                        out=out)
+
+        def buffer(shape: tuple[int, int], dtype: torch.dtype) -> torch.Tensor:
+            if (shape, dtype) not in scratch:
+                scratch[shape, dtype] = torch.empty(shape, dtype=dtype)
+            return scratch[shape, dtype]
 
         with torch.no_grad():
             # Sibling projections (q/k/v, gate/up) folded into one stacked, packed weight: one
             # oneDNN call where there were three or two, each with a fixed cost at a decoding
             # step's few rows (fused_projections.py, as the bf16 sampler's copy has them).
             for paths in sibling_sets(peft_model):
-                members = [layers.get(p) for p in paths]
-                if not all(m is not None and can_pack(m.base_layer.weight) for m in members) or \
-                        len({(m.base_layer.in_features, m.base_layer.bias is None) for m in members}) != 1:
+                if not all(p in layers for p in paths):
                     continue
-                first = members[0].base_layer
-                key = ((sum(m.base_layer.out_features for m in members), first.in_features), first.weight.dtype)
-                if key not in scratch:
-                    scratch[key] = torch.empty(key[0], dtype=key[1])
-                stacked = scratch[key]
-                start = 0
-                for path, m in zip(paths, members, strict=True):
-                    a, b = lora_of(path, m)
-                    base = m.base_layer
-                    torch.addmm(base.weight, b.to(base.weight.dtype), a.to(base.weight.dtype),
-                                alpha=m.scaling[adapter], out=stacked[start:start + base.out_features])
-                    start += base.out_features
-                    del layers[path]
-                biases = None if first.bias is None else torch.cat(
-                    [m.base_layer.bias.detach() for m in members])
-                group = FusedProjections(stacked, biases, [m.base_layer.out_features for m in members])
-                for index, (path, m) in enumerate(zip(paths, members, strict=True)):
-                    self.replacements[path] = FusedMember(group, index, m.base_layer.in_features)
-            for name, module in layers.items():
-                a, b = lora_of(name, module)
-                base = module.base_layer
+                bases = [layers[p].base_layer for p in paths]
+                if not stackable(bases):
+                    continue
+                sizes = [base.out_features for base in bases]
+                stacked = buffer((sum(sizes), bases[0].in_features), bases[0].weight.dtype)
+                for path, rows in zip(paths, stacked.split(sizes), strict=True):
+                    fold(path, rows)
+                biases = None if bases[0].bias is None else torch.cat([base.bias.detach() for base in bases])
+                group = FusedProjections(stacked, biases, sizes)
+                for index, (path, base) in enumerate(zip(paths, bases, strict=True)):
+                    self.replacements[path] = FusedMember(group, index, base.in_features)
+            for name in list(layers):
+                base = layers[name].base_layer
                 if can_pack(base.weight):
                     # Folded into a scratch buffer, then kept only in oneDNN's packed layout
                     # (cpu_linear.py): the decoding steps multiply by it without a reorder each.
-                    key = (tuple(base.weight.shape), base.weight.dtype)
-                    if key not in scratch:
-                        scratch[key] = torch.empty_like(base.weight)
-                    torch.addmm(base.weight, b.to(base.weight.dtype), a.to(base.weight.dtype),
-                                alpha=module.scaling[adapter], out=scratch[key])
-                    self.replacements[name] = PackedLinear(scratch[key], base.bias)
+                    folded_weight = buffer(tuple(base.weight.shape), base.weight.dtype)
+                    fold(name, folded_weight)
+                    self.replacements[name] = PackedLinear(folded_weight, base.bias)
                     continue
                 folded = old.get(name)
                 if not isinstance(folded, nn.Linear) or folded.weight.shape != base.weight.shape:
                     # the base's own class: a OneDNNLinear stays one (cpu_linear.py)
                     folded = type(base)(base.in_features, base.out_features, bias=base.bias is not None, device="meta")
                     folded.weight = nn.Parameter(torch.empty_like(base.weight), requires_grad=False)
-                # W + scaling * B @ A in one kernel, into the folded weight
-                torch.addmm(base.weight, b.to(base.weight.dtype), a.to(base.weight.dtype),
-                            alpha=module.scaling[adapter], out=folded.weight)
+                fold(name, folded.weight)
                 folded.bias = base.bias
                 self.replacements[name] = folded
 

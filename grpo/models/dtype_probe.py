@@ -33,7 +33,8 @@ the cache file to measure again.
 The result is cached in ``$GRPO_CACHE/precision.json`` (and in this process) keyed by CPU model,
 its instruction sets (``instruction_sets``), torch version, thread count, fp32 Linear kernel, the
 shapes and the probe's own version, so the probe (about 4 s on a quiet machine, 1 GB of memory for
-SmolLM2) is paid once per machine and model shape; the choice and its numbers are printed once, when measured.
+SmolLM2) is paid once per machine and model shape; the choice and its numbers are printed once,
+when measured.
 ``GRPO_PRECISION_PROBE=off`` skips the probe: ``auto`` is then fp32 on a CPU. So is it, for the run,
 where the load average is at least the number of cores: a measurement there would time the other
 processes, and be cached.
@@ -162,10 +163,19 @@ def cpu_description() -> str:
     """The CPU model and its vector and matrix instruction sets (avx*, amx*), as every recorded
     number is to name them, and any cap set on the kernels' instruction sets (a run emulating a
     lesser CPU says so)."""
-    flags = [f for f in _cpuinfo("flags").split() if f.startswith(("avx", "amx"))]
-    caps = [f"{name}={os.environ[name]}" for name in ("ATEN_CPU_CAPABILITY", *ISA_CAPS) if os.environ.get(name)]
+    caps = _caps_set(("ATEN_CPU_CAPABILITY", *ISA_CAPS))
     capped = f" (kernels capped: {' '.join(caps)})" if caps else ""
-    return f"{cpu_name()}; {' '.join(flags) or 'no avx flags'}{capped}"
+    return f"{cpu_name()}; {' '.join(_vector_flags()) or 'no avx flags'}{capped}"
+
+
+def _vector_flags() -> list[str]:
+    """The CPU's vector and matrix instruction sets (its avx* and amx* flags), as /proc/cpuinfo lists them."""
+    return [f for f in _cpuinfo("flags").split() if f.startswith(("avx", "amx"))]
+
+
+def _caps_set(names: tuple[str, ...]) -> list[str]:
+    """``NAME=value`` for each of ``names`` set in the environment."""
+    return [f"{name}={os.environ[name]}" for name in names if os.environ.get(name)]
 
 
 def _cpuinfo(field: str) -> str:
@@ -187,10 +197,8 @@ def instruction_sets() -> str:
     avx2-only node, where bf16 runs up to 19x slower."""
     import torch
 
-    flags = sorted({f for f in _cpuinfo("flags").split() if f.startswith(("avx", "amx"))})
-    digest = hashlib.sha1(" ".join(flags).encode()).hexdigest()[:8]
-    caps = "".join(f" {name}={os.environ[name]}" for name in ISA_CAPS if os.environ.get(name))
-    return f"{torch.backends.cpu.get_cpu_capability()} flags {digest}{caps}"
+    digest = hashlib.sha1(" ".join(sorted(set(_vector_flags()))).encode()).hexdigest()[:8]
+    return " ".join([torch.backends.cpu.get_cpu_capability(), "flags", digest, *_caps_set(ISA_CAPS)])
 
 
 def machine_key(shapes: Shapes) -> str:

@@ -17,8 +17,8 @@ very ops through both kernels already (it weighs bf16 against the faster): its n
 cache entry, give the answer without timing them again.
 
 The result is cached beside the precision probe's (``$GRPO_CACHE/precision.json``) under the same
-machine key (CPU and its instruction sets, torch, threads, shapes, probe version), printed once when measured. As with the
-precision probe, ``GRPO_PRECISION_PROBE=off`` skips it (oneDNN), and a machine whose load average
+machine key (CPU and its instruction sets, torch, threads, shapes, probe version), printed once
+when measured. As with the precision probe, ``GRPO_PRECISION_PROBE=off`` skips it (oneDNN), and a machine whose load average
 is at least its core count is not measured (oneDNN for that run, measured by a later one).
 ``GRPO_CPU_LINEAR=torch`` sends every Linear to PyTorch's kernels without measuring.
 """

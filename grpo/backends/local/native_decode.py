@@ -200,7 +200,7 @@ def native_decoder(lean: LeanDecoder | None, device: torch.device) -> LeanDecode
     dtype = lean.decoder.embed_tokens.weight.dtype
     norms = [lean.decoder.norm] + [n for layer in lean.decoder.layers
                                    for n in (layer.input_layernorm, layer.post_attention_layernorm)]
-    if dtype not in DTYPES or any(n.weight.dtype != dtype for n in norms) or not enabled():
+    if dtype not in DTYPES or any(n.weight.dtype != dtype for n in norms):
         return lean  # (a model keeping its norms in float32 beside bf16 weights: the eager step)
-    ops = kernels()
+    ops = kernels()  # None where switched off or not built
     return lean if ops is None else NativeDecoder(lean.causal_lm, ops)

@@ -1,7 +1,7 @@
 """Helpers shared by the local-backend tests: references computed outside the code under test.
 
-Not a test module (no ``test_`` prefix); imported by test_local_backend, test_sampling and
-test_checkpoints.
+Not a test module (no ``test_`` prefix); imported by test_local_backend, test_sampling,
+test_checkpoints, test_lean_decode and test_native_decode.
 """
 
 from __future__ import annotations
@@ -64,3 +64,17 @@ def rl_datum(prompt: list[int], response: list[int], advantage: float, sampler_l
         logprobs=[0.0] * n_prompt + list(sampler_logprobs),
         advantages=[0.0] * n_prompt + [advantage] * len(response),
     )
+
+
+# Three prompts of different lengths (7, 3 and 19 tokens) for comparing two ways of decoding.
+DECODE_PROMPTS = [[1, 504, 3458, 314, 253, 1345, 28], [1, 9906, 30], [1, *range(42, 60)]]
+
+
+def sample_each(client, temperature: float, seed: int = 0, prompts=DECODE_PROMPTS) -> list[tuple[list[int], list[float]]]:
+    """Three samples of 12 tokens for each prompt (request i seeded ``seed + i``) from ``client``'s
+    current weights, all in flight together: each sequence's tokens and logprobs."""
+    sampler = client.save_weights_and_get_sampling_client()
+    futures = [sampler.sample(types.ModelInput.from_ints(p), 3,
+                              types.SamplingParams(max_tokens=12, temperature=temperature, seed=seed + i))
+               for i, p in enumerate(prompts)]
+    return [(list(s.tokens), list(s.logprobs)) for f in futures for s in f.result().sequences]

@@ -9,20 +9,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from backend_helpers import perturb_adapter
+from backend_helpers import perturb_adapter, sample_each
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 from grpo.backends.local import ServiceClient, lean_decode, native_decode, sampler
-from grpo.types import ModelInput, SamplingParams
-
-PROMPTS = [[1, 504, 3458, 314, 253, 1345, 28], [1, 9906, 30], [1, *range(42, 60)]]
-
-
-def _sample_all(tc, seed: int) -> list[tuple[list[int], list[float]]]:
-    client = tc.save_weights_and_get_sampling_client()
-    futures = [client.sample(ModelInput.from_ints(p), 3, SamplingParams(max_tokens=12, temperature=1.0, seed=seed + i))
-               for i, p in enumerate(PROMPTS)]
-    return [(list(s.tokens), list(s.logprobs)) for f in futures for s in f.result().sequences]
 
 
 @pytest.mark.parametrize(("train_dtype", "sample_dtype"), [("fp32", "fp32"), ("fp32", "bf16")])
@@ -41,9 +31,9 @@ def test_lean_decoding_steps_sample_what_the_models_forward_samples(tmp_path, mo
         return lean
 
     monkeypatch.setattr(sampler, "lean_decoder", spied)
-    lean = _sample_all(tc, seed=7)
+    lean = sample_each(tc, temperature=1.0, seed=7)
     monkeypatch.setattr(sampler, "lean_decoder", lambda model: None)
-    plain = _sample_all(tc, seed=7)
+    plain = sample_each(tc, temperature=1.0, seed=7)
     assert used and all(used)
     assert lean == plain
     assert len({tuple(tokens) for tokens, _ in lean}) > 1  # the draws differ: the check is not vacuous

@@ -13,14 +13,14 @@ import shutil
 
 import pytest
 import torch
-from backend_helpers import perturb_adapter
+from backend_helpers import DECODE_PROMPTS, perturb_adapter, sample_each
 from transformers import LlamaConfig
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.models.llama.modeling_llama import LlamaRMSNorm, apply_rotary_pos_emb
 
 from grpo.backends.local import ServiceClient, native_decode, sampler
 from grpo.models import dtype_probe
-from grpo.types import ModelInput, SamplingParams
+from grpo.types import SamplingParams
 
 DTYPES = [torch.float32, torch.bfloat16]
 ULP = {torch.float32: 2.0**-23, torch.bfloat16: 2.0**-7}
@@ -125,16 +125,6 @@ def test_kernels_refuse_bad_input_with_what_was_expected(ops) -> None:
         ops.add_rms_norm(torch.zeros(2, 3), torch.zeros(2, 4), torch.ones(3), 1e-5)
 
 
-PROMPTS = [[1, 504, 3458, 314, 253, 1345, 28], [1, 9906, 30], [1, *range(42, 60)]]
-
-
-def _sample_all(tc, temperature: float) -> list[tuple[list[int], list[float]]]:
-    client = tc.save_weights_and_get_sampling_client()
-    futures = [client.sample(ModelInput.from_ints(p), 3, SamplingParams(max_tokens=12, temperature=temperature, seed=i))
-               for i, p in enumerate(PROMPTS)]
-    return [(list(s.tokens), list(s.logprobs)) for f in futures for s in f.result().sequences]
-
-
 @pytest.mark.parametrize(("train_dtype", "sample_dtype"), [("fp32", "fp32"), ("fp32", "bf16")])
 def test_the_sampler_decodes_through_the_kernels_as_it_does_without_them(tmp_path, monkeypatch, ops, train_dtype,
                                                                          sample_dtype):
@@ -151,10 +141,10 @@ def test_the_sampler_decodes_through_the_kernels_as_it_does_without_them(tmp_pat
         return decoder
 
     monkeypatch.setattr(native_decode, "native_decoder", spied)
-    native = _sample_all(tc, temperature=0.0)
+    native = sample_each(tc, temperature=0.0)
     assert used and all(used)
     monkeypatch.setenv(native_decode.ENV_SWITCH, "off")
-    eager = _sample_all(tc, temperature=0.0)
+    eager = sample_each(tc, temperature=0.0)
     assert not used[-1]
     bound = 1e-5 if sample_dtype == "fp32" else 0.05
     for (tokens, logprobs), (want_tokens, want_logprobs) in zip(native, eager, strict=True):
@@ -175,7 +165,7 @@ def test_a_model_with_smollm2s_head_shapes_samples_alike_with_and_without_the_ke
     config._attn_implementation = "sdpa"
     torch.manual_seed(0)
     model = LlamaForCausalLM(config).to(dtype).eval()
-    prompts = [[1, 504, 3458, 314, 253, 1345, 28], [1, 9906, 30], [1, *range(42, 60)]]
+    prompts = DECODE_PROMPTS
     stop = frozenset(range(0, len(tokenizer), 7))  # a seventh of the vocabulary ends a row
 
     def run() -> list[tuple[list[int], list[float], str]]:
@@ -207,7 +197,7 @@ def test_where_the_kernels_do_not_build_the_sampler_says_so_once_and_decodes_wit
     monkeypatch.setattr(native_decode, "_load", no_compiler)
     service = ServiceClient(checkpoint_dir=tmp_path, device="cpu", dtype="fp32")
     tc = service.create_lora_training_client("tiny", rank=4, seed=0)
-    first, second = _sample_all(tc, temperature=0.0), _sample_all(tc, temperature=0.0)
+    first, second = sample_each(tc, temperature=0.0), sample_each(tc, temperature=0.0)
     assert first == second and all(tokens for tokens, _ in first)
     err = capsys.readouterr().err
     assert err.count("native decoding kernels unavailable") == 1

@@ -44,7 +44,7 @@ CI_SLOW ?= tests/test_serve_sdk038.py tests/test_mint_quickstart.py tests/test_m
 	tests/test_scaling_script.py tests/test_cookbook_inprocess.py tests/test_cookbook_serve.py \
 	tests/test_restart_hygiene.py tests/test_serve_hostile.py tests/test_tinker_types.py \
 	tests/test_serve_fuzz.py tests/test_prefix_cache.py tests/test_cookbook_multiturn.py \
-	tests/test_native_decode.py
+	tests/test_native_decode.py tests/test_native_kernels.py
 test-ci-slow: venv
 	$(BIN)/python -m pytest -q -n 2 -m slow $(CI_SLOW)
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 
 import pytest
 
@@ -52,10 +53,24 @@ def fp32_service(tmp_path):
 
 
 def pytest_sessionstart(session):
-    """The CPU sampler builds its native kernels on first use and says so on stderr
-    (grpo/backends/local/native_decode.py). Built here, before any test (under xdist the controller
+    """grpo builds its native CPU kernels on a model's first load and says so on stderr
+    (grpo/backends/local/native_kernels.py). Built here, before any test (under xdist the controller
     builds, each worker then loads the build), no test's captured stderr depends on whether it
     happened to be the first to sample."""
-    from grpo.backends.local import native_decode
+    from grpo.backends.local import native_kernels
 
-    native_decode.kernels()
+    native_kernels.kernels()
+
+
+@pytest.fixture(scope="session")
+def native_ops():
+    """torch.ops.grpo_native; the test is skipped where no C++ compiler is found, and fails where
+    one is found but the kernels did not build."""
+    from grpo.backends.local import native_kernels
+
+    found = native_kernels.kernels()
+    if found is None and shutil.which("c++") is None:
+        pytest.skip("no C++ compiler on this machine: grpo runs without its native kernels")
+    if found is None:
+        pytest.fail(f"the native kernels did not build here: {native_kernels._loaded.get('error')}")
+    return found

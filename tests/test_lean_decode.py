@@ -12,17 +12,19 @@ import torch
 from backend_helpers import perturb_adapter, sample_each
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-from grpo.backends.local import ServiceClient, lean_decode, native_decode, sampler
+from grpo.backends.local import ServiceClient, lean_decode, native_kernels, sampler
 
 
 @pytest.mark.parametrize(("train_dtype", "sample_dtype"), [("fp32", "fp32"), ("fp32", "bf16")])
 def test_lean_decoding_steps_sample_what_the_models_forward_samples(tmp_path, monkeypatch, train_dtype, sample_dtype):
     """fp32: the trainer's model with LoRA folded (under peft); bf16: the sampler's own copy with
     stacked projections and LoRA side paths."""
+    # the eager lean step (the native one: test_native_decode.py), and the model's own modules
+    # (switched on, its norms and MLPs would compute through native_layers.py)
+    monkeypatch.setenv(native_kernels.ENV_SWITCH, "off")
     service = ServiceClient(checkpoint_dir=tmp_path, device="cpu", train_dtype=train_dtype, sample_dtype=sample_dtype)
     tc = service.create_lora_training_client("tiny", rank=4, seed=0)
     perturb_adapter(tc, seed=3)
-    monkeypatch.setenv(native_decode.ENV_SWITCH, "off")  # the eager lean step (the native one: test_native_decode.py)
     used = []
 
     def spied(model):

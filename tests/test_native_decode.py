@@ -8,9 +8,6 @@ place; the whole step against ``LeanDecoder``'s through real sampling calls.
 
 from __future__ import annotations
 
-import os
-import shutil
-
 import pytest
 import torch
 from backend_helpers import DECODE_PROMPTS, perturb_adapter, sample_each
@@ -18,8 +15,7 @@ from transformers import LlamaConfig
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.models.llama.modeling_llama import LlamaRMSNorm, apply_rotary_pos_emb
 
-from grpo.backends.local import ServiceClient, native_decode, sampler
-from grpo.models import dtype_probe
+from grpo.backends.local import ServiceClient, native_decode, native_kernels, sampler
 from grpo.types import SamplingParams
 
 DTYPES = [torch.float32, torch.bfloat16]
@@ -29,14 +25,9 @@ ULP = {torch.float32: 2.0**-23, torch.bfloat16: 2.0**-7}
 ROUNDING_ULPS = {torch.float32: 8, torch.bfloat16: 1}
 
 
-@pytest.fixture(scope="module")
-def ops():
-    found = native_decode.kernels()
-    if found is None and shutil.which("c++") is None:
-        pytest.skip("no C++ compiler on this machine: the sampler decodes without the native kernels")
-    if found is None:
-        pytest.fail(f"the native kernels did not build here: {native_decode._loaded.get('error')}")
-    return found
+@pytest.fixture
+def ops(native_ops):
+    return native_ops
 
 
 def _within(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype, ulps: float) -> None:
@@ -143,7 +134,7 @@ def test_the_sampler_decodes_through_the_kernels_as_it_does_without_them(tmp_pat
     monkeypatch.setattr(native_decode, "native_decoder", spied)
     native = sample_each(tc, temperature=0.0)
     assert used and all(used)
-    monkeypatch.setenv(native_decode.ENV_SWITCH, "off")
+    monkeypatch.setenv(native_kernels.ENV_SWITCH, "off")
     eager = sample_each(tc, temperature=0.0)
     assert not used[-1]
     bound = 1e-5 if sample_dtype == "fp32" else 0.05
@@ -180,7 +171,7 @@ def test_a_model_with_smollm2s_head_shapes_samples_alike_with_and_without_the_ke
 
     assert type(native_decode.native_decoder(lean_decoder(model), torch.device("cpu"))) is native_decode.NativeDecoder
     native = run()
-    monkeypatch.setenv(native_decode.ENV_SWITCH, "off")
+    monkeypatch.setenv(native_kernels.ENV_SWITCH, "off")
     eager = run()
     assert len({len(tokens) for tokens, *_ in eager}) > 1  # rows finished at different steps, riding along after
     bound = 1e-4 if dtype == torch.float32 else 0.1
@@ -191,33 +182,17 @@ def test_a_model_with_smollm2s_head_shapes_samples_alike_with_and_without_the_ke
 
 def test_where_the_kernels_do_not_build_the_sampler_says_so_once_and_decodes_without(tmp_path, monkeypatch, capsys):
     def no_compiler():
-        raise RuntimeError("Error building extension 'grpo_decode': c++: error: command not found")
+        raise RuntimeError("Error building extension 'grpo_native': c++: error: command not found")
 
-    monkeypatch.setattr(native_decode, "_loaded", {})
-    monkeypatch.setattr(native_decode, "_load", no_compiler)
+    monkeypatch.setattr(native_kernels, "_loaded", {})
+    monkeypatch.setattr(native_kernels, "_load", no_compiler)
     service = ServiceClient(checkpoint_dir=tmp_path, device="cpu", dtype="fp32")
     tc = service.create_lora_training_client("tiny", rank=4, seed=0)
     first, second = sample_each(tc, temperature=0.0), sample_each(tc, temperature=0.0)
     assert first == second and all(tokens for tokens, _ in first)
     err = capsys.readouterr().err
-    assert err.count("native decoding kernels unavailable") == 1
+    assert err.count("native kernels unavailable") == 1
     assert "c++: error: command not found" in err and "GRPO_NATIVE_KERNELS=off" in err
-
-
-def test_the_switch_takes_on_or_off(monkeypatch) -> None:
-    monkeypatch.setenv(native_decode.ENV_SWITCH, "sometimes")
-    with pytest.raises(ValueError, match="GRPO_NATIVE_KERNELS='sometimes' is invalid; valid: on, off"):
-        native_decode.enabled()
-    monkeypatch.setenv(native_decode.ENV_SWITCH, "off")
-    assert native_decode.kernels() is None
-
-
-def test_a_build_is_never_loaded_on_other_instruction_sets(monkeypatch) -> None:
-    """A cache under a home directory shared by a cluster's nodes: each CPU kind builds its own."""
-    here = native_decode.build_directory()
-    monkeypatch.setattr(dtype_probe, "instruction_sets", lambda: "AVX2 flags 00000000")
-    assert native_decode.build_directory() != here
-    assert here.parent == native_decode.build_directory().parent
 
 
 def test_models_outside_what_the_kernels_compute_keep_the_eager_step(monkeypatch) -> None:
@@ -236,60 +211,7 @@ def test_models_outside_what_the_kernels_compute_keep_the_eager_step(monkeypatch
     mixed.model.norm.float()  # norms kept in float32 beside bf16 weights
     assert type(native_decode.native_decoder(lean_decoder(mixed), torch.device("cpu"))) is not \
         native_decode.NativeDecoder
-    monkeypatch.setenv(native_decode.ENV_SWITCH, "off")
+    monkeypatch.setenv(native_kernels.ENV_SWITCH, "off")
     assert type(native_decode.native_decoder(lean_decoder(model), torch.device("cpu"))) is not \
         native_decode.NativeDecoder
     assert sampler.native_decode is native_decode
-
-
-def test_ninja_is_found_where_the_environment_is_not_activated(monkeypatch) -> None:
-    """cpp_extension runs ``ninja`` from PATH; the ninja package's copy is in the environment's bin
-    folder, which ``.venv/bin/python -m grpo`` does not put on PATH."""
-    import ninja
-
-    monkeypatch.setattr(native_decode.shutil, "which", lambda name: None)
-    monkeypatch.setenv("PATH", "/nowhere")
-    with native_decode._ninja_on_path():
-        assert os.environ["PATH"].split(os.pathsep)[0] == ninja.BIN_DIR
-        assert os.path.exists(os.path.join(ninja.BIN_DIR, "ninja"))
-    assert os.environ["PATH"] == "/nowhere"
-
-
-@pytest.mark.slow
-def test_a_build_that_does_not_load_is_built_again(tmp_path, ops) -> None:
-    """A library left broken in the cache (a build killed while linking, a truncated copy) is
-    built again from scratch, not loaded for ever with the eager step as the result. Two fresh
-    processes on a fresh cache: two builds."""
-    import subprocess
-    import sys
-
-    code = ("from grpo.backends.local import native_decode as n; "
-            "print(n.kernels() is not None); print(n.build_directory())")
-    env = {**os.environ, "GRPO_CACHE": str(tmp_path), native_decode.ENV_SWITCH: "on"}
-
-    def run() -> tuple[list[str], str]:
-        done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
-        assert done.returncode == 0, done.stderr
-        return done.stdout.split(), done.stderr
-
-    (loaded, folder), err = run()
-    assert loaded == "True" and "built the native decoding kernels" in err
-    library = next(p for p in os.scandir(folder) if p.name.endswith(".so"))
-    with open(library.path, "wb") as handle:
-        handle.write(b"half a library")
-    (loaded, _), err = run()
-    assert loaded == "True"
-    assert "did not load" in err and "building them again" in err and "built the native decoding kernels" in err
-    (loaded, _), err = run()  # and the rebuilt one is simply loaded
-    assert loaded == "True" and err.strip() == ""
-
-
-def test_the_kernels_are_compiled_for_the_vector_width_aten_is_capped_to(monkeypatch) -> None:
-    """A run emulating an avx2-only CPU (ATEN_CPU_CAPABILITY=avx2) gets avx2 code, not this CPU's."""
-    monkeypatch.setattr(native_decode.platform, "machine", lambda: "x86_64")
-    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")
-    assert native_decode._arch_flags() == ["-march=haswell", "-mtune=native"]
-    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX512")
-    assert native_decode._arch_flags() == ["-march=native"]
-    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "DEFAULT")
-    assert native_decode._arch_flags() == []

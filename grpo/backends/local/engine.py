@@ -21,9 +21,8 @@ import torch
 from torch import nn
 
 from grpo import models
-from grpo.backends.local import native_decode
+from grpo.backends.local import native_layers
 from grpo.backends.local.folded_lora import FoldedAdapter, can_fold
-from grpo.backends.local.lean_decode import lean_decoder
 from grpo.backends.local.sampler_precision import SamplerCopy
 from grpo.backends.local.sections import section
 from grpo.checks import check_lora_targets
@@ -128,6 +127,12 @@ class Engine:
         keep_packed_copies([self.model.get_output_embeddings()])
         for p in self.model.parameters():
             p.requires_grad_(False)
+        if self.device.type == "cpu":
+            # RMSNorms and SiLU * up through grpo's native kernels, forward and backward
+            # (native_layers.py); built here, with the model's loading, rather than in the first
+            # call (~10 s on 2 cores once per machine, ~0.05 s to load after that). The sampler's
+            # copy below is made from these modules and keeps them.
+            native_layers.install(self.model)
         # bf16 sampling on a CPU runs its own packed copy (sampler_precision.py) even beside a bf16
         # trainer: sibling projections stacked, LoRA side paths made once per set of weights. A
         # sampling call of the bench (8 x 4 x 32 tokens) took 3.2 s against 4.4 s through peft's
@@ -138,11 +143,6 @@ class Engine:
         own_copy = self.sample_dtype != self.dtype or (
             self.device.type == "cpu" and self.sample_dtype == torch.bfloat16 and packing_works(torch.bfloat16))
         self._sampler_copy = SamplerCopy(self.model, self.sample_dtype) if own_copy else None
-        if self.device.type == "cpu" and lean_decoder(self.model) is not None:
-            # the sampler's native kernels (native_decode.py): built now, with the model's loading,
-            # rather than in the first sampling call (~10 s on 2 cores, once per machine; loaded
-            # from the cache in ~0.05 s after that)
-            native_decode.kernels()
         self.vocab_size = int(self.model.get_input_embeddings().weight.shape[0])
         self.lock = threading.RLock()
         self.peft_model = None

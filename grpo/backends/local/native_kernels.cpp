@@ -1,11 +1,15 @@
-// The sampler's decoding step on a CPU, beside its matmuls: grpo/backends/local/native_decode.py.
+// grpo's CPU kernels beside the matmuls (loaded by grpo/backends/local/native_kernels.py):
 //
-// At a decoding step's few rows, each of PyTorch's small operators (an RMSNorm is eight of them,
-// the rotary embedding ten, the KV-cache writes and grouped-query attention a dozen more) costs
-// more in dispatch and passes over memory than in arithmetic. These kernels do a layer's non-matmul
-// work in four calls, in float32 or bfloat16, rounding to the tensor's dtype wherever the eager
-// operators do, so that they compute what transformers' Llama layers compute up to the order of
-// float sums. Built once per machine by torch.utils.cpp_extension; registered as torch.ops.grpo_decode.
+// - the sampler's decoding step (native_decode.py): at a decoding step's few rows each of
+//   PyTorch's small operators (an RMSNorm is eight of them, the rotary embedding ten, the KV-cache
+//   writes and grouped-query attention a dozen more) costs more in dispatch and passes over memory
+//   than in arithmetic; these do a layer's non-matmul work in four calls;
+// - the trainer's RMSNorms and SiLU * up, forward and backward (native_layers.py): one pass over
+//   memory each where autograd takes several.
+//
+// In float32 or bfloat16, rounding to the tensor's dtype wherever the eager operators do, so that
+// they compute what transformers' Llama layers compute up to the order of float sums. Built once
+// per machine by torch.utils.cpp_extension; registered as torch.ops.grpo_native.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
@@ -156,6 +160,98 @@ at::Tensor silu_mul(const at::Tensor& gate, const at::Tensor& up) {
   return out;
 }
 
+// The input gradient of weight * T(x * rsqrt(mean(x^2) + eps)) with the weight frozen (LoRA
+// trains none of a model's norms): what autograd computes through transformers' RMSNorm, in one
+// pass. The product grad * weight is rounded to T where the eager backward stores it in T.
+template <typename T>
+void rms_norm_backward_impl(const T* grad, const T* x, const T* weight, T* dx, int64_t rows, int64_t dim, float eps) {
+  at::parallel_for(0, rows, 8, [&](int64_t begin, int64_t end) {
+    std::vector<float> h(dim), w(dim), g(dim);
+    to_float(weight, w.data(), dim);
+    float* hp = h.data();
+    float* gp = g.data();
+    const float* wp = w.data();
+    for (int64_t r = begin; r < end; ++r) {
+      to_float(x + r * dim, hp, dim);
+      to_float(grad + r * dim, gp, dim);
+      float sum = 0.f, dot = 0.f;
+#pragma omp simd reduction(+ : sum, dot)
+      for (int64_t i = 0; i < dim; ++i) {
+        gp[i] = in_dtype<T>(gp[i] * wp[i]);
+        sum += hp[i] * hp[i];
+        dot += gp[i] * hp[i];
+      }
+      const float scale = 1.f / std::sqrt(sum / static_cast<float>(dim) + eps);
+      const float c = scale * scale * scale * dot / static_cast<float>(dim);
+#pragma omp simd
+      for (int64_t i = 0; i < dim; ++i) gp[i] = gp[i] * scale - c * hp[i];
+      from_float(gp, dx + r * dim, dim);
+    }
+  });
+}
+
+at::Tensor rms_norm_backward(const at::Tensor& grad, const at::Tensor& x, const at::Tensor& weight, double eps) {
+  TORCH_CHECK(x.dim() == 2, "rms_norm_backward: x must be [rows, dim], got ", x.sizes());
+  const int64_t rows = x.size(0), dim = x.size(1);
+  TORCH_CHECK(x.is_contiguous() && grad.is_contiguous() && grad.sizes() == x.sizes(),
+              "rms_norm_backward: grad and x must be contiguous [", rows, ", ", dim, "], got ", grad.sizes());
+  TORCH_CHECK(weight.dim() == 1 && weight.size(0) == dim && weight.is_contiguous(),
+              "rms_norm_backward: weight must be a contiguous [", dim, "]");
+  TORCH_CHECK(grad.scalar_type() == x.scalar_type() && weight.scalar_type() == x.scalar_type(),
+              "rms_norm_backward: grad, x and weight must share one dtype");
+  auto dx = at::empty_like(x);
+  DISPATCH_SAMPLER_TYPES(x.scalar_type(), "rms_norm_backward", [&] {
+    rms_norm_backward_impl<scalar_t>(grad.data_ptr<scalar_t>(), x.data_ptr<scalar_t>(), weight.data_ptr<scalar_t>(),
+                                     dx.data_ptr<scalar_t>(), rows, dim, static_cast<float>(eps));
+  });
+  return dx;
+}
+
+// The gradients of T(silu(gate)) * up for gate and up, as autograd computes them through the Llama
+// MLP's activation and product: d_up = grad * T(silu(gate)), d_gate = silu'(gate) * T(grad * up).
+template <typename T>
+void silu_mul_backward_impl(const T* grad, const T* gate, const T* up, T* d_gate, T* d_up, int64_t rows,
+                            int64_t width) {
+  at::parallel_for(0, rows, 8, [&](int64_t begin, int64_t end) {
+    std::vector<float> g(width), a(width), u(width);
+    float* gp = g.data();
+    float* ap = a.data();
+    float* upp = u.data();
+    for (int64_t r = begin; r < end; ++r) {
+      to_float(grad + r * width, gp, width);
+      to_float(gate + r * width, ap, width);
+      to_float(up + r * width, upp, width);
+#pragma omp simd
+      for (int64_t i = 0; i < width; ++i) {
+        const float x = ap[i];
+        const float s = 1.f / (1.f + vexp(-x));
+        const float d_act = in_dtype<T>(gp[i] * upp[i]);
+        upp[i] = gp[i] * in_dtype<T>(x * s);
+        ap[i] = d_act * (s * (1.f + x * (1.f - s)));
+      }
+      from_float(ap, d_gate + r * width, width);
+      from_float(upp, d_up + r * width, width);
+    }
+  });
+}
+
+std::vector<at::Tensor> silu_mul_backward(const at::Tensor& grad, const at::Tensor& gate, const at::Tensor& up) {
+  TORCH_CHECK(gate.dim() == 2, "silu_mul_backward: gate must be [rows, width], got ", gate.sizes());
+  TORCH_CHECK(grad.is_contiguous() && gate.is_contiguous() && up.is_contiguous() && grad.sizes() == gate.sizes() &&
+                  up.sizes() == gate.sizes(),
+              "silu_mul_backward: grad, gate and up must be contiguous and of one shape, got ", grad.sizes(), ", ",
+              gate.sizes(), ", ", up.sizes());
+  TORCH_CHECK(grad.scalar_type() == gate.scalar_type() && up.scalar_type() == gate.scalar_type(),
+              "silu_mul_backward: grad, gate and up must share one dtype");
+  auto d_gate = at::empty_like(gate), d_up = at::empty_like(up);
+  DISPATCH_SAMPLER_TYPES(gate.scalar_type(), "silu_mul_backward", [&] {
+    silu_mul_backward_impl<scalar_t>(grad.data_ptr<scalar_t>(), gate.data_ptr<scalar_t>(), up.data_ptr<scalar_t>(),
+                                     d_gate.data_ptr<scalar_t>(), d_up.data_ptr<scalar_t>(), gate.size(0),
+                                     gate.size(1));
+  });
+  return {d_gate, d_up};
+}
+
 // One decoding step's attention in a layer: q and k rotated (rotate_half convention, each product
 // and the sum rounded to T, as transformers' apply_rotary_pos_emb), the new key and value written
 // to each row's next cache column (lengths[r]), then each query head attends over its row's
@@ -276,15 +372,19 @@ at::Tensor rope_attend(const at::Tensor& q, const at::Tensor& k, const at::Tenso
 
 }  // namespace
 
-TORCH_LIBRARY(grpo_decode, m) {
+TORCH_LIBRARY(grpo_native, m) {
   m.def("add_rms_norm(Tensor residual, Tensor? x, Tensor weight, float eps) -> Tensor[]");
   m.def("silu_mul(Tensor gate, Tensor up) -> Tensor");
+  m.def("rms_norm_backward(Tensor grad, Tensor x, Tensor weight, float eps) -> Tensor");
+  m.def("silu_mul_backward(Tensor grad, Tensor gate, Tensor up) -> Tensor[]");
   m.def("rope_attend(Tensor q, Tensor k, Tensor v, Tensor cos, Tensor sin, Tensor(a!) k_cache, Tensor(b!) v_cache, "
         "Tensor lengths, int heads, float scale) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(grpo_decode, CPU, m) {
+TORCH_LIBRARY_IMPL(grpo_native, CPU, m) {
   m.impl("add_rms_norm", add_rms_norm);
   m.impl("silu_mul", silu_mul);
+  m.impl("rms_norm_backward", rms_norm_backward);
+  m.impl("silu_mul_backward", silu_mul_backward);
   m.impl("rope_attend", rope_attend);
 }

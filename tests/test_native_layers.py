@@ -1,0 +1,211 @@
+"""The trainer's RMSNorms and SiLU MLPs through the native kernels compute what transformers'
+modules compute, forward and backward, and only where they apply.
+
+Each backward kernel against autograd through the module it replaces (float32 to a few ulps, bf16
+to one rounding step); ``install`` on a random Llama against the same model uninstalled (outputs
+and every gradient); modules that compute something else keep their own forward; and a
+``forward_backward`` through the local backend matches one with the kernels switched off.
+"""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+from torch import nn
+from transformers import LlamaConfig, LlamaForCausalLM
+from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm
+
+from grpo.backends.local import ServiceClient, native_kernels, native_layers
+from grpo.types import Datum, ModelInput, TensorData
+
+DTYPES = [torch.float32, torch.bfloat16]
+ULP = {torch.float32: 2.0**-23, torch.bfloat16: 2.0**-7}
+
+
+def _worst(got: torch.Tensor, want: torch.Tensor) -> float:
+    """The largest difference relative to the reference's scale (its mean magnitude at least)."""
+    got, want = got.float(), want.float()
+    scale = want.abs().clamp_min(want.abs().mean())
+    return ((got - want).abs() / scale).max().item()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("dim", [48, 576])
+def test_rms_norm_backward_is_autograds_through_llamas_norm(native_ops, dtype, dim) -> None:
+    torch.manual_seed(0)
+    norm = LlamaRMSNorm(dim, eps=1e-5).to(dtype).requires_grad_(False)
+    norm.weight.uniform_(0.5, 1.5)
+    x = (torch.randn(37, dim) * 3).to(dtype).requires_grad_()
+    grad = torch.randn(37, dim).to(dtype)
+    norm(x).backward(grad)
+    got = native_ops.rms_norm_backward(grad, x.detach(), norm.weight, norm.variance_epsilon)
+    # float32: sums in another order; bf16: the eager backward rounds more of its steps to bf16
+    assert _worst(got, x.grad) <= (16 if dtype == torch.float32 else 2) * ULP[dtype]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_mul_backward_is_autograds_through_llamas_activation(native_ops, dtype) -> None:
+    torch.manual_seed(0)
+    gate = (torch.randn(29, 96) * 4).to(dtype).requires_grad_()
+    up = torch.randn(29, 96).to(dtype).requires_grad_()
+    grad = torch.randn(29, 96).to(dtype)
+    (nn.functional.silu(gate) * up).backward(grad)
+    d_gate, d_up = native_ops.silu_mul_backward(grad, gate.detach(), up.detach())
+    assert _worst(d_gate, gate.grad) <= 8 * ULP[dtype]
+    assert _worst(d_up, up.grad) <= 8 * ULP[dtype]
+
+
+def test_the_backward_kernels_refuse_bad_input_with_what_was_expected(native_ops) -> None:
+    x, w = torch.randn(4, 8), torch.ones(8)
+    with pytest.raises(RuntimeError, match=r"rms_norm_backward: grad and x must be contiguous \[4, 8\]"):
+        native_ops.rms_norm_backward(torch.randn(4, 9), x, w, 1e-5)
+    with pytest.raises(RuntimeError, match="rms_norm_backward: grad, x and weight must share one dtype"):
+        native_ops.rms_norm_backward(x.double(), x.double(), w, 1e-5)
+    with pytest.raises(RuntimeError, match="silu_mul_backward: grad, gate and up must be contiguous and of one shape"):
+        native_ops.silu_mul_backward(x, x, torch.randn(8, 4).t())
+    with pytest.raises(RuntimeError, match="float32 or bfloat16 tensors only"):
+        native_ops.silu_mul_backward(x.double(), x.double(), x.double())
+
+
+def _llama(dtype: torch.dtype) -> LlamaForCausalLM:
+    config = LlamaConfig(vocab_size=97, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config).to(dtype)
+    for module in model.modules():  # norms away from 1, so that a wrong weight would show
+        if isinstance(module, LlamaRMSNorm):
+            module.weight.data.uniform_(0.5, 1.5)
+    return model
+
+
+def _forward_backward(model: nn.Module, tokens: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    model.zero_grad(set_to_none=True)
+    logits = model(input_ids=tokens).logits.float()
+    (logits.square().mean()).backward()
+    return logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_installed_a_models_outputs_and_gradients_are_its_own(native_ops, dtype) -> None:
+    """Every parameter trained but the norms' (as LoRA leaves them): the input gradients flow
+    through the native backward of every norm and MLP into every Linear's weight gradient."""
+    model = _llama(dtype)
+    for module in model.modules():
+        if isinstance(module, LlamaRMSNorm):
+            module.weight.requires_grad_(False)
+    tokens = torch.randint(0, 97, (3, 11), generator=torch.Generator().manual_seed(1))
+    want_logits, want_grads = _forward_backward(model, tokens)
+    assert native_layers.install(model) == 2 * 2 + 1 + 2  # two norms a layer and the final one; two MLPs
+    assert all(type(m.forward) is types.MethodType for m in model.modules() if isinstance(m, LlamaMLP))
+    logits, grads = _forward_backward(model, tokens)
+    bound = 1e-5 if dtype == torch.float32 else 0.05  # bf16: a flipped rounding step spreads through layers
+    assert _worst(logits, want_logits) <= bound
+    assert grads.keys() == want_grads.keys() and len(grads) > 10
+    for name, want in want_grads.items():
+        assert _worst(grads[name], want) <= bound * (1 if dtype == torch.float32 else 4), name
+    native_layers.uninstall(model)
+    assert not any("forward" in vars(m) for m in model.modules())
+    assert torch.equal(_forward_backward(model, tokens)[0], want_logits)
+
+
+def test_a_norm_whose_weight_trains_or_whose_input_is_another_dtype_runs_its_own_forward(native_ops) -> None:
+    model = _llama(torch.float32)
+    native_layers.install(model)
+    norm = model.model.norm
+    x = torch.randn(2, 5, 64, requires_grad=True)
+    norm(x).sum().backward()  # the weight trains (a fresh model's do): autograd's own path
+    assert norm.weight.grad is not None and x.grad is not None
+    want = LlamaRMSNorm.forward(norm, x.double())
+    assert torch.equal(norm(x.double()), want)  # float64: not a kernel dtype
+
+
+def test_modules_that_compute_something_else_keep_their_own_forward(native_ops) -> None:
+    class OnePlusWeightNorm(LlamaRMSNorm):  # Gemma's convention: scaled by 1 + weight
+        def forward(self, hidden_states):
+            variance = hidden_states.float().pow(2).mean(-1, keepdim=True)
+            normed = hidden_states.float() * torch.rsqrt(variance + self.variance_epsilon)
+            return (normed * (1.0 + self.weight.float())).to(hidden_states.dtype)
+
+    class GeluMLP(LlamaMLP):
+        def __init__(self, config):
+            super().__init__(config)
+            self.act_fn = nn.GELU()
+
+    model = _llama(torch.float32)
+    layer = model.model.layers[0]
+    layer.input_layernorm = OnePlusWeightNorm(64, eps=1e-5)
+    layer.input_layernorm.weight.data.uniform_(-0.5, 0.5)
+    layer.mlp = GeluMLP(model.config)
+    routed = native_layers.install(model)
+    assert "forward" not in vars(layer.input_layernorm) and "forward" not in vars(layer.mlp)
+    assert routed == 2 * 2 + 1 + 2 - 2
+
+
+def test_switched_off_nothing_is_installed(monkeypatch) -> None:
+    monkeypatch.setenv(native_kernels.ENV_SWITCH, "off")
+    model = _llama(torch.float32)
+    assert native_layers.install(model) == 0
+    assert not any("forward" in vars(m) for m in model.modules())
+
+
+def _datums(vocab: int) -> list[Datum]:
+    gen = torch.Generator().manual_seed(4)
+    out = []
+    for n in (9, 14, 6):
+        tokens = torch.randint(0, vocab, (n + 1,), generator=gen).tolist()
+        weights = [0.0] * 3 + [1.0] * (n - 3)
+        out.append(Datum(model_input=ModelInput.from_ints(tokens[:-1]), loss_fn_inputs={
+            "target_tokens": TensorData.from_torch(torch.tensor(tokens[1:])),
+            "weights": TensorData.from_torch(torch.tensor(weights)),
+        }))
+    return out
+
+
+@pytest.mark.parametrize("train_dtype", ["fp32", "bf16"])
+def test_the_trainer_computes_through_the_kernels_what_it_computes_without(tmp_path, native_ops, train_dtype) -> None:
+    """The local backend installs them on its CPU model; a ``forward_backward`` (packed micro-batch,
+    LoRA on every Linear) gives the loss and LoRA gradients it gives with the modules' own forwards."""
+    service = ServiceClient(checkpoint_dir=tmp_path, device="cpu", train_dtype=train_dtype, sample_dtype=train_dtype)
+    tc = service.create_lora_training_client("tiny", rank=4, seed=0)
+    model = tc.engine.model
+    assert any(type(vars(m).get("forward")) is types.MethodType for m in model.modules())
+    state = tc.engine.adapter_state(tc.adapter)
+    gen = torch.Generator().manual_seed(3)
+    for name, tensor in state.items():  # LoRA B away from zero: every A gradient nonzero
+        if "lora_B" in name:
+            state[name] = torch.randn(tensor.shape, generator=gen) * 0.05
+    tc.engine.load_adapter_state(tc.adapter, state)
+    datums = _datums(tc.engine.vocab_size)
+    parameters = tc.engine.adapter_parameters(tc.adapter)
+
+    def run() -> tuple[float, dict[str, torch.Tensor]]:
+        for p in parameters.values():
+            p.grad = None
+        loss = tc.forward_backward(datums, "cross_entropy").result().metrics["loss:sum"]
+        return loss, {n: p.grad.clone() for n, p in parameters.items()}
+
+    loss, grads = run()
+    native_layers.uninstall(model)
+    want_loss, want_grads = run()
+    bound = 1e-5 if train_dtype == "fp32" else 0.03
+    assert abs(loss - want_loss) <= bound * abs(want_loss)
+    for name, want in want_grads.items():
+        assert want.abs().max() > 0, name
+        assert _worst(grads[name], want) <= bound * (1 if train_dtype == "fp32" else 4), name
+
+
+def test_the_samplers_own_copy_keeps_them_bound_to_its_own_modules(tmp_path, native_ops) -> None:
+    """A bf16 sampler beside an fp32 trainer runs a deep copy of the model (sampler_precision.py):
+    its routed modules must call their own weights, not the trainer's."""
+    service = ServiceClient(checkpoint_dir=tmp_path, device="cpu", train_dtype="fp32", sample_dtype="bf16")
+    tc = service.create_lora_training_client("tiny", rank=4, seed=0)
+    copy = tc.engine._sampler_copy.model
+    routed = [m for m in copy.modules() if "forward" in vars(m)]
+    assert routed and all(m.forward.__self__ is m for m in routed)
+    norm = copy.model.norm
+    assert norm.weight.dtype == torch.bfloat16
+    x = torch.randn(2, 3, norm.weight.shape[0]).to(torch.bfloat16)
+    with torch.no_grad():
+        assert _worst(norm(x), LlamaRMSNorm.forward(norm, x)) <= ULP[torch.bfloat16]

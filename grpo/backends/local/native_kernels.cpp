@@ -252,6 +252,115 @@ std::vector<at::Tensor> silu_mul_backward(const at::Tensor& grad, const at::Tens
   return {d_gate, d_up};
 }
 
+// Each row's next token and its logprob under the untempered policy (log_softmax at the token), in
+// one pass over the row's logits where the sampler's PyTorch operators take five (log_softmax,
+// softmax, a float64 copy, its cumsum, searchsorted). temperatures[r] == 0 takes the argmax (the
+// first of equal maxima, as torch.argmax); otherwise the token is drawn by inverting the CDF of
+// softmax(logits / temperature) at uniforms[r], as sampler._draw does: the first index whose
+// cumulative probability, summed in float64, exceeds u * total (kept below total), so that a token
+// of probability 0 is never taken.
+constexpr int64_t BLOCK = 512;  // tokens per block of sample_tokens' CDF
+
+std::vector<at::Tensor> sample_tokens(const at::Tensor& logits, const at::Tensor& temperatures,
+                                      const at::Tensor& uniforms) {
+  TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == at::kFloat && logits.device().is_cpu() &&
+                  logits.stride(1) == 1,
+              "sample_tokens: logits must be float32 [rows, vocab] with contiguous rows on the CPU, got ",
+              logits.scalar_type(), " ", logits.sizes());
+  const int64_t rows = logits.size(0), vocab = logits.size(1);
+  TORCH_CHECK(vocab > 0, "sample_tokens: an empty vocabulary");
+  for (const at::Tensor* t : {&temperatures, &uniforms})
+    TORCH_CHECK(t->dim() == 1 && t->size(0) == rows && t->scalar_type() == at::kDouble && t->device().is_cpu(),
+                "sample_tokens: temperatures and uniforms must be float64 [", rows, "] CPU tensors, got ",
+                t->scalar_type(), " ", t->sizes());
+  auto temps = temperatures.contiguous(), us = uniforms.contiguous();
+  const double* tp = temps.data_ptr<double>();
+  const double* up = us.data_ptr<double>();
+  for (int64_t r = 0; r < rows; ++r)
+    TORCH_CHECK(tp[r] >= 0 && std::isfinite(tp[r]), "sample_tokens: row ", r, " has temperature ", tp[r]);
+  auto tokens = at::empty({rows}, logits.options().dtype(at::kLong));
+  auto logprobs = at::empty({rows}, logits.options());
+  const float* base = logits.data_ptr<float>();
+  const int64_t stride = logits.stride(0);
+  int64_t* tok = tokens.data_ptr<int64_t>();
+  float* lp = logprobs.data_ptr<float>();
+  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+    // kept per thread across calls: a vocabulary's floats (196 KB for 49k tokens) are past malloc's
+    // mmap threshold, and fresh pages each call cost more than the pass over them
+    thread_local std::vector<float> e;
+    thread_local std::vector<double> masses;
+    e.resize(vocab);
+    float* ep = e.data();
+    for (int64_t r = begin; r < end; ++r) {
+      const float* x = base + r * stride;
+      float top = -INFINITY;
+#pragma omp simd reduction(max : top)
+      for (int64_t i = 0; i < vocab; ++i) top = top > x[i] ? top : x[i];  // (std::max here: 8x slower, unvectorized)
+      int64_t best = 0;
+      while (best + 1 < vocab && !(x[best] == top)) ++best;  // the first of equal maxima
+      float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+      for (int64_t i = 0; i < vocab; ++i) {
+        const float d = x[i] - top;
+        ep[i] = d < -87.f ? 0.f : vexp(d);  // below, expf underflows to (almost) 0 anyway
+        sum += ep[i];
+      }
+      const float log_total = std::log(sum);
+      int64_t chosen = best;
+      const double temperature = tp[r];
+      if (temperature > 0) {
+        if (temperature != 1.0) {  // softmax(logits / temperature): its max is top / temperature
+          const float t = static_cast<float>(temperature), scaled_top = top / t;
+          float tempered = 0.f;
+#pragma omp simd reduction(+ : tempered)
+          for (int64_t i = 0; i < vocab; ++i) {
+            const float d = x[i] / t - scaled_top;
+            ep[i] = d < -87.f ? 0.f : vexp(d);
+            tempered += ep[i];
+          }
+          sum = tempered;
+        }
+        // the CDF by blocks: each block's mass summed in vector lanes, the blocks' masses added in
+        // order; the draw finds its block in that order, then its token inside the block
+        const float inverse = 1.f / sum;
+        const int64_t blocks = (vocab + BLOCK - 1) / BLOCK;
+        masses.resize(blocks);
+        double total = 0.0;
+        for (int64_t b = 0; b < blocks; ++b) {
+          float mass = 0.f;
+          const int64_t stop = std::min(vocab, (b + 1) * BLOCK);
+#pragma omp simd reduction(+ : mass)
+          for (int64_t i = b * BLOCK; i < stop; ++i) {
+            ep[i] *= inverse;
+            mass += ep[i];
+          }
+          masses[b] = mass;
+          total += mass;
+        }
+        const double draw = std::min(up[r] * total, std::nextafter(total, 0.0));
+        double before = 0.0;
+        int64_t b = 0;
+        while (b + 1 < blocks && before + masses[b] <= draw) before += masses[b++];
+        // inside the block, in order; should its sum in order fall short of the lanes' (rounding),
+        // its last token of nonzero probability
+        const int64_t stop = std::min(vocab, (b + 1) * BLOCK);
+        chosen = -1;
+        double cumulative = before;
+        for (int64_t i = b * BLOCK; i < stop; ++i) {
+          if (ep[i] <= 0.f) continue;
+          chosen = i;
+          cumulative += ep[i];
+          if (cumulative > draw) break;
+        }
+        if (chosen < 0) chosen = best;  // a block of no mass: only where every probability underflowed
+      }
+      tok[r] = chosen;
+      lp[r] = (x[chosen] - top) - log_total;
+    }
+  });
+  return {tokens, logprobs};
+}
+
 // One decoding step's attention in a layer: q and k rotated (rotate_half convention, each product
 // and the sum rounded to T, as transformers' apply_rotary_pos_emb), the new key and value written
 // to each row's next cache column (lengths[r]), then each query head attends over its row's
@@ -377,6 +486,7 @@ TORCH_LIBRARY(grpo_native, m) {
   m.def("silu_mul(Tensor gate, Tensor up) -> Tensor");
   m.def("rms_norm_backward(Tensor grad, Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("silu_mul_backward(Tensor grad, Tensor gate, Tensor up) -> Tensor[]");
+  m.def("sample_tokens(Tensor logits, Tensor temperatures, Tensor uniforms) -> Tensor[]");
   m.def("rope_attend(Tensor q, Tensor k, Tensor v, Tensor cos, Tensor sin, Tensor(a!) k_cache, Tensor(b!) v_cache, "
         "Tensor lengths, int heads, float scale) -> Tensor");
 }
@@ -386,5 +496,6 @@ TORCH_LIBRARY_IMPL(grpo_native, CPU, m) {
   m.impl("silu_mul", silu_mul);
   m.impl("rms_norm_backward", rms_norm_backward);
   m.impl("silu_mul_backward", silu_mul_backward);
+  m.impl("sample_tokens", sample_tokens);
   m.impl("rope_attend", rope_attend);
 }

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers import DynamicCache
 
-from grpo.backends.local import graph_decode, native_decode
+from grpo.backends.local import graph_decode, native_decode, native_kernels
 from grpo.backends.local.kv_cache import SlotCache, attention_layers
 from grpo.backends.local.lean_decode import lean_decoder
 from grpo.backends.local.prefix_cache import PrefixCache
@@ -411,8 +411,6 @@ def _max_tokens(req: GenerationRequest, max_context: int | None) -> int:
 
 def _choose_tokens(logits: torch.Tensor, rows: list[_Row], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """Pick one token per row; return it with its logprob under the untempered policy."""
-    logprobs_all = torch.log_softmax(logits, dim=-1)
-    chosen = torch.empty(len(rows), dtype=torch.long, device=device)
     # Rows sharing sampling settings are drawn together; a row with its own seed draws from its
     # own generator so that a seeded request reproduces whatever else is in the batch.
     # Members of a group are taken in row order, not batch order: a seeded request's rows then
@@ -421,6 +419,21 @@ def _choose_tokens(logits: torch.Tensor, rows: list[_Row], device: torch.device)
     for b, row in sorted(enumerate(rows), key=lambda item: item[1].index):
         p = row.request.params
         groups.setdefault((p.temperature, p.top_k, p.top_p, id(row.generator)), []).append(b)
+    ops = native_kernels.kernels() if device.type == "cpu" and logits.dtype == torch.float32 else None
+    if ops is not None and not any(_filters(top_k, top_p, logits.shape[-1]) for _, top_k, top_p, _ in groups):
+        # one native pass per row (native_kernels.cpp): the same draw as below -- the same uniforms
+        # from the same generators, the same inverted CDF -- at ~a tenth of its time on a CPU
+        temperatures = torch.zeros(len(rows), dtype=torch.float64)
+        uniforms = torch.zeros(len(rows), dtype=torch.float64)
+        for (temperature, _, _, _), members in groups.items():
+            if temperature != 0:
+                temperatures[members] = float(temperature)
+                uniforms[members] = torch.rand(len(members), dtype=torch.float64,
+                                               generator=rows[members[0]].generator)
+        return tuple(ops.sample_tokens(logits if logits.stride(-1) == 1 else logits.contiguous(), temperatures,
+                                       uniforms))
+    logprobs_all = torch.log_softmax(logits, dim=-1)
+    chosen = torch.empty(len(rows), dtype=torch.long, device=device)
     for (temperature, top_k, top_p, _), members in groups.items():
         idx = torch.tensor(members, device=device)
         in_place = members == list(range(len(rows)))  # as a rule, one group in batch order: no copy
@@ -449,6 +462,11 @@ def _draw(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tenso
     # u < 1, but u * total can round up to total itself; keep the draw strictly inside the mass
     draw = torch.minimum(u * total, torch.nextafter(total, torch.zeros_like(total)))
     return torch.searchsorted(cdf, draw, right=True)[:, 0]
+
+
+def _filters(top_k: int | None, top_p: float, vocab: int) -> bool:
+    """Whether top-k or top-p cuts anything from a vocabulary of ``vocab`` tokens."""
+    return (top_k is not None and 0 < top_k < vocab) or top_p < 1.0
 
 
 def _filter_top_k_top_p(scores: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:

@@ -48,7 +48,10 @@ def reference(client, data: list[types.Datum], loss_fn) -> tuple[float, dict[str
         for d in data:
             logits = model(input_ids=torch.tensor([d.model_input.to_ints()])).logits[0].float()
             targets = torch.tensor(d.loss_fn_inputs["target_tokens"].tolist())
-            logprobs.append(torch.log_softmax(logits, -1).gather(-1, targets[:, None])[:, 0])
+            # in float64: the reference must be more exact than what it checks. A variance's gradient
+            # reads the last bits of the unembedding's softmax: float32's log_softmax then exp (the
+            # trainer's PyTorch path) is 4e-7 off on lm_head's LoRA B here, the native one 6e-9.
+            logprobs.append(torch.log_softmax(logits.double(), -1).gather(-1, targets[:, None])[:, 0].float())
         loss, _ = loss_fn(data, logprobs)
         loss.backward()
     grads = adapter_tensors(client, "grad")

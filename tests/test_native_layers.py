@@ -69,6 +69,38 @@ def test_the_backward_kernels_refuse_bad_input_with_what_was_expected(native_ops
         native_ops.silu_mul_backward(x.double(), x.double(), x.double())
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_the_loss_head_is_the_trainers_log_softmax_entropy_and_gradient(native_ops, dtype) -> None:
+    """native_layers.target_logprobs against trainer._TargetLogprobs (PyTorch's operators in float32)
+    on the same logits: logprobs, entropies, and the logits' gradient in the logits' dtype."""
+    from grpo.backends.local.trainer import _TargetLogprobs
+
+    gen = torch.Generator().manual_seed(0)
+    logits = (torch.randn(19, 3001, generator=gen) * 4).to(dtype)
+    targets = torch.randint(0, 3001, (19,), generator=gen)
+    targets[3] = logits[3].float().argmax()  # a target holding most of the mass: 1 - p near 0
+    weights = torch.randn(19, generator=gen)
+    want_in = logits.float().clone().requires_grad_()
+    want_lp, want_ent = _TargetLogprobs.apply(want_in, targets)
+    (want_lp * weights).sum().backward()
+    got_in = logits.detach().clone().requires_grad_()
+    got_lp, got_ent = native_layers.target_logprobs(got_in * 1, targets)  # (a non-leaf: its memory is taken)
+    (got_lp * weights).sum().backward()
+    assert got_lp.dtype == got_ent.dtype == torch.float32
+    assert (got_lp - want_lp).abs().max() < 2e-5
+    assert (got_ent - want_ent).abs().max() < 2e-5
+    assert got_in.grad.dtype == dtype
+    assert _worst(got_in.grad, want_in.grad.to(dtype)) <= 4 * ULP[dtype] + 1e-6
+
+
+def test_the_loss_head_takes_only_what_it_computes(native_ops) -> None:
+    assert native_layers.target_logprobs(torch.zeros(3, 5, dtype=torch.float64), torch.zeros(3, dtype=torch.long)) \
+        is None
+    assert native_layers.target_logprobs(torch.zeros(5, 3).t(), torch.zeros(3, dtype=torch.long)) is None
+    with pytest.raises(RuntimeError, match="target_logprobs: row 1 targets token 9 of 5"):
+        native_layers.target_logprobs(torch.zeros(3, 5), torch.tensor([0, 9, 1]))
+
+
 def _llama(dtype: torch.dtype) -> LlamaForCausalLM:
     config = LlamaConfig(vocab_size=97, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2)
@@ -164,9 +196,11 @@ def _datums(vocab: int) -> list[Datum]:
 
 
 @pytest.mark.parametrize("train_dtype", ["fp32", "bf16"])
-def test_the_trainer_computes_through_the_kernels_what_it_computes_without(tmp_path, native_ops, train_dtype) -> None:
+def test_the_trainer_computes_through_the_kernels_what_it_computes_without(tmp_path, monkeypatch, native_ops,
+                                                                          train_dtype) -> None:
     """The local backend installs them on its CPU model; a ``forward_backward`` (packed micro-batch,
-    LoRA on every Linear) gives the loss and LoRA gradients it gives with the modules' own forwards."""
+    LoRA on every Linear) gives the loss and LoRA gradients it gives with the modules' own forwards
+    and PyTorch's loss head."""
     service = ServiceClient(checkpoint_dir=tmp_path, device="cpu", train_dtype=train_dtype, sample_dtype=train_dtype)
     tc = service.create_lora_training_client("tiny", rank=4, seed=0)
     model = tc.engine.model
@@ -188,6 +222,7 @@ def test_the_trainer_computes_through_the_kernels_what_it_computes_without(tmp_p
 
     loss, grads = run()
     native_layers.uninstall(model)
+    monkeypatch.setattr(native_layers, "target_logprobs", lambda logits, targets: None)  # the loss head's too
     want_loss, want_grads = run()
     bound = 1e-5 if train_dtype == "fp32" else 0.03
     assert abs(loss - want_loss) <= bound * abs(want_loss)

@@ -259,6 +259,106 @@ std::vector<at::Tensor> silu_mul_backward(const at::Tensor& grad, const at::Tens
 // softmax(logits / temperature) at uniforms[r], as sampler._draw does: the first index whose
 // cumulative probability, summed in float64, exceeds u * total (kept below total), so that a token
 // of probability 0 is never taken.
+// The trainer's loss head, a row of logits at a time: log_softmax at each row's target, the row's
+// entropy, and (max, log of the sum of exp(logit - max)) kept for the backward. Two reads of the
+// row where autograd's float32 log_softmax, exp and entropy sweep it (and a bf16 model's float32
+// copy of it) about eight times.
+template <typename T>
+void target_logprobs_impl(const T* base, const int64_t* tp, float* lp, float* ent, float* st, int64_t rows,
+                          int64_t vocab) {
+  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+    thread_local std::vector<float> row;  // kept: a vocabulary's floats are past malloc's mmap threshold
+    row.resize(vocab);
+    float* x = row.data();
+    for (int64_t r = begin; r < end; ++r) {
+      to_float(base + r * vocab, x, vocab);
+      float top = -INFINITY;
+#pragma omp simd reduction(max : top)
+      for (int64_t i = 0; i < vocab; ++i) top = top > x[i] ? top : x[i];
+      // summed in float64: the backward's probabilities are exp(logit - max - log_total), and a
+      // loss whose coefficients cancel across positions (a variance, DPO's pairs) reads their last bits
+      double sum = 0.0, weighted = 0.0;
+#pragma omp simd reduction(+ : sum, weighted)
+      for (int64_t i = 0; i < vocab; ++i) {
+        const float d = x[i] - top;
+        const float e = d < -87.f ? 0.f : vexp(d);
+        sum += e;
+        weighted += d < -87.f ? 0.f : e * d;  // (an -inf logit: 0 * -inf would be NaN)
+      }
+      const float log_total = static_cast<float>(std::log(sum));
+      lp[r] = (x[tp[r]] - top) - log_total;
+      ent[r] = static_cast<float>(std::log(sum) - weighted / sum);
+      st[2 * r] = top;
+      st[2 * r + 1] = log_total;
+    }
+  });
+}
+
+std::vector<at::Tensor> target_logprobs(const at::Tensor& logits, const at::Tensor& targets) {
+  TORCH_CHECK(logits.dim() == 2 && logits.is_contiguous() && logits.device().is_cpu() && logits.size(1) > 0,
+              "target_logprobs: logits must be a contiguous CPU [rows, vocab], got ", logits.sizes());
+  const int64_t rows = logits.size(0), vocab = logits.size(1);
+  TORCH_CHECK(targets.dim() == 1 && targets.size(0) == rows && targets.scalar_type() == at::kLong &&
+                  targets.is_contiguous(),
+              "target_logprobs: targets must be a contiguous int64 [", rows, "], got ", targets.sizes());
+  const int64_t* tp = targets.data_ptr<int64_t>();
+  for (int64_t r = 0; r < rows; ++r)
+    TORCH_CHECK(tp[r] >= 0 && tp[r] < vocab, "target_logprobs: row ", r, " targets token ", tp[r], " of ", vocab);
+  auto options = logits.options().dtype(at::kFloat);
+  auto logprobs = at::empty({rows}, options), entropy = at::empty({rows}, options), stats = at::empty({rows, 2}, options);
+  float *lp = logprobs.data_ptr<float>(), *ent = entropy.data_ptr<float>(), *st = stats.data_ptr<float>();
+  DISPATCH_SAMPLER_TYPES(logits.scalar_type(), "target_logprobs", [&] {
+    target_logprobs_impl<scalar_t>(logits.data_ptr<scalar_t>(), tp, lp, ent, st, rows, vocab);
+  });
+  return {logprobs, entropy, stats};
+}
+
+// Its backward, written over the logits (no longer needed) in their dtype:
+// d logprob[t] / d logits = onehot(t) - softmax(logits), times each row's incoming gradient.
+template <typename T>
+void target_logprobs_backward_impl(const float* gp, T* base, const int64_t* tp, const float* st, int64_t rows,
+                                   int64_t vocab) {
+  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+    thread_local std::vector<float> row;  // kept: a vocabulary's floats are past malloc's mmap threshold
+    row.resize(vocab);
+    float* x = row.data();
+    for (int64_t r = begin; r < end; ++r) {
+      to_float(base + r * vocab, x, vocab);
+      // (logit - max) - log_total: max + log_total in one float would round at the max's scale
+      const float top = st[2 * r], log_total = st[2 * r + 1], g = gp[r];
+      const float target = x[tp[r]];
+#pragma omp simd
+      for (int64_t i = 0; i < vocab; ++i) {
+        const float d = (x[i] - top) - log_total;
+        x[i] = d < -87.f ? 0.f : -g * vexp(d);
+      }
+      // the target's own term: g * (1 - p), as one product (not -g * p + g: no cancellation)
+      const float d = (target - top) - log_total;
+      x[tp[r]] = g * (1.f - (d < -87.f ? 0.f : vexp(d)));
+      from_float(x, base + r * vocab, vocab);
+    }
+  });
+}
+
+at::Tensor target_logprobs_backward_(const at::Tensor& grad, at::Tensor& logits, const at::Tensor& targets,
+                                     const at::Tensor& stats) {
+  TORCH_CHECK(logits.dim() == 2 && logits.is_contiguous() && logits.device().is_cpu(),
+              "target_logprobs_backward_: logits must be a contiguous CPU [rows, vocab], got ", logits.sizes());
+  const int64_t rows = logits.size(0), vocab = logits.size(1);
+  TORCH_CHECK(grad.dim() == 1 && grad.size(0) == rows && grad.scalar_type() == at::kFloat && grad.is_contiguous(),
+              "target_logprobs_backward_: grad must be a contiguous float32 [", rows, "], got ", grad.sizes());
+  TORCH_CHECK(targets.dim() == 1 && targets.size(0) == rows && targets.scalar_type() == at::kLong &&
+                  targets.is_contiguous() && stats.sizes() == at::IntArrayRef({rows, 2}) &&
+                  stats.scalar_type() == at::kFloat && stats.is_contiguous(),
+              "target_logprobs_backward_: targets and stats must be target_logprobs' for these logits");
+  const float *gp = grad.data_ptr<float>(), *st = stats.data_ptr<float>();
+  const int64_t* tp = targets.data_ptr<int64_t>();
+  DISPATCH_SAMPLER_TYPES(logits.scalar_type(), "target_logprobs_backward_", [&] {
+    target_logprobs_backward_impl<scalar_t>(gp, logits.data_ptr<scalar_t>(), tp, st, rows, vocab);
+  });
+  return logits;
+}
+
 constexpr int64_t BLOCK = 512;  // tokens per block of sample_tokens' CDF
 
 std::vector<at::Tensor> sample_tokens(const at::Tensor& logits, const at::Tensor& temperatures,
@@ -487,6 +587,8 @@ TORCH_LIBRARY(grpo_native, m) {
   m.def("rms_norm_backward(Tensor grad, Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("silu_mul_backward(Tensor grad, Tensor gate, Tensor up) -> Tensor[]");
   m.def("sample_tokens(Tensor logits, Tensor temperatures, Tensor uniforms) -> Tensor[]");
+  m.def("target_logprobs(Tensor logits, Tensor targets) -> Tensor[]");
+  m.def("target_logprobs_backward_(Tensor grad, Tensor(a!) logits, Tensor targets, Tensor stats) -> Tensor(a!)");
   m.def("rope_attend(Tensor q, Tensor k, Tensor v, Tensor cos, Tensor sin, Tensor(a!) k_cache, Tensor(b!) v_cache, "
         "Tensor lengths, int heads, float scale) -> Tensor");
 }
@@ -497,5 +599,7 @@ TORCH_LIBRARY_IMPL(grpo_native, CPU, m) {
   m.impl("rms_norm_backward", rms_norm_backward);
   m.impl("silu_mul_backward", silu_mul_backward);
   m.impl("sample_tokens", sample_tokens);
+  m.impl("target_logprobs", target_logprobs);
+  m.impl("target_logprobs_backward_", target_logprobs_backward_);
   m.impl("rope_attend", rope_attend);
 }

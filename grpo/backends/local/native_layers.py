@@ -62,6 +62,37 @@ class _SiluMul(torch.autograd.Function):
         return (d_gate if ctx.needs_input_grad[0] else None), (d_up if ctx.needs_input_grad[1] else None)
 
 
+class _TargetLogprobs(torch.autograd.Function):
+    """trainer._TargetLogprobs through the kernels: log_softmax at the targets and the entropies in
+    two reads of the logits, in their own dtype (a bf16 model's logits are not copied to float32);
+    the backward written over the logits, in that dtype."""
+
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, targets: torch.Tensor, ops) -> tuple[torch.Tensor, torch.Tensor]:
+        logprobs, entropy, stats = ops.target_logprobs(logits, targets)
+        ctx.save_for_backward(logits, targets, stats)
+        ctx.ops = ops
+        ctx.mark_non_differentiable(entropy)
+        return logprobs, entropy
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad: torch.Tensor, _grad_entropy: torch.Tensor):
+        logits, targets, stats = ctx.saved_tensors
+        return ctx.ops.target_logprobs_backward_(grad.float().contiguous(), logits, targets, stats), None, None
+
+
+def target_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Float32 ``log_softmax(logits)[target]`` (differentiable) and entropy (not) of each row of a
+    chunk of the unembedding's output, through the kernels; None where they do not apply (not
+    built or switched off, not on a CPU, another dtype). The logits' memory is taken over for the
+    gradient: they must be a tensor nothing else reads after the backward (a Linear's output)."""
+    if logits.device.type != "cpu" or logits.dtype not in DTYPES or logits.dim() != 2 or not logits.is_contiguous():
+        return None
+    ops = native_kernels.kernels()
+    return None if ops is None else _TargetLogprobs.apply(logits, targets.contiguous(), ops)
+
+
 def _rows(t: torch.Tensor) -> torch.Tensor:
     """``t`` as contiguous [rows, last dim]."""
     return t.reshape(-1, t.shape[-1]).contiguous()

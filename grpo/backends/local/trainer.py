@@ -29,7 +29,7 @@ import torch
 from transformers import DynamicCache
 
 from grpo.api import losses
-from grpo.backends.local import packed_attention
+from grpo.backends.local import native_layers, packed_attention
 from grpo.backends.local.sections import section
 from grpo.backends.local.trunk import common_trunk
 from grpo.types import Datum, ForwardBackwardOutput, TensorData, text_tokens
@@ -201,8 +201,11 @@ class _TargetLogprobs(torch.autograd.Function):
 
 
 def _chunk_logprobs(lm_head, hidden: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Target logprobs (differentiable) and entropies (not) of one chunk of positions."""
-    return _TargetLogprobs.apply(lm_head(hidden).float(), targets)
+    """Target logprobs (differentiable) and entropies (not) of one chunk of positions: through
+    the native kernels on a CPU where they are built (native_layers.py), else PyTorch's operators."""
+    logits = lm_head(hidden)
+    native = native_layers.target_logprobs(logits, targets)
+    return native if native is not None else _TargetLogprobs.apply(logits.float(), targets)
 
 
 @torch.no_grad()

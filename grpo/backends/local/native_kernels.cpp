@@ -405,14 +405,21 @@ std::vector<at::Tensor> sample_tokens(const at::Tensor& logits, const at::Tensor
       for (int64_t i = 0; i < vocab; ++i) top = top > x[i] ? top : x[i];  // (std::max here: 8x slower, unvectorized)
       int64_t best = 0;
       while (best + 1 < vocab && !(x[best] == top)) ++best;  // the first of equal maxima
-      float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-      for (int64_t i = 0; i < vocab; ++i) {
-        const float d = x[i] - top;
-        ep[i] = d < -87.f ? 0.f : vexp(d);  // below, expf underflows to (almost) 0 anyway
-        sum += ep[i];
+      // summed as the trainer's loss head sums (target_logprobs): float lanes inside blocks of 512,
+      // float64 across them, so that the sampler's logprobs and the trainer's agree to float rounding
+      double sum = 0.0;
+      for (int64_t start = 0; start < vocab; start += 512) {
+        const int64_t stop = std::min(vocab, start + 512);
+        float block = 0.f;
+#pragma omp simd reduction(+ : block)
+        for (int64_t i = start; i < stop; ++i) {
+          const float d = x[i] - top;
+          ep[i] = d < -87.f ? 0.f : vexp(d);  // below, expf underflows to (almost) 0 anyway
+          block += ep[i];
+        }
+        sum += block;
       }
-      const float log_total = std::log(sum);
+      const float log_total = static_cast<float>(std::log(sum));
       int64_t chosen = best;
       const double temperature = tp[r];
       if (temperature > 0) {
@@ -429,7 +436,7 @@ std::vector<at::Tensor> sample_tokens(const at::Tensor& logits, const at::Tensor
         }
         // the CDF by blocks: each block's mass summed in vector lanes, the blocks' masses added in
         // order; the draw finds its block in that order, then its token inside the block
-        const float inverse = 1.f / sum;
+        const float inverse = static_cast<float>(1.0 / sum);
         const int64_t blocks = (vocab + BLOCK - 1) / BLOCK;
         masses.resize(blocks);
         double total = 0.0;

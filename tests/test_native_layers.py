@@ -15,7 +15,12 @@ import pytest
 import torch
 from torch import nn
 from transformers import LlamaConfig, LlamaForCausalLM
-from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm
+from transformers.models.llama.modeling_llama import (
+    LlamaAttention,
+    LlamaMLP,
+    LlamaRMSNorm,
+    apply_rotary_pos_emb,
+)
 
 from grpo.backends.local import ServiceClient, native_kernels, native_layers
 from grpo.types import Datum, ModelInput, TensorData
@@ -57,6 +62,40 @@ def test_silu_mul_backward_is_autograds_through_llamas_activation(native_ops, dt
     assert _worst(d_up, up.grad) <= 8 * ULP[dtype]
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("dim", [8, 64])
+def test_rope_is_transformers_rotary_embedding_forward_and_backward(native_ops, dtype, dim) -> None:
+    """q and k of 13 positions, 3 heads, through apply_rotary_pos_emb and autograd against the
+    kernel, both ways: the same roundings, so float32 to float rounding, bf16 to one step."""
+    gen = torch.Generator().manual_seed(0)
+    angles = torch.rand(13, dim // 2, generator=gen) * 20
+    angles = torch.cat([angles, angles], dim=-1)
+    cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
+    x = torch.randn(13, 3 * dim, generator=gen).to(dtype)
+    grad = torch.randn(13, 3 * dim, generator=gen).to(dtype)
+    eager_in = x.clone().requires_grad_()
+    heads_first = eager_in.view(1, 13, 3, dim).transpose(1, 2)
+    rotated, _ = apply_rotary_pos_emb(heads_first, heads_first, cos[None], sin[None])
+    rotated.transpose(1, 2).reshape(13, 3 * dim).backward(grad)
+    want = rotated.transpose(1, 2).reshape(13, 3 * dim)
+    ulps = 4 if dtype == torch.float32 else 1
+    assert _worst(native_ops.rope(x, cos, sin, 3, False), want) <= ulps * ULP[dtype]
+    assert _worst(native_ops.rope(grad, cos, sin, 3, True), eager_in.grad) <= ulps * ULP[dtype]
+
+
+def test_an_attention_with_query_and_key_norms_keeps_its_own_forward(native_ops) -> None:
+    """Qwen3 normalises q and k per head before the rotary embedding: not Llama's attention."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    config = Qwen3Config(vocab_size=97, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+    model = Qwen3ForCausalLM(config)
+    native_layers.install(model)
+    attentions = [m for m in model.modules() if type(m).__name__ == "Qwen3Attention"]
+    assert attentions and not any("forward" in vars(m) for m in attentions)
+    assert any("forward" in vars(m) for m in model.modules())  # its norms and MLPs are Llama's
+
+
 def test_the_backward_kernels_refuse_bad_input_with_what_was_expected(native_ops) -> None:
     x, w = torch.randn(4, 8), torch.ones(8)
     with pytest.raises(RuntimeError, match=r"rms_norm_backward: grad and x must be contiguous \[4, 8\]"):
@@ -67,6 +106,10 @@ def test_the_backward_kernels_refuse_bad_input_with_what_was_expected(native_ops
         native_ops.silu_mul_backward(x, x, torch.randn(8, 4).t())
     with pytest.raises(RuntimeError, match="float32 or bfloat16 tensors only"):
         native_ops.silu_mul_backward(x.double(), x.double(), x.double())
+    with pytest.raises(RuntimeError, match=r"rope: cos and sin must be contiguous \[4, 4\]"):
+        native_ops.rope(x, torch.ones(4, 8), torch.ones(4, 8), 2, False)
+    with pytest.raises(RuntimeError, match="rope: x must be"):
+        native_ops.rope(x, torch.ones(4, 8), torch.ones(4, 8), 3, False)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -129,8 +172,10 @@ def test_installed_a_models_outputs_and_gradients_are_its_own(native_ops, dtype)
             module.weight.requires_grad_(False)
     tokens = torch.randint(0, 97, (3, 11), generator=torch.Generator().manual_seed(1))
     want_logits, want_grads = _forward_backward(model, tokens)
-    assert native_layers.install(model) == 2 * 2 + 1 + 2  # two norms a layer and the final one; two MLPs
-    assert all(type(m.forward) is types.MethodType for m in model.modules() if isinstance(m, LlamaMLP))
+    # two norms a layer and the final one; two MLPs; two attentions
+    assert native_layers.install(model) == 2 * 2 + 1 + 2 + 2
+    assert all(type(vars(m).get("forward")) is types.MethodType for m in model.modules()
+               if isinstance(m, (LlamaMLP, LlamaAttention)))
     logits, grads = _forward_backward(model, tokens)
     bound = 1e-5 if dtype == torch.float32 else 0.05  # bf16: a flipped rounding step spreads through layers
     assert _worst(logits, want_logits) <= bound
@@ -172,7 +217,7 @@ def test_modules_that_compute_something_else_keep_their_own_forward(native_ops) 
     layer.mlp = GeluMLP(model.config)
     routed = native_layers.install(model)
     assert "forward" not in vars(layer.input_layernorm) and "forward" not in vars(layer.mlp)
-    assert routed == 2 * 2 + 1 + 2 - 2
+    assert routed == 2 * 2 + 1 + 2 + 2 - 2
 
 
 def test_switched_off_nothing_is_installed(monkeypatch) -> None:

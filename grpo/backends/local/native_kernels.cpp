@@ -252,6 +252,58 @@ std::vector<at::Tensor> silu_mul_backward(const at::Tensor& grad, const at::Tens
   return {d_gate, d_up};
 }
 
+// transformers' rotary embedding (rotate_half convention) of each head of each row, and its
+// backward: forward y = T(T(x * cos) + T(rotate_half(x) * sin)), backward
+// dx = T(T(g * cos) + rotate_half^T(T(g * sin))), each product and sum rounded to T where
+// apply_rotary_pos_emb's operators and their autograd store them. x: [rows, heads * dim], cos and
+// sin: [rows, dim].
+template <typename T>
+void rope_impl(const T* x, int64_t x_stride, const T* cos, const T* sin, T* out, int64_t rows, int64_t heads,
+               int64_t dim, bool backward) {
+  const int64_t half = dim / 2;
+  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    std::vector<float> c(dim), s(dim), xf(dim), y(dim);
+    for (int64_t r = begin; r < end; ++r) {
+      to_float(cos + r * dim, c.data(), dim);
+      to_float(sin + r * dim, s.data(), dim);
+      for (int64_t h = 0; h < heads; ++h) {
+        to_float(x + r * x_stride + h * dim, xf.data(), dim);
+        if (!backward) {
+          for (int64_t i = 0; i < half; ++i)
+            y[i] = in_dtype<T>(in_dtype<T>(xf[i] * c[i]) + in_dtype<T>(-xf[i + half] * s[i]));
+          for (int64_t i = half; i < dim; ++i)
+            y[i] = in_dtype<T>(in_dtype<T>(xf[i] * c[i]) + in_dtype<T>(xf[i - half] * s[i]));
+        } else {
+          for (int64_t i = 0; i < half; ++i)
+            y[i] = in_dtype<T>(in_dtype<T>(xf[i] * c[i]) + in_dtype<T>(xf[i + half] * s[i + half]));
+          for (int64_t i = half; i < dim; ++i)
+            y[i] = in_dtype<T>(in_dtype<T>(xf[i] * c[i]) - in_dtype<T>(xf[i - half] * s[i - half]));
+        }
+        from_float(y.data(), out + (r * heads + h) * dim, dim);
+      }
+    }
+  });
+}
+
+at::Tensor rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, int64_t heads, bool backward) {
+  TORCH_CHECK(x.dim() == 2 && heads > 0 && x.size(1) % heads == 0,
+              "rope: x must be [rows, heads * dim] for ", heads, " heads, got ", x.sizes());
+  const int64_t rows = x.size(0), dim = x.size(1) / heads;
+  TORCH_CHECK(dim % 2 == 0, "rope: an even head dim is needed, got ", dim);
+  check_rows(x, rows, heads * dim, "rope: x");
+  TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.sizes() == at::IntArrayRef({rows, dim}) &&
+                  sin.sizes() == cos.sizes(),
+              "rope: cos and sin must be contiguous [", rows, ", ", dim, "], got ", cos.sizes(), " and ", sin.sizes());
+  TORCH_CHECK(cos.scalar_type() == x.scalar_type() && sin.scalar_type() == x.scalar_type(),
+              "rope: x, cos and sin must share one dtype");
+  auto out = at::empty({rows, heads * dim}, x.options());
+  DISPATCH_SAMPLER_TYPES(x.scalar_type(), "rope", [&] {
+    rope_impl<scalar_t>(x.data_ptr<scalar_t>(), x.stride(0), cos.data_ptr<scalar_t>(), sin.data_ptr<scalar_t>(),
+                        out.data_ptr<scalar_t>(), rows, heads, dim, backward);
+  });
+  return out;
+}
+
 // Each row's next token and its logprob under the untempered policy (log_softmax at the token), in
 // one pass over the row's logits where the sampler's PyTorch operators take five (log_softmax,
 // softmax, a float64 copy, its cumsum, searchsorted). temperatures[r] == 0 takes the argmax (the
@@ -601,6 +653,7 @@ TORCH_LIBRARY(grpo_native, m) {
   m.def("rms_norm_backward(Tensor grad, Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("silu_mul_backward(Tensor grad, Tensor gate, Tensor up) -> Tensor[]");
   m.def("sample_tokens(Tensor logits, Tensor temperatures, Tensor uniforms) -> Tensor[]");
+  m.def("rope(Tensor x, Tensor cos, Tensor sin, int heads, bool backward) -> Tensor");
   m.def("target_logprobs(Tensor logits, Tensor targets) -> Tensor[]");
   m.def("target_logprobs_backward_(Tensor grad, Tensor(a!) logits, Tensor targets, Tensor stats) -> Tensor(a!)");
   m.def("rope_attend(Tensor q, Tensor k, Tensor v, Tensor cos, Tensor sin, Tensor(a!) k_cache, Tensor(b!) v_cache, "
@@ -613,6 +666,7 @@ TORCH_LIBRARY_IMPL(grpo_native, CPU, m) {
   m.impl("rms_norm_backward", rms_norm_backward);
   m.impl("silu_mul_backward", silu_mul_backward);
   m.impl("sample_tokens", sample_tokens);
+  m.impl("rope", rope);
   m.impl("target_logprobs", target_logprobs);
   m.impl("target_logprobs_backward_", target_logprobs_backward_);
   m.impl("rope_attend", rope_attend);

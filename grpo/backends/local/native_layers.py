@@ -1,23 +1,29 @@
-"""A model's RMSNorms and SiLU-gated MLPs through grpo's native kernels, forward and backward.
+"""A model's RMSNorms, SiLU-gated MLPs, rotary embeddings and loss head through grpo's native
+kernels, forward and backward.
 
 In a training pass of SmolLM2-135M (bench shape, ~800 packed tokens, Intel Xeon with AMX) each
 RMSNorm is eight small operators forward and about as many backward (in bf16 two of them copies to
-float32 and back), and each MLP's ``act_fn(gate) * up`` three forward and three backward, each a
-pass over a [tokens, 1536] tensor. ``install`` routes every module that computes those through one
-native call each way (native_kernels.cpp): bf16 training 1.58 -> 1.43 s a ``forward_backward``,
-fp32 2.61 -> 2.59 s (docs/benchmark.md). The Linears stay the modules' own (LoRA included); the
-kernels round to the model's dtype where the eager operators do, so outputs are the eager ones up
-to the order of float sums; autograd saves the norm's input in the model's dtype, not a float32
-copy, and the MLP's gate and up, not its activation as well.
+float32 and back), each MLP's ``act_fn(gate) * up`` three forward and three backward, the rotary
+embedding of q and k ten each way, and the loss head (log_softmax at the targets, the entropy,
+their backward) sweeps a chunk of logits about eight times: each a pass over a large tensor.
+``install`` routes every module that computes those through one native call each way
+(native_kernels.cpp), and ``target_logprobs`` does the loss head in three passes; in one process,
+alternating, a bf16 ``forward_backward`` took 1.64 s against 1.88 s, fp32 2.63 against 2.74
+(docs/benchmark.md). The Linears stay the modules' own (LoRA included); the kernels round to the
+model's dtype where the eager operators do, so outputs are the eager ones up to the order of float
+sums; autograd saves the norm's input in the model's dtype, not a float32 copy, and the MLP's gate
+and up, not its activation as well.
 
 A module class is taken only after its first instance computed the same as the kernel on a random
-input (a norm that scales by ``1 + weight``, as Gemma's, or an MLP with another activation, keeps its
-own forward), and each call falls back to the module's own forward where the kernel does not apply:
-a norm whose weight is trained, mixed dtypes, a tensor off the CPU.
+input (a norm that scales by ``1 + weight``, as Gemma's, an MLP with another activation, an
+attention that normalises q and k, as Qwen3's, keep their own forward), and each call falls back
+to the module's own forward where the kernel does not apply: a norm whose weight is trained, mixed
+dtypes, a tensor off the CPU, an attention call with a KV cache (the sampler's prefill).
 """
 
 from __future__ import annotations
 
+import sys
 import types
 
 import torch
@@ -93,6 +99,20 @@ def target_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.
     return None if ops is None else _TargetLogprobs.apply(logits, targets.contiguous(), ops)
 
 
+class _Rope(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int) -> torch.Tensor:
+        ctx.save_for_backward(cos, sin)
+        ctx.heads = heads
+        return _ops.rope(x, cos, sin, heads, False)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad: torch.Tensor):
+        cos, sin = ctx.saved_tensors
+        return _ops.rope(grad.contiguous(), cos, sin, ctx.heads, True), None, None, None
+
+
 def _rows(t: torch.Tensor) -> torch.Tensor:
     """``t`` as contiguous [rows, last dim]."""
     return t.reshape(-1, t.shape[-1]).contiguous()
@@ -141,6 +161,52 @@ def _native_silu_mlp(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return self.down_proj(_native_silu_mul(self.gate_proj(x), self.up_proj(x)))
 
 
+def rotary_attention_forward(self: nn.Module, hidden_states: torch.Tensor, position_embeddings=None,
+                             attention_mask=None, cache=None, **kwargs):
+    """transformers' Llama attention with the rotary embedding of q and k through the kernels, for
+    passes without a KV cache (training's); any other call takes the module's own forward."""
+    if cache is not None or "past_key_values" in kwargs or position_embeddings is None \
+            or not _native(hidden_states, position_embeddings[0]):
+        return type(self).forward(self, hidden_states, position_embeddings, attention_mask, cache=cache, **kwargs)
+    return _native_rotary_attention(self, hidden_states, position_embeddings, attention_mask, **kwargs)
+
+
+def _native_rotary_attention(self: nn.Module, hidden_states: torch.Tensor, position_embeddings, attention_mask,
+                             **kwargs):
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    input_shape = hidden_states.shape[:-1]
+    dim = self.head_dim
+    # one row of angles per position of the input (a padded batch shares one set across its rows)
+    cos, sin = (_rows(t.expand(*input_shape, t.shape[-1])) for t in position_embeddings)
+    q, k = self.q_proj(hidden_states), self.k_proj(hidden_states)
+    value = self.v_proj(hidden_states).view(*input_shape, -1, dim).transpose(1, 2)
+    rotated = []
+    for x in (q, k):
+        rows = _rows(x)
+        heads = rows.shape[-1] // dim
+        grad = torch.is_grad_enabled() and rows.requires_grad
+        out = _Rope.apply(rows, cos, sin, heads) if grad else _ops.rope(rows, cos, sin, heads, False)
+        rotated.append(out.view(*input_shape, heads, dim).transpose(1, 2))
+    query, key = rotated
+    eager = sys.modules[type(self).__module__].eager_attention_forward
+    attention = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, eager)
+    out, weights = attention(self, query, key, value, attention_mask,
+                             dropout=0.0 if not self.training else self.attention_dropout, scaling=self.scaling,
+                             **kwargs)
+    return self.o_proj(out.reshape(*input_shape, -1).contiguous()), weights
+
+
+def _is_rotary_attention(module: nn.Module) -> bool:
+    """Llama's attention layout: four projections, rotary q and k with nothing else applied to them
+    (Qwen3's q_norm / k_norm is not), and transformers' attention interface to call."""
+    own = sys.modules.get(type(module).__module__)
+    return (all(isinstance(getattr(module, name, None), nn.Module) for name in ("q_proj", "k_proj", "v_proj", "o_proj"))
+            and isinstance(getattr(module, "head_dim", None), int) and hasattr(module, "scaling")
+            and hasattr(module, "config") and not hasattr(module, "q_norm") and not hasattr(module, "k_norm")
+            and callable(getattr(own, "eager_attention_forward", None)))
+
+
 def _is_rms_norm(module: nn.Module) -> bool:
     weight = getattr(module, "weight", None)
     return (isinstance(weight, nn.Parameter) and weight.dim() == 1
@@ -156,6 +222,7 @@ def _is_silu_mlp(module: nn.Module) -> bool:
 
 # each installed forward -> its kernel path alone, which a class's first instance is checked on
 _KERNEL_PATH = {rms_norm_forward: _native_rms_norm, silu_mlp_forward: _native_silu_mlp}
+FORWARDS = (rms_norm_forward, silu_mlp_forward, rotary_attention_forward)
 
 
 def _computes_the_same(module: nn.Module, forward, width: int) -> bool:
@@ -173,6 +240,32 @@ def _computes_the_same(module: nn.Module, forward, width: int) -> bool:
     return got.shape == want.shape and bool((((got - want).abs() / scale) <= TOLERANCE[parameter.dtype]).all())
 
 
+def _attention_computes_the_same(module: nn.Module) -> bool:
+    """Whether the kernel path gives what the attention module's own forward gives on a random
+    input and random rotary angles (no mask: causal, as transformers' SDPA takes it)."""
+    parameter = next(module.parameters())
+    if parameter.dtype not in DTYPES or parameter.device.type != "cpu":
+        return False
+    generator = torch.Generator().manual_seed(0)
+    width = module.q_proj.in_features if isinstance(getattr(module.q_proj, "in_features", None), int) else None
+    if width is None:
+        return False
+    x = torch.randn(1, 4, width, generator=generator).to(parameter.dtype)
+    angles = torch.rand(1, 4, module.head_dim // 2, generator=generator) * 6
+    angles = torch.cat([angles, angles], dim=-1)
+    embeddings = (angles.cos().to(parameter.dtype), angles.sin().to(parameter.dtype))
+    try:
+        with torch.no_grad():
+            want = type(module).forward(module, x, embeddings, None)[0].float()
+            got = _native_rotary_attention(module, x, embeddings, None)[0].float()
+    except (RuntimeError, TypeError, ValueError, AttributeError):
+        return False
+    scale = want.abs().clamp_min(want.abs().mean().item() + 1e-12)
+    # bf16: a flipped rounding of q or k moves the scores, so a few bf16 steps of the output
+    tolerance = TOLERANCE[parameter.dtype] * (1 if parameter.dtype == torch.float32 else 4)
+    return got.shape == want.shape and bool((((got - want).abs() / scale) <= tolerance).all())
+
+
 def install(model: nn.Module) -> int:
     """Route ``model``'s RMSNorms and SiLU MLPs through the native kernels (on a CPU, where they are
     built and not switched off); returns how many modules now use them. A module class is taken
@@ -187,6 +280,14 @@ def install(model: nn.Module) -> int:
     for module in model.modules():
         if "forward" in vars(module):
             continue  # already routed (or patched by someone else: theirs stays)
+        if _is_rotary_attention(module):
+            key = (type(module), rotary_attention_forward)
+            if key not in verdicts:
+                verdicts[key] = _attention_computes_the_same(module)
+            if verdicts[key]:
+                module.forward = types.MethodType(rotary_attention_forward, module)
+                count += 1
+            continue
         if _is_rms_norm(module):
             forward, width = rms_norm_forward, module.weight.shape[0]
         elif _is_silu_mlp(module):
@@ -208,5 +309,5 @@ def uninstall(model: nn.Module) -> None:
     """Every module ``install`` routed back to its own forward."""
     for module in model.modules():
         bound = vars(module).get("forward")
-        if isinstance(bound, types.MethodType) and bound.__func__ in (rms_norm_forward, silu_mlp_forward):
+        if isinstance(bound, types.MethodType) and bound.__func__ in FORWARDS:
             del module.forward

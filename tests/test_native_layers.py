@@ -1,9 +1,10 @@
-"""The trainer's RMSNorms and SiLU MLPs through the native kernels compute what transformers'
-modules compute, forward and backward, and only where they apply.
+"""The trainer's RMSNorms, SiLU MLPs, rotary embeddings and loss head through the native kernels
+compute what transformers' modules and the trainer's PyTorch path compute, forward and backward,
+and only where they apply.
 
-Each backward kernel against autograd through the module it replaces (float32 to a few ulps, bf16
-to one rounding step); ``install`` on a random Llama against the same model uninstalled (outputs
-and every gradient); modules that compute something else keep their own forward; and a
+Each backward kernel against autograd through the operators it replaces (float32 to a few ulps,
+bf16 to one rounding step); ``install`` on a random Llama against the same model uninstalled
+(outputs and every gradient); modules that compute something else keep their own forward; and a
 ``forward_backward`` through the local backend matches one with the kernels switched off.
 """
 

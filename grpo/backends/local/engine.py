@@ -128,10 +128,10 @@ class Engine:
         for p in self.model.parameters():
             p.requires_grad_(False)
         if self.device.type == "cpu":
-            # RMSNorms and SiLU * up through grpo's native kernels, forward and backward
-            # (native_layers.py); built here, with the model's loading, rather than in the first
-            # call (~10 s on 2 cores once per machine, ~0.05 s to load after that). The sampler's
-            # copy below is made from these modules and keeps them.
+            # RMSNorms, SiLU * up and the rotary embedding through grpo's native kernels, forward
+            # and backward (native_layers.py); built here, with the model's loading, rather than in
+            # the first call (~12 s on 2 cores once per machine, ~0.05 s to load after that). The
+            # sampler's copy below is made from these modules and keeps them.
             native_layers.install(self.model)
         # bf16 sampling on a CPU runs its own packed copy (sampler_precision.py) even beside a bf16
         # trainer: sibling projections stacked, LoRA side paths made once per set of weights. A

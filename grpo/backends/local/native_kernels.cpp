@@ -79,6 +79,23 @@ void check_rows(const at::Tensor& t, int64_t rows, int64_t width, const char* wh
               ": expected [", rows, ", ", width, "] with contiguous rows, got ", t.sizes(), " strides ", t.strides());
 }
 
+// n floats of scratch, kept per thread across calls: a vocabulary's floats (196 KB for 49k tokens)
+// are past malloc's mmap threshold, and fresh pages every call cost more than a pass over them
+inline float* row_buffer(int64_t n) {
+  thread_local std::vector<float> buffer;
+  buffer.resize(n);
+  return buffer.data();
+}
+
+// the largest of n floats (a ternary: std::max in an omp simd max-reduction stays unvectorized,
+// 8x slower on a 49k row)
+inline float row_max(const float* x, int64_t n) {
+  float top = -INFINITY;
+#pragma omp simd reduction(max : top)
+  for (int64_t i = 0; i < n; ++i) top = top > x[i] ? top : x[i];
+  return top;
+}
+
 // hidden = residual + x (rounded to T), then out = weight * T(hidden * rsqrt(mean(hidden^2) + eps)):
 // the residual add before transformers' LlamaRMSNorm, and the norm itself.
 template <typename T>
@@ -319,14 +336,10 @@ template <typename T>
 void target_logprobs_impl(const T* base, const int64_t* tp, float* lp, float* ent, float* st, int64_t rows,
                           int64_t vocab) {
   at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
-    thread_local std::vector<float> row;  // kept: a vocabulary's floats are past malloc's mmap threshold
-    row.resize(vocab);
-    float* x = row.data();
+    float* x = row_buffer(vocab);
     for (int64_t r = begin; r < end; ++r) {
       to_float(base + r * vocab, x, vocab);
-      float top = -INFINITY;
-#pragma omp simd reduction(max : top)
-      for (int64_t i = 0; i < vocab; ++i) top = top > x[i] ? top : x[i];
+      const float top = row_max(x, vocab);
       // summed in float64 across blocks of 512 (float in vector lanes inside one): the backward's
       // probabilities are exp(logit - max - log_total), and a loss whose coefficients cancel
       // across positions (a variance, DPO's pairs) reads their last bits
@@ -378,9 +391,7 @@ template <typename T>
 void target_logprobs_backward_impl(const float* gp, T* base, const int64_t* tp, const float* st, int64_t rows,
                                    int64_t vocab) {
   at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
-    thread_local std::vector<float> row;  // kept: a vocabulary's floats are past malloc's mmap threshold
-    row.resize(vocab);
-    float* x = row.data();
+    float* x = row_buffer(vocab);
     for (int64_t r = begin; r < end; ++r) {
       to_float(base + r * vocab, x, vocab);
       // (logit - max) - log_total: max + log_total in one float would round at the max's scale
@@ -444,17 +455,11 @@ std::vector<at::Tensor> sample_tokens(const at::Tensor& logits, const at::Tensor
   int64_t* tok = tokens.data_ptr<int64_t>();
   float* lp = logprobs.data_ptr<float>();
   at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
-    // kept per thread across calls: a vocabulary's floats (196 KB for 49k tokens) are past malloc's
-    // mmap threshold, and fresh pages each call cost more than the pass over them
-    thread_local std::vector<float> e;
+    float* ep = row_buffer(vocab);
     thread_local std::vector<double> masses;
-    e.resize(vocab);
-    float* ep = e.data();
     for (int64_t r = begin; r < end; ++r) {
       const float* x = base + r * stride;
-      float top = -INFINITY;
-#pragma omp simd reduction(max : top)
-      for (int64_t i = 0; i < vocab; ++i) top = top > x[i] ? top : x[i];  // (std::max here: 8x slower, unvectorized)
+      const float top = row_max(x, vocab);
       int64_t best = 0;
       while (best + 1 < vocab && !(x[best] == top)) ++best;  // the first of equal maxima
       // summed as the trainer's loss head sums (target_logprobs): float lanes inside blocks of 512,

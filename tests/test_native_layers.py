@@ -188,6 +188,33 @@ def test_installed_a_models_outputs_and_gradients_are_its_own(native_ops, dtype)
     assert torch.equal(_forward_backward(model, tokens)[0], want_logits)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_qwen2s_modules_with_their_biases_are_taken_and_compute_the_same(native_ops, dtype) -> None:
+    """Qwen2 (the family most GRPO runs start from) has biases on q/k/v: its attention, norms and
+    MLPs are routed, and outputs and gradients stay its own."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    config = Qwen2Config(vocab_size=97, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2)
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(config).to(dtype)
+    for module in model.modules():
+        if type(module).__name__ == "Qwen2RMSNorm":
+            module.weight.data.uniform_(0.5, 1.5)
+            module.weight.requires_grad_(False)
+    assert model.model.layers[0].self_attn.q_proj.bias is not None
+    tokens = torch.randint(0, 97, (3, 11), generator=torch.Generator().manual_seed(1))
+    want_logits, want_grads = _forward_backward(model, tokens)
+    assert native_layers.install(model) == 2 * 2 + 1 + 2 + 2
+    assert {type(m).__name__ for m in model.modules() if "forward" in vars(m)} == {
+        "Qwen2Attention", "Qwen2MLP", "Qwen2RMSNorm"}
+    logits, grads = _forward_backward(model, tokens)
+    bound = 1e-5 if dtype == torch.float32 else 0.05
+    assert _worst(logits, want_logits) <= bound
+    for name, want in want_grads.items():
+        assert _worst(grads[name], want) <= bound * (1 if dtype == torch.float32 else 4), name
+
+
 def test_a_norm_whose_weight_trains_or_whose_input_is_another_dtype_runs_its_own_forward(native_ops) -> None:
     model = _llama(torch.float32)
     native_layers.install(model)

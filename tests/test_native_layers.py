@@ -248,6 +248,25 @@ def test_modules_that_compute_something_else_keep_their_own_forward(native_ops) 
     assert routed == 2 * 2 + 1 + 2 + 2 - 2
 
 
+def test_a_module_that_only_looks_like_a_norm_or_an_mlp_keeps_its_forward_and_the_model_loads(native_ops) -> None:
+    """Attribute names match, the forward does not (it wants a second argument, or returns a tuple):
+    install leaves them alone instead of failing the model's load."""
+    class ScaledNorm(LlamaRMSNorm):
+        def forward(self, hidden_states, scale):
+            return super().forward(hidden_states) * scale
+
+    class TupleMLP(LlamaMLP):
+        def forward(self, x):
+            return super().forward(x), None
+
+    model = _llama(torch.float32)
+    model.model.layers[0].input_layernorm = ScaledNorm(64, eps=1e-5)
+    model.model.layers[1].mlp = TupleMLP(model.config)
+    native_layers.install(model)
+    assert "forward" not in vars(model.model.layers[0].input_layernorm)
+    assert "forward" not in vars(model.model.layers[1].mlp)
+
+
 def test_switched_off_nothing_is_installed(monkeypatch) -> None:
     monkeypatch.setenv(native_kernels.ENV_SWITCH, "off")
     model = _llama(torch.float32)

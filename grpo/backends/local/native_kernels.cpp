@@ -4,8 +4,9 @@
 //   PyTorch's small operators (an RMSNorm is eight of them, the rotary embedding ten, the KV-cache
 //   writes and grouped-query attention a dozen more) costs more in dispatch and passes over memory
 //   than in arithmetic; these do a layer's non-matmul work in four calls;
-// - the trainer's RMSNorms and SiLU * up, forward and backward (native_layers.py): one pass over
-//   memory each where autograd takes several.
+// - the trainer's RMSNorms, SiLU * up and rotary embeddings, forward and backward, and its loss head
+//   (native_layers.py): one pass over memory each where autograd takes several;
+// - the sampler's token choice (sampler.py): one pass over a row's logits where PyTorch takes five.
 //
 // In float32 or bfloat16, rounding to the tensor's dtype wherever the eager operators do, so that
 // they compute what transformers' Llama layers compute up to the order of float sums. Built once
@@ -94,6 +95,18 @@ inline float row_max(const float* x, int64_t n) {
 #pragma omp simd reduction(max : top)
   for (int64_t i = 0; i < n; ++i) top = top > x[i] ? top : x[i];
   return top;
+}
+
+// T(T(x * cos) + T(rotate_half(x) * sin)) of one head of dim floats, each product and the sum rounded
+// to T as transformers' apply_rotary_pos_emb stores them
+template <typename T>
+inline void rotate(const float* x, const float* c, const float* s, float* y, int64_t dim) {
+  const int64_t half = dim / 2;
+#pragma omp simd
+  for (int64_t i = 0; i < half; ++i) y[i] = in_dtype<T>(in_dtype<T>(x[i] * c[i]) + in_dtype<T>(-x[i + half] * s[i]));
+#pragma omp simd
+  for (int64_t i = half; i < dim; ++i)
+    y[i] = in_dtype<T>(in_dtype<T>(x[i] * c[i]) + in_dtype<T>(x[i - half] * s[i]));
 }
 
 // hidden = residual + x (rounded to T), then out = weight * T(hidden * rsqrt(mean(hidden^2) + eps)):
@@ -286,10 +299,7 @@ void rope_impl(const T* x, int64_t x_stride, const T* cos, const T* sin, T* out,
       for (int64_t h = 0; h < heads; ++h) {
         to_float(x + r * x_stride + h * dim, xf.data(), dim);
         if (!backward) {
-          for (int64_t i = 0; i < half; ++i)
-            y[i] = in_dtype<T>(in_dtype<T>(xf[i] * c[i]) + in_dtype<T>(-xf[i + half] * s[i]));
-          for (int64_t i = half; i < dim; ++i)
-            y[i] = in_dtype<T>(in_dtype<T>(xf[i] * c[i]) + in_dtype<T>(xf[i - half] * s[i]));
+          rotate<T>(xf.data(), c.data(), s.data(), y.data(), dim);
         } else {
           for (int64_t i = 0; i < half; ++i)
             y[i] = in_dtype<T>(in_dtype<T>(xf[i] * c[i]) + in_dtype<T>(xf[i + half] * s[i + half]));
@@ -377,7 +387,8 @@ std::vector<at::Tensor> target_logprobs(const at::Tensor& logits, const at::Tens
   for (int64_t r = 0; r < rows; ++r)
     TORCH_CHECK(tp[r] >= 0 && tp[r] < vocab, "target_logprobs: row ", r, " targets token ", tp[r], " of ", vocab);
   auto options = logits.options().dtype(at::kFloat);
-  auto logprobs = at::empty({rows}, options), entropy = at::empty({rows}, options), stats = at::empty({rows, 2}, options);
+  auto logprobs = at::empty({rows}, options), entropy = at::empty({rows}, options);
+  auto stats = at::empty({rows, 2}, options);
   float *lp = logprobs.data_ptr<float>(), *ent = entropy.data_ptr<float>(), *st = stats.data_ptr<float>();
   DISPATCH_SAMPLER_TYPES(logits.scalar_type(), "target_logprobs", [&] {
     target_logprobs_impl<scalar_t>(logits.data_ptr<scalar_t>(), tp, lp, ent, st, rows, vocab);
@@ -544,15 +555,10 @@ void rope_attend_impl(const T* q, int64_t q_stride, const T* k, int64_t k_stride
                       int64_t slot_stride, int64_t head_stride, const int64_t* lengths, T* out, int64_t rows,
                       int64_t heads, int64_t kv_heads, int64_t head_dim, float scale) {
   const int64_t dim = HEAD_DIM > 0 ? HEAD_DIM : head_dim;
-  const int64_t half = dim / 2, group = heads / kv_heads;
-  auto rotate = [&](const T* x, const float* c, const float* s, float* xf, float* y) {
+  const int64_t group = heads / kv_heads;
+  auto rotate_row = [&](const T* x, const float* c, const float* s, float* xf, float* y) {
     to_float(x, xf, dim);
-#pragma omp simd
-    for (int64_t i = 0; i < half; ++i)
-      y[i] = in_dtype<T>(in_dtype<T>(xf[i] * c[i]) + in_dtype<T>(-xf[i + half] * s[i]));
-#pragma omp simd
-    for (int64_t i = half; i < dim; ++i)
-      y[i] = in_dtype<T>(in_dtype<T>(xf[i] * c[i]) + in_dtype<T>(xf[i - half] * s[i]));
+    rotate<T>(xf, c, s, y, dim);
   };
   at::parallel_for(0, rows * kv_heads, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> c(dim), s(dim), xf(dim), rotated(dim), queries(group * dim), acc(dim), keys, values, scores;
@@ -562,11 +568,11 @@ void rope_attend_impl(const T* q, int64_t q_stride, const T* k, int64_t k_stride
       to_float(sin + r * sin_stride, s.data(), dim);
       T* row_keys = k_cache + r * slot_stride + g * head_stride;
       T* row_values = v_cache + r * slot_stride + g * head_stride;
-      rotate(k + r * k_stride + g * dim, c.data(), s.data(), xf.data(), rotated.data());
+      rotate_row(k + r * k_stride + g * dim, c.data(), s.data(), xf.data(), rotated.data());
       from_float(rotated.data(), row_keys + lengths[r] * dim, dim);
       std::memcpy(row_values + lengths[r] * dim, v + r * v_stride + g * dim, dim * sizeof(T));
       for (int64_t j = 0; j < group; ++j)
-        rotate(q + r * q_stride + (g * group + j) * dim, c.data(), s.data(), xf.data(), queries.data() + j * dim);
+        rotate_row(q + r * q_stride + (g * group + j) * dim, c.data(), s.data(), xf.data(), queries.data() + j * dim);
       keys.resize(n * dim);
       values.resize(n * dim);
       scores.resize(n);

@@ -202,6 +202,7 @@ def _is_rotary_attention(module: nn.Module) -> bool:
     (Qwen3's q_norm / k_norm is not), and transformers' attention interface to call."""
     own = sys.modules.get(type(module).__module__)
     return (all(isinstance(getattr(module, name, None), nn.Module) for name in ("q_proj", "k_proj", "v_proj", "o_proj"))
+            and isinstance(getattr(module.q_proj, "in_features", None), int)
             and isinstance(getattr(module, "head_dim", None), int) and hasattr(module, "scaling")
             and hasattr(module, "config") and not hasattr(module, "q_norm") and not hasattr(module, "k_norm")
             and callable(getattr(own, "eager_attention_forward", None)))
@@ -217,65 +218,73 @@ def _is_silu_mlp(module: nn.Module) -> bool:
     from transformers.activations import SiLUActivation
 
     return (all(isinstance(getattr(module, name, None), nn.Module) for name in ("gate_proj", "up_proj", "down_proj"))
+            and isinstance(getattr(module.gate_proj, "in_features", None), int)
             and type(getattr(module, "act_fn", None)) in (SiLUActivation, nn.SiLU))
 
 
-# each installed forward -> its kernel path alone, which a class's first instance is checked on
-_KERNEL_PATH = {rms_norm_forward: _native_rms_norm, silu_mlp_forward: _native_silu_mlp}
+def _route(module: nn.Module):
+    """The forward ``install`` would give ``module`` (None: it is none of the three)."""
+    if _is_rotary_attention(module):
+        return rotary_attention_forward
+    if _is_rms_norm(module):
+        return rms_norm_forward
+    if _is_silu_mlp(module):
+        return silu_mlp_forward
+    return None
+
+
 FORWARDS = (rms_norm_forward, silu_mlp_forward, rotary_attention_forward)
 
 
-def _computes_the_same(module: nn.Module, forward, width: int) -> bool:
+def _trial(module: nn.Module, forward, dtype: torch.dtype) -> tuple:
+    """A random input for ``forward``'s module: hidden states, and for an attention random rotary
+    angles (no mask: causal, as transformers' SDPA takes it)."""
+    generator = torch.Generator().manual_seed(0)
+    if forward is rms_norm_forward:
+        return ((torch.randn(1, 3, module.weight.shape[0], generator=generator) * 2).to(dtype),)
+    if forward is silu_mlp_forward:
+        return ((torch.randn(1, 3, module.gate_proj.in_features, generator=generator) * 2).to(dtype),)
+    x = torch.randn(1, 4, module.q_proj.in_features, generator=generator).to(dtype)
+    angles = torch.rand(1, 4, module.head_dim // 2, generator=generator) * 6
+    angles = torch.cat([angles, angles], dim=-1)
+    return x, (angles.cos().to(dtype), angles.sin().to(dtype)), None
+
+
+# each routed forward -> its kernel path alone, which a class's first instance is checked on
+_KERNEL_PATH = {rms_norm_forward: _native_rms_norm, silu_mlp_forward: _native_silu_mlp,
+                rotary_attention_forward: _native_rotary_attention}
+
+
+def _computes_the_same(module: nn.Module, forward) -> bool:
     """Whether ``forward``'s kernel path gives what the module's own forward gives on a random
-    input of ``width`` features, within ``TOLERANCE`` of the module's dtype."""
+    input (``_trial``), within ``TOLERANCE`` of the module's dtype."""
     parameter = next(module.parameters())
     if parameter.dtype not in DTYPES or parameter.device.type != "cpu":
         return False
-    generator = torch.Generator().manual_seed(0)
-    x = (torch.randn(1, 3, width, generator=generator) * 2).to(parameter.dtype)
+    inputs = _trial(module, forward, parameter.dtype)
     try:  # a module that only looks like one (its forward wants more, or other shapes) keeps its own
         with torch.no_grad():
-            want = type(module).forward(module, x)
-            got = _KERNEL_PATH[forward](module, x)
+            want = type(module).forward(module, *inputs)
+            got = _KERNEL_PATH[forward](module, *inputs)
     except (RuntimeError, TypeError, ValueError, AttributeError):
         return False
+    if forward is rotary_attention_forward:  # (output, attention weights)
+        want, got = want[0], got[0]
     if not isinstance(want, torch.Tensor) or got.shape != want.shape:
         return False
     want, got = want.float(), got.float()
     scale = want.abs().clamp_min(want.abs().mean().item() + 1e-12)
-    return bool((((got - want).abs() / scale) <= TOLERANCE[parameter.dtype]).all())
-
-
-def _attention_computes_the_same(module: nn.Module) -> bool:
-    """Whether the kernel path gives what the attention module's own forward gives on a random
-    input and random rotary angles (no mask: causal, as transformers' SDPA takes it)."""
-    parameter = next(module.parameters())
-    if parameter.dtype not in DTYPES or parameter.device.type != "cpu":
-        return False
-    generator = torch.Generator().manual_seed(0)
-    width = module.q_proj.in_features if isinstance(getattr(module.q_proj, "in_features", None), int) else None
-    if width is None:
-        return False
-    x = torch.randn(1, 4, width, generator=generator).to(parameter.dtype)
-    angles = torch.rand(1, 4, module.head_dim // 2, generator=generator) * 6
-    angles = torch.cat([angles, angles], dim=-1)
-    embeddings = (angles.cos().to(parameter.dtype), angles.sin().to(parameter.dtype))
-    try:
-        with torch.no_grad():
-            want = type(module).forward(module, x, embeddings, None)[0].float()
-            got = _native_rotary_attention(module, x, embeddings, None)[0].float()
-    except (RuntimeError, TypeError, ValueError, AttributeError):
-        return False
-    scale = want.abs().clamp_min(want.abs().mean().item() + 1e-12)
-    # bf16: a flipped rounding of q or k moves the scores, so a few bf16 steps of the output
-    tolerance = TOLERANCE[parameter.dtype] * (1 if parameter.dtype == torch.float32 else 4)
-    return got.shape == want.shape and bool((((got - want).abs() / scale) <= tolerance).all())
+    tolerance = TOLERANCE[parameter.dtype]
+    if forward is rotary_attention_forward and parameter.dtype != torch.float32:
+        tolerance *= 4  # bf16: a flipped rounding of q or k moves the scores, so a few bf16 steps of the output
+    return bool((((got - want).abs() / scale) <= tolerance).all())
 
 
 def install(model: nn.Module) -> int:
-    """Route ``model``'s RMSNorms and SiLU MLPs through the native kernels (on a CPU, where they are
-    built and not switched off); returns how many modules now use them. A module class is taken
-    when its first instance computes what the kernel computes; ``uninstall`` undoes this."""
+    """Route ``model``'s RMSNorms, SiLU MLPs and Llama-layout attentions through the native kernels
+    (on a CPU, where they are built and not switched off); returns how many modules now use them. A
+    module class is taken when its first instance computes what the kernel computes; ``uninstall``
+    undoes this."""
     global _ops
     ops = native_kernels.kernels()
     if ops is None:
@@ -286,25 +295,12 @@ def install(model: nn.Module) -> int:
     for module in model.modules():
         if "forward" in vars(module):
             continue  # already routed (or patched by someone else: theirs stays)
-        if _is_rotary_attention(module):
-            key = (type(module), rotary_attention_forward)
-            if key not in verdicts:
-                verdicts[key] = _attention_computes_the_same(module)
-            if verdicts[key]:
-                module.forward = types.MethodType(rotary_attention_forward, module)
-                count += 1
-            continue
-        if _is_rms_norm(module):
-            forward, width = rms_norm_forward, module.weight.shape[0]
-        elif _is_silu_mlp(module):
-            forward, width = silu_mlp_forward, getattr(module.gate_proj, "in_features", None)
-            if not isinstance(width, int):
-                continue
-        else:
+        forward = _route(module)
+        if forward is None:
             continue
         key = (type(module), forward)
         if key not in verdicts:
-            verdicts[key] = _computes_the_same(module, forward, width)
+            verdicts[key] = _computes_the_same(module, forward)
         if verdicts[key]:
             module.forward = types.MethodType(forward, module)
             count += 1

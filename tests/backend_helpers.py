@@ -1,7 +1,7 @@
 """Helpers shared by the local-backend tests: references computed outside the code under test.
 
 Not a test module (no ``test_`` prefix); imported by test_local_backend, test_sampling,
-test_checkpoints, test_lean_decode and test_native_decode.
+test_checkpoints, test_lean_decode, test_native_decode and test_native_layers.
 """
 
 from __future__ import annotations
@@ -78,3 +78,14 @@ def sample_each(client, temperature: float, seed: int = 0, prompts=DECODE_PROMPT
                               types.SamplingParams(max_tokens=12, temperature=temperature, seed=seed + i))
                for i, p in enumerate(prompts)]
     return [(list(s.tokens), list(s.logprobs)) for f in futures for s in f.result().sequences]
+
+
+# one unit in the last place at 1.0, for comparisons in units of a dtype's rounding
+ULP = {torch.float32: 2.0**-23, torch.bfloat16: 2.0**-7}
+
+
+def worst_relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    """The largest difference relative to the reference's scale (its mean magnitude at least)."""
+    got, want = got.float(), want.float()
+    scale = want.abs().clamp_min(want.abs().mean())
+    return ((got - want).abs() / scale).max().item()

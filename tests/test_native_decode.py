@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from backend_helpers import DECODE_PROMPTS, perturb_adapter, sample_each
+from backend_helpers import DECODE_PROMPTS, ULP, perturb_adapter, sample_each, worst_relative_error
 from transformers import LlamaConfig
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.models.llama.modeling_llama import LlamaRMSNorm, apply_rotary_pos_emb
@@ -19,7 +19,6 @@ from grpo.backends.local import ServiceClient, native_decode, native_kernels, sa
 from grpo.types import SamplingParams
 
 DTYPES = [torch.float32, torch.bfloat16]
-ULP = {torch.float32: 2.0**-23, torch.bfloat16: 2.0**-7}
 # float32: sums in another order and 1 / sqrt for rsqrt move the last few bits; bf16: one rounding
 # step lands the other way now and then
 ROUNDING_ULPS = {torch.float32: 8, torch.bfloat16: 1}
@@ -31,9 +30,7 @@ def ops(native_ops):
 
 
 def _within(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype, ulps: float) -> None:
-    got, want = got.float(), want.float()
-    scale = want.abs().clamp_min(want.abs().mean())
-    worst = ((got - want).abs() / scale).max().item()
+    worst = worst_relative_error(got, want)
     assert worst <= ulps * ULP[dtype], f"{worst:.3g} > {ulps} ulps of {dtype}"
 
 

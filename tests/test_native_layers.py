@@ -14,6 +14,7 @@ import types
 
 import pytest
 import torch
+from backend_helpers import ULP, worst_relative_error
 from torch import nn
 from transformers import LlamaConfig, LlamaForCausalLM
 from transformers.models.llama.modeling_llama import (
@@ -27,14 +28,6 @@ from grpo.backends.local import ServiceClient, native_kernels, native_layers
 from grpo.types import Datum, ModelInput, TensorData
 
 DTYPES = [torch.float32, torch.bfloat16]
-ULP = {torch.float32: 2.0**-23, torch.bfloat16: 2.0**-7}
-
-
-def _worst(got: torch.Tensor, want: torch.Tensor) -> float:
-    """The largest difference relative to the reference's scale (its mean magnitude at least)."""
-    got, want = got.float(), want.float()
-    scale = want.abs().clamp_min(want.abs().mean())
-    return ((got - want).abs() / scale).max().item()
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -48,7 +41,7 @@ def test_rms_norm_backward_is_autograds_through_llamas_norm(native_ops, dtype, d
     norm(x).backward(grad)
     got = native_ops.rms_norm_backward(grad, x.detach(), norm.weight, norm.variance_epsilon)
     # float32: sums in another order; bf16: the eager backward rounds more of its steps to bf16
-    assert _worst(got, x.grad) <= (16 if dtype == torch.float32 else 2) * ULP[dtype]
+    assert worst_relative_error(got, x.grad) <= (16 if dtype == torch.float32 else 2) * ULP[dtype]
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -59,8 +52,8 @@ def test_silu_mul_backward_is_autograds_through_llamas_activation(native_ops, dt
     grad = torch.randn(29, 96).to(dtype)
     (nn.functional.silu(gate) * up).backward(grad)
     d_gate, d_up = native_ops.silu_mul_backward(grad, gate.detach(), up.detach())
-    assert _worst(d_gate, gate.grad) <= 8 * ULP[dtype]
-    assert _worst(d_up, up.grad) <= 8 * ULP[dtype]
+    assert worst_relative_error(d_gate, gate.grad) <= 8 * ULP[dtype]
+    assert worst_relative_error(d_up, up.grad) <= 8 * ULP[dtype]
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -80,8 +73,8 @@ def test_rope_is_transformers_rotary_embedding_forward_and_backward(native_ops, 
     rotated.transpose(1, 2).reshape(13, 3 * dim).backward(grad)
     want = rotated.transpose(1, 2).reshape(13, 3 * dim)
     ulps = 4 if dtype == torch.float32 else 1
-    assert _worst(native_ops.rope(x, cos, sin, 3, False), want) <= ulps * ULP[dtype]
-    assert _worst(native_ops.rope(grad, cos, sin, 3, True), eager_in.grad) <= ulps * ULP[dtype]
+    assert worst_relative_error(native_ops.rope(x, cos, sin, 3, False), want) <= ulps * ULP[dtype]
+    assert worst_relative_error(native_ops.rope(grad, cos, sin, 3, True), eager_in.grad) <= ulps * ULP[dtype]
 
 
 def test_an_attention_with_query_and_key_norms_keeps_its_own_forward(native_ops) -> None:
@@ -134,7 +127,7 @@ def test_the_loss_head_is_the_trainers_log_softmax_entropy_and_gradient(native_o
     assert (got_lp - want_lp).abs().max() < 2e-5
     assert (got_ent - want_ent).abs().max() < 2e-5
     assert got_in.grad.dtype == dtype
-    assert _worst(got_in.grad, want_in.grad.to(dtype)) <= 4 * ULP[dtype] + 1e-6
+    assert worst_relative_error(got_in.grad, want_in.grad.to(dtype)) <= 4 * ULP[dtype] + 1e-6
 
 
 def test_the_loss_head_takes_only_what_it_computes(native_ops) -> None:
@@ -179,10 +172,10 @@ def test_installed_a_models_outputs_and_gradients_are_its_own(native_ops, dtype)
                if isinstance(m, (LlamaMLP, LlamaAttention)))
     logits, grads = _forward_backward(model, tokens)
     bound = 1e-5 if dtype == torch.float32 else 0.05  # bf16: a flipped rounding step spreads through layers
-    assert _worst(logits, want_logits) <= bound
+    assert worst_relative_error(logits, want_logits) <= bound
     assert grads.keys() == want_grads.keys() and len(grads) > 10
     for name, want in want_grads.items():
-        assert _worst(grads[name], want) <= bound * (1 if dtype == torch.float32 else 4), name
+        assert worst_relative_error(grads[name], want) <= bound * (1 if dtype == torch.float32 else 4), name
     native_layers.uninstall(model)
     assert not any("forward" in vars(m) for m in model.modules())
     assert torch.equal(_forward_backward(model, tokens)[0], want_logits)
@@ -210,9 +203,9 @@ def test_qwen2s_modules_with_their_biases_are_taken_and_compute_the_same(native_
         "Qwen2Attention", "Qwen2MLP", "Qwen2RMSNorm"}
     logits, grads = _forward_backward(model, tokens)
     bound = 1e-5 if dtype == torch.float32 else 0.05
-    assert _worst(logits, want_logits) <= bound
+    assert worst_relative_error(logits, want_logits) <= bound
     for name, want in want_grads.items():
-        assert _worst(grads[name], want) <= bound * (1 if dtype == torch.float32 else 4), name
+        assert worst_relative_error(grads[name], want) <= bound * (1 if dtype == torch.float32 else 4), name
 
 
 def test_a_norm_whose_weight_trains_or_whose_input_is_another_dtype_runs_its_own_forward(native_ops) -> None:
@@ -320,7 +313,7 @@ def test_the_trainer_computes_through_the_kernels_what_it_computes_without(tmp_p
     assert abs(loss - want_loss) <= bound * abs(want_loss)
     for name, want in want_grads.items():
         assert want.abs().max() > 0, name
-        assert _worst(grads[name], want) <= bound * (1 if train_dtype == "fp32" else 4), name
+        assert worst_relative_error(grads[name], want) <= bound * (1 if train_dtype == "fp32" else 4), name
 
 
 def test_the_samplers_own_copy_keeps_them_bound_to_its_own_modules(tmp_path, native_ops) -> None:
@@ -335,4 +328,4 @@ def test_the_samplers_own_copy_keeps_them_bound_to_its_own_modules(tmp_path, nat
     assert norm.weight.dtype == torch.bfloat16
     x = torch.randn(2, 3, norm.weight.shape[0]).to(torch.bfloat16)
     with torch.no_grad():
-        assert _worst(norm(x), LlamaRMSNorm.forward(norm, x)) <= ULP[torch.bfloat16]
+        assert worst_relative_error(norm(x), LlamaRMSNorm.forward(norm, x)) <= ULP[torch.bfloat16]

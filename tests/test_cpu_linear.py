@@ -19,6 +19,9 @@ from grpo.rl.rollouts import Rollout
 from grpo.types import Datum, ModelInput, SamplingParams
 
 pytestmark = pytest.mark.skipif(not cpu_linear.onednn_works(), reason="this torch build has no oneDNN linear kernel")
+# bf16 where this CPU packs bf16 weights (oneDNN refuses without avx512bw/vl/dq or avx_ne_convert)
+PACKED_DTYPES = [torch.float32, pytest.param(torch.bfloat16, marks=pytest.mark.skipif(
+    not cpu_linear.packing_works(torch.bfloat16), reason="this CPU/torch build packs no bf16 weights"))]
 
 
 def _pair(in_features: int, out_features: int, bias: bool, seed: int = 0) -> tuple[nn.Linear, OneDNNLinear]:
@@ -156,7 +159,7 @@ def test_folding_packs_the_folded_weights():
     assert type(engine.peft_model.get_submodule("base_model.model.model.layers.0.self_attn.q_proj")) is not PackedLinear
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", PACKED_DTYPES)
 @pytest.mark.parametrize("shape", [(1, 48), (5, 48), (33, 48), (4, 1, 48), (2, 7, 48)])
 def test_packed_linear_equals_linear(dtype, shape):
     torch.manual_seed(0)
@@ -169,7 +172,7 @@ def test_packed_linear_equals_linear(dtype, shape):
                                atol=tolerance * 10)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", PACKED_DTYPES)
 @pytest.mark.parametrize("shape", [(1, 48), (13, 48), (4, 1, 48)])
 def test_packed_lora_side_path_adds_what_addmm_adds(dtype, shape):
     """The sampler's LoRA side path through packed A and B (the sum in oneDNN's post-op) against
@@ -230,3 +233,24 @@ def test_a_cpu_that_cannot_pack_keeps_plain_layers(monkeypatch):
         assert cpu_linear.pack_for_inference(model) == 0
         assert cpu_linear.keep_packed_copies([model.get_output_embeddings()]) == 0
         torch.testing.assert_close(model(input_ids=x).logits, expected)
+
+
+def test_a_bf16_copy_of_a_packed_layer_multiplies_by_its_weight_where_bf16_does_not_pack(monkeypatch):
+    """The bf16 sampler copies the fp32 model, whose unembedding keeps a packed copy: on a CPU that
+    packs no bf16 weight (oneDNN: no avx512bw/vl/dq, no avx_ne_convert) the copy's layer must not
+    try to, but multiply by its weight as it is."""
+    plain, fast = _pair(48, 96, bias=False)
+    assert cpu_linear.keep_packed_copies([fast]) == 1 and fast.inference_packed
+    fast.weight.data = fast.weight.data.bfloat16()
+    real_pack = cpu_linear.pack_weight
+
+    def refusing(weight):
+        if weight.dtype == torch.bfloat16:
+            raise RuntimeError("mkldnn_reorder_linear_weight: bf16 path needs the cpu support avx512bw")
+        return real_pack(weight)
+
+    monkeypatch.setattr(cpu_linear, "pack_weight", refusing)
+    monkeypatch.setattr(cpu_linear, "packing_works", lambda dtype: dtype == torch.float32)
+    x = torch.randn(5, 48).bfloat16()
+    with torch.no_grad():
+        assert torch.equal(fast(x), F.linear(x, fast.weight))

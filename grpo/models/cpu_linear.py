@@ -123,7 +123,9 @@ class OneDNNLinear(nn.Linear):
                                         or (self.bias is not None and self.bias.requires_grad)):
             # bf16 training: PyTorch's own path (as fast at training's rows)
             return _OneDNNLinearFunction.apply(x, self.weight, self.bias) if by_onednn else super().forward(x)
-        if self.inference_packed:
+        # (a copy of the model in another dtype keeps the mark: a CPU without bf16 instructions
+        # packs no bf16 weight, and such a layer multiplies by its weight as it is)
+        if self.inference_packed and packing_works(self.weight.dtype):
             return _onednn(x, self._packed_weight(), self.bias)
         return _onednn(x, self.weight, self.bias) if by_onednn else super().forward(x)
 

@@ -125,8 +125,9 @@ def test_episodes_sample_the_same_through_the_cache_and_prefill_only_new_tokens(
             gaps["cache"] = max(gaps["cache"], *(abs(x - y) for x, y in zip(a.logprobs, b.logprobs, strict=True)))
             gaps["forward"] = max(gaps["forward"], *(abs(x - y) for x, y in zip(b.logprobs, forward, strict=True)))
     # fp32 rounding: keys computed while decoding instead of in a prefill move a logprob by about
-    # 1e-5 (measured 1.1e-5 on this model), as much as the sampler already differs from a forward pass
-    assert gaps["cache"] <= 2e-5 and gaps["cache"] <= 2 * gaps["forward"] + 1e-6, gaps
+    # as much as the sampler already differs from a forward pass, which is the CPU's kernels' own
+    # (1.1e-5 on an Intel Xeon with AMX; 2.8e-5 with avx2 kernels, whose forward gap was 4.4e-5)
+    assert gaps["cache"] <= 2 * gaps["forward"] + 1e-6 and gaps["cache"] < 1e-4, gaps
     # turn 1: one prefill of the prompt for both episodes; later turns: each episode computes its
     # last sampled token (never fed back) and the reply, the rest comes from its finished row (at
     # most: greedy episodes are alike, and the second reads all but one token from the first)

@@ -140,6 +140,70 @@ def test_the_sampler_decodes_through_the_kernels_as_it_does_without_them(tmp_pat
         assert max(abs(a - b) for a, b in zip(logprobs, want_logprobs, strict=True)) < bound
 
 
+@pytest.mark.parametrize(("train_dtype", "sample_dtype"), [("fp32", "fp32"), ("fp32", "bf16")])
+def test_the_layers_in_one_native_call_sample_bit_for_bit_what_the_per_layer_loop_samples(
+        tmp_path, monkeypatch, ops, train_dtype, sample_dtype):
+    """``decode_layers`` makes the Python loop's kernel calls in its order, from C++: the same
+    tokens and the same logprobs, to the bit, at temperature 1 (fp32: LoRA folded into packed
+    weights; bf16: the sampler's copy with packed LoRA side paths)."""
+    service = ServiceClient(checkpoint_dir=tmp_path, device="cpu", train_dtype=train_dtype, sample_dtype=sample_dtype)
+    tc = service.create_lora_training_client("tiny", rank=4, seed=0)
+    perturb_adapter(tc, seed=3)
+    plans, real = [], native_decode.native_decoder
+
+    def spied(lean, device):
+        decoder = real(lean, device)
+        plans.append(getattr(decoder, "plan", None))
+        return decoder
+
+    monkeypatch.setattr(native_decode, "native_decoder", spied)
+    one_call = sample_each(tc, temperature=1.0, seed=11)
+    assert plans and all(p is not None for p in plans)
+    if sample_dtype == "bf16":  # the side paths travel in the plan
+        assert any(e is not None for e in plans[-1].extras)
+    monkeypatch.setattr(native_decode, "ONE_CALL", False)
+    per_layer = sample_each(tc, temperature=1.0, seed=11)
+    assert plans[-1] is None
+    assert one_call == per_layer
+
+
+def test_layers_the_one_call_does_not_compute_keep_the_per_layer_loop(ops) -> None:
+    """A Linear that is not packed (another kernel, a hook of the user's) or layers that differ
+    from each other leave the step to the Python loop, which calls the modules themselves."""
+    from transformers import LlamaForCausalLM
+
+    from grpo.backends.local.lean_decode import lean_decoder
+    from grpo.models.cpu_linear import pack_for_inference
+    from grpo.models.fused_projections import fuse_siblings
+
+    config = LlamaConfig(vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2)
+    config._attn_implementation = "sdpa"
+
+    def packed_model():
+        model = LlamaForCausalLM(config).eval().requires_grad_(False)
+        fuse_siblings(model)
+        pack_for_inference(model)
+        return model
+
+    def plan(model):
+        return native_decode.native_decoder(lean_decoder(model), torch.device("cpu")).plan
+
+    assert plan(packed_model()) is not None
+    model = packed_model()
+    model.model.layers[1].mlp.down_proj = torch.nn.Linear(64, 32, bias=False)
+    assert plan(model) is None
+    model = packed_model()
+    model.model.layers[0].self_attn.o_proj.register_forward_hook(lambda module, args, out: None)
+    assert plan(model) is None
+    model = packed_model()
+    model.model.layers[1].self_attn.scaling *= 2
+    assert plan(model) is None
+    model = packed_model()
+    model.model.layers[0].post_attention_layernorm.variance_epsilon = 1e-3
+    assert plan(model) is None
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_a_model_with_smollm2s_head_shapes_samples_alike_with_and_without_the_kernels(tokenizer, monkeypatch, ops,
                                                                                        dtype):

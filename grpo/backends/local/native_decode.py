@@ -8,6 +8,11 @@ as its Linears (the modules themselves, LoRA side paths included) plus four nati
 residual add with the next RMSNorm, rotary + cache write + attention, SiLU * up, and the next
 add + RMSNorm. They round to the model's dtype wherever the eager operators do, so they compute
 what the model's own forward computes up to the order of float sums (tests/test_native_decode.py).
+Where every layer has the sampler's packed layout (q/k/v and gate/up stacked, each Linear a packed
+oneDNN weight, LoRA -- if any -- as a packed side path), the whole loop over layers is one native
+call (``decode_layers``), which makes the same calls in the same order from C++: the ~8 calls a
+layer from Python, and the modules' own calls between them, were ~12% of an fp32 step at 24 rows
+(docs/benchmark.md). Other layouts take the loop below.
 Where the kernels are not built (no compiler, switched off), the sampler decodes with
 ``LeanDecoder``'s PyTorch operators, as before.
 """
@@ -19,8 +24,14 @@ import torch
 from grpo.backends.local import native_kernels
 from grpo.backends.local.kv_cache import SlotCache
 from grpo.backends.local.lean_decode import LeanDecoder
+from grpo.models.cpu_linear import PackedLinear
+from grpo.models.fused_projections import FusedProjections
+from grpo.models.lora_linear import LoraSidePath
 
 DTYPES = (torch.float32, torch.bfloat16)
+# The layers in one native call where they have the packed layout; False keeps the Python loop
+# (for measuring one against the other: both make the same kernel calls, so they agree bit for bit).
+ONE_CALL = True
 
 
 class NativeDecoder(LeanDecoder):
@@ -30,6 +41,7 @@ class NativeDecoder(LeanDecoder):
         super().__init__(causal_lm)
         self.ops = ops
         self.heads = int(causal_lm.config.num_attention_heads)
+        self.plan = _one_call_plan(self) if ONE_CALL else None
 
     def __call__(self, input_ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor,
                  cache: SlotCache) -> torch.Tensor:
@@ -38,6 +50,12 @@ class NativeDecoder(LeanDecoder):
         cos, sin = decoder.rotary_emb(hidden, positions)
         cos, sin = cos[:, 0], sin[:, 0]
         lengths = cache.step.lengths_tensor  # each row's new column: its position
+        if self.plan is not None:
+            plan = self.plan
+            x = ops.decode_layers(hidden[:, 0], cos, sin, lengths, plan.weights, plan.extras, plan.norms,
+                                  [slot._keys for slot in cache.layers], [slot._values for slot in cache.layers],
+                                  plan.qkv_sizes, self.heads, plan.scale, plan.eps)
+            return self.causal_lm.lm_head(x).float()
         norm = layers[0].input_layernorm
         hidden, x = ops.add_rms_norm(hidden[:, 0], None, norm.weight, norm.variance_epsilon)
         for index, (layer, (qkv, gate_up)) in enumerate(zip(layers, self.groups, strict=True)):
@@ -52,6 +70,63 @@ class NativeDecoder(LeanDecoder):
             hidden, x = ops.add_rms_norm(hidden, mlp.down_proj(ops.silu_mul(gate, up)), norm.weight,
                                          norm.variance_epsilon)
         return self.causal_lm.lm_head(x).float()
+
+
+class _Plan:
+    """What ``decode_layers`` takes: per layer 4 packed weights (q/k/v, o, gate/up, down), 3 optional
+    tensors a weight (bias, LoRA's packed A and B), the norms' weights in order, and the constants
+    every layer shares."""
+
+    def __init__(self):
+        self.weights: list[torch.Tensor] = []
+        self.extras: list[torch.Tensor | None] = []
+        self.norms: list[torch.Tensor] = []
+        self.qkv_sizes: list[int] = []
+        self.scale = self.eps = 0.0
+
+    def add(self, module) -> bool:
+        """One Linear of the step: a stacked group, a packed Linear, or a packed Linear with a packed
+        LoRA side path; False for anything else."""
+        lora = None
+        if isinstance(module, FusedProjections):
+            weight, bias, lora = module.packed, module.bias, module.lora
+        elif type(module) is PackedLinear:
+            weight, bias = module.packed, module.bias
+        elif type(module) is LoraSidePath and type(module.base) is PackedLinear:
+            weight, bias, lora = module.base.packed, module.base.bias, module.product
+        else:
+            return False
+        if isinstance(module, torch.nn.Module) and (module._forward_hooks or module._forward_pre_hooks):
+            return False  # (a hook someone registered runs when the loop calls the module)
+        if lora is not None and lora.packed is None:
+            return False
+        self.weights.append(weight)
+        self.extras += [bias, *(lora.packed if lora is not None else (None, None))]
+        return True
+
+
+def _one_call_plan(step: NativeDecoder) -> _Plan | None:
+    """``step``'s layers as ``decode_layers`` takes them, or None where any layer is laid out
+    otherwise (a sibling not stacked, a Linear not packed, a side path not packed) or the layers
+    differ in their attention scale, norm epsilon or q/k/v widths."""
+    plan, decoder = _Plan(), step.decoder
+    norms = [decoder.norm]
+    for layer, (qkv, gate_up) in zip(decoder.layers, step.groups, strict=True):
+        attn, mlp = layer.self_attn, layer.mlp
+        if qkv is None or gate_up is None or len(gate_up.sizes) != 2 or gate_up.sizes[0] != gate_up.sizes[1]:
+            return None
+        if not all(plan.add(m) for m in (qkv, attn.o_proj, gate_up, mlp.down_proj)):
+            return None
+        plan.norms += [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
+        norms += [layer.input_layernorm, layer.post_attention_layernorm]
+        if plan.qkv_sizes not in ([], list(qkv.sizes)) or plan.scale not in (0.0, float(attn.scaling)):
+            return None
+        plan.qkv_sizes, plan.scale = list(qkv.sizes), float(attn.scaling)
+    plan.norms.append(decoder.norm.weight)
+    if len({float(n.variance_epsilon) for n in norms}) != 1:
+        return None
+    plan.eps = float(decoder.norm.variance_epsilon)
+    return plan
 
 
 def native_decoder(lean: LeanDecoder | None, device: torch.device) -> LeanDecoder | None:

@@ -118,22 +118,12 @@ def test_the_sampler_decodes_through_the_kernels_as_it_does_without_them(tmp_pat
                                                                          sample_dtype):
     """fp32: the trainer's model with LoRA folded; bf16: the sampler's copy with stacked projections
     and LoRA side paths. Greedy tokens equal; logprobs within float (fp32) or bf16 rounding."""
-    service = ServiceClient(checkpoint_dir=tmp_path, device="cpu", train_dtype=train_dtype, sample_dtype=sample_dtype)
-    tc = service.create_lora_training_client("tiny", rank=4, seed=0)
-    perturb_adapter(tc, seed=3)
-    used, real = [], native_decode.native_decoder
-
-    def spied(lean, device):
-        decoder = real(lean, device)
-        used.append(type(decoder) is native_decode.NativeDecoder)
-        return decoder
-
-    monkeypatch.setattr(native_decode, "native_decoder", spied)
+    tc, decoders = _client_whose_decoders_are_kept(tmp_path, monkeypatch, train_dtype, sample_dtype)
     native = sample_each(tc, temperature=0.0)
-    assert used and all(used)
+    assert decoders and all(type(d) is native_decode.NativeDecoder for d in decoders)
     monkeypatch.setenv(native_kernels.ENV_SWITCH, "off")
     eager = sample_each(tc, temperature=0.0)
-    assert not used[-1]
+    assert type(decoders[-1]) is not native_decode.NativeDecoder
     bound = 1e-5 if sample_dtype == "fp32" else 0.05
     for (tokens, logprobs), (want_tokens, want_logprobs) in zip(native, eager, strict=True):
         assert tokens == want_tokens
@@ -146,25 +136,31 @@ def test_the_layers_in_one_native_call_sample_bit_for_bit_what_the_per_layer_loo
     """``decode_layers`` makes the Python loop's kernel calls in its order, from C++: the same
     tokens and the same logprobs, to the bit, at temperature 1 (fp32: LoRA folded into packed
     weights; bf16: the sampler's copy with packed LoRA side paths)."""
+    tc, decoders = _client_whose_decoders_are_kept(tmp_path, monkeypatch, train_dtype, sample_dtype)
+    one_call = sample_each(tc, temperature=1.0, seed=11)
+    assert decoders and all(d.plan is not None for d in decoders)
+    if sample_dtype == "bf16":  # the side paths travel in the plan
+        assert any(e is not None for e in decoders[-1].plan.extras)
+    monkeypatch.setattr(native_decode, "ONE_CALL", False)
+    per_layer = sample_each(tc, temperature=1.0, seed=11)
+    assert decoders[-1].plan is None
+    assert one_call == per_layer
+
+
+def _client_whose_decoders_are_kept(tmp_path, monkeypatch, train_dtype: str, sample_dtype: str):
+    """A training client of the tiny model with a nonzero adapter, and the list every sampling
+    call's decoding step (as ``native_decoder`` returns it) is appended to."""
     service = ServiceClient(checkpoint_dir=tmp_path, device="cpu", train_dtype=train_dtype, sample_dtype=sample_dtype)
     tc = service.create_lora_training_client("tiny", rank=4, seed=0)
     perturb_adapter(tc, seed=3)
-    plans, real = [], native_decode.native_decoder
+    decoders, real = [], native_decode.native_decoder
 
-    def spied(lean, device):
-        decoder = real(lean, device)
-        plans.append(getattr(decoder, "plan", None))
-        return decoder
+    def kept(lean, device):
+        decoders.append(real(lean, device))
+        return decoders[-1]
 
-    monkeypatch.setattr(native_decode, "native_decoder", spied)
-    one_call = sample_each(tc, temperature=1.0, seed=11)
-    assert plans and all(p is not None for p in plans)
-    if sample_dtype == "bf16":  # the side paths travel in the plan
-        assert any(e is not None for e in plans[-1].extras)
-    monkeypatch.setattr(native_decode, "ONE_CALL", False)
-    per_layer = sample_each(tc, temperature=1.0, seed=11)
-    assert plans[-1] is None
-    assert one_call == per_layer
+    monkeypatch.setattr(native_decode, "native_decoder", kept)
+    return tc, decoders
 
 
 def test_layers_the_one_call_does_not_compute_keep_the_per_layer_loop(ops) -> None:

@@ -112,6 +112,13 @@ def test_kernels_refuse_bad_input_with_what_was_expected(ops) -> None:
         ops.silu_mul(torch.zeros(2, 3, dtype=torch.float64), torch.zeros(2, 3, dtype=torch.float64))
     with pytest.raises(RuntimeError, match=r"x: expected \[2, 3\]"):
         ops.add_rms_norm(torch.zeros(2, 3), torch.zeros(2, 4), torch.ones(3), 1e-5)
+    with pytest.raises(RuntimeError, match="decode_layers: for 1 layers: 4 weights, 12 extras and 2 norms a layer"):
+        ops.decode_layers(q, cs, cs, torch.tensor([0, 0]), [q] * 4, [None] * 12, [cs] * 2, [keys], [keys], [8, 8, 8],
+                          1, 1.0, 1e-5)
+    weight = torch.ops.mkldnn._reorder_linear_weight(torch.zeros(24, 8), 2)
+    with pytest.raises(RuntimeError, match="a LoRA side path needs both A and B"):
+        ops.decode_layers(q, cs, cs, torch.tensor([0, 0]), [weight] * 4, [None, weight, None] + [None] * 9,
+                          [torch.ones(8)] * 3, [keys], [keys.clone()], [8, 8, 8], 1, 1.0, 1e-5)
 
 
 @pytest.mark.parametrize(("train_dtype", "sample_dtype"), [("fp32", "fp32"), ("fp32", "bf16")])

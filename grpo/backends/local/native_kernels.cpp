@@ -681,6 +681,7 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& weight, const c1
           .findSchemaOrThrow("mkldnn::_linear_pointwise", "binary")
           .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
                             const c10::optional<at::Tensor>&, c10::string_view)>();
+  TORCH_CHECK(lora_a.has_value() == lora_b.has_value(), "decode_layers: a LoRA side path needs both A and B");
   auto out = linear.call(x, weight, bias, "none", c10::List<c10::optional<c10::Scalar>>(), "");
   if (!lora_a.has_value()) return out;
   auto down = linear.call(x, *lora_a, c10::nullopt, "none", c10::List<c10::optional<c10::Scalar>>(), "");

@@ -110,22 +110,20 @@ def _one_call_plan(step: NativeDecoder) -> _Plan | None:
     otherwise (a sibling not stacked, a Linear not packed, a side path not packed) or the layers
     differ in their attention scale, norm epsilon or q/k/v widths."""
     plan, decoder = _Plan(), step.decoder
-    norms = [decoder.norm]
     for layer, (qkv, gate_up) in zip(decoder.layers, step.groups, strict=True):
-        attn, mlp = layer.self_attn, layer.mlp
         if qkv is None or gate_up is None or len(gate_up.sizes) != 2 or gate_up.sizes[0] != gate_up.sizes[1]:
             return None
-        if not all(plan.add(m) for m in (qkv, attn.o_proj, gate_up, mlp.down_proj)):
+        if not all(plan.add(m) for m in (qkv, layer.self_attn.o_proj, gate_up, layer.mlp.down_proj)):
             return None
-        plan.norms += [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
-        norms += [layer.input_layernorm, layer.post_attention_layernorm]
-        if plan.qkv_sizes not in ([], list(qkv.sizes)) or plan.scale not in (0.0, float(attn.scaling)):
-            return None
-        plan.qkv_sizes, plan.scale = list(qkv.sizes), float(attn.scaling)
-    plan.norms.append(decoder.norm.weight)
-    if len({float(n.variance_epsilon) for n in norms}) != 1:
+    # each layer's input and post-attention norms in turn, then the final one
+    norms = [n for layer in decoder.layers for n in (layer.input_layernorm, layer.post_attention_layernorm)]
+    norms.append(decoder.norm)
+    shared = ({tuple(qkv.sizes) for qkv, _ in step.groups}, {float(layer.self_attn.scaling) for layer in decoder.layers},
+              {float(n.variance_epsilon) for n in norms})
+    if any(len(values) != 1 for values in shared):
         return None
-    plan.eps = float(decoder.norm.variance_epsilon)
+    (qkv_sizes,), (plan.scale,), (plan.eps,) = shared
+    plan.qkv_sizes, plan.norms = list(qkv_sizes), [n.weight for n in norms]
     return plan
 
 

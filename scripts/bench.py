@@ -288,8 +288,9 @@ def worker_grpo(args: argparse.Namespace) -> None:
         alone = computing.run(
             hardware_floors.kernels_alone, size, precision, rows_per_decode_step(timed),
             int(median([e["processed_tokens"] for e in timed])), int(median([e["tokens"] for e in timed])),
-            sample_dtype=sample_precision) if timed else {}
-        floors = {**hardware_floors.as_dict(machine, size), "kernels_alone": alone, "sample_dtype": sample_precision}
+            sample_dtype=sample_precision, layout=tc.engine.fp32_layout) if timed else {}
+        floors = {**hardware_floors.as_dict(machine, size), "kernels_alone": alone, "sample_dtype": sample_precision,
+                  "layout": tc.engine.fp32_layout if sample_precision == "fp32" else "onednn"}
     emit(event="done", **memory, **({"floors": floors} if floors else {}))
 
 
@@ -698,7 +699,8 @@ def against_hardware(events: list[dict[str, Any]], floors: dict[str, Any], step_
     if "decode_linears_s" in alone:
         out["decode_linears_ms"] = 1000 * alone["decode_linears_s"]
         linears = f"{out['decode_linears_ms'] / out['decode_stream_floor_ms']:.2f}x ({out['decode_linears_ms']:.1f} ms)"
-    table.append((f"decoding step / weight-stream floor ({floors.get('sample_dtype', machine.dtype)}: "
+    layout = {"stream": ", streaming layout", "onednn": ", oneDNN's layout"}.get(floors.get("layout"), "")
+    table.append((f"decoding step / weight-stream floor ({floors.get('sample_dtype', machine.dtype)}{layout}: "
                   f"{decode_ms:.1f} ms / {out['decode_stream_floor_ms']:.1f} ms; "
                   f"{rows:.1f} rows, compute floor {out['decode_compute_floor_ms']:.1f} ms)", f"{ratio:.2f}x",
                   linears or "-", f"<= {GOALS['decode_vs_stream']:.1f}x", ratio <= GOALS["decode_vs_stream"]))

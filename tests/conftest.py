@@ -54,10 +54,10 @@ def fp32_service(tmp_path):
 
 def pytest_sessionstart(session):
     """grpo builds its native CPU kernels on a model's first load and says so on stderr
-    (grpo/backends/local/native_kernels.py). Built here, before any test (under xdist the controller
+    (grpo/models/native_kernels.py). Built here, before any test (under xdist the controller
     builds, each worker then loads the build), no test's captured stderr depends on whether it
     happened to be the first to sample."""
-    from grpo.backends.local import native_kernels
+    from grpo.models import native_kernels
 
     native_kernels.kernels()
 
@@ -66,7 +66,7 @@ def pytest_sessionstart(session):
 def native_ops():
     """torch.ops.grpo_native; the test is skipped where no C++ compiler is found, and fails where
     one is found but the kernels did not build."""
-    from grpo.backends.local import native_kernels
+    from grpo.models import native_kernels
 
     found = native_kernels.kernels()
     if found is None and shutil.which("c++") is None:

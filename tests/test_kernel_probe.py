@@ -1,6 +1,7 @@
-"""The float32 training kernel (grpo/models/kernel_probe.py): measured once per machine and model
-shape, PyTorch's kernel only where it measured faster by the margin, and a model that trains
-through either computes the same gradients. Timings are faked: this machine's decide nothing here."""
+"""The float32 training kernel and the sampler's packed layout (grpo/models/kernel_probe.py):
+measured once per machine and model shape, the other kernel (layout) only where it measured faster
+by the margin, and a model that trains through either computes the same gradients. Timings are
+faked: this machine's decide nothing here."""
 
 from __future__ import annotations
 
@@ -13,8 +14,13 @@ from torch import nn
 
 from grpo import models, types
 from grpo.backends.local import ServiceClient
-from grpo.models import cpu_linear, dtype_probe, kernel_probe
+from grpo.models import cpu_linear, dtype_probe, kernel_probe, native_kernels
 from grpo.models.cpu_linear import OneDNNLinear
+
+
+def shapes_of(name: str) -> dtype_probe.Shapes:
+    return dtype_probe.Shapes.from_config(models.load_config(name))
+
 
 SMOL = dtype_probe.Shapes(hidden=576, intermediate=1536, q_out=576, kv_out=192, vocab=49152, layers=30)
 needs_onednn = pytest.mark.skipif(not (cpu_linear.wanted() and cpu_linear.onednn_works()),
@@ -37,11 +43,13 @@ def probe(monkeypatch, tmp_path):
     """The probe on (conftest turns it off), caching in a tmp file, timed by the FakeTimer given."""
     monkeypatch.setenv(dtype_probe.ENV_SWITCH, "on")
     monkeypatch.setattr(kernel_probe, "_memo", {})
+    monkeypatch.setattr(kernel_probe, "_layout_memo", {})
     monkeypatch.setattr(dtype_probe, "cache_file", lambda: tmp_path / "precision.json")
     monkeypatch.setattr(dtype_probe, "machine_busy", lambda: None)
 
-    def use(timer: FakeTimer) -> FakeTimer:
+    def use(timer: FakeTimer, layouts: FakeTimer | None = None) -> FakeTimer:
         monkeypatch.setattr(kernel_probe, "measure", timer)
+        monkeypatch.setattr(kernel_probe, "measure_layouts", layouts or FakeTimer(0.045, 0.032))
         return timer
 
     return use
@@ -78,33 +86,43 @@ def test_measured_once_per_machine_said_once_and_cached(probe, tmp_path, capsys)
 def test_after_auto_resolved_to_fp32_its_numbers_choose_the_kernel_untimed(probe, monkeypatch, tmp_path, capsys) -> None:
     """``auto`` resolving to fp32 has timed fp32 training through both kernels (dtype_probe.py):
     the kernel probe answers from those numbers instead of timing the same ops again."""
-    timer = probe(FakeTimer(0.9, 0.1))  # would choose PyTorch's kernel too: only its calls tell
+    timer = FakeTimer(0.9, 0.1)  # would choose PyTorch's kernel too: only its calls tell
     monkeypatch.setattr(dtype_probe, "_memo", {})
-    monkeypatch.setattr(dtype_probe, "_by_kernel_memo", {})
+    monkeypatch.setattr(dtype_probe, "_by_variant_memo", {})
+    layouts = FakeTimer(0.9, 0.1)
+    timer = probe(timer, layouts)
+    streams = cpu_linear.stream_available()  # grpo's kernels built: the layouts were timed too
     monkeypatch.setattr(dtype_probe, "measure", lambda shapes: {  # bf16 slower in both roles: auto is fp32
-        "sample": (0.030, 0.060), "train": (0.360, 0.500), dtype_probe.BY_KERNEL: {"onednn": 0.432, "torch": 0.360}})
+        "sample": (0.030, 0.060), "train": (0.360, 0.500), dtype_probe.BY_KERNEL: {"onednn": 0.432, "torch": 0.360},
+        **({dtype_probe.BY_LAYOUT: {"onednn": 0.045, "stream": 0.030}} if streams else {})})
     engine = ServiceClient(device="cpu").create_lora_training_client("tiny", seed=0, rank=2).engine
-    assert engine.dtype is torch.float32 and engine.fp32_kernel == "torch" and timer.calls == 0
-    precision_line, kernel_line = capsys.readouterr().err.splitlines()
+    assert engine.dtype is torch.float32 and engine.fp32_kernel == "torch" and timer.calls == layouts.calls == 0
+    assert engine.fp32_layout == ("stream" if streams else "onednn")
+    precision_line, kernel_line, *layout_line = capsys.readouterr().err.splitlines()
     assert precision_line.startswith("grpo: auto precision on ")
     assert kernel_line.endswith("(per training pass: oneDNN 432.0 ms, PyTorch 360.0 ms, PyTorch 1.20x faster, as the "
                                 f"precision probe timed them); cached in {tmp_path / 'precision.json'}")
+    assert layout_line == ([f"grpo: fp32 decoding layout on {dtype_probe.cpu_name()} ({shapes_of('tiny').signature()}): "
+                            "streaming (per decoding step: oneDNN 45.0 ms, streaming 30.0 ms, streaming 1.50x faster, "
+                            f"as the precision probe timed them); cached in {tmp_path / 'precision.json'}"]
+                           if streams else [])
     shapes = dtype_probe.Shapes.from_config(models.load_config("tiny"))
     stored = json.loads((tmp_path / "precision.json").read_text())
     key = dtype_probe.machine_key(shapes)
     assert stored[key][dtype_probe.BY_KERNEL] == {"onednn": 0.432, "torch": 0.36}
     assert stored[kernel_probe.KEY_PREFIX + key] == {"onednn_s": 0.432, "torch_s": 0.36}
-    for memo in (dtype_probe._memo, dtype_probe._by_kernel_memo, kernel_probe._memo):
-        memo.clear()  # as a new process: the cache file answers both, silently
-    assert ServiceClient(device="cpu").create_lora_training_client("tiny", seed=0, rank=2).engine.fp32_kernel == "torch"
-    assert capsys.readouterr().err == "" and timer.calls == 0
+    for memo in (dtype_probe._memo, dtype_probe._by_variant_memo, kernel_probe._memo, kernel_probe._layout_memo):
+        memo.clear()  # as a new process: the cache file answers all, silently
+    engine = ServiceClient(device="cpu").create_lora_training_client("tiny", seed=0, rank=2).engine
+    assert engine.fp32_kernel == "torch" and engine.fp32_layout == ("stream" if streams else "onednn")
+    assert capsys.readouterr().err == "" and timer.calls == layouts.calls == 0
 
 
 @needs_onednn
 def test_a_precision_entry_without_both_kernels_numbers_is_timed(probe, monkeypatch, tmp_path) -> None:
     """An entry of a probe that timed one kernel (or a damaged one) answers nothing: measured."""
     timer = probe(FakeTimer(0.432, 0.360))
-    monkeypatch.setattr(dtype_probe, "_by_kernel_memo", {})
+    monkeypatch.setattr(dtype_probe, "_by_variant_memo", {})
     key = dtype_probe.machine_key(SMOL)
     for numbers in ({"onednn": 0.2}, "damaged", {"onednn": "fast", "torch": 0.1}):
         kernel_probe._memo.clear()
@@ -207,3 +225,59 @@ def test_lora_layers_keep_their_base_as_a_onednn_linear() -> None:
         "tiny", seed=0, rank=2)
     bases = [m.base_layer for m in client.engine.peft_model.modules() if isinstance(m, LoraLinear)]
     assert bases and all(type(b) is OneDNNLinear for b in bases) == (cpu_linear.wanted() and cpu_linear.onednn_works())
+
+
+needs_streaming = pytest.mark.skipif(not cpu_linear.stream_available(),
+                                     reason="grpo's native kernels are not built here: no streaming layout to weigh")
+
+
+@needs_onednn
+@needs_streaming
+@pytest.mark.parametrize(("onednn_s", "stream_s", "expected"), [
+    (0.0455, 0.0321, "stream"),  # an Intel Xeon (avx512), SmolLM2 at 16 rows: streaming 1.42x faster
+    (0.0400, 0.0390, "onednn"),  # inside the margin: oneDNN's layout stays
+    (0.0300, 0.0450, "onednn"),  # a CPU where the streaming product is slower
+])
+def test_the_streaming_layout_only_where_it_measured_faster_by_the_margin(probe, onednn_s, stream_s,
+                                                                         expected) -> None:
+    layouts = FakeTimer(onednn_s, stream_s)
+    probe(FakeTimer(0.4, 0.4), layouts)
+    assert kernel_probe.decoding_layout(SMOL) == expected
+    assert kernel_probe.decoding_layout(SMOL) == expected and layouts.calls == 1
+
+
+@needs_onednn
+@needs_streaming
+def test_the_layout_is_measured_once_said_once_and_cached(probe, tmp_path, capsys) -> None:
+    layouts = FakeTimer(0.0455, 0.0321)
+    probe(FakeTimer(0.4, 0.4), layouts)
+    assert kernel_probe.decoding_layout(SMOL) == "stream"
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line == (f"grpo: fp32 decoding layout on {dtype_probe.cpu_name()} ({SMOL.signature()}): streaming (per "
+                    f"decoding step: oneDNN 45.5 ms, streaming 32.1 ms, streaming 1.42x faster); cached in "
+                    f"{tmp_path / 'precision.json'}")
+    kernel_probe._layout_memo.clear()  # as a new process
+    assert kernel_probe.decoding_layout(SMOL) == "stream" and layouts.calls == 1
+    stored = json.loads((tmp_path / "precision.json").read_text())
+    assert stored == {kernel_probe.LAYOUT_KEY_PREFIX + dtype_probe.machine_key(SMOL):
+                      {"onednn_s": 0.0455, "stream_s": 0.0321}}
+
+
+def test_no_layout_is_measured_without_the_kernels_the_probe_or_shapes(probe, monkeypatch, capsys) -> None:
+    """oneDNN's layout, untimed, wherever there is nothing to weigh it against or nothing to time;
+    a busy machine is not measured either."""
+    layouts = FakeTimer(0.0455, 0.0321)
+    probe(FakeTimer(0.4, 0.4), layouts)
+    assert kernel_probe.decoding_layout(None) == "onednn"
+    monkeypatch.setenv(dtype_probe.ENV_SWITCH, "off")
+    assert kernel_probe.decoding_layout(SMOL) == "onednn"
+    monkeypatch.setenv(dtype_probe.ENV_SWITCH, "on")
+    with monkeypatch.context() as patched:
+        patched.setattr(native_kernels, "kernels", lambda: None)  # not built here (no compiler, switched off)
+        patched.setattr(cpu_linear, "_stream", {"ops": None})
+        assert kernel_probe.decoding_layout(SMOL) == "onednn"
+    monkeypatch.setattr(dtype_probe, "machine_busy", lambda: "load 3.1 on 2 cores")
+    if cpu_linear.stream_available() and cpu_linear.onednn_works():
+        assert kernel_probe.decoding_layout(SMOL) == "onednn"
+        assert "fp32 decoding layout not measured, the machine is busy" in capsys.readouterr().err
+    assert layouts.calls == 0

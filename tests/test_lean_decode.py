@@ -12,7 +12,8 @@ import torch
 from backend_helpers import perturb_adapter, sample_each
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-from grpo.backends.local import ServiceClient, lean_decode, native_kernels, sampler
+from grpo.backends.local import ServiceClient, lean_decode, sampler
+from grpo.models import native_kernels
 
 
 @pytest.mark.parametrize(("train_dtype", "sample_dtype"), [("fp32", "fp32"), ("fp32", "bf16")])

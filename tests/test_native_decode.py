@@ -15,7 +15,8 @@ from transformers import LlamaConfig
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.models.llama.modeling_llama import LlamaRMSNorm, apply_rotary_pos_emb
 
-from grpo.backends.local import ServiceClient, native_decode, native_kernels, sampler
+from grpo.backends.local import ServiceClient, native_decode, sampler
+from grpo.models import native_kernels
 from grpo.models.cpu_linear import packing_works
 from grpo.types import SamplingParams
 

@@ -12,8 +12,7 @@ import os
 import pytest
 import torch
 
-from grpo.backends.local import native_kernels
-from grpo.models import dtype_probe
+from grpo.models import dtype_probe, native_kernels
 
 
 def test_the_switch_takes_on_or_off(monkeypatch) -> None:
@@ -53,7 +52,7 @@ def test_a_build_that_does_not_load_is_built_again(tmp_path, native_ops) -> None
     import subprocess
     import sys
 
-    code = ("from grpo.backends.local import native_kernels as n; "
+    code = ("from grpo.models import native_kernels as n; "
             "print(n.kernels() is not None); print(n.build_directory())")
     env = {**os.environ, "GRPO_CACHE": str(tmp_path), native_kernels.ENV_SWITCH: "on"}
 

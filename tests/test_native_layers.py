@@ -26,7 +26,8 @@ from transformers.models.llama.modeling_llama import (
     apply_rotary_pos_emb,
 )
 
-from grpo.backends.local import ServiceClient, native_kernels, native_layers
+from grpo.backends.local import ServiceClient, native_layers
+from grpo.models import native_kernels
 from grpo.types import Datum, ModelInput, TensorData
 
 DTYPES = [torch.float32, torch.bfloat16]

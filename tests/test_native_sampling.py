@@ -15,7 +15,8 @@ import pytest
 import torch
 from backend_helpers import sample_each
 
-from grpo.backends.local import ServiceClient, native_kernels, sampler
+from grpo.backends.local import ServiceClient, sampler
+from grpo.models import native_kernels
 from grpo.types import SamplingParams
 
 

@@ -247,17 +247,20 @@ def test_the_real_probe_returns_a_choice_per_role_and_caches_it(tmp_path, monkey
     assert dtype_probe.timings(shapes, timer=no_timing, cache=tmp_path / "p.json") == first
 
 
-@pytest.mark.parametrize(("onednn_s", "torch_s"), [(4.0, 2.0), (2.0, 4.0)])
-def test_fp32_training_is_timed_through_the_faster_float32_kernel(monkeypatch, onednn_s, torch_s) -> None:
-    """A float32 model trains through whichever kernel measured faster (kernel_probe.py), so the
-    probe's fp32 training time is that kernel's: ``auto`` weighs bf16 against the fp32 that would
-    run. The ops advance a fake clock by their cost: the probe's arithmetic, not this CPU's speed."""
+@pytest.mark.parametrize(("onednn_s", "torch_s", "stream_s"), [(4.0, 2.0, 0.5), (2.0, 4.0, 2.0)])
+def test_fp32_is_timed_through_the_faster_float32_kernel_and_packed_layout(monkeypatch, onednn_s, torch_s,
+                                                                            stream_s) -> None:
+    """A float32 model trains through whichever kernel measured faster, and its sampler packs in
+    whichever layout measured faster (kernel_probe.py), so the probe's fp32 times are those: ``auto``
+    weighs bf16 against the fp32 that would run. The ops advance a fake clock by their cost: the
+    probe's arithmetic, not this CPU's speed."""
     import types as pytypes
 
     from grpo.models import cpu_linear
 
     clock = [0.0]
     cost = {(torch.float32, "onednn"): onednn_s, (torch.float32, "torch"): torch_s, (torch.bfloat16, "onednn"): 3.0}
+    decode_cost = {(torch.float32, "onednn"): 1.0, (torch.float32, "stream"): stream_s, (torch.bfloat16, "onednn"): 1.0}
 
     def ops(seconds: float):
         def op() -> None:
@@ -265,19 +268,23 @@ def test_fp32_training_is_timed_through_the_faster_float32_kernel(monkeypatch, o
         return [op, op], [1.0, 5.0]  # one op counted once a pass, one five times
 
     monkeypatch.setattr(dtype_probe, "time", pytypes.SimpleNamespace(perf_counter=lambda: clock[0]))
-    monkeypatch.setattr(dtype_probe, "_decode_ops", lambda shapes, dtype: ops(1.0))
+    monkeypatch.setattr(dtype_probe, "_decode_ops", lambda shapes, dtype, layout="onednn": ops(decode_cost[dtype, layout]))
     monkeypatch.setattr(dtype_probe, "_train_ops", lambda shapes, dtype, kernel="onednn": ops(cost[dtype, kernel]))
     monkeypatch.setattr(cpu_linear, "wanted", lambda: True)
     monkeypatch.setattr(cpu_linear, "onednn_works", lambda: True)
+    monkeypatch.setattr(cpu_linear, "stream_available", lambda: True)
     shapes = dtype_probe.Shapes.from_config(models.load_config("tiny"))
     result = dtype_probe.measure(shapes, budget_s=0.1)
     assert result["train"] == (6 * min(onednn_s, torch_s), 6 * 3.0)
-    assert result["sample"] == (6.0, 6.0)
-    # each kernel's time kept too: the kernel probe answers from it (tests/test_kernel_probe.py)
+    assert result["sample"] == (6 * min(1.0, stream_s), 6.0)
+    # each kernel's and layout's time kept too: the kernel probe answers from them (tests/test_kernel_probe.py)
     assert result[dtype_probe.BY_KERNEL] == {"onednn": 6 * onednn_s, "torch": 6 * torch_s}
+    assert result[dtype_probe.BY_LAYOUT] == {"onednn": 6.0, "stream": 6 * stream_s}
     monkeypatch.setattr(cpu_linear, "wanted", lambda: False)  # GRPO_CPU_LINEAR=torch: one kernel, nothing to pick
+    monkeypatch.setattr(cpu_linear, "stream_available", lambda: False)  # grpo's kernels not built: one layout
     result = dtype_probe.measure(shapes, budget_s=0.1)
     assert result["train"] == (6 * onednn_s, 6 * 3.0) and dtype_probe.BY_KERNEL not in result
+    assert result["sample"] == (6.0, 6.0) and dtype_probe.BY_LAYOUT not in result
 
 
 @pytest.mark.skipif(not packing_works(torch.bfloat16), reason="this CPU/torch build packs no bf16 weights")

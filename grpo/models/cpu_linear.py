@@ -16,8 +16,15 @@ the same kernels, so they still agree with each other as before.
 
 On other CPUs MKL is the faster one for training: on an Intel Xeon with AMX its input gradients
 ran up to 1.6x faster. So a float32 model's training products go to the kernel that measured
-faster on the machine (``OneDNNLinear.kernel``, set by the engine from kernel_probe.py); the
-sampler's packed weights stay oneDNN's.
+faster on the machine (``OneDNNLinear.kernel``, set by the engine from kernel_probe.py).
+
+The sampler's gradient-free weights are packed once (``pack_weight``): into oneDNN's blocked
+layout, or -- float32 only, where grpo's native kernels are built and the machine measured it
+faster for a decoding step (kernel_probe.py) -- into grpo's streaming layout, whose product
+(native_kernels.cpp's ``stream_linear``) reads each weight once for all of a decoding step's rows
+and prefetches ahead: SmolLM2's Linears at 24 rows, 30 layers' distinct weights, took 34 ms
+against oneDNN's 48 (Intel Xeon, avx512, 2 cores; docs/benchmark.md). ``packed_product``
+multiplies by either.
 
 ``GRPO_CPU_LINEAR=torch`` in the environment keeps PyTorch's default kernels.
 """
@@ -36,8 +43,39 @@ ENV_SWITCH = "GRPO_CPU_LINEAR"
 
 def _onednn(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     # oneDNN's Linear as PyTorch binds it for its own CPU compiler (inductor); it takes the dense
-    # weight as it is (a transposed view too, for the input gradient), nothing packed by us.
+    # weight as it is (a transposed view too, for the input gradient), or oneDNN's packed one.
     return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+
+
+# The layouts a gradient-free weight may be packed in: oneDNN's, or grpo's streaming one (float32;
+# native_kernels.cpp). The streaming layout holds the output columns in panels of this many.
+LAYOUTS = ("onednn", "stream")
+STREAM_COLUMNS = 16
+_stream: dict = {"ops": None}  # torch.ops.grpo_native, once loaded
+
+
+def _stream_ops():
+    """torch.ops.grpo_native where grpo's native kernels are built and loaded, else None."""
+    if _stream["ops"] is None:
+        from grpo.models import native_kernels  # (which builds them on first need, not on import)
+
+        ops = native_kernels.kernels()
+        if ops is not None and hasattr(ops, "stream_linear"):
+            _stream["ops"] = ops
+    return _stream["ops"]
+
+
+def stream_available() -> bool:
+    """Whether float32 weights can be packed in the streaming layout here: grpo's native kernels
+    built and loaded (GRPO_NATIVE_KERNELS on, a compiler present)."""
+    return _stream_ops() is not None
+
+
+def packed_product(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``x @ W.T + bias`` for a weight packed by ``pack_weight``, in whichever layout."""
+    if packed.is_mkldnn:
+        return _onednn(x, packed, bias)
+    return _stream["ops"].stream_linear(x, packed, bias)  # (loaded: the weight was packed by it)
 
 
 class LoraSideProduct:
@@ -51,10 +89,10 @@ class LoraSideProduct:
     def __init__(self, a: torch.Tensor, b: torch.Tensor):
         self.a, self.b = a, b
         packable = can_pack(a) and can_pack(b) and _binary_add_works(a.dtype)
-        self.packed = (pack_weight(a), pack_weight(b)) if packable else None
+        self.packed = (pack_weight(a, "onednn"), pack_weight(b, "onednn")) if packable else None
 
     def add_to(self, base_out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        if self.packed is not None:
+        if self.packed is not None:  # (oneDNN's layout: its binary post-op adds base_out)
             a, b = self.packed
             return torch.ops.mkldnn._linear_pointwise.binary(_onednn(x, a, None), base_out, b, None, "add")
         base_out.view(-1, base_out.shape[-1]).addmm_(F.linear(x.reshape(-1, x.shape[-1]), self.a), self.b.t())
@@ -67,7 +105,7 @@ def _binary_add_works(dtype: torch.dtype) -> bool:
     try:
         gen = torch.Generator().manual_seed(0)
         x, w, other = (torch.randn(shape, generator=gen).to(dtype) for shape in ((3, 1, 16), (24, 16), (3, 1, 24)))
-        got = torch.ops.mkldnn._linear_pointwise.binary(x, other, pack_weight(w), None, "add")
+        got = torch.ops.mkldnn._linear_pointwise.binary(x, other, pack_weight(w, "onednn"), None, "add")
         tolerance = 1e-4 if dtype == torch.float32 else 5e-2
         return torch.allclose(got.float(), (other + F.linear(x, w)).float(), rtol=tolerance, atol=tolerance)
     except (AttributeError, RuntimeError, NotImplementedError):
@@ -110,6 +148,7 @@ class OneDNNLinear(nn.Linear):
     """
 
     inference_packed = False
+    packed_layout = "onednn"  # the packed copy's (``pack_weight``)
     # The float32 kernel for products by the weight itself (training, and gradient-free calls
     # without a packed copy): oneDNN, or "torch" (``nn.Linear``'s own: MKL's sgemm in PyTorch's CPU
     # wheels) on a machine where that measured faster for training (kernel_probe.py).
@@ -126,13 +165,13 @@ class OneDNNLinear(nn.Linear):
         # (a copy of the model in another dtype keeps the mark: a CPU without bf16 instructions
         # packs no bf16 weight, and such a layer multiplies by its weight as it is)
         if self.inference_packed and packing_works(self.weight.dtype):
-            return _onednn(x, self._packed_weight(), self.bias)
+            return packed_product(x, self._packed_weight(), self.bias)
         return _onednn(x, self.weight, self.bias) if by_onednn else super().forward(x)
 
     def _packed_weight(self) -> torch.Tensor:
-        key = (self.weight.data_ptr(), self.weight._version)
+        key = (self.weight.data_ptr(), self.weight._version, self.packed_layout)
         if getattr(self, "_packed_key", None) != key:
-            self._packed = pack_weight(self.weight)
+            self._packed = pack_weight(self.weight, self.packed_layout)
             self._packed_key = key
         return self._packed
 
@@ -141,40 +180,55 @@ class OneDNNLinear(nn.Linear):
 _ONEDNN_DTYPES = (torch.float32, torch.bfloat16)
 
 
-def pack_weight(weight: torch.Tensor) -> torch.Tensor:
-    """``weight`` in oneDNN's blocked layout (an opaque mkldnn tensor ``_linear_pointwise`` takes)."""
+def pack_weight(weight: torch.Tensor, layout: str = "onednn") -> torch.Tensor:
+    """``weight`` packed once for gradient-free products (``packed_product``), in ``layout``. The
+    streaming layout takes float32 weights whose rows are a multiple of ``STREAM_COLUMNS``, where
+    grpo's kernels are loaded; any other weight gets oneDNN's (an opaque mkldnn tensor
+    ``_linear_pointwise`` takes), as does every weight asked for in oneDNN's."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"unknown packed layout {layout!r}; valid: {', '.join(LAYOUTS)}")
+    if (layout == "stream" and stream_available() and weight.dtype == torch.float32 and weight.dim() == 2
+            and weight.shape[0] % STREAM_COLUMNS == 0):
+        return _stream_ops().stream_pack(weight.detach())
     # The batch size is a hint for the layout; 32 rows is what a decoding step carries at most
     # as a rule, and the packed weight computes any number of rows.
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 32)
 
 
 class PackedLinear(nn.Module):
-    """A gradient-free Linear holding only oneDNN's packed weight (and the bias): the sampler's
-    layers, whose weights are built once per set of adapter weights and never trained."""
+    """A gradient-free Linear holding only its packed weight (``pack_weight``: oneDNN's layout or the
+    streaming one) and the bias: the sampler's layers, whose weights are built once per set of
+    adapter weights and never trained."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, layout: str = "onednn"):
         super().__init__()
         self.out_features, self.in_features = weight.shape
-        self.packed = pack_weight(weight)
+        self.packed = pack_weight(weight, layout)
         self.bias = None if bias is None else bias.detach()
         self.dtype = weight.dtype
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _onednn(x, self.packed, self.bias)
+        return packed_product(x, self.packed, self.bias)
+
+    @property
+    def layout(self) -> str:
+        return "onednn" if self.packed.is_mkldnn else "stream"
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, dtype={self.dtype}, packed"
+        return (f"in_features={self.in_features}, out_features={self.out_features}, dtype={self.dtype}, "
+                f"packed ({self.layout})")
 
 
-def keep_packed_copies(modules: list[nn.Module]) -> int:
-    """Mark these CPU Linears (float32 or bf16) to keep a packed copy of their weight for
-    gradient-free calls beside the weight training uses; the number marked. Costs one more copy
-    of each weight, made on first use."""
+def keep_packed_copies(modules: list[nn.Module], layout: str = "onednn") -> int:
+    """Mark these CPU Linears (float32 or bf16) to keep a packed copy of their weight, in
+    ``layout`` (``pack_weight``), for gradient-free calls beside the weight training uses; the
+    number marked. Costs one more copy of each weight, made on first use."""
     count = 0
     for module in modules:
         if type(module) in (nn.Linear, OneDNNLinear) and can_pack(module.weight):
             module.__class__ = OneDNNLinear
             module.inference_packed = True
+            module.packed_layout = layout
             count += 1
     return count
 
@@ -192,20 +246,20 @@ def packing_works(dtype: torch.dtype) -> bool:
         gen = torch.Generator().manual_seed(0)
         x, w, b = (torch.randn(shape, generator=gen).to(dtype) for shape in ((3, 5, 16), (24, 16), (24,)))
         tolerance = 1e-4 if dtype == torch.float32 else 5e-2
-        return torch.allclose(_onednn(x, pack_weight(w), b).float(), F.linear(x, w, b).float(),
+        return torch.allclose(_onednn(x, pack_weight(w, "onednn"), b).float(), F.linear(x, w, b).float(),
                               rtol=tolerance, atol=tolerance)
     except (AttributeError, RuntimeError, NotImplementedError):
         return False
 
 
-def pack_for_inference(model: nn.Module) -> int:
+def pack_for_inference(model: nn.Module, layout: str = "onednn") -> int:
     """Replace every CPU ``nn.Linear`` (float32 or bf16) of a gradient-free ``model`` by a
-    ``PackedLinear``; the number replaced. A weight shared with another module (a tied
+    ``PackedLinear`` (its weight packed in ``layout``, ``pack_weight``); the number replaced. A weight shared with another module (a tied
     unembedding) stays alive through that module; the others are dropped for their packed copy."""
     count = 0
     for name, module in list(model.named_modules()):
         if type(module) in (nn.Linear, OneDNNLinear) and can_pack(module.weight):
-            model.set_submodule(name, PackedLinear(module.weight, module.bias))
+            model.set_submodule(name, PackedLinear(module.weight, module.bias, layout))
             count += 1
     return count
 

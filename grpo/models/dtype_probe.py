@@ -11,7 +11,10 @@ machine times both precisions on that model's shapes, for each role separately:
   sampler's steps follow each other, so that the cache holds what it would then (a Xeon here has a
   480 MiB last-level cache: SmolLM2's bf16 weights fit in it, its fp32 weights do not); the layers
   are built as the sampler builds them: packed weights, fp32 with LoRA folded in, bf16 as the
-  sampler's copy with sibling projections stacked and LoRA as a bf16 side path;
+  sampler's copy with sibling projections stacked and LoRA as a bf16 side path. fp32 is timed in
+  both packed layouts where grpo's native kernels are loaded (oneDNN's and the streaming one,
+  cpu_linear.py), and the faster counts: the sampler packs in whichever measured faster
+  (kernel_probe.py);
 - ``train``: a forward and backward pass of ``TRAIN_ROWS`` tokens through one layer's Linears and
   the unembedding, as the trainer runs them: the frozen base in the precision timed (input
   gradient only), LoRA's fp32 weights cast to it and added inside the matmul (lora_linear.py).
@@ -75,7 +78,8 @@ HEAD_DECODE_BYTES = 256 << 20  # the unembedding's rows timed per decoding step 
 # 3: the bf16 LoRA side paths it times go through packed A and B (cpu_linear.LoraSideProduct).
 # 4: training's LoRA product added into the base output in place, as the trainer now does.
 # 5: fp32 training timed through both float32 kernels, the faster counting (kernel_probe.py).
-PROBE_VERSION = 5
+# 6: fp32 decoding timed in both packed layouts, the faster counting (kernel_probe.py).
+PROBE_VERSION = 6
 HEAD_TRAIN_ROWS = 4096  # the unembedding's rows timed per training pass (compute-bound: scales linearly)
 LORA_RANK = 16  # the API's default rank; every Linear adapted (train_attn/mlp/unembed default on)
 LORA_SCALING = 2.0  # alpha = 2 * rank
@@ -131,14 +135,17 @@ class Timing:
 
 
 # (shapes) -> {role: (fp32 seconds, bf16 seconds)} (and, optionally, BY_KERNEL: {kernel: fp32 training
-# seconds}); tests pass a fake one
+# seconds} and BY_LAYOUT: {layout: fp32 decoding seconds}); tests pass a fake one
 Timer = Callable[[Shapes], dict[str, tuple[float, float]]]
 Op = Callable[[], Any]  # one matmul (forward, or forward and backward) of the probe
 
 _memo: dict[str, dict[str, Timing] | None] = {}
-# measure()'s seconds of fp32 training per float32 kernel, beside the roles (where both kernels were timed)
+# measure()'s seconds of fp32 training per float32 kernel, and of fp32 decoding per packed layout,
+# beside the roles (where both were timed)
 BY_KERNEL = "fp32_train_by_kernel"
-_by_kernel_memo: dict[str, dict[str, float]] = {}
+BY_LAYOUT = "fp32_sample_by_layout"
+BY_VARIANT = (BY_KERNEL, BY_LAYOUT)
+_by_variant_memo: dict[str, dict[str, dict[str, float]]] = {}
 _lock = threading.Lock()
 
 
@@ -209,6 +216,8 @@ def machine_key(shapes: Shapes) -> str:
     from grpo.models import cpu_linear
 
     kernel = "onednn" if cpu_linear.wanted() and cpu_linear.onednn_works() else "torch"
+    if kernel == "onednn" and cpu_linear.stream_available():
+        kernel += "+stream"  # the streaming layout is timed too
     return (f"{cpu_name()} | {instruction_sets()} | torch {torch.__version__} | {torch.get_num_threads()} threads | "
             f"{kernel} | {shapes.signature()} | probe {PROBE_VERSION}")
 
@@ -234,17 +243,18 @@ def timings(shapes: Shapes, timer: Timer | None = None, cache: Path | None = Non
     per process, where the machine is too busy to measure: ``auto`` is fp32 until a run finds it quiet."""
     key = machine_key(shapes)
     cache = cache if cache is not None else cache_file()
-    by_kernel: dict[str, float] = {}  # fp32 training per float32 kernel, where measured: kept with the entry
+    # fp32 per training kernel and per decoding layout, where measured: kept with the entry
+    by_variant: dict[str, dict[str, float]] = {}
 
     def measured() -> dict[str, Timing]:
         seconds = (timer or measure)(shapes)
-        by_kernel.update(seconds.get(BY_KERNEL, {}))
-        if by_kernel:
-            _by_kernel_memo[f"{cache} | {key}"] = dict(by_kernel)
+        by_variant.update({name: dict(seconds[name]) for name in BY_VARIANT if seconds.get(name)})
+        if by_variant:
+            _by_variant_memo[f"{cache} | {key}"] = dict(by_variant)
         return {role: Timing(*seconds[role]) for role in ROLES}
 
     def to_json(result: dict[str, Timing]) -> dict:
-        return {role: asdict(t) for role, t in result.items()} | ({BY_KERNEL: dict(by_kernel)} if by_kernel else {})
+        return {role: asdict(t) for role, t in result.items()} | by_variant
 
     return measured_once(
         key, cache, _memo,
@@ -257,13 +267,23 @@ def fp32_training_by_kernel(shapes: Shapes, cache: Path | None = None) -> dict[s
     """Seconds of a fp32 training pass through each float32 kernel, as this probe measured them
     for ``shapes`` on this machine (in this process, or cached); None where it has not. The kernel
     probe (kernel_probe.py) takes its answer from them rather than timing the same ops again."""
+    return _measured_variants(BY_KERNEL, shapes, cache)
+
+
+def fp32_sampling_by_layout(shapes: Shapes, cache: Path | None = None) -> dict[str, float] | None:
+    """Seconds of a fp32 decoding step in each packed layout, as this probe measured them (as
+    ``fp32_training_by_kernel``)."""
+    return _measured_variants(BY_LAYOUT, shapes, cache)
+
+
+def _measured_variants(name: str, shapes: Shapes, cache: Path | None) -> dict[str, float] | None:
     key, cache = machine_key(shapes), cache if cache is not None else cache_file()
-    found = _by_kernel_memo.get(f"{cache} | {key}")
+    found = _by_variant_memo.get(f"{cache} | {key}", {}).get(name)
     if found is None:
         entry = _read(cache).get(key)
-        found = entry.get(BY_KERNEL) if isinstance(entry, dict) else None
+        found = entry.get(name) if isinstance(entry, dict) else None
     try:
-        return {kernel: float(seconds) for kernel, seconds in found.items()}
+        return {variant: float(seconds) for variant, seconds in found.items()}
     except (AttributeError, TypeError, ValueError):  # none, or a damaged entry
         return None
 
@@ -379,9 +399,15 @@ def measure(shapes: Shapes, budget_s: float = BUDGET_S) -> dict[str, tuple[float
         torch.manual_seed(0)
         # a decoding step runs right after the previous one, over the same weights: what of
         # them the cache holds then is part of its time, so each run is timed after a first
-        (fp32, counts), (bf16, _) = (_decode_ops(shapes, dtype) for dtype in (torch.float32, torch.bfloat16))
-        out["sample"] = _fastest_of([fp32, bf16], counts, budget_s * 0.4, warm_each=True)
-        del fp32, bf16  # a probed decoding step holds the model's weights in both precisions
+        # fp32 in each packed layout the sampler could pack in, the faster counting
+        layouts = cpu_linear.LAYOUTS if cpu_linear.stream_available() else ("onednn",)
+        variants = [_decode_ops(shapes, torch.float32, layout) for layout in layouts]
+        bf16, counts = _decode_ops(shapes, torch.bfloat16)
+        *fp32_s, bf16_s = _fastest_of([ops for ops, _ in variants] + [bf16], counts, budget_s * 0.4, warm_each=True)
+        out["sample"] = (min(fp32_s), bf16_s)
+        if len(layouts) > 1:
+            out[BY_LAYOUT] = dict(zip(layouts, fp32_s, strict=True))
+        del variants, bf16  # a probed decoding step holds the model's weights in each variant
         # fp32 training through each float32 kernel the model could train through, the faster counting
         kernels = cpu_linear.KERNELS if cpu_linear.wanted() and cpu_linear.onednn_works() else ("onednn",)
         variants = [_train_ops(shapes, torch.float32, kernel) for kernel in kernels]
@@ -460,10 +486,10 @@ def _lora(module, dtype, trainable: bool):
     return a, b
 
 
-def _decode_ops(shapes: Shapes, dtype) -> tuple[list[Op], list[float]]:
+def _decode_ops(shapes: Shapes, dtype, layout: str = "onednn") -> tuple[list[Op], list[float]]:
     """One decoding step: ``DECODE_ROWS`` rows through the Linears of the model's layers, one
-    layer after the other, built as the sampler builds them -- fp32 with LoRA folded into packed
-    weights (folded_lora.py), bf16 as the sampler's copy with sibling projections stacked and LoRA
+    layer after the other, built as the sampler builds them -- fp32 with LoRA folded into weights
+    packed in ``layout`` (folded_lora.py, cpu_linear.pack_weight), bf16 as the sampler's copy with sibling projections stacked and LoRA
     side paths (sampler_precision.py) -- and a slice of the unembedding. As many layers as the
     model has, up to ``DECODE_BYTES``: whether a step's weights stay in the last-level cache (480
     MiB on one Xeon here: bf16 SmolLM2 does, fp32 does not) is part of what decides."""
@@ -488,7 +514,7 @@ def _decode_ops(shapes: Shapes, dtype) -> tuple[list[Op], list[float]]:
 
     def single(fan_in: int, fan_out: int) -> Callable[[torch.Tensor], torch.Tensor]:
         w = weight(fan_in, fan_out)
-        linear = PackedLinear(w, None) if can_pack(w) else functools.partial(torch.nn.functional.linear, weight=w)
+        linear = PackedLinear(w, None, layout) if can_pack(w) else functools.partial(torch.nn.functional.linear, weight=w)
         return linear if dtype == torch.float32 else LoraSidePath(linear, *lora(fan_in, fan_out), dtype)
 
     def siblings(fan_outs: list[int]) -> list[Callable[[torch.Tensor], torch.Tensor]]:
@@ -544,7 +570,6 @@ def main(argv: list[str] | None = None) -> None:
     """``python -m grpo.models.dtype_probe [base_model]``: measure now (the cache is neither read nor
     written) and print the line ``auto`` would print."""
     from grpo import models
-
     args = sys.argv[1:] if argv is None else argv
     name = args[0] if args else "smollm2"
     shapes = Shapes.from_config(models.load_config(name))

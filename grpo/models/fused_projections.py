@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from grpo.models.cpu_linear import LoraSideProduct, _onednn, can_pack, pack_weight
+from grpo.models.cpu_linear import LoraSideProduct, can_pack, pack_weight, packed_product
 
 # Sibling Linears by their names under one parent, as Llama, Mistral, Qwen2/3, Gemma and most
 # decoder families in transformers name them.
@@ -30,8 +30,8 @@ SIBLINGS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 class FusedProjections:
     """One packed weight ``[W_1; W_2; ...]`` (and optional stacked LoRA) for siblings sharing an input."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, sizes: list[int]):
-        self.packed = pack_weight(weight)
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, sizes: list[int], layout: str = "onednn"):
+        self.packed = pack_weight(weight, layout)
         self.bias = None if bias is None else bias.detach()
         self.sizes = sizes
         self.dtype = weight.dtype
@@ -55,7 +55,7 @@ class FusedProjections:
 
     def full(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """Every sibling's output for ``x``, in order (views of one product)."""
-        out = _onednn(x, self.packed, self.bias)
+        out = packed_product(x, self.packed, self.bias)
         if self.lora is not None:
             out = self.lora.add_to(out, x)
         return out.split(self.sizes, dim=-1)
@@ -120,22 +120,23 @@ def stackable(linears: list[nn.Module]) -> bool:
 
 
 def fuse(model: nn.Module, paths: list[str], weights: list[torch.Tensor],
-         biases: list[torch.Tensor] | None) -> FusedProjections:
-    """Replace the modules at ``paths`` by members of one group over the stacked ``weights``."""
+         biases: list[torch.Tensor] | None, layout: str = "onednn") -> FusedProjections:
+    """Replace the modules at ``paths`` by members of one group over the stacked ``weights``,
+    packed in ``layout`` (cpu_linear.pack_weight)."""
     group = FusedProjections(torch.cat(weights), None if biases is None else torch.cat(biases),
-                             [w.shape[0] for w in weights])
+                             [w.shape[0] for w in weights], layout)
     for index, path in enumerate(paths):
         model.set_submodule(path, FusedMember(group, index, weights[index].shape[1]))
     return group
 
 
-def fuse_siblings(model: nn.Module) -> dict[tuple[str, ...], FusedProjections]:
-    """Every stackable set of sibling Linears of a gradient-free ``model`` replaced by one group;
-    the groups by their members' paths."""
+def fuse_siblings(model: nn.Module, layout: str = "onednn") -> dict[tuple[str, ...], FusedProjections]:
+    """Every stackable set of sibling Linears of a gradient-free ``model`` replaced by one group
+    (packed in ``layout``); the groups by their members' paths."""
     groups = {}
     for paths in sibling_sets(model):
         linears = [model.get_submodule(p) for p in paths]
         if stackable(linears):
             biases = None if linears[0].bias is None else [m.bias.detach() for m in linears]
-            groups[tuple(paths)] = fuse(model, paths, [m.weight.detach() for m in linears], biases)
+            groups[tuple(paths)] = fuse(model, paths, [m.weight.detach() for m in linears], biases, layout)
     return groups

@@ -26,7 +26,7 @@ from grpo.backends.local.folded_lora import FoldedAdapter, can_fold
 from grpo.backends.local.sampler_precision import SamplerCopy
 from grpo.backends.local.sections import section
 from grpo.checks import check_lora_targets
-from grpo.models import dtype_probe, kernel_probe, precision
+from grpo.models import dtype_probe, kernel_probe, native_kernels, precision
 from grpo.models.cpu_linear import (
     OneDNNLinear,
     keep_packed_copies,
@@ -110,8 +110,12 @@ class Engine:
         self.base_model = base_model
         self.device = models.resolve_device(device)
         sample_dtype = dtype if sample_dtype is None else sample_dtype
-        # read once, for both probes; neither times anything on a GPU or with the probes off
+        # read once, for the probes; none times anything on a GPU or with the probes off
         shapes = _shapes(base_model) if self.device.type == "cpu" and dtype_probe.enabled() else None
+        if self.device.type == "cpu":
+            # grpo's native kernels (built here once per machine, ~15 s on 2 cores; loaded in ~0.05 s
+            # after that) before the probes: the fp32 sampler's streaming layout is one of them
+            native_kernels.kernels()
         train_dtype = precision.resolve("train_dtype", dtype, self.device, shapes)
         self.sample_dtype = precision.resolve("sample_dtype", sample_dtype, self.device, shapes)
         self.tokenizer = models.load_tokenizer(base_model)
@@ -121,17 +125,18 @@ class Engine:
         has_onednn = any(type(m) is OneDNNLinear for m in self.model.modules())
         self.fp32_kernel = kernel_probe.training_kernel(shapes) if has_onednn else "onednn"
         use_kernel(self.model, self.fp32_kernel)
-        # Sampling multiplies by oneDNN's packed layout (cpu_linear.py), at the cost of one more
-        # copy of the weights it reads there: in fp32 the unembedding's (the LoRA layers are
-        # folded into packed copies of their own); in bf16 a whole packed copy of the model.
-        keep_packed_copies([self.model.get_output_embeddings()])
+        # Sampling multiplies by packed weights (cpu_linear.py), at the cost of one more copy of the
+        # weights it reads there: in fp32 the unembedding's (the LoRA layers are folded into packed
+        # copies of their own); in bf16 a whole packed copy of the model. fp32 weights are packed in
+        # the layout measured faster for a decoding step here (kernel_probe.py), bf16 in oneDNN's.
+        self.fp32_layout = kernel_probe.decoding_layout(shapes) if has_onednn else "onednn"
+        keep_packed_copies([self.model.get_output_embeddings()], self.fp32_layout)
         for p in self.model.parameters():
             p.requires_grad_(False)
         if self.device.type == "cpu":
             # RMSNorms, SiLU * up and the rotary embedding through grpo's native kernels, forward
-            # and backward (native_layers.py); built here, with the model's loading, rather than in
-            # the first call (~12 s on 2 cores once per machine, ~0.05 s to load after that). The
-            # sampler's copy below is made from these modules and keeps them.
+            # and backward (native_layers.py; the kernels loaded above). The sampler's copy below is
+            # made from these modules and keeps them.
             native_layers.install(self.model)
         # bf16 sampling on a CPU runs its own packed copy (sampler_precision.py) even beside a bf16
         # trainer: sibling projections stacked, LoRA side paths made once per set of weights. A
@@ -142,7 +147,7 @@ class Engine:
         # copies the plain base model.
         own_copy = self.sample_dtype != self.dtype or (
             self.device.type == "cpu" and self.sample_dtype == torch.bfloat16 and packing_works(torch.bfloat16))
-        self._sampler_copy = SamplerCopy(self.model, self.sample_dtype) if own_copy else None
+        self._sampler_copy = SamplerCopy(self.model, self.sample_dtype, self.fp32_layout) if own_copy else None
         self.vocab_size = int(self.model.get_input_embeddings().weight.shape[0])
         self.lock = threading.RLock()
         self.peft_model = None
@@ -319,7 +324,8 @@ class Engine:
                     # half-written copy may stay cached.
                     outdated, self._folded = self._folded, None
                     with section("grpo.sample.install_lora"):
-                        self._folded = FoldedAdapter(self.peft_model, adapter, weights, key, recycle=outdated)
+                        self._folded = FoldedAdapter(self.peft_model, adapter, weights, key, recycle=outdated,
+                                                     layout=self.fp32_layout)
                 self._activate(adapter)
                 with self._folded.installed(self.peft_model) as model:
                     yield model

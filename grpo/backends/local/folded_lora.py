@@ -4,8 +4,9 @@ An unmerged LoRA layer costs two extra matmuls, a scale and an add on every deco
 every adapted Linear (210 of them on SmolLM2 with all-linear LoRA): on a CPU that is ~10% of a
 decode step. For sampling, where no gradient is needed, each adapted Linear is swapped for a plain
 ``nn.Linear`` whose weight is ``W + scaling * B @ A``, built once per set of adapter weights. On a
-CPU with oneDNN it is kept only in oneDNN's packed layout (``PackedLinear``, cpu_linear.py): the
-folding pays one reorder per layer, and every decoding step multiplies without one. Sibling
+CPU with oneDNN it is kept only in a packed layout (``PackedLinear``, cpu_linear.py: oneDNN's, or
+the streaming one where the engine measured it faster): the folding pays one reorder per layer,
+and every decoding step multiplies without one. Sibling
 projections sharing an input (q/k/v, gate/up) are folded into one stacked packed weight
 (fused_projections.py): at a decoding step's ~24 rows each oneDNN call has a fixed cost, and the
 stacked products of SmolLM2's 30 layers took 28.9-30.4 ms against 32.9-34.0 ms one by one
@@ -34,9 +35,10 @@ class FoldedAdapter:
     """Plain Linears carrying one adapter's weights folded into the base weights."""
 
     def __init__(self, peft_model: nn.Module, adapter: str, weights: dict[str, torch.Tensor] | None, key: tuple,
-                 recycle: FoldedAdapter | None = None):
+                 recycle: FoldedAdapter | None = None, layout: str = "onednn"):
         """``recycle``: an outdated FoldedAdapter whose tensors are overwritten rather than
-        allocated afresh (a new 400 MB on SmolLM2 every step costs more than the folding)."""
+        allocated afresh (a new 400 MB on SmolLM2 every step costs more than the folding).
+        ``layout``: the packed weights' (cpu_linear.pack_weight)."""
         self.key = key
         self.weights = weights  # held so that an id() in ``key`` cannot be reused while cached
         self.replacements: dict[str, nn.Linear] = {}
@@ -75,17 +77,17 @@ class FoldedAdapter:
                 for path, rows in zip(paths, stacked.split(sizes), strict=True):
                     fold(path, rows)
                 biases = None if bases[0].bias is None else torch.cat([base.bias.detach() for base in bases])
-                group = FusedProjections(stacked, biases, sizes)
+                group = FusedProjections(stacked, biases, sizes, layout)
                 for index, (path, base) in enumerate(zip(paths, bases, strict=True)):
                     self.replacements[path] = FusedMember(group, index, base.in_features)
             for name in list(layers):
                 base = layers[name].base_layer
                 if can_pack(base.weight):
-                    # Folded into a scratch buffer, then kept only in oneDNN's packed layout
+                    # Folded into a scratch buffer, then kept only in its packed layout
                     # (cpu_linear.py): the decoding steps multiply by it without a reorder each.
                     folded_weight = buffer(tuple(base.weight.shape), base.weight.dtype)
                     fold(name, folded_weight)
-                    self.replacements[name] = PackedLinear(folded_weight, base.bias)
+                    self.replacements[name] = PackedLinear(folded_weight, base.bias, layout)
                     continue
                 folded = old.get(name)
                 if not isinstance(folded, nn.Linear) or folded.weight.shape != base.weight.shape:

@@ -21,9 +21,9 @@ from __future__ import annotations
 
 import torch
 
-from grpo.backends.local import native_kernels
 from grpo.backends.local.kv_cache import SlotCache
 from grpo.backends.local.lean_decode import LeanDecoder
+from grpo.models import native_kernels
 from grpo.models.cpu_linear import PackedLinear
 from grpo.models.fused_projections import FusedProjections
 from grpo.models.lora_linear import LoraSidePath

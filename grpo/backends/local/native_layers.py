@@ -30,7 +30,7 @@ import torch
 from torch import nn
 from torch.autograd.function import once_differentiable
 
-from grpo.backends.local import native_kernels
+from grpo.models import native_kernels
 
 DTYPES = (torch.float32, torch.bfloat16)
 # how far from the module's own forward a class's first instance may be (relative to the output's

@@ -21,12 +21,13 @@ from dataclasses import dataclass, field
 import torch
 from transformers import DynamicCache
 
-from grpo.backends.local import graph_decode, native_decode, native_kernels
+from grpo.backends.local import graph_decode, native_decode
 from grpo.backends.local.kv_cache import SlotCache, attention_layers
 from grpo.backends.local.lean_decode import lean_decoder
 from grpo.backends.local.prefix_cache import PrefixCache
 from grpo.backends.local.sections import section
 from grpo.backends.local.trunk import common_trunk
+from grpo.models import native_kernels
 from grpo.types import SampledSequence, SamplingParams
 
 # Stop strings are matched on the decoded tail of a row; this many tokens is plenty for any

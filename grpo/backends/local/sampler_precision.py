@@ -37,7 +37,8 @@ from grpo.models.lora_linear import LoraSidePath
 class SamplerCopy:
     """The base model in ``dtype`` with at most one adapter's LoRA side paths installed."""
 
-    def __init__(self, base_model: nn.Module, dtype: torch.dtype):
+    def __init__(self, base_model: nn.Module, dtype: torch.dtype, layout: str = "onednn"):
+        """``layout``: how float32 weights are packed (cpu_linear.pack_weight; bf16 is oneDNN's)."""
         # Called before any adapter is injected, so the copy is the plain transformers model; tied
         # embeddings stay tied (deepcopy keeps shared Parameters shared). Only the parameters take
         # ``dtype``, as when transformers loads a model in it: buffers keep theirs -- rotary
@@ -47,9 +48,9 @@ class SamplerCopy:
         for p in self.model.parameters():
             p.data = p.data.to(dtype)
         self.model.eval()
-        # never trained: siblings stacked, every Linear in oneDNN's packed layout (cpu_linear.py)
-        self._groups: dict[tuple[str, ...], FusedProjections] = fuse_siblings(self.model)
-        pack_for_inference(self.model)
+        # never trained: siblings stacked, every Linear packed (cpu_linear.py)
+        self._groups: dict[tuple[str, ...], FusedProjections] = fuse_siblings(self.model, layout)
+        pack_for_inference(self.model, layout)
         for p in self.model.parameters():
             p.requires_grad_(False)
         self.dtype = dtype

@@ -1,4 +1,4 @@
-// grpo's CPU kernels beside the matmuls (loaded by grpo/backends/local/native_kernels.py):
+// grpo's CPU kernels beside the matmuls (loaded by grpo/models/native_kernels.py):
 //
 // - the sampler's decoding step (native_decode.py): at a decoding step's few rows each of
 //   PyTorch's small operators (an RMSNorm is eight of them, the rotary embedding ten, the KV-cache
@@ -6,7 +6,8 @@
 //   than in arithmetic; these do a layer's non-matmul work in four calls;
 // - the trainer's RMSNorms, SiLU * up and rotary embeddings, forward and backward, and its loss head
 //   (native_layers.py): one pass over memory each where autograd takes several;
-// - the sampler's token choice (sampler.py): one pass over a row's logits where PyTorch takes five.
+// - the sampler's token choice (sampler.py): one pass over a row's logits where PyTorch takes five;
+// - a float32 product by a weight in a streaming layout (stream_linear), for the sampler's few rows.
 //
 // In float32 or bfloat16, rounding to the tensor's dtype wherever the eager operators do, so that
 // they compute what transformers' Llama layers compute up to the order of float sums. Built once
@@ -16,6 +17,10 @@
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <c10/util/BFloat16.h>
 #include <torch/library.h>
+
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+#include <immintrin.h>
+#endif
 
 #include <algorithm>
 #include <bit>
@@ -659,15 +664,262 @@ at::Tensor rope_attend(const at::Tensor& q, const at::Tensor& k, const at::Tenso
 
 
 // ---------------------------------------------------------------------------------------------
+// float32 x @ W.T for a decoding step's few rows, streaming the weight once (stream_linear).
+//
+// At ~24 rows a decoding step is a pass over every weight of the model, and oneDNN's packed
+// product neither overlapped that stream with its arithmetic nor reached its own hot rate on it
+// (SmolLM2-135M's Linears at 24 rows, 30 layers' distinct weights: 48 ms, 11 GB/s of a 20 GB/s
+// read bandwidth; docs/benchmark.md). Here the weight is laid out in panels of STREAM_COLUMNS
+// output columns, [N / 16][K][16], so that each thread reads its panels front to back, once,
+// prefetching ahead of the loads; every row of a block of up to STREAM_ROWS rows takes each
+// weight vector from a register. Each output is the sum over k in order 0..K-1 (one fused
+// multiply-add at a time), then the bias: a row's result does not depend on the other rows or
+// the threads.
+constexpr int64_t STREAM_COLUMNS = 16;
+constexpr int64_t STREAM_PREFETCH = 1024;  // floats ahead of the weight being read (4 KiB, 64 k)
+
+// y[r, 0..16) = bias + sum_k xt[k * ldx + r] * w[k * 16 + 0..16) for r < ROWS, over k = 0..K; where
+// `resume`, the sums go on from y's (a block of k before this one, stored without the bias), and
+// only where `finish` is the bias added: the same multiply-adds in the same order either way.
+template <int ROWS>
+inline void stream_block(const float* xt, int64_t ldx, int64_t K, const float* w, const float* bias, float* y,
+                         int64_t ldy, bool resume, bool finish) {
+  if (!finish) bias = nullptr;
+#if defined(__AVX512F__)
+  __m512 acc[ROWS];
+#pragma GCC unroll 32
+  for (int r = 0; r < ROWS; ++r) acc[r] = resume ? _mm512_loadu_ps(y + r * ldy) : _mm512_setzero_ps();
+  for (int64_t k = 0; k < K; ++k) {
+    _mm_prefetch(reinterpret_cast<const char*>(w + k * STREAM_COLUMNS + STREAM_PREFETCH), _MM_HINT_T0);
+    const __m512 wk = _mm512_loadu_ps(w + k * STREAM_COLUMNS);
+    const float* xk = xt + k * ldx;
+#pragma GCC unroll 32
+    for (int r = 0; r < ROWS; ++r) acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(xk[r]), wk, acc[r]);
+  }
+  const __m512 b = bias ? _mm512_loadu_ps(bias) : _mm512_setzero_ps();
+#pragma GCC unroll 32
+  for (int r = 0; r < ROWS; ++r) _mm512_storeu_ps(y + r * ldy, _mm512_add_ps(acc[r], b));
+#elif defined(__AVX2__) && defined(__FMA__)
+  __m256 lo[ROWS], hi[ROWS];
+#pragma GCC unroll 32
+  for (int r = 0; r < ROWS; ++r) {
+    lo[r] = resume ? _mm256_loadu_ps(y + r * ldy) : _mm256_setzero_ps();
+    hi[r] = resume ? _mm256_loadu_ps(y + r * ldy + 8) : _mm256_setzero_ps();
+  }
+  for (int64_t k = 0; k < K; ++k) {
+    _mm_prefetch(reinterpret_cast<const char*>(w + k * STREAM_COLUMNS + STREAM_PREFETCH), _MM_HINT_T0);
+    const __m256 w0 = _mm256_loadu_ps(w + k * STREAM_COLUMNS), w1 = _mm256_loadu_ps(w + k * STREAM_COLUMNS + 8);
+    const float* xk = xt + k * ldx;
+#pragma GCC unroll 32
+    for (int r = 0; r < ROWS; ++r) {
+      const __m256 xr = _mm256_broadcast_ss(xk + r);
+      lo[r] = _mm256_fmadd_ps(xr, w0, lo[r]);
+      hi[r] = _mm256_fmadd_ps(xr, w1, hi[r]);
+    }
+  }
+  const __m256 b0 = bias ? _mm256_loadu_ps(bias) : _mm256_setzero_ps();
+  const __m256 b1 = bias ? _mm256_loadu_ps(bias + 8) : _mm256_setzero_ps();
+#pragma GCC unroll 32
+  for (int r = 0; r < ROWS; ++r) {
+    _mm256_storeu_ps(y + r * ldy, _mm256_add_ps(lo[r], b0));
+    _mm256_storeu_ps(y + r * ldy + 8, _mm256_add_ps(hi[r], b1));
+  }
+#else
+  float acc[ROWS][STREAM_COLUMNS] = {};
+  if (resume)
+    for (int r = 0; r < ROWS; ++r)
+      for (int64_t j = 0; j < STREAM_COLUMNS; ++j) acc[r][j] = y[r * ldy + j];
+  for (int64_t k = 0; k < K; ++k)
+    for (int r = 0; r < ROWS; ++r)
+      for (int64_t j = 0; j < STREAM_COLUMNS; ++j) acc[r][j] = std::fma(xt[k * ldx + r], w[k * STREAM_COLUMNS + j], acc[r][j]);
+  for (int r = 0; r < ROWS; ++r)
+    for (int64_t j = 0; j < STREAM_COLUMNS; ++j) y[r * ldy + j] = acc[r][j] + (bias ? bias[j] : 0.0f);
+#endif
+}
+
+// rows in one block: as many accumulators as the vector registers hold beside a weight vector
+#if defined(__AVX512F__)
+constexpr int STREAM_ROWS = 24;  // 24 zmm accumulators of 32
+#elif defined(__AVX2__) && defined(__FMA__)
+constexpr int STREAM_ROWS = 6;  // 12 ymm accumulators of 16
+#else
+constexpr int STREAM_ROWS = 4;
+#endif
+
+#if defined(__AVX512F__)
+// Two adjacent panels (32 columns) for ROWS rows: half the broadcasts per multiply-add of
+// stream_block, for products of many rows (a prefill), where the arithmetic sets the time: at
+// 120-504 rows, 1.08-1.10x stream_block's rate (still 0.85-0.99x oneDNN's; docs/benchmark.md).
+template <int ROWS>
+inline void stream_block_wide(const float* xt, int64_t ldx, int64_t K, int64_t panel_stride, const float* w,
+                              const float* bias, float* y, int64_t ldy, bool resume, bool finish) {
+  if (!finish) bias = nullptr;
+  const float* w1 = w + panel_stride;
+  __m512 a0[ROWS], a1[ROWS];
+#pragma GCC unroll 32
+  for (int r = 0; r < ROWS; ++r) {
+    a0[r] = resume ? _mm512_loadu_ps(y + r * ldy) : _mm512_setzero_ps();
+    a1[r] = resume ? _mm512_loadu_ps(y + r * ldy + STREAM_COLUMNS) : _mm512_setzero_ps();
+  }
+  for (int64_t k = 0; k < K; ++k) {
+    const __m512 u = _mm512_loadu_ps(w + k * STREAM_COLUMNS), v = _mm512_loadu_ps(w1 + k * STREAM_COLUMNS);
+    const float* xk = xt + k * ldx;
+#pragma GCC unroll 32
+    for (int r = 0; r < ROWS; ++r) {
+      const __m512 xr = _mm512_set1_ps(xk[r]);
+      a0[r] = _mm512_fmadd_ps(xr, u, a0[r]);
+      a1[r] = _mm512_fmadd_ps(xr, v, a1[r]);
+    }
+  }
+  const __m512 b0 = bias ? _mm512_loadu_ps(bias) : _mm512_setzero_ps();
+  const __m512 b1 = bias ? _mm512_loadu_ps(bias + STREAM_COLUMNS) : _mm512_setzero_ps();
+#pragma GCC unroll 32
+  for (int r = 0; r < ROWS; ++r) {
+    _mm512_storeu_ps(y + r * ldy, _mm512_add_ps(a0[r], b0));
+    _mm512_storeu_ps(y + r * ldy + STREAM_COLUMNS, _mm512_add_ps(a1[r], b1));
+  }
+}
+#endif
+
+#if defined(__AVX512F__)
+constexpr bool STREAM_WIDE = true;
+constexpr int STREAM_WIDE_ROWS = 12;  // 24 zmm accumulators, as stream_block's
+// stream_block_wide for `rows` <= ROWS rows
+template <int ROWS>
+inline void stream_wide_tail(int64_t rows, const float* xt, int64_t ldx, int64_t K, int64_t panel_stride,
+                             const float* w, const float* bias, float* y, int64_t ldy, bool resume, bool finish) {
+  if constexpr (ROWS > 0) {
+    if (rows == ROWS) return stream_block_wide<ROWS>(xt, ldx, K, panel_stride, w, bias, y, ldy, resume, finish);
+    stream_wide_tail<ROWS - 1>(rows, xt, ldx, K, panel_stride, w, bias, y, ldy, resume, finish);
+  }
+}
+#else
+constexpr bool STREAM_WIDE = false;
+constexpr int STREAM_WIDE_ROWS = 1;
+template <int ROWS>
+inline void stream_wide_tail(int64_t, const float*, int64_t, int64_t, int64_t, const float*, const float*, float*,
+                             int64_t, bool, bool) {}
+#endif
+
+// a last block of `rows` < STREAM_ROWS rows
+template <int ROWS>
+inline void stream_tail(int64_t rows, const float* xt, int64_t ldx, int64_t K, const float* w, const float* bias,
+                        float* y, int64_t ldy, bool resume, bool finish) {
+  if constexpr (ROWS > 0) {
+    if (rows == ROWS) return stream_block<ROWS>(xt, ldx, K, w, bias, y, ldy, resume, finish);
+    stream_tail<ROWS - 1>(rows, xt, ldx, K, w, bias, y, ldy, resume, finish);
+  }
+}
+
+// Beyond two blocks of rows (a prefill), k goes in slices of this many: a slice of the panel (8
+// KiB) stays in the first-level cache while every block of rows passes over it, where a whole
+// panel and a block's inputs (36 + 55 KiB at SmolLM2's 576 features) did not fit and the product
+// ran at 0.7-0.8x oneDNN's rate at 128-256 rows.
+constexpr int64_t STREAM_K_SLICE = 128;
+
+// [N, K] -> [N / 16][K][16]
+at::Tensor stream_pack(const at::Tensor& weight) {
+  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kFloat && weight.device().is_cpu(),
+              "stream_pack: a float32 CPU weight [out_features, in_features], got ", weight.scalar_type(), " ",
+              weight.sizes());
+  const int64_t n = weight.size(0), k = weight.size(1);
+  TORCH_CHECK(n % STREAM_COLUMNS == 0 && k > 0, "stream_pack: out_features must be a multiple of ", STREAM_COLUMNS,
+              " (got ", n, ") and in_features positive (got ", k, ")");
+  const auto w = weight.contiguous();
+  auto packed = at::empty({n / STREAM_COLUMNS, k, STREAM_COLUMNS}, w.options());
+  const float* src = w.data_ptr<float>();
+  float* dst = packed.data_ptr<float>();
+  at::parallel_for(0, n / STREAM_COLUMNS, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t p = begin; p < end; ++p)
+      for (int64_t i = 0; i < k; ++i)
+        for (int64_t j = 0; j < STREAM_COLUMNS; ++j)
+          dst[(p * k + i) * STREAM_COLUMNS + j] = src[(p * STREAM_COLUMNS + j) * k + i];
+  });
+  return packed;
+}
+
+// x [..., K] @ W.T + bias for a weight packed by stream_pack: [..., N]
+at::Tensor stream_linear(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(packed.dim() == 3 && packed.size(2) == STREAM_COLUMNS && packed.scalar_type() == at::kFloat &&
+                  packed.is_contiguous(),
+              "stream_linear: a weight from stream_pack ([out / ", STREAM_COLUMNS, ", in, ", STREAM_COLUMNS,
+              "] float32), got ", packed.scalar_type(), " ", packed.sizes());
+  const int64_t panels = packed.size(0), k = packed.size(1), n = panels * STREAM_COLUMNS;
+  TORCH_CHECK(x.dim() >= 1 && x.size(-1) == k && x.scalar_type() == at::kFloat && x.device().is_cpu(),
+              "stream_linear: float32 CPU input with ", k, " features last, got ", x.scalar_type(), " ", x.sizes());
+  TORCH_CHECK(!bias.has_value() || (bias->dim() == 1 && bias->size(0) == n && bias->scalar_type() == at::kFloat),
+              "stream_linear: bias must be float32 [", n, "]");
+  const int64_t rows = x.numel() / k;
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+  shape.back() = n;
+  auto out = at::empty(shape, x.options());
+  if (rows == 0) return out;
+  // the inputs as [block of STREAM_ROWS rows][k][row in the block]: a k's inputs side by side, and
+  // each block read front to back (the last block's rows at a stride of its own count: a decoding
+  // step's few rows then take a few KiB of cache beside the weights, not a whole block's)
+  const int64_t blocks = (rows + STREAM_ROWS - 1) / STREAM_ROWS;
+  const auto xc = x.contiguous();
+  auto xp = at::empty({blocks, k, STREAM_ROWS}, x.options());
+  {
+    const float* src = xc.data_ptr<float>();
+    float* dst = xp.data_ptr<float>();
+    for (int64_t block = 0; block < blocks; ++block) {
+      const int64_t count = std::min<int64_t>(STREAM_ROWS, rows - block * STREAM_ROWS);
+      for (int64_t r = 0; r < count; ++r) {
+        const float* from = src + (block * STREAM_ROWS + r) * k;
+        float* to = dst + block * k * STREAM_ROWS + r;
+        for (int64_t i = 0; i < k; ++i) to[i * count] = from[i];
+      }
+    }
+  }
+  const auto b = bias.has_value() ? bias->contiguous() : at::Tensor();
+  const float* xd = xp.data_ptr<float>();
+  const float* wd = packed.data_ptr<float>();
+  const float* bd = b.defined() ? b.data_ptr<float>() : nullptr;
+  float* yd = out.data_ptr<float>();
+  // Each thread streams a contiguous run of panels (pairs of them for many rows), and every block
+  // of rows over a panel, or over a slice of its k, in turn.
+  const bool many = rows > 2 * STREAM_ROWS;
+  const int64_t slice = many ? STREAM_K_SLICE : k, step = many && STREAM_WIDE ? 2 : 1;
+  at::parallel_for(0, (panels + step - 1) / step, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t p = begin * step; p < std::min(end * step, panels); p += step) {
+      const bool pair = step == 2 && p + 1 < panels;
+      const float* bp = bd ? bd + p * STREAM_COLUMNS : nullptr;
+      float* y = yd + p * STREAM_COLUMNS;
+      for (int64_t k0 = 0; k0 < k; k0 += slice) {
+        const int64_t kn = std::min(slice, k - k0);
+        const bool resume = k0 > 0, finish = k0 + kn == k;
+        const float* w = wd + (p * k + k0) * STREAM_COLUMNS;
+        for (int64_t block = 0; block < blocks; ++block) {
+          const int64_t r = block * STREAM_ROWS, count = std::min<int64_t>(STREAM_ROWS, rows - r);
+          const float* x = xd + block * k * STREAM_ROWS + k0 * count;
+          if (pair) {
+            for (int64_t half = 0; half < count; half += STREAM_WIDE_ROWS)
+              stream_wide_tail<STREAM_WIDE_ROWS>(std::min<int64_t>(STREAM_WIDE_ROWS, count - half), x + half,
+                                                 count, kn, k * STREAM_COLUMNS, w, bp, y + (r + half) * n, n,
+                                                 resume, finish);
+          } else if (count == STREAM_ROWS) {
+            stream_block<STREAM_ROWS>(x, STREAM_ROWS, kn, w, bp, y + r * n, n, resume, finish);
+          } else {
+            stream_tail<STREAM_ROWS - 1>(count, x, count, kn, w, bp, y + r * n, n, resume, finish);
+          }
+        }
+      }
+    }
+  });
+  return out;
+}
+
+// ---------------------------------------------------------------------------------------------
 // A whole decoding step's layers in one call (native_decode.py's NativeDecoder): the same calls in
 // the same order as its Python loop -- oneDNN's Linear on the sampler's packed weights (with a
 // LoRA side path's two calls where it has one), rope_attend, add_rms_norm, silu_mul -- made from
 // here, so that a step pays one call from Python instead of ~8 a layer (with the modules' own
 // calls between them: ~12% of an fp32 step at 24 rows on SmolLM2's 30 layers).
 
-// oneDNN's Linear as PyTorch registers it (mkldnn::_linear_pointwise), on a packed weight, with
-// LoRA's side path added by its binary post-op: what cpu_linear.py's _onednn and
-// LoraSideProduct.add_to compute from Python.
+// oneDNN's Linear as PyTorch registers it (mkldnn::_linear_pointwise) on oneDNN's packed weight, or
+// stream_linear on a weight in the streaming layout, with LoRA's side path added by oneDNN's binary
+// post-op: what cpu_linear.py's packed_product and LoraSideProduct.add_to compute from Python.
 at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias,
                          const c10::optional<at::Tensor>& lora_a, const c10::optional<at::Tensor>& lora_b) {
   static const auto linear =
@@ -682,7 +934,8 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& weight, const c1
           .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
                             const c10::optional<at::Tensor>&, c10::string_view)>();
   TORCH_CHECK(lora_a.has_value() == lora_b.has_value(), "decode_layers: a LoRA side path needs both A and B");
-  auto out = linear.call(x, weight, bias, "none", c10::List<c10::optional<c10::Scalar>>(), "");
+  auto out = weight.is_mkldnn() ? linear.call(x, weight, bias, "none", c10::List<c10::optional<c10::Scalar>>(), "")
+                                : stream_linear(x, weight, bias);
   if (!lora_a.has_value()) return out;
   auto down = linear.call(x, *lora_a, c10::nullopt, "none", c10::List<c10::optional<c10::Scalar>>(), "");
   return linear_add.call(down, out, *lora_b, c10::nullopt, "add");
@@ -741,6 +994,8 @@ TORCH_LIBRARY(grpo_native, m) {
   m.def("target_logprobs_backward_(Tensor grad, Tensor(a!) logits, Tensor targets, Tensor stats) -> Tensor(a!)");
   m.def("rope_attend(Tensor q, Tensor k, Tensor v, Tensor cos, Tensor sin, Tensor(a!) k_cache, Tensor(b!) v_cache, "
         "Tensor lengths, int heads, float scale) -> Tensor");
+  m.def("stream_pack(Tensor weight) -> Tensor");
+  m.def("stream_linear(Tensor x, Tensor packed, Tensor? bias) -> Tensor");
   m.def("decode_layers(Tensor hidden, Tensor cos, Tensor sin, Tensor lengths, Tensor[] weights, Tensor?[] extras, "
         "Tensor[] norms, Tensor(a!)[] k_caches, Tensor(b!)[] v_caches, int[] qkv_sizes, int heads, float scale, "
         "float eps) -> Tensor");
@@ -757,6 +1012,8 @@ TORCH_LIBRARY_IMPL(grpo_native, CPU, m) {
   m.impl("target_logprobs_backward_", target_logprobs_backward_);
   m.impl("rope_attend", rope_attend);
   m.impl("decode_layers", decode_layers);
+  m.impl("stream_pack", stream_pack);
+  m.impl("stream_linear", stream_linear);
 }
 
 // decode_layers takes oneDNN's packed weights (opaque tensors of the MkldnnCPU backend), which is

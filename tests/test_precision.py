@@ -81,6 +81,25 @@ def test_auto_trains_in_bf16_only_beside_a_bf16_sampler(probe, capsys) -> None:
         {"sample": "bf16", "train": "bf16"}
 
 
+def test_where_bf16_trains_faster_sampling_stays_bf16_unless_fp32_samples_faster_by_the_margin(probe, capsys) -> None:
+    """An AMX CPU: bf16 trains 1.4x faster, and the fp32 sampler packed in the streaming layout
+    comes within the margin of bf16 (31 against 27 ms a decoding step, where oneDNN's fp32 layout
+    took 43): auto stays bf16 for both roles rather than give up bf16 training for an fp32 sampler
+    that is no faster."""
+    probe(FakeTimer(sample=(0.031, 0.027), train=(0.36, 0.26)))
+    assert precision.resolve("sample_dtype", "auto", CPU, SMOL) is torch.bfloat16
+    assert precision.resolve("train_dtype", "auto", CPU, SMOL) is torch.bfloat16
+    assert "sample_dtype bf16 (per decoding step: fp32 31.0 ms, bf16 27.0 ms, bf16 1.15x faster; bf16 beside the " \
+           "bf16 trainer)" in capsys.readouterr().err
+    timing = dtype_probe.Timing
+    # fp32 samples a little faster (within the margin): still the bf16 pair
+    assert dtype_probe.choose({"sample": timing(0.026, 0.027), "train": timing(0.36, 0.26)}) == \
+        {"sample": "bf16", "train": "bf16"}
+    # fp32 samples faster by the margin: the fp32 pair (bf16 training would need the slower fp32 copy)
+    assert dtype_probe.choose({"sample": timing(0.020, 0.027), "train": timing(0.36, 0.26)}) == \
+        {"sample": "fp32", "train": "fp32"}
+
+
 @pytest.mark.parametrize("bf16_slower", [1.02, 1.4, 20.0])
 def test_auto_is_never_slower_than_fp32(probe, bf16_slower) -> None:
     """A CPU where bf16 measures slower in both roles (emulated bf16, AMX sampling): auto is fp32

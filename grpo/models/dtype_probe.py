@@ -341,13 +341,17 @@ def _file_lock(cache: Path) -> Iterator[None]:
 
 
 def choose(result: dict[str, Timing]) -> dict[str, str]:
-    """Each role's precision: the faster one by ``MARGIN``, except bf16 training beside an fp32
-    sampler. The probe times fp32 sampling as it runs beside an fp32 trainer, with LoRA folded into
-    the weights; beside a bf16 trainer the sampler runs its own fp32 copy with LoRA unmerged
-    (sampler_precision.py), slower than what was timed, so sampling could end up slower than fp32.
-    ``train_dtype=bf16`` asks for that pair explicitly."""
-    sample, train = result["sample"].choice, result["train"].choice
-    return {"sample": sample, "train": "fp32" if sample == "fp32" else train}
+    """Each role's precision: the faster one by ``MARGIN``, with the two roles paired. The probe
+    times fp32 sampling as it runs beside an fp32 trainer, with LoRA folded into the weights; beside
+    a bf16 trainer the sampler runs its own fp32 copy with LoRA unmerged (sampler_precision.py),
+    slower than what was timed. So where bf16 trains faster, sampling is bf16 too unless fp32
+    measured ``MARGIN`` faster at it (an fp32 sampler packed in the streaming layout can come within
+    the margin of bf16 on an AMX CPU, which must not cost bf16 training); and where fp32 samples
+    that much faster, training stays fp32 beside it. ``train_dtype=bf16`` asks for the mixed pair."""
+    sample, train = result["sample"], result["train"]
+    if train.choice == "bf16" and sample.fp32_s * MARGIN > sample.bf16_s:
+        return {"sample": "bf16", "train": "bf16"}
+    return {"sample": sample.choice, "train": "fp32" if sample.choice == "fp32" else train.choice}
 
 
 def summary(result: dict[str, Timing], key: str) -> str:
@@ -356,7 +360,8 @@ def summary(result: dict[str, Timing], key: str) -> str:
     chosen, parts = choose(result), []
     for role, what in (("sample", "decoding step"), ("train", "training pass")):
         t = result[role]
-        kept = "; fp32 kept beside the fp32 sampler" if chosen[role] != t.choice else ""
+        kept = "" if chosen[role] == t.choice else (
+            "; fp32 kept beside the fp32 sampler" if role == "train" else "; bf16 beside the bf16 trainer")
         parts.append(f"{role}_dtype {chosen[role]} (per {what}: fp32 {t.fp32_s * 1e3:.1f} ms, "
                      f"bf16 {t.bf16_s * 1e3:.1f} ms, bf16 {_relative(t)}{kept})")
     return f"auto precision on {cpu} ({rest}): " + ", ".join(parts)

@@ -35,9 +35,10 @@ the cache file to measure again.
 
 The result is cached in ``$GRPO_CACHE/precision.json`` (and in this process) keyed by CPU model,
 its instruction sets (``instruction_sets``), torch version, thread count, fp32 Linear kernel, the
-shapes and the probe's own version, so the probe (about 4 s on a quiet machine, 1 GB of memory for
-SmolLM2) is paid once per machine and model shape; the choice and its numbers are printed once,
-when measured.
+shapes and the probe's own version, so the probe (about 6 s on a quiet machine; 1.8 GB peak
+resident for SmolLM2 with both fp32 layouts timed, 1.3 GB with one: python -m grpo.models.dtype_probe,
+Intel Xeon with avx512, 2 cores) is paid once per machine and model shape; the choice and its numbers
+are printed once, when measured.
 ``GRPO_PRECISION_PROBE=off`` skips the probe: ``auto`` is then fp32 on a CPU. So is it, for the run,
 where the load average is at least the number of cores: a measurement there would time the other
 processes, and be cached.

@@ -25,6 +25,8 @@ def shapes_of(name: str) -> dtype_probe.Shapes:
 SMOL = dtype_probe.Shapes(hidden=576, intermediate=1536, q_out=576, kv_out=192, vocab=49152, layers=30)
 needs_onednn = pytest.mark.skipif(not (cpu_linear.wanted() and cpu_linear.onednn_works()),
                                   reason="this torch build has no oneDNN Linear: every kernel is PyTorch's")
+needs_streaming = pytest.mark.skipif(not cpu_linear.stream_available(),
+                                     reason="grpo's native kernels are not built here: no streaming layout to weigh")
 
 
 class FakeTimer:
@@ -43,7 +45,6 @@ def probe(monkeypatch, tmp_path):
     """The probe on (conftest turns it off), caching in a tmp file, timed by the FakeTimer given."""
     monkeypatch.setenv(dtype_probe.ENV_SWITCH, "on")
     monkeypatch.setattr(kernel_probe, "_memo", {})
-    monkeypatch.setattr(kernel_probe, "_layout_memo", {})
     monkeypatch.setattr(dtype_probe, "cache_file", lambda: tmp_path / "precision.json")
     monkeypatch.setattr(dtype_probe, "machine_busy", lambda: None)
 
@@ -111,7 +112,7 @@ def test_after_auto_resolved_to_fp32_its_numbers_choose_the_kernel_untimed(probe
     key = dtype_probe.machine_key(shapes)
     assert stored[key][dtype_probe.BY_KERNEL] == {"onednn": 0.432, "torch": 0.36}
     assert stored[kernel_probe.KEY_PREFIX + key] == {"onednn_s": 0.432, "torch_s": 0.36}
-    for memo in (dtype_probe._memo, dtype_probe._by_variant_memo, kernel_probe._memo, kernel_probe._layout_memo):
+    for memo in (dtype_probe._memo, dtype_probe._by_variant_memo, kernel_probe._memo):
         memo.clear()  # as a new process: the cache file answers all, silently
     engine = ServiceClient(device="cpu").create_lora_training_client("tiny", seed=0, rank=2).engine
     assert engine.fp32_kernel == "torch" and engine.fp32_layout == ("stream" if streams else "onednn")
@@ -203,20 +204,22 @@ def test_the_kernel_decides_which_library_computes_a_float32_training_product(mo
     assert len(calls) == 2  # forward and input gradient
 
 
-def test_the_real_probe_times_both_kernels(tmp_path, monkeypatch) -> None:
-    """Only that measuring works and is reused: which kernel wins is this machine's."""
+@pytest.mark.parametrize(("question", "measure"), [
+    (kernel_probe.TRAINING_KERNEL, kernel_probe.measure),
+    pytest.param(kernel_probe.DECODING_LAYOUT, kernel_probe.measure_layouts, marks=needs_streaming)])
+def test_the_real_probe_times_both_options(tmp_path, monkeypatch, question, measure) -> None:
+    """Only that measuring works and is reused: which option wins is this machine's."""
     monkeypatch.setattr(kernel_probe, "_memo", {})
     monkeypatch.setattr(dtype_probe, "machine_busy", lambda: None)
-    shapes = dtype_probe.Shapes.from_config(models.load_config("tiny"))
-    first = kernel_probe.timings(shapes, timer=lambda s: kernel_probe.measure(s, budget_s=0.2),
-                                 cache=tmp_path / "p.json")
-    assert first.onednn_s > 0 and first.torch_s > 0 and first.choice in kernel_probe.KERNELS
+    shapes = shapes_of("tiny")
+    first = question.timings(shapes, timer=lambda s: measure(s, budget_s=0.2), cache=tmp_path / "p.json")
+    assert first.first_s > 0 and first.second_s > 0 and first.choice in question.options
     kernel_probe._memo.clear()
 
     def no_timing(shapes):
         raise AssertionError("measured again")
 
-    assert kernel_probe.timings(shapes, timer=no_timing, cache=tmp_path / "p.json") == first
+    assert question.timings(shapes, timer=no_timing, cache=tmp_path / "p.json") == first
 
 
 def test_lora_layers_keep_their_base_as_a_onednn_linear() -> None:
@@ -226,9 +229,6 @@ def test_lora_layers_keep_their_base_as_a_onednn_linear() -> None:
     bases = [m.base_layer for m in client.engine.peft_model.modules() if isinstance(m, LoraLinear)]
     assert bases and all(type(b) is OneDNNLinear for b in bases) == (cpu_linear.wanted() and cpu_linear.onednn_works())
 
-
-needs_streaming = pytest.mark.skipif(not cpu_linear.stream_available(),
-                                     reason="grpo's native kernels are not built here: no streaming layout to weigh")
 
 
 @needs_onednn
@@ -256,7 +256,7 @@ def test_the_layout_is_measured_once_said_once_and_cached(probe, tmp_path, capsy
     assert line == (f"grpo: fp32 decoding layout on {dtype_probe.cpu_name()} ({SMOL.signature()}): streaming (per "
                     f"decoding step: oneDNN 45.5 ms, streaming 32.1 ms, streaming 1.42x faster); cached in "
                     f"{tmp_path / 'precision.json'}")
-    kernel_probe._layout_memo.clear()  # as a new process
+    kernel_probe._memo.clear()  # as a new process
     assert kernel_probe.decoding_layout(SMOL) == "stream" and layouts.calls == 1
     stored = json.loads((tmp_path / "precision.json").read_text())
     assert stored == {kernel_probe.LAYOUT_KEY_PREFIX + dtype_probe.machine_key(SMOL):

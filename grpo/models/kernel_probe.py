@@ -26,7 +26,8 @@ decoding step's rows, LoRA folded) packed each way and takes the streaming layou
 measured ``MARGIN`` faster; as for training, the precision probe's own numbers answer where it
 timed both.
 
-The results are cached beside the precision probe's (``$GRPO_CACHE/precision.json``) under the same
+Both are the same question -- which of two ways of computing the same thing runs faster here --
+asked by a ``Question``: its answer is cached beside the precision probe's (``$GRPO_CACHE/precision.json``) under the same
 machine key (CPU and its instruction sets, torch, threads, shapes, probe version), printed once
 when measured. As with the precision probe, ``GRPO_PRECISION_PROBE=off`` skips it (oneDNN), and a machine whose load average
 is at least its core count is not measured (oneDNN for that run, measured by a later one).
@@ -37,90 +38,127 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 from grpo.models import dtype_probe
-from grpo.models.cpu_linear import KERNELS
 from grpo.models.dtype_probe import Shapes
 
-MARGIN = 1.05  # PyTorch's kernel must be this many times faster: noise keeps the kernel in use so far
+MARGIN = 1.05  # the second option must be this many times faster: noise keeps the one in use so far
 BUDGET_S = 1.0
-KEY_PREFIX = "fp32 training kernel | "
-LAYOUT_KEY_PREFIX = "fp32 decoding layout | "
 
-# (shapes) -> (oneDNN seconds, PyTorch seconds) per training pass; tests pass a fake one
+# (shapes) -> (seconds through the first option, through the second) per pass; tests pass a fake one
 Timer = Callable[[Shapes], tuple[float, float]]
 
-_memo: dict[str, KernelTiming | None] = {}
-_layout_memo: dict[str, LayoutTiming | None] = {}
+_memo: dict[str, Timing | None] = {}  # both questions' answers in this process, by cache key
 
 
 @dataclass(frozen=True)
-class KernelTiming:
-    """Seconds of one probed training pass through each kernel."""
+class Question:
+    """Which of two ways of computing the same thing runs faster on this machine: ``options[0]``
+    (the one used so far) unless ``options[1]`` measured ``MARGIN`` faster."""
 
-    onednn_s: float
-    torch_s: float
+    what: str  # names the cache entry and the printed line
+    per: str  # what one timing is of
+    options: tuple[str, str]
+    names: tuple[str, str]  # how the printed line names each option
+    chosen_names: tuple[str, str]  # ... and the chosen one
+    # the precision probe's numbers for the two options, where it timed both (dtype_probe.py)
+    borrowed: Callable[[Shapes, Path], dict[str, float] | None]
+    measure: str  # this module's function that times both: looked up when called (tests replace it)
 
     @property
-    def choice(self) -> str:
-        return "torch" if self.torch_s * MARGIN <= self.onednn_s else "onednn"
+    def key_prefix(self) -> str:
+        return f"{self.what} | "
+
+    def answer(self, shapes: Shapes, timer: Timer | None = None, cache: Path | None = None) -> str:
+        """The faster option for ``shapes``; the first where the machine is too busy to measure."""
+        timing = self.timings(shapes, timer, cache)
+        return self.options[0] if timing is None else timing.choice
+
+    def timings(self, shapes: Shapes, timer: Timer | None = None, cache: Path | None = None) -> Timing | None:
+        """The Timing of ``shapes``: from this process, the cache file, or measured (and cached and
+        printed once); None, printed once, where the machine is too busy to measure."""
+        cache = cache if cache is not None else dtype_probe.cache_file()
+        borrowed = []  # whether the answer came from the precision probe's numbers
+
+        def measured() -> Timing:
+            # ``auto`` resolving to fp32 has just timed these very ops both ways (dtype_probe.py):
+            # its numbers answer, rather than timing them again
+            timed = self.borrowed(shapes, cache) or {}
+            if timed.keys() >= set(self.options):
+                borrowed.append(True)
+                return Timing(self, *(timed[option] for option in self.options))
+            return Timing(self, *(timer or globals()[self.measure])(shapes))
+
+        return dtype_probe.measured_once(
+            self.key_prefix + dtype_probe.machine_key(shapes), cache, _memo,
+            parse=lambda entry: Timing(self, *(float(entry[f"{option}_s"]) for option in self.options)),
+            measure=measured, to_json=Timing.to_json, announce=lambda result: result.summary(shapes, bool(borrowed)),
+            what=self.what, fallback=self.chosen_names[0])
 
 
 @dataclass(frozen=True)
-class LayoutTiming:
-    """Seconds of one probed fp32 decoding step with the weights packed in each layout."""
+class Timing:
+    """Seconds of one probed pass through each of a question's options."""
 
-    onednn_s: float
-    stream_s: float
+    question: Question
+    first_s: float
+    second_s: float
 
     @property
     def choice(self) -> str:
-        return "stream" if self.stream_s * MARGIN <= self.onednn_s else "onednn"
+        return self.question.options[1 if self.second_s * MARGIN <= self.first_s else 0]
+
+    def to_json(self) -> dict[str, float]:
+        first, second = self.question.options
+        return {f"{first}_s": self.first_s, f"{second}_s": self.second_s}
+
+    def summary(self, shapes: Shapes, from_precision_probe: bool = False) -> str:
+        q, ratio = self.question, self.first_s / self.second_s
+        first, second = q.names
+        return (f"{q.what} on {dtype_probe.cpu_name()} ({shapes.signature()}): "
+                f"{q.chosen_names[q.options.index(self.choice)]} (per {q.per}: {first} {self.first_s * 1e3:.1f} ms, "
+                f"{second} {self.second_s * 1e3:.1f} ms, {second} "
+                f"{f'{ratio:.2f}x faster' if ratio >= 1 else f'{1 / ratio:.2f}x slower'}"
+                f"{', as the precision probe timed them' if from_precision_probe else ''})")
+
+
+TRAINING_KERNEL = Question("fp32 training kernel", "training pass", ("onednn", "torch"), ("oneDNN", "PyTorch"),
+                           ("oneDNN", "PyTorch (MKL)"), dtype_probe.fp32_training_by_kernel, "measure")
+DECODING_LAYOUT = Question("fp32 decoding layout", "decoding step", ("onednn", "stream"), ("oneDNN", "streaming"),
+                           ("oneDNN", "streaming"), dtype_probe.fp32_sampling_by_layout, "measure_layouts")
+KEY_PREFIX, LAYOUT_KEY_PREFIX = TRAINING_KERNEL.key_prefix, DECODING_LAYOUT.key_prefix
+
+
+def _probed(shapes: Shapes | None) -> bool:
+    """Whether there is anything to measure: shapes, the probe on, oneDNN's Linears in use."""
+    from grpo.models import cpu_linear
+
+    return shapes is not None and dtype_probe.enabled() and cpu_linear.wanted() and cpu_linear.onednn_works()
 
 
 def training_kernel(shapes: Shapes | None, timer: Timer | None = None, cache: Path | None = None) -> str:
     """The float32 training kernel for a model of ``shapes`` on this machine, "onednn" or "torch":
     oneDNN without measuring where there is nothing to measure (no shapes, the probe off, oneDNN
     not in use) or the machine is too busy to."""
+    return TRAINING_KERNEL.answer(shapes, timer, cache) if _probed(shapes) else "onednn"
+
+
+def timings(shapes: Shapes, timer: Timer | None = None, cache: Path | None = None) -> Timing | None:
+    """The training kernel's Timing of ``shapes`` (``Question.timings``)."""
+    return TRAINING_KERNEL.timings(shapes, timer, cache)
+
+
+def decoding_layout(shapes: Shapes | None, timer: Timer | None = None, cache: Path | None = None) -> str:
+    """The packed layout for a float32 sampler of ``shapes`` on this machine, "onednn" or "stream":
+    oneDNN's without measuring where there is nothing to measure (no shapes, the probe off, oneDNN
+    or grpo's kernels not in use) or the machine is too busy to."""
     from grpo.models import cpu_linear
 
-    if shapes is None or not dtype_probe.enabled() or not (cpu_linear.wanted() and cpu_linear.onednn_works()):
+    if not (_probed(shapes) and cpu_linear.stream_available()):
         return "onednn"
-    timing = timings(shapes, timer, cache)
-    return "onednn" if timing is None else timing.choice
-
-
-def timings(shapes: Shapes, timer: Timer | None = None, cache: Path | None = None) -> KernelTiming | None:
-    """The KernelTiming of ``shapes``: from this process, the cache file, or measured (and cached
-    and printed once); None, printed once, where the machine is too busy to measure."""
-    cache = cache if cache is not None else dtype_probe.cache_file()
-    borrowed = []  # whether the answer came from the precision probe's numbers
-
-    def measured() -> KernelTiming:
-        # ``auto`` resolving to fp32 has just timed these very ops through both kernels
-        # (dtype_probe's training role): its numbers answer, rather than timing them again (0.3 s on an AMX Xeon)
-        timed = dtype_probe.fp32_training_by_kernel(shapes, cache) or {}
-        if timed.keys() >= set(KERNELS):
-            borrowed.append(True)
-            return KernelTiming(timed["onednn"], timed["torch"])
-        return KernelTiming(*(timer or measure)(shapes))
-
-    return dtype_probe.measured_once(
-        KEY_PREFIX + dtype_probe.machine_key(shapes), cache, _memo,
-        parse=lambda entry: KernelTiming(float(entry["onednn_s"]), float(entry["torch_s"])),
-        measure=measured, to_json=asdict, announce=lambda result: summary(result, shapes, bool(borrowed)),
-        what="fp32 training kernel", fallback="oneDNN")
-
-
-def summary(result: KernelTiming, shapes: Shapes, from_precision_probe: bool = False) -> str:
-    ratio = result.onednn_s / result.torch_s
-    return (f"fp32 training kernel on {dtype_probe.cpu_name()} ({shapes.signature()}): "
-            f"{'PyTorch (MKL)' if result.choice == 'torch' else 'oneDNN'} (per training pass: oneDNN "
-            f"{result.onednn_s * 1e3:.1f} ms, PyTorch {result.torch_s * 1e3:.1f} ms, PyTorch "
-            f"{f'{ratio:.2f}x faster' if ratio >= 1 else f'{1 / ratio:.2f}x slower'}"
-            f"{', as the precision probe timed them' if from_precision_probe else ''})")
+    return DECODING_LAYOUT.answer(shapes, timer, cache)
 
 
 def measure(shapes: Shapes, budget_s: float = BUDGET_S) -> tuple[float, float]:
@@ -128,54 +166,13 @@ def measure(shapes: Shapes, budget_s: float = BUDGET_S) -> tuple[float, float]:
     training ops, scaled to the whole model)."""
     import torch
 
+    from grpo.models.cpu_linear import KERNELS
+
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
         (onednn, counts), (plain, _) = (dtype_probe._train_ops(shapes, torch.float32, kernel) for kernel in KERNELS)
         onednn_s, torch_s = dtype_probe._fastest_of([onednn, plain], counts, budget_s)
         return onednn_s, torch_s
-
-
-def decoding_layout(shapes: Shapes | None, timer: Callable[[Shapes], tuple[float, float]] | None = None,
-                    cache: Path | None = None) -> str:
-    """The packed layout for a float32 sampler of ``shapes`` on this machine, "onednn" or "stream":
-    oneDNN's without measuring where there is nothing to measure (no shapes, the probe off, oneDNN
-    or grpo's kernels not in use) or the machine is too busy to."""
-    from grpo.models import cpu_linear
-
-    if (shapes is None or not dtype_probe.enabled() or not (cpu_linear.wanted() and cpu_linear.onednn_works())
-            or not cpu_linear.stream_available()):
-        return "onednn"
-    timing = layout_timings(shapes, timer, cache)
-    return "onednn" if timing is None else timing.choice
-
-
-def layout_timings(shapes: Shapes, timer: Callable[[Shapes], tuple[float, float]] | None = None,
-                   cache: Path | None = None) -> LayoutTiming | None:
-    """The LayoutTiming of ``shapes``, as ``timings`` finds a KernelTiming."""
-    cache = cache if cache is not None else dtype_probe.cache_file()
-    borrowed = []
-
-    def measured() -> LayoutTiming:
-        timed = dtype_probe.fp32_sampling_by_layout(shapes, cache) or {}
-        if timed.keys() >= {"onednn", "stream"}:
-            borrowed.append(True)
-            return LayoutTiming(timed["onednn"], timed["stream"])
-        return LayoutTiming(*(timer or measure_layouts)(shapes))
-
-    return dtype_probe.measured_once(
-        LAYOUT_KEY_PREFIX + dtype_probe.machine_key(shapes), cache, _layout_memo,
-        parse=lambda entry: LayoutTiming(float(entry["onednn_s"]), float(entry["stream_s"])),
-        measure=measured, to_json=asdict, announce=lambda result: layout_summary(result, shapes, bool(borrowed)),
-        what="fp32 decoding layout", fallback="oneDNN's")
-
-
-def layout_summary(result: LayoutTiming, shapes: Shapes, from_precision_probe: bool = False) -> str:
-    ratio = result.onednn_s / result.stream_s
-    return (f"fp32 decoding layout on {dtype_probe.cpu_name()} ({shapes.signature()}): "
-            f"{'streaming' if result.choice == 'stream' else 'oneDNN'} (per decoding step: oneDNN "
-            f"{result.onednn_s * 1e3:.1f} ms, streaming {result.stream_s * 1e3:.1f} ms, streaming "
-            f"{f'{ratio:.2f}x faster' if ratio >= 1 else f'{1 / ratio:.2f}x slower'}"
-            f"{', as the precision probe timed them' if from_precision_probe else ''})")
 
 
 def measure_layouts(shapes: Shapes, budget_s: float = BUDGET_S) -> tuple[float, float]:
@@ -202,9 +199,9 @@ def main(argv: list[str] | None = None) -> None:
     shapes = Shapes.from_config(models.load_config(name))
     if shapes is None:
         raise SystemExit(f"grpo: the config of {name!r} names no decoder shapes; nothing to time")
-    print(summary(KernelTiming(*measure(shapes)), shapes))
+    print(Timing(TRAINING_KERNEL, *measure(shapes)).summary(shapes))
     if cpu_linear.stream_available():
-        print(layout_summary(LayoutTiming(*measure_layouts(shapes)), shapes))
+        print(Timing(DECODING_LAYOUT, *measure_layouts(shapes)).summary(shapes))
     else:
         print("fp32 decoding layout: oneDNN's (grpo's native kernels are not built here: nothing to weigh it against)")
 

@@ -1016,6 +1016,6 @@ TORCH_LIBRARY_IMPL(grpo_native, CPU, m) {
   m.impl("stream_linear", stream_linear);
 }
 
-// decode_layers takes oneDNN's packed weights (opaque tensors of the MkldnnCPU backend), which is
-// the backend the dispatcher then picks for the call
+// decode_layers takes oneDNN's packed weights (opaque tensors of the MkldnnCPU backend, which the
+// dispatcher then picks for the call) or streaming ones (plain CPU tensors)
 TORCH_LIBRARY_IMPL(grpo_native, MkldnnCPU, m) { m.impl("decode_layers", decode_layers); }

@@ -1,0 +1,128 @@
+"""The fp32 sampler's two packed layouts side by side: oneDNN's and grpo's streaming one (cpu_linear.py).
+
+Usage (from the repository root):
+
+    .venv/bin/python scripts/packed_layouts.py                  # the products, 1 to 512 rows
+    .venv/bin/python scripts/packed_layouts.py --rows 8 24 --steps 4   # and whole sampling calls
+
+``products``: the model's Linears and unembedding at its own shapes (SmolLM2-135M: 30 layers'
+q/k/v, o, gate/up and down, each layer's weights its own, 539 MB in fp32), random weights packed
+both ways, each product called once per layer in a pass, as a decoding step reads them; the best of
+``--passes`` timed passes per row count, the layouts alternating, and their ratio. A decoding step
+carries a few dozen rows, a prefill hundreds.
+
+``--steps N``: N seeded GRPO steps of the bench's shape (8 prompts x 4 samples x 32 tokens, fp32)
+per layout through the local backend, the engine's layout switched between steps (each step folds
+its sampler anew), alternating: the sampling call and its sections per step, and the medians.
+Ratios within one run are what to read: this machine kind's speed drifts between runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+LAYOUTS = ("onednn", "stream")
+
+
+def products(model: str, rows: list[int], passes: int) -> None:
+    import torch
+
+    from grpo import models
+    from grpo.models import cpu_linear
+    from grpo.models.dtype_probe import Shapes
+
+    shapes = Shapes.from_config(models.load_config(model))
+    h, i, q, kv = shapes.hidden, shapes.intermediate, shapes.q_out, shapes.kv_out
+    layer = [(q + 2 * kv, h), (h, q), (2 * i, h), (h, i)]  # as the sampler stacks them: q/k/v, o, gate/up, down
+    torch.manual_seed(0)
+    dense = [torch.empty(shape).uniform_(-0.05, 0.05) for _ in range(shapes.layers) for shape in layer]
+    dense.append(torch.empty(shapes.vocab, h).uniform_(-0.05, 0.05))
+    packed = {layout: [cpu_linear.pack_weight(w, layout) for w in dense] for layout in LAYOUTS}
+    fan_ins = [w.shape[1] for w in dense]
+    nbytes = sum(w.numel() for w in dense) * 4
+    flops_per_row = 2 * nbytes / 4
+    del dense
+    print(f"# {model}: {len(packed['onednn'])} products, {nbytes / 1e6:.0f} MB of fp32 weights a pass; "
+          f"torch {torch.__version__}, {torch.get_num_threads()} threads")
+    print("| rows | oneDNN packed | streaming | oneDNN / streaming |")
+    print("| --- | --- | --- | --- |")
+    with torch.inference_mode():
+        for m in rows:
+            inputs = {n: torch.randn(m, n) for n in set(fan_ins)}
+            best = {layout: float("inf") for layout in LAYOUTS}
+            for _ in range(passes):
+                for layout in LAYOUTS:
+                    start = time.perf_counter()
+                    for w, fan_in in zip(packed[layout], fan_ins, strict=True):
+                        cpu_linear.packed_product(inputs[fan_in], w, None)
+                    best[layout] = min(best[layout], time.perf_counter() - start)
+            o, s = best["onednn"], best["stream"]
+            print(f"| {m} | {o * 1e3:.1f} ms ({m * flops_per_row / o / 1e9:.0f} GFLOP/s) | {s * 1e3:.1f} ms "
+                  f"({m * flops_per_row / s / 1e9:.0f} GFLOP/s, {nbytes / s / 1e9:.1f} GB/s) | {o / s:.2f} |")
+
+
+def steps(model: str, count: int) -> None:
+    from bench import make_problems, timed_trainable_step
+
+    from grpo.backends.local import ServiceClient, sections
+    from grpo.types import AdamParams, SamplingParams
+
+    tc = ServiceClient(device="cpu", train_dtype="fp32", sample_dtype="fp32").create_lora_training_client(
+        model, rank=16, seed=0, train_unembed=False)
+    tokenizer = tc.get_tokenizer()
+    adam = AdamParams(learning_rate=2e-5, grad_clip_norm=1.0)
+    params = SamplingParams(max_tokens=32, temperature=1.0, seed=1, stop=[tokenizer.eos_token_id])
+
+    def step(seed: int) -> tuple[dict, dict]:
+        problems = make_problems(8, seed=seed)
+        prompts = [tokenizer.apply_chat_template(p.messages, add_generation_prompt=True, tokenize=True,
+                                                 return_dict=False) for p in problems]
+        with sections.recording() as (seconds, _):
+            _, timing = timed_trainable_step(tc, problems, prompts, 4, params, tokenizer, adam)
+        return timing, dict(seconds)
+
+    step(100)  # warm-up
+    calls: dict[str, list[float]] = {layout: [] for layout in LAYOUTS}
+    print("\n| step | layout | sampling call | decoding forward | prefill | folding LoRA |")
+    print("| --- | --- | --- | --- | --- | --- |")
+    for seed in range(count):
+        for layout in LAYOUTS:
+            tc.engine.fp32_layout = layout  # the next fold packs in it; so does the unembedding's copy
+            tc.engine.model.get_output_embeddings().packed_layout = layout
+            timing, seconds = step(seed)
+            calls[layout].append(timing["sample_s"])
+            print(f"| {seed} | {layout} | {timing['sample_s']:.2f} s | {seconds.get('grpo.sample.decode_forward', 0):.3f} s"
+                  f" | {seconds.get('grpo.sample.prefill', 0):.3f} s | {seconds.get('grpo.sample.install_lora', 0):.3f} s |")
+    medians = {layout: statistics.median(v) for layout, v in calls.items()}
+    print(f"\nsampling call, median: oneDNN {medians['onednn']:.2f} s, streaming {medians['stream']:.2f} s, "
+          f"streaming / oneDNN {medians['stream'] / medians['onednn']:.2f}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="smollm2")
+    parser.add_argument("--rows", type=int, nargs="+", default=[1, 4, 8, 16, 24, 32, 48, 64, 128, 256, 512])
+    parser.add_argument("--passes", type=int, default=9, help="timed passes per layout and row count")
+    parser.add_argument("--steps", type=int, default=0, help="also time this many GRPO steps per layout")
+    args = parser.parse_args()
+
+    from grpo.models import computing, cpu_linear
+
+    if not computing.run(cpu_linear.stream_available):
+        raise SystemExit("grpo's native kernels are not built here (no compiler, or GRPO_NATIVE_KERNELS=off): "
+                         "there is no streaming layout to compare")
+    # on grpo's computing thread, where its kernels run: products timed on this thread would leave a
+    # second OpenMP team in the process, which slows every later kernel of grpo's (computing.py)
+    computing.run(products, args.model, args.rows, args.passes)
+    if args.steps:
+        steps(args.model, args.steps)
+
+
+if __name__ == "__main__":
+    main()

@@ -14,6 +14,7 @@ from toy_agent import ToyAgent
 
 from grpo import types
 from grpo.backends.local import ServiceClient
+from grpo.models import cpu_linear, kernel_probe
 from grpo.record.runlog import read_jsonl
 from grpo.rl.advantages import build_datum
 from grpo.rl.agent import Episode
@@ -60,10 +61,17 @@ class RecordingSampler:
         return self.inner.compute_logprobs(prompt)
 
 
-@pytest.fixture
-def perturbed(fp32_service):
-    """A training client whose LoRA is not the identity, and a recording sampler of its weights."""
+@pytest.fixture(params=cpu_linear.LAYOUTS)
+def perturbed(request, fp32_service, monkeypatch):
+    """A training client whose LoRA is not the identity, and a recording sampler of its weights,
+    packed in each layout an fp32 sampler may run in (the engine's is measured per machine:
+    kernel_probe.py; here set)."""
+    if request.param == "stream":
+        if not (cpu_linear.onednn_works() and cpu_linear.stream_available()):
+            pytest.skip("grpo's native kernels or oneDNN are not here: no streaming layout")
+        monkeypatch.setattr(kernel_probe, "decoding_layout", lambda shapes: "stream")
     client = fp32_service.create_lora_training_client("tiny", rank=4, seed=0)
+    assert client.engine.fp32_layout == request.param or not cpu_linear.onednn_works()
     perturb_adapter(client, seed=1)
     return client, RecordingSampler(client.save_weights_and_get_sampling_client("s"))
 

@@ -26,7 +26,7 @@ from grpo.backends.local.folded_lora import FoldedAdapter, can_fold
 from grpo.backends.local.sampler_precision import SamplerCopy
 from grpo.backends.local.sections import section
 from grpo.checks import check_lora_targets
-from grpo.models import dtype_probe, kernel_probe, native_kernels, precision
+from grpo.models import dtype_probe, kernel_probe, precision
 from grpo.models.cpu_linear import (
     OneDNNLinear,
     keep_packed_copies,
@@ -112,10 +112,6 @@ class Engine:
         sample_dtype = dtype if sample_dtype is None else sample_dtype
         # read once, for the probes; none times anything on a GPU or with the probes off
         shapes = _shapes(base_model) if self.device.type == "cpu" and dtype_probe.enabled() else None
-        if self.device.type == "cpu":
-            # grpo's native kernels (built here once per machine, ~15 s on 2 cores; loaded in ~0.05 s
-            # after that) before the probes: the fp32 sampler's streaming layout is one of them
-            native_kernels.kernels()
         train_dtype = precision.resolve("train_dtype", dtype, self.device, shapes)
         self.sample_dtype = precision.resolve("sample_dtype", sample_dtype, self.device, shapes)
         self.tokenizer = models.load_tokenizer(base_model)
@@ -135,8 +131,9 @@ class Engine:
             p.requires_grad_(False)
         if self.device.type == "cpu":
             # RMSNorms, SiLU * up and the rotary embedding through grpo's native kernels, forward
-            # and backward (native_layers.py; the kernels loaded above). The sampler's copy below is
-            # made from these modules and keeps them.
+            # and backward (native_layers.py; the kernels are built on first need, once per machine, or
+            # by the probes above, which time the streaming layout). The sampler's copy below is made
+            # from these modules and keeps them.
             native_layers.install(self.model)
         # bf16 sampling on a CPU runs its own packed copy (sampler_precision.py) even beside a bf16
         # trainer: sibling projections stacked, LoRA side paths made once per set of weights. A

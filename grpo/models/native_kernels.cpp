@@ -812,9 +812,9 @@ inline void stream_tail(int64_t rows, const float* xt, int64_t ldx, int64_t K, c
 }
 
 // Beyond two blocks of rows (a prefill), k goes in slices of this many: a slice of the panel (8
-// KiB) stays in the first-level cache while every block of rows passes over it, where a whole
-// panel and a block's inputs (36 + 55 KiB at SmolLM2's 576 features) did not fit and the product
-// ran at 0.7-0.8x oneDNN's rate at 128-256 rows.
+// KiB) stays in the first-level cache while every block of rows passes over it. Measured, it bought
+// nothing clear (128-512 rows within the VM's noise of no slicing, at 0.8-0.9x oneDNN's rate either
+// way; docs/benchmark.md); the sums are the same multiply-adds in the same order with or without.
 constexpr int64_t STREAM_K_SLICE = 128;
 
 // [N, K] -> [N / 16][K][16]

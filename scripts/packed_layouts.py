@@ -1,19 +1,23 @@
-"""The fp32 sampler's two packed layouts side by side: oneDNN's and grpo's streaming one (cpu_linear.py).
+"""The sampler's two packed layouts side by side: oneDNN's and grpo's streaming one (cpu_linear.py).
 
 Usage (from the repository root):
 
     .venv/bin/python scripts/packed_layouts.py                  # the products, 1 to 512 rows
     .venv/bin/python scripts/packed_layouts.py --rows 8 24 --steps 4   # and whole sampling calls
+    .venv/bin/python scripts/packed_layouts.py --dtype bf16            # the same in bf16
 
 ``products``: the model's Linears and unembedding at its own shapes (SmolLM2-135M: 30 layers'
-q/k/v, o, gate/up and down, each layer's weights its own, 539 MB in fp32), random weights packed
+q/k/v, o, gate/up and down, each layer's weights its own, 539 MB in fp32, 269 in bf16), random weights packed
 both ways, each product called once per layer in a pass, as a decoding step reads them; the best of
 ``--passes`` timed passes per row count, the layouts alternating, and their ratio. A decoding step
 carries a few dozen rows, a prefill hundreds.
 
-``--steps N``: N seeded GRPO steps of the bench's shape (8 prompts x 4 samples x 32 tokens, fp32)
-per layout through the local backend, the engine's layout switched between steps (each step folds
-its sampler anew), alternating: the sampling call and its sections per step, and the medians.
+``--steps N``: N seeded GRPO steps of the bench's shape (8 prompts x 4 samples x 32 tokens, an fp32
+trainer) per layout through the local backend, one client per layout, alternating: the sampling call
+and its sections per step, and the medians.
+
+``--dtype bf16``: the products in bf16, and the steps' sampler in bf16 (its own copy of the model,
+LoRA as side paths: sampler_precision.py).
 Ratios within one run are what to read: this machine kind's speed drifts between runs.
 """
 
@@ -30,7 +34,18 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 LAYOUTS = ("onednn", "stream")
 
 
-def products(model: str, rows: list[int], passes: int) -> None:
+def product(x, weight):
+    """x @ W.T by a packed weight (cpu_linear.packed_product), or by a plain one as F.linear does."""
+    import torch
+
+    from grpo.models import cpu_linear
+
+    if weight.is_mkldnn or weight.dim() == 3:
+        return cpu_linear.packed_product(x, weight, None)
+    return torch.nn.functional.linear(x, weight)
+
+
+def products(model: str, rows: list[int], passes: int, dtype_name: str = "fp32") -> None:
     import torch
 
     from grpo import models
@@ -41,45 +56,55 @@ def products(model: str, rows: list[int], passes: int) -> None:
     h, i, q, kv = shapes.hidden, shapes.intermediate, shapes.q_out, shapes.kv_out
     layer = [(q + 2 * kv, h), (h, q), (2 * i, h), (h, i)]  # as the sampler stacks them: q/k/v, o, gate/up, down
     torch.manual_seed(0)
-    dense = [torch.empty(shape).uniform_(-0.05, 0.05) for _ in range(shapes.layers) for shape in layer]
-    dense.append(torch.empty(shapes.vocab, h).uniform_(-0.05, 0.05))
-    packed = {layout: [cpu_linear.pack_weight(w, layout) for w in dense] for layout in LAYOUTS}
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype_name]
+    dense = [torch.empty(shape).uniform_(-0.05, 0.05).to(dtype) for _ in range(shapes.layers) for shape in layer]
+    dense.append(torch.empty(shapes.vocab, h).uniform_(-0.05, 0.05).to(dtype))
+    # (where oneDNN packs no bf16 weight -- a CPU without avx512 -- the sampler keeps the plain weight)
+    packed = {layout: [cpu_linear.pack_weight(w, layout) if cpu_linear.can_pack(w, layout) else w for w in dense]
+              for layout in LAYOUTS}
     fan_ins = [w.shape[1] for w in dense]
-    nbytes = sum(w.numel() for w in dense) * 4
-    flops_per_row = 2 * nbytes / 4
+    elements = sum(w.numel() for w in dense)
+    nbytes, flops_per_row = elements * dense[0].element_size(), 2 * elements
     del dense
-    print(f"# {model}: {len(packed['onednn'])} products, {nbytes / 1e6:.0f} MB of fp32 weights a pass; "
+    print(f"# {model}: {len(packed['onednn'])} products, {nbytes / 1e6:.0f} MB of {dtype_name} weights a pass; "
           f"torch {torch.__version__}, {torch.get_num_threads()} threads")
-    print("| rows | oneDNN packed | streaming | oneDNN / streaming |")
+    first = "oneDNN packed" if any(w.is_mkldnn for w in packed["onednn"]) else "plain (oneDNN packs none here)"
+    print(f"| rows | {first} | streaming | {first.split()[0]} / streaming |")
     print("| --- | --- | --- | --- |")
     with torch.inference_mode():
         for m in rows:
-            inputs = {n: torch.randn(m, n) for n in set(fan_ins)}
+            inputs = {n: torch.randn(m, n).to(dtype) for n in set(fan_ins)}
             best = {layout: float("inf") for layout in LAYOUTS}
             for _ in range(passes):
                 for layout in LAYOUTS:
                     start = time.perf_counter()
                     for w, fan_in in zip(packed[layout], fan_ins, strict=True):
-                        cpu_linear.packed_product(inputs[fan_in], w, None)
+                        product(inputs[fan_in], w)
                     best[layout] = min(best[layout], time.perf_counter() - start)
             o, s = best["onednn"], best["stream"]
             print(f"| {m} | {o * 1e3:.1f} ms ({m * flops_per_row / o / 1e9:.0f} GFLOP/s) | {s * 1e3:.1f} ms "
                   f"({m * flops_per_row / s / 1e9:.0f} GFLOP/s, {nbytes / s / 1e9:.1f} GB/s) | {o / s:.2f} |")
 
 
-def steps(model: str, count: int) -> None:
+def steps(model: str, count: int, dtype_name: str = "fp32") -> None:
     from bench import make_problems, timed_trainable_step
 
     from grpo.backends.local import ServiceClient, sections
+    from grpo.models import kernel_probe
     from grpo.types import AdamParams, SamplingParams
 
-    tc = ServiceClient(device="cpu", train_dtype="fp32", sample_dtype="fp32").create_lora_training_client(
-        model, rank=16, seed=0, train_unembed=False)
-    tokenizer = tc.get_tokenizer()
+    # one client per layout (an fp32 trainer; the sampler in ``dtype_name``), each packing its
+    # sampler in its layout, as on a machine that measured that layout faster
+    clients = {}
+    for layout in LAYOUTS:
+        kernel_probe.decoding_layout = lambda shapes, dtype=None, layout=layout: layout
+        clients[layout] = ServiceClient(device="cpu", train_dtype="fp32", sample_dtype=dtype_name
+                                        ).create_lora_training_client(model, rank=16, seed=0, train_unembed=False)
+    tokenizer = clients["onednn"].get_tokenizer()
     adam = AdamParams(learning_rate=2e-5, grad_clip_norm=1.0)
     params = SamplingParams(max_tokens=32, temperature=1.0, seed=1, stop=[tokenizer.eos_token_id])
 
-    def step(seed: int) -> tuple[dict, dict]:
+    def step(tc, seed: int) -> tuple[dict, dict]:
         problems = make_problems(8, seed=seed)
         prompts = [tokenizer.apply_chat_template(p.messages, add_generation_prompt=True, tokenize=True,
                                                  return_dict=False) for p in problems]
@@ -87,15 +112,15 @@ def steps(model: str, count: int) -> None:
             _, timing = timed_trainable_step(tc, problems, prompts, 4, params, tokenizer, adam)
         return timing, dict(seconds)
 
-    step(100)  # warm-up
+    for tc in clients.values():
+        step(tc, 100)  # warm-up
     calls: dict[str, list[float]] = {layout: [] for layout in LAYOUTS}
-    print("\n| step | layout | sampling call | decoding forward | prefill | folding LoRA |")
+    print(f"\n{dtype_name} sampler, fp32 trainer\n\n| step | layout | sampling call | decoding forward | prefill | "
+          "installing LoRA |")
     print("| --- | --- | --- | --- | --- | --- |")
     for seed in range(count):
-        for layout in LAYOUTS:
-            tc.engine.fp32_layout = layout  # the next fold packs in it; so does the unembedding's copy
-            tc.engine.model.get_output_embeddings().packed_layout = layout
-            timing, seconds = step(seed)
+        for layout, tc in clients.items():
+            timing, seconds = step(tc, seed)
             calls[layout].append(timing["sample_s"])
             print(f"| {seed} | {layout} | {timing['sample_s']:.2f} s | {seconds.get('grpo.sample.decode_forward', 0):.3f} s"
                   f" | {seconds.get('grpo.sample.prefill', 0):.3f} s | {seconds.get('grpo.sample.install_lora', 0):.3f} s |")
@@ -109,6 +134,7 @@ def main() -> None:
     parser.add_argument("--model", default="smollm2")
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 4, 8, 16, 24, 32, 48, 64, 128, 256, 512])
     parser.add_argument("--passes", type=int, default=9, help="timed passes per layout and row count")
+    parser.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32", help="the weights' and inputs' dtype")
     parser.add_argument("--steps", type=int, default=0, help="also time this many GRPO steps per layout")
     args = parser.parse_args()
 
@@ -119,9 +145,9 @@ def main() -> None:
                          "there is no streaming layout to compare")
     # on grpo's computing thread, where its kernels run: products timed on this thread would leave a
     # second OpenMP team in the process, which slows every later kernel of grpo's (computing.py)
-    computing.run(products, args.model, args.rows, args.passes)
+    computing.run(products, args.model, args.rows, args.passes, args.dtype)
     if args.steps:
-        steps(args.model, args.steps)
+        steps(args.model, args.steps, args.dtype)
 
 
 if __name__ == "__main__":

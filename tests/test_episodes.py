@@ -69,7 +69,7 @@ def perturbed(request, fp32_service, monkeypatch):
     if request.param == "stream":
         if not (cpu_linear.onednn_works() and cpu_linear.stream_available()):
             pytest.skip("grpo's native kernels or oneDNN are not here: no streaming layout")
-        monkeypatch.setattr(kernel_probe, "decoding_layout", lambda shapes: "stream")
+        monkeypatch.setattr(kernel_probe, "decoding_layout", lambda shapes, dtype=None: "stream")
     client = fp32_service.create_lora_training_client("tiny", rank=4, seed=0)
     assert client.engine.fp32_layout == request.param or not cpu_linear.onednn_works()
     perturb_adapter(client, seed=1)

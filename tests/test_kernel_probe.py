@@ -48,9 +48,10 @@ def probe(monkeypatch, tmp_path):
     monkeypatch.setattr(dtype_probe, "cache_file", lambda: tmp_path / "precision.json")
     monkeypatch.setattr(dtype_probe, "machine_busy", lambda: None)
 
-    def use(timer: FakeTimer, layouts: FakeTimer | None = None) -> FakeTimer:
+    def use(timer: FakeTimer, layouts: FakeTimer | None = None, bf16_layouts: FakeTimer | None = None) -> FakeTimer:
         monkeypatch.setattr(kernel_probe, "measure", timer)
         monkeypatch.setattr(kernel_probe, "measure_layouts", layouts or FakeTimer(0.045, 0.032))
+        monkeypatch.setattr(kernel_probe, "measure_bf16_layouts", bf16_layouts or FakeTimer(0.052, 0.030))
         return timer
 
     return use
@@ -95,7 +96,8 @@ def test_after_auto_resolved_to_fp32_its_numbers_choose_the_kernel_untimed(probe
     streams = cpu_linear.stream_available()  # grpo's kernels built: the layouts were timed too
     monkeypatch.setattr(dtype_probe, "measure", lambda shapes: {  # bf16 slower in both roles: auto is fp32
         "sample": (0.030, 0.060), "train": (0.360, 0.500), dtype_probe.BY_KERNEL: {"onednn": 0.432, "torch": 0.360},
-        **({dtype_probe.BY_LAYOUT: {"onednn": 0.045, "stream": 0.030}} if streams else {})})
+        **({dtype_probe.BY_LAYOUT["fp32"]: {"onednn": 0.045, "stream": 0.030},
+            dtype_probe.BY_LAYOUT["bf16"]: {"onednn": 0.060, "stream": 0.061}} if streams else {})})
     engine = ServiceClient(device="cpu").create_lora_training_client("tiny", seed=0, rank=2).engine
     assert engine.dtype is torch.float32 and engine.fp32_kernel == "torch" and timer.calls == layouts.calls == 0
     assert engine.fp32_layout == ("stream" if streams else "onednn")
@@ -206,7 +208,8 @@ def test_the_kernel_decides_which_library_computes_a_float32_training_product(mo
 
 @pytest.mark.parametrize(("question", "measure"), [
     (kernel_probe.TRAINING_KERNEL, kernel_probe.measure),
-    pytest.param(kernel_probe.DECODING_LAYOUT, kernel_probe.measure_layouts, marks=needs_streaming)])
+    pytest.param(kernel_probe.DECODING_LAYOUT["fp32"], kernel_probe.measure_layouts, marks=needs_streaming),
+    pytest.param(kernel_probe.DECODING_LAYOUT["bf16"], kernel_probe.measure_bf16_layouts, marks=needs_streaming)])
 def test_the_real_probe_times_both_options(tmp_path, monkeypatch, question, measure) -> None:
     """Only that measuring works and is reused: which option wins is this machine's."""
     monkeypatch.setattr(kernel_probe, "_memo", {})

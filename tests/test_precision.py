@@ -42,12 +42,22 @@ def probe(monkeypatch, tmp_path):
     # an fp32 model's training kernel is probed too (kernel_probe.py): a tie, so oneDNN, untimed
     monkeypatch.setattr(kernel_probe, "_memo", {})
     monkeypatch.setattr(kernel_probe, "measure", lambda shapes: (1.0, 1.0))
+    # ... and the sampler's packed layout in its precision: a tie, so oneDNN's, untimed
+    monkeypatch.setattr(kernel_probe, "measure_layouts", lambda shapes: (1.0, 1.0))
+    monkeypatch.setattr(kernel_probe, "measure_bf16_layouts", lambda shapes: (1.0, 1.0))
 
     def use(timer: FakeTimer) -> FakeTimer:
         monkeypatch.setattr(dtype_probe, "measure", timer)
         return timer
 
     return use
+
+
+def layouts_weighed() -> bool:
+    """Whether a sampler's packed layout is chosen by measurement here (kernel_probe.decoding_layout)."""
+    from grpo.models import cpu_linear
+
+    return cpu_linear.wanted() and cpu_linear.onednn_works() and cpu_linear.stream_available()
 
 
 def test_auto_is_bf16_on_cuda_and_fp32_on_a_cpu_that_was_not_measured(monkeypatch) -> None:
@@ -114,7 +124,9 @@ def test_auto_measures_once_per_machine_and_says_so_once(probe, tmp_path, capsys
     timer = probe(FakeTimer(sample=(0.030, 0.015), train=(2.0, 1.0)))  # bf16 2x faster in both
     engine = ServiceClient(device="cpu").create_lora_training_client("tiny", seed=0, rank=2).engine
     assert engine.dtype is torch.bfloat16 and engine.sample_dtype is torch.bfloat16
-    (line,) = capsys.readouterr().err.splitlines()
+    line, *layout_lines = capsys.readouterr().err.splitlines()
+    # (the bf16 sampler's layout is asked for too, where there is a choice: kernel_probe.py)
+    assert [x.split(" on ")[0] for x in layout_lines] == ["grpo: bf16 decoding layout"] * layouts_weighed()
     assert line.startswith(f"grpo: auto precision on {dtype_probe.cpu_name()} ({dtype_probe.instruction_sets()} | "
                            f"torch {torch.__version__}")
     assert "sample_dtype bf16 (per decoding step: fp32 30.0 ms, bf16 15.0 ms, bf16 2.00x faster)" in line
@@ -124,7 +136,9 @@ def test_auto_measures_once_per_machine_and_says_so_once(probe, tmp_path, capsys
     shapes = dtype_probe.Shapes.from_config(models.load_config("tiny"))
     assert dtype_probe.timings(shapes)["sample"] == dtype_probe.Timing(0.030, 0.015)
     assert timer.calls == 1 and capsys.readouterr().err == ""
-    assert list(json.loads((tmp_path / "precision.json").read_text())) == [dtype_probe.machine_key(shapes)]
+    stored = [key for key in json.loads((tmp_path / "precision.json").read_text())
+              if not key.startswith(kernel_probe.DECODING_LAYOUT["bf16"].key_prefix)]
+    assert stored == [dtype_probe.machine_key(shapes)]
 
 
 def test_a_cache_entry_from_other_instruction_sets_is_not_used(probe, monkeypatch, tmp_path) -> None:
@@ -266,20 +280,22 @@ def test_the_real_probe_returns_a_choice_per_role_and_caches_it(tmp_path, monkey
     assert dtype_probe.timings(shapes, timer=no_timing, cache=tmp_path / "p.json") == first
 
 
-@pytest.mark.parametrize(("onednn_s", "torch_s", "stream_s"), [(4.0, 2.0, 0.5), (2.0, 4.0, 2.0)])
-def test_fp32_is_timed_through_the_faster_float32_kernel_and_packed_layout(monkeypatch, onednn_s, torch_s,
-                                                                            stream_s) -> None:
-    """A float32 model trains through whichever kernel measured faster, and its sampler packs in
-    whichever layout measured faster (kernel_probe.py), so the probe's fp32 times are those: ``auto``
-    weighs bf16 against the fp32 that would run. The ops advance a fake clock by their cost: the
-    probe's arithmetic, not this CPU's speed."""
+@pytest.mark.parametrize(("onednn_s", "torch_s", "stream_s", "bf16_stream_s"),
+                         [(4.0, 2.0, 0.5, 0.25), (2.0, 4.0, 2.0, 3.0)])
+def test_each_precision_is_timed_through_its_faster_kernel_and_packed_layout(monkeypatch, onednn_s, torch_s,
+                                                                              stream_s, bf16_stream_s) -> None:
+    """A float32 model trains through whichever kernel measured faster, and a sampler packs in
+    whichever layout measured faster in its precision (kernel_probe.py), so the probe's times are
+    those: ``auto`` weighs bf16 against fp32 as each would run. The ops advance a fake clock by
+    their cost: the probe's arithmetic, not this CPU's speed."""
     import types as pytypes
 
     from grpo.models import cpu_linear
 
     clock = [0.0]
     cost = {(torch.float32, "onednn"): onednn_s, (torch.float32, "torch"): torch_s, (torch.bfloat16, "onednn"): 3.0}
-    decode_cost = {(torch.float32, "onednn"): 1.0, (torch.float32, "stream"): stream_s, (torch.bfloat16, "onednn"): 1.0}
+    decode_cost = {(torch.float32, "onednn"): 1.0, (torch.float32, "stream"): stream_s, (torch.bfloat16, "onednn"): 1.0,
+                   (torch.bfloat16, "stream"): bf16_stream_s}
 
     def ops(seconds: float):
         def op() -> None:
@@ -295,15 +311,16 @@ def test_fp32_is_timed_through_the_faster_float32_kernel_and_packed_layout(monke
     shapes = dtype_probe.Shapes.from_config(models.load_config("tiny"))
     result = dtype_probe.measure(shapes, budget_s=0.1)
     assert result["train"] == (6 * min(onednn_s, torch_s), 6 * 3.0)
-    assert result["sample"] == (6 * min(1.0, stream_s), 6.0)
+    assert result["sample"] == (6 * min(1.0, stream_s), 6 * min(1.0, bf16_stream_s))
     # each kernel's and layout's time kept too: the kernel probe answers from them (tests/test_kernel_probe.py)
     assert result[dtype_probe.BY_KERNEL] == {"onednn": 6 * onednn_s, "torch": 6 * torch_s}
-    assert result[dtype_probe.BY_LAYOUT] == {"onednn": 6.0, "stream": 6 * stream_s}
+    assert result[dtype_probe.BY_LAYOUT["fp32"]] == {"onednn": 6.0, "stream": 6 * stream_s}
+    assert result[dtype_probe.BY_LAYOUT["bf16"]] == {"onednn": 6.0, "stream": 6 * bf16_stream_s}
     monkeypatch.setattr(cpu_linear, "wanted", lambda: False)  # GRPO_CPU_LINEAR=torch: one kernel, nothing to pick
     monkeypatch.setattr(cpu_linear, "stream_available", lambda: False)  # grpo's kernels not built: one layout
     result = dtype_probe.measure(shapes, budget_s=0.1)
     assert result["train"] == (6 * onednn_s, 6 * 3.0) and dtype_probe.BY_KERNEL not in result
-    assert result["sample"] == (6.0, 6.0) and dtype_probe.BY_LAYOUT not in result
+    assert result["sample"] == (6.0, 6.0) and not result.keys() & set(dtype_probe.BY_LAYOUT.values())
 
 
 @pytest.mark.skipif(not packing_works(torch.bfloat16), reason="this CPU/torch build packs no bf16 weights")

@@ -1,14 +1,15 @@
-"""The float32 streaming layout (cpu_linear.pack_weight, native_kernels.cpp's stream_linear): the
-product it computes, against float64 within the error bound of a sequential float32 sum; its
-independence of the other rows; where it is taken and where oneDNN's layout stays; and a sampler
-whose weights are packed in it, against the trainer and against oneDNN's layout.
+"""The streaming layout (cpu_linear.pack_weight, native_kernels.cpp's stream_linear), float32 and
+bf16: the product it computes, against float64 within the error bound of a sequential float32 sum
+(and, in bf16, one rounding); its independence of the other rows; LoRA's side path in it; where it
+is taken and where oneDNN's layout stays; and samplers whose weights are packed in it, against the
+trainer and against oneDNN's layout.
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
-from backend_helpers import perturb_adapter, rl_datum, sample_each
+from backend_helpers import DECODE_PROMPTS, perturb_adapter, rl_datum, sample_each
 from torch import nn
 
 from grpo import types
@@ -24,37 +25,49 @@ def ops(native_ops):
     return native_ops
 
 
-def _within_sum_bound(got: torch.Tensor, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> None:
-    """|got - exact| <= (K + 2) u (|x| |w|^T + |b|), u = 2^-24: the bound of a float32 sum of K
-    products taken one fused multiply-add at a time, then the bias (Higham, gamma_n)."""
-    exact = x.double() @ w.double().T + (0 if b is None else b.double())
-    scale = x.double().abs() @ w.double().abs().T + (0 if b is None else b.double().abs())
-    bound = (x.shape[-1] + 2) * 2.0**-24 * scale
+def _within_sum_bound(got: torch.Tensor, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None,
+                      add: torch.Tensor | None = None) -> None:
+    """|got - exact| <= (K + 3) u (|x| |w|^T + |b| + |add|), u = 2^-24: the bound of a float32 sum of
+    K products taken one fused multiply-add at a time, then the bias and ``add`` (Higham, gamma_n);
+    a bf16 result is that sum rounded once more, to within half a bf16 step (2^-8 relative)."""
+    extra = [t.double() for t in (b, add) if t is not None]
+    exact = x.double() @ w.double().T + sum(extra)
+    scale = x.double().abs() @ w.double().abs().T + sum(t.abs() for t in extra)
+    bound = (x.shape[-1] + 3) * 2.0**-24 * scale
+    if got.dtype == torch.bfloat16:
+        bound = bound * (1 + 2.0**-8) + 2.0**-8 * exact.abs()
     excess = ((got.double() - exact).abs() - bound).max().item()
     assert excess <= 0, f"{excess} beyond the float32 sum's bound"
 
 
+DTYPES = (torch.float32, torch.bfloat16)
+
+
 # rows: one and a few (a decoding step), a whole block and one more (24 on avx512), beyond two
-# blocks (k in slices, panels in pairs), an odd number of panels (48 / 16 = 3)
+# blocks (panels in pairs), an odd number of panels (48 / 16 = 3)
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows", [1, 5, 23, 24, 25, 49, 130])
 @pytest.mark.parametrize(("out_features", "in_features"), [(48, 7), (960, 576), (32, 300)])
-def test_the_product_is_within_a_float32_sums_bound_of_float64(ops, rows, out_features, in_features) -> None:
+def test_the_product_is_within_a_float32_sums_bound_of_float64(ops, rows, out_features, in_features, dtype) -> None:
     gen = torch.Generator().manual_seed(rows * 1000 + out_features)
-    x = torch.randn(rows, in_features, generator=gen)
-    w = torch.randn(out_features, in_features, generator=gen) * in_features**-0.5
-    b = torch.randn(out_features, generator=gen)
+    x = torch.randn(rows, in_features, generator=gen).to(dtype)
+    w = (torch.randn(out_features, in_features, generator=gen) * in_features**-0.5).to(dtype)
+    b = torch.randn(out_features, generator=gen).to(dtype)
     packed = ops.stream_pack(w)
-    assert packed.shape == (out_features // 16, in_features, 16)
-    _within_sum_bound(ops.stream_linear(x, packed, b), x, w, b)
+    assert packed.shape == (out_features // 16, in_features, 16) and packed.dtype == dtype
+    got = ops.stream_linear(x, packed, b)
+    assert got.dtype == dtype
+    _within_sum_bound(got, x, w, b)
     _within_sum_bound(ops.stream_linear(x, packed, None), x, w, None)
 
 
-def test_a_rows_result_is_the_same_alone_or_among_any_other_rows(ops) -> None:
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_rows_result_is_the_same_alone_or_among_any_other_rows(ops, dtype) -> None:
     """Each output is the same sum in the same order whatever the batch: a decoding row's logits
     do not depend on which other rows share its step (unlike a kernel that blocks by row count)."""
     gen = torch.Generator().manual_seed(0)
-    x = torch.randn(130, 576, generator=gen)
-    w, b = torch.randn(960, 576, generator=gen) * 0.04, torch.randn(960, generator=gen)
+    x = torch.randn(130, 576, generator=gen).to(dtype)
+    w, b = (torch.randn(960, 576, generator=gen) * 0.04).to(dtype), torch.randn(960, generator=gen).to(dtype)
     packed = ops.stream_pack(w)
     everything = ops.stream_linear(x, packed, b)
     for rows in ([0], [7, 3], list(range(24)), list(range(100, 130)), list(range(60))):
@@ -77,20 +90,22 @@ def test_bad_input_is_refused_naming_what_was_expected(ops) -> None:
     w = torch.randn(32, 8)
     with pytest.raises(RuntimeError, match="out_features must be a multiple of 16 \\(got 33\\)"):
         ops.stream_pack(torch.randn(33, 8))
-    with pytest.raises(RuntimeError, match="stream_pack: a float32 CPU weight"):
-        ops.stream_pack(w.to(torch.bfloat16))
+    with pytest.raises(RuntimeError, match="stream_pack: a float32 or bfloat16 CPU weight"):
+        ops.stream_pack(w.half())
     packed = ops.stream_pack(w)
-    with pytest.raises(RuntimeError, match="float32 CPU input with 8 features last"):
+    with pytest.raises(RuntimeError, match="a Float CPU input with 8 features last \\(the weight's\\), got Float"):
         ops.stream_linear(torch.randn(2, 9), packed, None)
-    with pytest.raises(RuntimeError, match="a weight from stream_pack"):
+    with pytest.raises(RuntimeError, match="a Float CPU input with 8 features last \\(the weight's\\), got BFloat16"):
+        ops.stream_linear(torch.randn(2, 8).to(torch.bfloat16), packed, None)  # a bf16 input by a float32 weight
+    with pytest.raises(RuntimeError, match="the weight must come from stream_pack"):
         ops.stream_linear(torch.randn(2, 8), w, None)
-    with pytest.raises(RuntimeError, match=r"bias must be float32 \[32\]"):
+    with pytest.raises(RuntimeError, match=r"bias must be Float \[32\]"):
         ops.stream_linear(torch.randn(2, 8), packed, torch.randn(31))
 
 
 @needs_onednn
 def test_pack_weight_takes_the_streaming_layout_only_where_it_applies(ops) -> None:
-    """float32 weights whose rows are a multiple of 16; others (bf16, 33 rows) keep oneDNN's, and
+    """float32 and bf16 weights whose rows are a multiple of 16; others (33 rows) keep oneDNN's, and
     both multiply through packed_product as F.linear does."""
     gen = torch.Generator().manual_seed(2)
     x = torch.randn(4, 24, generator=gen)
@@ -99,8 +114,7 @@ def test_pack_weight_takes_the_streaming_layout_only_where_it_applies(ops) -> No
         assert module.layout == layout and f"packed ({layout})" in repr(module)
         assert torch.allclose(module(x), nn.functional.linear(x, w), atol=1e-5)
     assert PackedLinear(torch.randn(32, 24, generator=gen), None).layout == "onednn"  # the default
-    if cpu_linear.packing_works(torch.bfloat16):
-        assert pack_weight(torch.randn(32, 24).to(torch.bfloat16), "stream").is_mkldnn
+    assert not pack_weight(torch.randn(32, 24).to(torch.bfloat16), "stream").is_mkldnn
     with pytest.raises(ValueError, match="unknown packed layout 'blocked'; valid: onednn, stream"):
         pack_weight(torch.randn(32, 24), "blocked")
 
@@ -126,7 +140,7 @@ def stream_layout(monkeypatch, ops):
     that measured it faster (the measurement is kernel_probe's own test's)."""
     if not cpu_linear.onednn_works():
         pytest.skip("no oneDNN Linear in this torch build: the engine packs nothing")
-    monkeypatch.setattr(kernel_probe, "decoding_layout", lambda shapes: "stream")
+    monkeypatch.setattr(kernel_probe, "decoding_layout", lambda shapes, dtype=None: "stream")
 
 
 def _trained(tmp_path, layout_name: str):
@@ -162,7 +176,7 @@ def test_both_layouts_sample_the_same_greedy_tokens(monkeypatch, ops, tmp_path) 
         pytest.skip("no oneDNN Linear in this torch build")
     runs = {}
     for layout in cpu_linear.LAYOUTS:
-        monkeypatch.setattr(kernel_probe, "decoding_layout", lambda shapes, layout=layout: layout)
+        monkeypatch.setattr(kernel_probe, "decoding_layout", lambda shapes, dtype=None, layout=layout: layout)
         runs[layout] = sample_each(_trained(tmp_path, layout), temperature=0.0)
     for (tokens, logprobs), (want_tokens, want_logprobs) in zip(runs["stream"], runs["onednn"], strict=True):
         assert tokens == want_tokens
@@ -212,3 +226,108 @@ def test_the_layouts_script_prints_both_layouts_per_row_count(ops) -> None:
     assert out.returncode == 0, out.stderr[-2000:]
     rows = re.findall(r"^\| (\d+) \| [\d.]+ ms .*\| [\d.]+ ms .*\| ([\d.]+) \|$", out.stdout, re.M)
     assert [r for r, _ in rows] == ["1", "30"] and all(float(ratio) > 0 for _, ratio in rows)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [1, 5, 24, 49])
+@pytest.mark.parametrize("rank", [8, 16, 20])
+def test_a_lora_side_path_is_part_of_the_streaming_products_sums(ops, dtype, rows, rank) -> None:
+    """A and B packed in the streaming layout beside their base, the rank padded with zeros to 16:
+    x @ W.T + (x @ A.T) @ B.T + bias, each output one float32 sum over [x, x @ A.T] against [W, B]
+    (d = x @ A.T itself a float32 sum), rounded once; a row's result still its own."""
+    gen = torch.Generator().manual_seed(rank * 100 + rows)
+    x = torch.randn(rows, 40, generator=gen).to(dtype)
+    w, bias = (torch.randn(64, 40, generator=gen) * 0.2).to(dtype), torch.randn(64, generator=gen).to(dtype)
+    a, b = (torch.randn(rank, 40, generator=gen) * 0.2).to(dtype), (torch.randn(64, rank, generator=gen) * 0.2).to(dtype)
+    side = cpu_linear.LoraSideProduct(a, b, "stream")
+    assert side.streams and side.packed[0].shape == (-(-rank // 16), 40, 16)
+    assert side.packed[1].shape == (4, -(-rank // 16) * 16, 16)
+    packed = pack_weight(w, "stream")
+    got = packed_product(x, packed, bias, side)
+    assert got.dtype == dtype and got.shape == (rows, 64)
+    # the bound of [x, d] @ [W, B].T + bias, d's own sums' error carried through |B|
+    down = x.double() @ a.double().T
+    down_error = (40 + 2) * 2.0**-24 * (x.double().abs() @ a.double().abs().T) @ b.double().abs().T
+    exact = x.double() @ w.double().T + down @ b.double().T + bias.double()
+    scale = x.double().abs() @ w.double().abs().T + down.abs() @ b.double().abs().T + bias.double().abs()
+    bound = (40 + rank + 3) * 2.0**-24 * scale + down_error
+    if dtype == torch.bfloat16:
+        bound = bound * (1 + 2.0**-8) + 2.0**-8 * exact.abs()
+    assert ((got.double() - exact).abs() - bound).max().item() <= 0
+    assert torch.equal(packed_product(x[-1:], packed, bias, side), got[-1:])
+    # a side path beside a base of another layout (out of place, two roundings): the same to within one
+    assert torch.allclose(side.add_to(ops.stream_linear(x, packed, bias), x).float(), got.float(), atol=0.07, rtol=0.02)
+
+
+def test_a_lora_side_path_is_refused_unless_packed_to_match(ops) -> None:
+    w, a, b = ops.stream_pack(torch.randn(32, 8)), ops.stream_pack(torch.randn(16, 8)), ops.stream_pack(torch.randn(32, 16))
+    x = torch.randn(2, 8)
+    with pytest.raises(RuntimeError, match="needs both A and B"):
+        ops.stream_linear(x, w, None, a, None)
+    with pytest.raises(RuntimeError, match="LoRA's B must have 32 rows \\(the weight's\\), got 48"):
+        ops.stream_linear(x, w, None, a, ops.stream_pack(torch.randn(48, 16)))
+    with pytest.raises(RuntimeError, match="LoRA's A must come from stream_pack .* in = 8"):
+        ops.stream_linear(x, w, None, ops.stream_pack(torch.randn(16, 9)), b)
+    with pytest.raises(RuntimeError, match="LoRA's B must come from stream_pack .*BFloat16"):
+        ops.stream_linear(x.bfloat16(), ops.stream_pack(torch.randn(32, 8).bfloat16()), None,
+                          ops.stream_pack(torch.randn(16, 8).bfloat16()), b)
+
+
+@pytest.fixture
+def bf16_mixed(monkeypatch, tmp_path):
+    """A bf16 sampler beside an fp32 trainer, each engine's sampler packed in ``layout``."""
+    import warnings
+
+    def make(layout: str):
+        monkeypatch.setattr(kernel_probe, "decoding_layout", lambda shapes, dtype=None: layout)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # bf16 where it measured slower warns (test_precision.py)
+            service = ServiceClient(checkpoint_dir=tmp_path / layout, device="cpu", train_dtype="fp32",
+                                    sample_dtype="bf16")
+        client = service.create_lora_training_client("tiny", seed=0, rank=8)
+        perturb_adapter(client, seed=7, scale=0.1)
+        return client
+
+    return make
+
+
+def test_a_bf16_sampler_in_the_streaming_layout_tracks_the_fp32_trainer(ops, bf16_mixed) -> None:
+    """Every weight of the bf16 copy streams (LoRA's side paths too, in the one native call), and
+    its logprobs stay within bf16 rounding of the fp32 trainer's, as oneDNN's bf16 sampler's do."""
+    client = bf16_mixed("stream")
+    assert client.engine.sample_layout == "stream"
+    decoders, real = [], native_decode.native_decoder
+    with pytest.MonkeyPatch.context() as patched:
+        patched.setattr(native_decode, "native_decoder", lambda lean, device: decoders.append(real(lean, device))
+                        or decoders[-1])
+        runs = sample_each(client, temperature=1.0, seed=5)
+    plan = decoders[-1].plan
+    assert plan is not None and all(w.dim() == 3 and w.dtype == torch.bfloat16 for w in plan.weights)
+    assert all(e is None or (e.dim() == 3 and e.dtype == torch.bfloat16) for e in plan.extras)
+    assert any(e is not None for e in plan.extras)  # the side paths are there
+    data, sampled = [], []
+    for prompt, (tokens, logprobs) in zip([p for p in DECODE_PROMPTS for _ in range(3)], runs, strict=True):
+        data.append(rl_datum(prompt, tokens, advantage=1.0, sampler_logprobs=logprobs))
+        sampled.append((len(prompt) - 1, logprobs))
+    out = client.forward(data, "importance_sampling").result()
+    worst = max(float((o["logprobs"].to_torch()[start:] - torch.tensor(q)).abs().max())
+                for (start, q), o in zip(sampled, out.loss_fn_outputs, strict=True))
+    assert 0 < worst < 0.02, worst  # bf16 is not fp32, but close (0.002-0.008 here, either layout)
+
+
+@pytest.mark.skipif(not cpu_linear.packing_works(torch.bfloat16), reason="this CPU/torch build packs no bf16 weights")
+def test_both_bf16_layouts_score_the_same_tokens_alike(ops, bf16_mixed) -> None:
+    """The two bf16 samplers differ only in the order of float32 sums and in rounding the side path
+    once here, twice in oneDNN's: every token of a sequence (a prefill's many rows) and of a
+    sampling call (the decoding steps' few) scored within bf16 rounding of each other. (Greedy
+    tokens are not compared: a near-tie of the tiny random model's logits flips on bf16's last bit.)"""
+    clients = {layout: bf16_mixed(layout) for layout in cpu_linear.LAYOUTS}
+    samplers = {layout: c.save_weights_and_get_sampling_client() for layout, c in clients.items()}
+    tokens = [1, *range(40, 90)]
+    scored = {layout: s.compute_logprobs(types.ModelInput.from_ints(tokens)).result()[1:]
+              for layout, s in samplers.items()}
+    assert max(abs(a - b) for a, b in zip(scored["stream"], scored["onednn"], strict=True)) < 0.02
+    (seq,) = samplers["stream"].sample(types.ModelInput.from_ints(tokens[:8]), 1, types.SamplingParams(
+        max_tokens=12, temperature=1.0, seed=3)).result().sequences
+    rescored = samplers["onednn"].compute_logprobs(types.ModelInput.from_ints(tokens[:8] + seq.tokens)).result()[8:]
+    assert max(abs(a - b) for a, b in zip(seq.logprobs, rescored, strict=True)) < 0.02

@@ -51,6 +51,7 @@ def _onednn(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) ->
 # native_kernels.cpp). The streaming layout holds the output columns in panels of this many.
 LAYOUTS = ("onednn", "stream")
 STREAM_COLUMNS = 16
+STREAM_DTYPES = (torch.float32, torch.bfloat16)
 _stream: dict = {"ops": None}  # torch.ops.grpo_native, once loaded
 
 
@@ -71,11 +72,18 @@ def stream_available() -> bool:
     return _stream_ops() is not None
 
 
-def packed_product(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """``x @ W.T + bias`` for a weight packed by ``pack_weight``, in whichever layout."""
+def packed_product(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None,
+                   lora: LoraSideProduct | None = None) -> torch.Tensor:
+    """``x @ W.T + bias`` for a weight packed by ``pack_weight``, in whichever layout, plus LoRA's
+    side path where given (in the streaming layout, part of the same sums: one rounding)."""
     if packed.is_mkldnn:
-        return _onednn(x, packed, bias)
-    return _stream["ops"].stream_linear(x, packed, bias)  # (loaded: the weight was packed by it)
+        out = _onednn(x, packed, bias)
+        return out if lora is None else lora.add_to(out, x)
+    ops = _stream["ops"]  # (loaded: the weight was packed by it)
+    if lora is not None and lora.streams:
+        return ops.stream_linear(x, packed, bias, *lora.packed)
+    out = ops.stream_linear(x, packed, bias)
+    return out if lora is None else lora.add_to(out, x)
 
 
 class LoraSideProduct:
@@ -83,15 +91,29 @@ class LoraSideProduct:
     dtype (the scale already in B). Where oneDNN can, A and B are packed once and B's product adds
     the base output in its own post-op: two calls and no weight reorders, where ``F.linear`` with A
     and an ``addmm_`` into the output reorder A every call (the side paths of a bf16 decoding step,
-    each a few microseconds of arithmetic, were ~13% of the step in calls). Elsewhere, that
-    ``addmm_`` into ``base_out``, in place."""
+    each a few microseconds of arithmetic, were ~13% of the step in calls). Beside a base packed in
+    the streaming layout (``layout``), A and B are packed in it too (the rank padded with zeros to
+    ``STREAM_COLUMNS``: zero products, the same sums), and ``packed_product`` computes the side path
+    inside the base's product: on an Intel Xeon without AMX oneDNN's two bf16 calls took ~66 us a
+    side path, 0.5 s of a 2.5 s bf16 sampling call, and two streaming products of their own 32-34%
+    of a step's products (docs/benchmark.md). Elsewhere, that ``addmm_`` into ``base_out``, in
+    place."""
 
-    def __init__(self, a: torch.Tensor, b: torch.Tensor):
+    def __init__(self, a: torch.Tensor, b: torch.Tensor, layout: str = "onednn"):
         self.a, self.b = a, b
-        packable = can_pack(a) and can_pack(b) and _binary_add_works(a.dtype)
-        self.packed = (pack_weight(a, "onednn"), pack_weight(b, "onednn")) if packable else None
+        self.packed = None
+        self.streams = layout == "stream" and streams(b) and streams(a, any_rows=True)
+        if self.streams:
+            pad = -a.shape[0] % STREAM_COLUMNS
+            ops = _stream_ops()
+            self.packed = (ops.stream_pack(F.pad(a.detach(), (0, 0, 0, pad))), ops.stream_pack(F.pad(b.detach(), (0, pad))))
+        elif can_pack(a) and can_pack(b) and _binary_add_works(a.dtype):
+            self.packed = (pack_weight(a, "onednn"), pack_weight(b, "onednn"))
 
     def add_to(self, base_out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        if self.streams:  # (beside a base of another layout: the side path's two products, out of place)
+            ops, (a, b) = _stream["ops"], self.packed
+            return base_out + ops.stream_linear(ops.stream_linear(x, a, None), b, None)
         if self.packed is not None:  # (oneDNN's layout: its binary post-op adds base_out)
             a, b = self.packed
             return torch.ops.mkldnn._linear_pointwise.binary(_onednn(x, a, None), base_out, b, None, "add")
@@ -164,7 +186,7 @@ class OneDNNLinear(nn.Linear):
             return _OneDNNLinearFunction.apply(x, self.weight, self.bias) if by_onednn else super().forward(x)
         # (a copy of the model in another dtype keeps the mark: a CPU without bf16 instructions
         # packs no bf16 weight, and such a layer multiplies by its weight as it is)
-        if self.inference_packed and packing_works(self.weight.dtype):
+        if self.inference_packed and can_pack(self.weight, self.packed_layout):
             return packed_product(x, self._packed_weight(), self.bias)
         return _onednn(x, self.weight, self.bias) if by_onednn else super().forward(x)
 
@@ -180,15 +202,21 @@ class OneDNNLinear(nn.Linear):
 _ONEDNN_DTYPES = (torch.float32, torch.bfloat16)
 
 
+def streams(weight: torch.Tensor, any_rows: bool = False) -> bool:
+    """Whether ``weight`` can be packed in the streaming layout: float32 or bf16, 2-d on the CPU,
+    rows a multiple of ``STREAM_COLUMNS`` (unless ``any_rows``: a LoRA A, padded), grpo's kernels
+    loaded, oneDNN's Linears not switched off (``GRPO_CPU_LINEAR=torch`` keeps PyTorch's kernels)."""
+    return (weight.device.type == "cpu" and weight.dtype in STREAM_DTYPES and weight.dim() == 2
+            and (any_rows or weight.shape[0] % STREAM_COLUMNS == 0) and wanted() and stream_available())
+
+
 def pack_weight(weight: torch.Tensor, layout: str = "onednn") -> torch.Tensor:
     """``weight`` packed once for gradient-free products (``packed_product``), in ``layout``. The
-    streaming layout takes float32 weights whose rows are a multiple of ``STREAM_COLUMNS``, where
-    grpo's kernels are loaded; any other weight gets oneDNN's (an opaque mkldnn tensor
-    ``_linear_pointwise`` takes), as does every weight asked for in oneDNN's."""
+    streaming layout takes the weights ``streams`` says it can; any other weight gets oneDNN's (an
+    opaque mkldnn tensor ``_linear_pointwise`` takes), as does every weight asked for in oneDNN's."""
     if layout not in LAYOUTS:
         raise ValueError(f"unknown packed layout {layout!r}; valid: {', '.join(LAYOUTS)}")
-    if (layout == "stream" and stream_available() and weight.dtype == torch.float32 and weight.dim() == 2
-            and weight.shape[0] % STREAM_COLUMNS == 0):
+    if layout == "stream" and streams(weight):
         return _stream_ops().stream_pack(weight.detach())
     # The batch size is a hint for the layout; 32 rows is what a decoding step carries at most
     # as a rule, and the packed weight computes any number of rows.
@@ -225,7 +253,7 @@ def keep_packed_copies(modules: list[nn.Module], layout: str = "onednn") -> int:
     number marked. Costs one more copy of each weight, made on first use."""
     count = 0
     for module in modules:
-        if type(module) in (nn.Linear, OneDNNLinear) and can_pack(module.weight):
+        if type(module) in (nn.Linear, OneDNNLinear) and can_pack(module.weight, layout):
             module.__class__ = OneDNNLinear
             module.inference_packed = True
             module.packed_layout = layout
@@ -233,7 +261,10 @@ def keep_packed_copies(modules: list[nn.Module], layout: str = "onednn") -> int:
     return count
 
 
-def can_pack(weight: torch.Tensor) -> bool:
+def can_pack(weight: torch.Tensor, layout: str = "onednn") -> bool:
+    """Whether ``weight`` can be packed here, in ``layout`` or else in oneDNN's (``pack_weight``)."""
+    if layout == "stream" and streams(weight):
+        return True
     return (weight.device.type == "cpu" and weight.dtype in _ONEDNN_DTYPES and weight.dim() == 2
             and wanted() and onednn_works() and packing_works(weight.dtype))
 
@@ -258,7 +289,7 @@ def pack_for_inference(model: nn.Module, layout: str = "onednn") -> int:
     unembedding) stays alive through that module; the others are dropped for their packed copy."""
     count = 0
     for name, module in list(model.named_modules()):
-        if type(module) in (nn.Linear, OneDNNLinear) and can_pack(module.weight):
+        if type(module) in (nn.Linear, OneDNNLinear) and can_pack(module.weight, layout):
             model.set_submodule(name, PackedLinear(module.weight, module.bias, layout))
             count += 1
     return count

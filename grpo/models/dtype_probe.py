@@ -11,9 +11,9 @@ machine times both precisions on that model's shapes, for each role separately:
   sampler's steps follow each other, so that the cache holds what it would then (a Xeon here has a
   480 MiB last-level cache: SmolLM2's bf16 weights fit in it, its fp32 weights do not); the layers
   are built as the sampler builds them: packed weights, fp32 with LoRA folded in, bf16 as the
-  sampler's copy with sibling projections stacked and LoRA as a bf16 side path. fp32 is timed in
-  both packed layouts where grpo's native kernels are loaded (oneDNN's and the streaming one,
-  cpu_linear.py), and the faster counts: the sampler packs in whichever measured faster
+  sampler's copy with sibling projections stacked and LoRA as a bf16 side path. Each precision is
+  timed in both packed layouts where grpo's native kernels are loaded (oneDNN's and the streaming
+  one, cpu_linear.py), and the faster counts: the sampler packs in whichever measured faster
   (kernel_probe.py);
 - ``train``: a forward and backward pass of ``TRAIN_ROWS`` tokens through one layer's Linears and
   the unembedding, as the trainer runs them: the frozen base in the precision timed (input
@@ -35,8 +35,8 @@ the cache file to measure again.
 
 The result is cached in ``$GRPO_CACHE/precision.json`` (and in this process) keyed by CPU model,
 its instruction sets (``instruction_sets``), torch version, thread count, fp32 Linear kernel, the
-shapes and the probe's own version, so the probe (about 6 s on a quiet machine; 1.8 GB peak
-resident for SmolLM2 with both fp32 layouts timed, 1.3 GB with one: python -m grpo.models.dtype_probe,
+shapes and the probe's own version, so the probe (about 7 s on a quiet machine; 2.1 GB peak
+resident for SmolLM2 with both layouts timed, 1.3 GB with one: python -m grpo.models.dtype_probe,
 Intel Xeon with avx512, 2 cores) is paid once per machine and model shape; the choice and its numbers
 are printed once, when measured.
 ``GRPO_PRECISION_PROBE=off`` skips the probe: ``auto`` is then fp32 on a CPU. So is it, for the run,
@@ -71,7 +71,7 @@ T = TypeVar("T")
 # 1.35x faster; its first version, timing each Linear alone, even put bf16 decoding ahead on an
 # EPYC where the whole bf16 sampler ran 1.5-1.8x slower (docs/benchmark.md).
 MARGIN = 1.25
-DECODE_ROWS = 16  # rows of one decoding step: a few groups of responses
+DECODE_ROWS = 32  # rows of one decoding step: the default batch_size x group_size (8 x 4) as it starts
 TRAIN_ROWS = 128  # tokens of one training matmul chain
 DECODE_BYTES = 1 << 30  # fp32 layer weights a probed decoding step reads at most (the whole model up to there)
 HEAD_DECODE_BYTES = 256 << 20  # the unembedding's rows timed per decoding step (scaled to the vocabulary)
@@ -80,7 +80,10 @@ HEAD_DECODE_BYTES = 256 << 20  # the unembedding's rows timed per decoding step 
 # 4: training's LoRA product added into the base output in place, as the trainer now does.
 # 5: fp32 training timed through both float32 kernels, the faster counting (kernel_probe.py).
 # 6: fp32 decoding timed in both packed layouts, the faster counting (kernel_probe.py).
-PROBE_VERSION = 6
+# 7: bf16 decoding in both layouts too, its LoRA side paths in the base's layout; a decoding step of
+#    32 rows (16 before): at 16 the streaming bf16 step measured 1.30x faster than fp32's on an Intel
+#    Xeon without AMX, where a sampling call of the default shape (8 x 4) ran 1.18x faster.
+PROBE_VERSION = 7
 HEAD_TRAIN_ROWS = 4096  # the unembedding's rows timed per training pass (compute-bound: scales linearly)
 LORA_RANK = 16  # the API's default rank; every Linear adapted (train_attn/mlp/unembed default on)
 LORA_SCALING = 2.0  # alpha = 2 * rank
@@ -136,16 +139,16 @@ class Timing:
 
 
 # (shapes) -> {role: (fp32 seconds, bf16 seconds)} (and, optionally, BY_KERNEL: {kernel: fp32 training
-# seconds} and BY_LAYOUT: {layout: fp32 decoding seconds}); tests pass a fake one
+# seconds} and BY_LAYOUT[dtype]: {layout: decoding seconds}); tests pass a fake one
 Timer = Callable[[Shapes], dict[str, tuple[float, float]]]
 Op = Callable[[], Any]  # one matmul (forward, or forward and backward) of the probe
 
 _memo: dict[str, dict[str, Timing] | None] = {}
-# measure()'s seconds of fp32 training per float32 kernel, and of fp32 decoding per packed layout,
-# beside the roles (where both were timed)
+# measure()'s seconds of fp32 training per float32 kernel, and of decoding per packed layout in each
+# precision, beside the roles (where both were timed)
 BY_KERNEL = "fp32_train_by_kernel"
-BY_LAYOUT = "fp32_sample_by_layout"
-BY_VARIANT = (BY_KERNEL, BY_LAYOUT)
+BY_LAYOUT = {"fp32": "fp32_sample_by_layout", "bf16": "bf16_sample_by_layout"}
+BY_VARIANT = (BY_KERNEL, *BY_LAYOUT.values())
 _by_variant_memo: dict[str, dict[str, dict[str, float]]] = {}
 _lock = threading.Lock()
 
@@ -271,10 +274,10 @@ def fp32_training_by_kernel(shapes: Shapes, cache: Path | None = None) -> dict[s
     return _measured_variants(BY_KERNEL, shapes, cache)
 
 
-def fp32_sampling_by_layout(shapes: Shapes, cache: Path | None = None) -> dict[str, float] | None:
-    """Seconds of a fp32 decoding step in each packed layout, as this probe measured them (as
-    ``fp32_training_by_kernel``)."""
-    return _measured_variants(BY_LAYOUT, shapes, cache)
+def sampling_by_layout(precision: str, shapes: Shapes, cache: Path | None = None) -> dict[str, float] | None:
+    """Seconds of a decoding step in ``precision`` ("fp32" or "bf16") in each packed layout, as this
+    probe measured them (as ``fp32_training_by_kernel``)."""
+    return _measured_variants(BY_LAYOUT[precision], shapes, cache)
 
 
 def _measured_variants(name: str, shapes: Shapes, cache: Path | None) -> dict[str, float] | None:
@@ -404,16 +407,20 @@ def measure(shapes: Shapes, budget_s: float = BUDGET_S) -> dict[str, tuple[float
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
         # a decoding step runs right after the previous one, over the same weights: what of
-        # them the cache holds then is part of its time, so each run is timed after a first
-        # fp32 in each packed layout the sampler could pack in, the faster counting
+        # them the cache holds then is part of its time, so each run is timed after a first;
+        # each precision in each packed layout the sampler could pack in, the faster counting
         layouts = cpu_linear.LAYOUTS if cpu_linear.stream_available() else ("onednn",)
-        variants = [_decode_ops(shapes, torch.float32, layout) for layout in layouts]
-        bf16, counts = _decode_ops(shapes, torch.bfloat16)
-        *fp32_s, bf16_s = _fastest_of([ops for ops, _ in variants] + [bf16], counts, budget_s * 0.4, warm_each=True)
-        out["sample"] = (min(fp32_s), bf16_s)
+        precisions = {"fp32": torch.float32, "bf16": torch.bfloat16}
+        variants = {(p, layout): _decode_ops(shapes, dtype, layout) for p, dtype in precisions.items()
+                    for layout in layouts}
+        counts = next(iter(variants.values()))[1]
+        seconds = dict(zip(variants, _fastest_of([ops for ops, _ in variants.values()], counts, budget_s * 0.4,
+                                                 warm_each=True), strict=True))
+        by_layout = {p: {layout: seconds[p, layout] for layout in layouts} for p in precisions}
+        out["sample"] = (min(by_layout["fp32"].values()), min(by_layout["bf16"].values()))
         if len(layouts) > 1:
-            out[BY_LAYOUT] = dict(zip(layouts, fp32_s, strict=True))
-        del variants, bf16  # a probed decoding step holds the model's weights in each variant
+            out |= {BY_LAYOUT[p]: by_layout[p] for p in precisions}
+        del variants  # a probed decoding step holds the model's weights in each variant
         # fp32 training through each float32 kernel the model could train through, the faster counting
         kernels = cpu_linear.KERNELS if cpu_linear.wanted() and cpu_linear.onednn_works() else ("onednn",)
         variants = [_train_ops(shapes, torch.float32, kernel) for kernel in kernels]
@@ -520,14 +527,15 @@ def _decode_ops(shapes: Shapes, dtype, layout: str = "onednn") -> tuple[list[Op]
 
     def single(fan_in: int, fan_out: int) -> Callable[[torch.Tensor], torch.Tensor]:
         w = weight(fan_in, fan_out)
-        linear = PackedLinear(w, None, layout) if can_pack(w) else functools.partial(torch.nn.functional.linear, weight=w)
+        linear = (PackedLinear(w, None, layout) if can_pack(w, layout)
+                  else functools.partial(torch.nn.functional.linear, weight=w))
         return linear if dtype == torch.float32 else LoraSidePath(linear, *lora(fan_in, fan_out), dtype)
 
     def siblings(fan_outs: list[int]) -> list[Callable[[torch.Tensor], torch.Tensor]]:
         weights = [weight(h, n) for n in fan_outs]
-        if dtype == torch.float32 or not can_pack(weights[0]):
+        if dtype == torch.float32 or not can_pack(weights[0], layout):
             return [single(h, n) for n in fan_outs]
-        group = FusedProjections(torch.cat(weights), None, fan_outs)
+        group = FusedProjections(torch.cat(weights), None, fan_outs, layout)
         group.set_lora([lora(h, n) for n in fan_outs])
         return [lambda x, k=k: group.output(x, k) for k in range(len(fan_outs))]
 

@@ -32,6 +32,7 @@ class FusedProjections:
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, sizes: list[int], layout: str = "onednn"):
         self.packed = pack_weight(weight, layout)
+        self.layout = "onednn" if self.packed.is_mkldnn else "stream"  # (a weight it cannot take: oneDNN's)
         self.bias = None if bias is None else bias.detach()
         self.sizes = sizes
         self.dtype = weight.dtype
@@ -51,14 +52,11 @@ class FusedProjections:
             return
         self.lora = LoraSideProduct(
             torch.cat([a.detach().float() for a, _, _ in loras]).to(self.dtype),
-            torch.block_diag(*[b.detach().float() * scaling for _, b, scaling in loras]).to(self.dtype))
+            torch.block_diag(*[b.detach().float() * scaling for _, b, scaling in loras]).to(self.dtype), self.layout)
 
     def full(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """Every sibling's output for ``x``, in order (views of one product)."""
-        out = packed_product(x, self.packed, self.bias)
-        if self.lora is not None:
-            out = self.lora.add_to(out, x)
-        return out.split(self.sizes, dim=-1)
+        return packed_product(x, self.packed, self.bias, self.lora).split(self.sizes, dim=-1)
 
     def output(self, x: torch.Tensor, index: int) -> torch.Tensor:
         if not (x is self._input and _version(x) == self._version and index in self._unserved):
@@ -110,11 +108,11 @@ def sibling_sets(model: nn.Module) -> list[list[str]]:
     return found
 
 
-def stackable(linears: list[nn.Module]) -> bool:
-    """Plain packable Linears of one input width, dtype and bias-ness."""
+def stackable(linears: list[nn.Module], layout: str = "onednn") -> bool:
+    """Plain Linears packable (in ``layout`` or oneDNN's) of one input width, dtype and bias-ness."""
     first = linears[0]
     return all(
-        isinstance(m, nn.Linear) and can_pack(m.weight) and m.in_features == first.in_features
+        isinstance(m, nn.Linear) and can_pack(m.weight, layout) and m.in_features == first.in_features
         and m.weight.dtype == first.weight.dtype and (m.bias is None) == (first.bias is None)
         for m in linears)
 
@@ -136,7 +134,7 @@ def fuse_siblings(model: nn.Module, layout: str = "onednn") -> dict[tuple[str, .
     groups = {}
     for paths in sibling_sets(model):
         linears = [model.get_submodule(p) for p in paths]
-        if stackable(linears):
+        if stackable(linears, layout):
             biases = None if linears[0].bias is None else [m.bias.detach() for m in linears]
             groups[tuple(paths)] = fuse(model, paths, [m.weight.detach() for m in linears], biases, layout)
     return groups

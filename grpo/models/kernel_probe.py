@@ -17,16 +17,18 @@ Where ``auto`` was resolved for the same shapes on the machine, the precision pr
 very ops through both kernels already (it weighs bf16 against the faster): its numbers, kept in its
 cache entry, give the answer without timing them again.
 
-The sampler's float32 weights are packed the same way: in oneDNN's blocked layout, or in grpo's
-streaming layout (cpu_linear.py, native_kernels.cpp's ``stream_linear``), which reads each weight
-once for all of a decoding step's rows and measured 1.1-1.4x faster than oneDNN's for 1-48 rows on
-an Intel Xeon (avx512) and 0.75-0.95x its speed for 128-512 rows (a prefill; docs/benchmark.md).
-``decoding_layout`` times dtype_probe's fp32 decoding step (the model's layers' Linears at a
-decoding step's rows, LoRA folded) packed each way and takes the streaming layout where it
+The sampler's weights are packed the same way: in oneDNN's blocked layout, or in grpo's streaming
+layout (cpu_linear.py, native_kernels.cpp's ``stream_linear``), which reads each weight once for
+all of a decoding step's rows. In fp32 it measured 1.1-1.4x faster than oneDNN's for 1-48 rows on
+an Intel Xeon (avx512) and 0.75-0.95x its speed for 128-512 rows (a prefill); in bf16, on the same
+Xeon without AMX, 1.3-1.9x faster at every row count (docs/benchmark.md), where on an AMX Xeon
+oneDNN's bf16 product runs on the tiles. ``decoding_layout`` times dtype_probe's decoding step in
+the sampler's precision (the model's layers' Linears at a decoding step's rows, fp32 with LoRA
+folded, bf16 with LoRA's side paths) packed each way and takes the streaming layout where it
 measured ``MARGIN`` faster; as for training, the precision probe's own numbers answer where it
 timed both.
 
-Both are the same question -- which of two ways of computing the same thing runs faster here --
+These are the same question -- which of two ways of computing the same thing runs faster here --
 asked by a ``Question``: its answer is cached beside the precision probe's (``$GRPO_CACHE/precision.json``) under the same
 machine key (CPU and its instruction sets, torch, threads, shapes, probe version), printed once
 when measured. As with the precision probe, ``GRPO_PRECISION_PROBE=off`` skips it (oneDNN), and a machine whose load average
@@ -36,6 +38,7 @@ is at least its core count is not measured (oneDNN for that run, measured by a l
 
 from __future__ import annotations
 
+import functools
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -126,9 +129,13 @@ class Timing:
 
 TRAINING_KERNEL = Question("fp32 training kernel", "training pass", ("onednn", "torch"), ("oneDNN", "PyTorch"),
                            ("oneDNN", "PyTorch (MKL)"), dtype_probe.fp32_training_by_kernel, "measure")
-DECODING_LAYOUT = Question("fp32 decoding layout", "decoding step", ("onednn", "stream"), ("oneDNN", "streaming"),
-                           ("oneDNN", "streaming"), dtype_probe.fp32_sampling_by_layout, "measure_layouts")
-KEY_PREFIX, LAYOUT_KEY_PREFIX = TRAINING_KERNEL.key_prefix, DECODING_LAYOUT.key_prefix
+# the sampler's packed layout, per precision
+DECODING_LAYOUT = {
+    precision: Question(f"{precision} decoding layout", "decoding step", ("onednn", "stream"), ("oneDNN", "streaming"),
+                        ("oneDNN", "streaming"), functools.partial(dtype_probe.sampling_by_layout, precision),
+                        measure)
+    for precision, measure in (("fp32", "measure_layouts"), ("bf16", "measure_bf16_layouts"))}
+KEY_PREFIX, LAYOUT_KEY_PREFIX = TRAINING_KERNEL.key_prefix, DECODING_LAYOUT["fp32"].key_prefix
 
 
 def _probed(shapes: Shapes | None) -> bool:
@@ -150,15 +157,17 @@ def timings(shapes: Shapes, timer: Timer | None = None, cache: Path | None = Non
     return TRAINING_KERNEL.timings(shapes, timer, cache)
 
 
-def decoding_layout(shapes: Shapes | None, timer: Timer | None = None, cache: Path | None = None) -> str:
-    """The packed layout for a float32 sampler of ``shapes`` on this machine, "onednn" or "stream":
-    oneDNN's without measuring where there is nothing to measure (no shapes, the probe off, oneDNN
-    or grpo's kernels not in use) or the machine is too busy to."""
+def decoding_layout(shapes: Shapes | None, dtype=None, timer: Timer | None = None, cache: Path | None = None) -> str:
+    """The packed layout for a sampler of ``shapes`` in ``dtype`` (float32, the default, or bf16) on
+    this machine, "onednn" or "stream": oneDNN's without measuring where there is nothing to measure
+    (no shapes, the probe off, oneDNN or grpo's kernels not in use) or the machine is too busy to."""
+    import torch
+
     from grpo.models import cpu_linear
 
     if not (_probed(shapes) and cpu_linear.stream_available()):
         return "onednn"
-    return DECODING_LAYOUT.answer(shapes, timer, cache)
+    return DECODING_LAYOUT["bf16" if dtype == torch.bfloat16 else "fp32"].answer(shapes, timer, cache)
 
 
 def measure(shapes: Shapes, budget_s: float = BUDGET_S) -> tuple[float, float]:
@@ -175,17 +184,24 @@ def measure(shapes: Shapes, budget_s: float = BUDGET_S) -> tuple[float, float]:
         return onednn_s, torch_s
 
 
-def measure_layouts(shapes: Shapes, budget_s: float = BUDGET_S) -> tuple[float, float]:
-    """Seconds per fp32 decoding step packed in oneDNN's layout and in the streaming one (dtype_probe's
-    decoding ops, scaled to the whole model)."""
+def measure_layouts(shapes: Shapes, budget_s: float = BUDGET_S, dtype=None) -> tuple[float, float]:
+    """Seconds per decoding step in ``dtype`` (default float32) packed in oneDNN's layout and in the
+    streaming one (dtype_probe's decoding ops, scaled to the whole model)."""
     import torch
 
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
-        (onednn, counts), (stream, _) = (dtype_probe._decode_ops(shapes, torch.float32, layout)
+        (onednn, counts), (stream, _) = (dtype_probe._decode_ops(shapes, dtype or torch.float32, layout)
                                          for layout in ("onednn", "stream"))
         onednn_s, stream_s = dtype_probe._fastest_of([onednn, stream], counts, budget_s, warm_each=True)
         return onednn_s, stream_s
+
+
+def measure_bf16_layouts(shapes: Shapes, budget_s: float = BUDGET_S) -> tuple[float, float]:
+    """``measure_layouts`` in bf16."""
+    import torch
+
+    return measure_layouts(shapes, budget_s, torch.bfloat16)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -200,10 +216,12 @@ def main(argv: list[str] | None = None) -> None:
     if shapes is None:
         raise SystemExit(f"grpo: the config of {name!r} names no decoder shapes; nothing to time")
     print(Timing(TRAINING_KERNEL, *measure(shapes)).summary(shapes))
-    if cpu_linear.stream_available():
-        print(Timing(DECODING_LAYOUT, *measure_layouts(shapes)).summary(shapes))
-    else:
-        print("fp32 decoding layout: oneDNN's (grpo's native kernels are not built here: nothing to weigh it against)")
+    for precision, question in DECODING_LAYOUT.items():
+        if cpu_linear.stream_available():
+            print(Timing(question, *globals()[question.measure](shapes)).summary(shapes))
+        else:
+            print(f"{precision} decoding layout: oneDNN's (grpo's native kernels are not built here: nothing to weigh "
+                  f"it against)")
 
 
 if __name__ == "__main__":

@@ -29,7 +29,7 @@ import types
 import torch
 from torch import nn
 
-from grpo.models.cpu_linear import LoraSideProduct, OneDNNLinear
+from grpo.models.cpu_linear import LoraSideProduct, OneDNNLinear, PackedLinear, packed_product
 
 MARK = "_grpo_fused_lora"
 
@@ -76,9 +76,13 @@ class LoraSidePath(nn.Module):
     def __init__(self, base: nn.Module, a: torch.Tensor, b: torch.Tensor, scaling: float, dtype: torch.dtype):
         super().__init__()
         self.base = base
-        self.product = LoraSideProduct(a.detach().to(dtype).clone(), (b.detach().float() * scaling).to(dtype))
+        # (packed in the base's layout, where the base is a PackedLinear: cpu_linear.py)
+        self.product = LoraSideProduct(a.detach().to(dtype).clone(), (b.detach().float() * scaling).to(dtype),
+                                       getattr(base, "layout", "onednn"))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if type(self.base) is PackedLinear:  # (in the streaming layout, one product: cpu_linear.py)
+            return packed_product(x, self.base.packed, self.base.bias, self.product)
         return self.product.add_to(self.base(x), x)
 
 

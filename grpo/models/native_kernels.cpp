@@ -7,7 +7,8 @@
 // - the trainer's RMSNorms, SiLU * up and rotary embeddings, forward and backward, and its loss head
 //   (native_layers.py): one pass over memory each where autograd takes several;
 // - the sampler's token choice (sampler.py): one pass over a row's logits where PyTorch takes five;
-// - a float32 product by a weight in a streaming layout (stream_linear), for the sampler's few rows.
+// - a product by a float32 or bf16 weight in a streaming layout (stream_linear), for the sampler's few
+//   rows.
 //
 // In float32 or bfloat16, rounding to the tensor's dtype wherever the eager operators do, so that
 // they compute what transformers' Llama layers compute up to the order of float sums. Built once
@@ -664,7 +665,7 @@ at::Tensor rope_attend(const at::Tensor& q, const at::Tensor& k, const at::Tenso
 
 
 // ---------------------------------------------------------------------------------------------
-// float32 x @ W.T for a decoding step's few rows, streaming the weight once (stream_linear).
+// x @ W.T for a decoding step's few rows, streaming the weight once (stream_linear).
 //
 // At ~24 rows a decoding step is a pass over every weight of the model, and oneDNN's packed
 // product neither overlapped that stream with its arithmetic nor reached its own hot rate on it
@@ -675,66 +676,131 @@ at::Tensor rope_attend(const at::Tensor& q, const at::Tensor& k, const at::Tenso
 // weight vector from a register. Each output is the sum over k in order 0..K-1 (one fused
 // multiply-add at a time), then the bias: a row's result does not depend on the other rows or
 // the threads.
+//
+// The weight is float32 or bfloat16. A bf16 weight streams half the bytes and is widened to
+// float32 in a register (bf16 is float32's upper half: a shift), each widened vector serving all of
+// a block's rows, so the arithmetic is float32 multiply-adds either way: a product of two bf16
+// values is exact in float32, so the sums are what oneDNN's bf16 product computes (float32
+// accumulation, one rounding to bf16 at the end) up to their order. Not avx512_bf16's dot-product
+// instruction: on an Intel Xeon (avx512_bf16, no AMX) it ran half as many multiply-adds a second
+// as float32's FMA (docs/benchmark.md), and it flushes denormals.
+//
+// A LoRA side path, (x @ A.T) @ B.T with the scale in B, is part of the same sums: d = x @ A.T is
+// computed first (in float32, A packed as a weight of its own), and each output's sum goes on over
+// d's R values against B's panel ([N / 16][R][16]) before the bias is added, as if the product were
+// [x, d] @ [W, B].T. One pass over the output and one rounding, where a side path of its own (two
+// more products, the second adding into the base's rounded output) cost 32-34% of a bf16 step's
+// products at 16-32 rows on the Xeon.
 constexpr int64_t STREAM_COLUMNS = 16;
-constexpr int64_t STREAM_PREFETCH = 1024;  // floats ahead of the weight being read (4 KiB, 64 k)
+constexpr int64_t STREAM_PREFETCH_BYTES = 4096;  // how far ahead of the weight being read
 
-// y[r, 0..16) = bias + sum_k xt[k * ldx + r] * w[k * 16 + 0..16) for r < ROWS, over k = 0..K; where
-// `resume`, the sums go on from y's (a block of k before this one, stored without the bias), and
-// only where `finish` is the bias added: the same multiply-adds in the same order either way.
-template <int ROWS>
-inline void stream_block(const float* xt, int64_t ldx, int64_t K, const float* w, const float* bias, float* y,
-                         int64_t ldy, bool resume, bool finish) {
-  if (!finish) bias = nullptr;
+#if defined(__AVX512F__)
+inline __m512 load_columns(const float* w) { return _mm512_loadu_ps(w); }
+inline __m512 load_columns(const c10::BFloat16* w) {
+  const __m256i half = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16));
+}
+#elif defined(__AVX2__) && defined(__FMA__)
+inline __m256 load_columns(const float* w) { return _mm256_loadu_ps(w); }
+inline __m256 load_columns(const c10::BFloat16* w) {
+  const __m128i half = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(half), 16));
+}
+#endif
+inline float scalar_float(float v) { return v; }
+inline float scalar_float(c10::BFloat16 v) { return static_cast<float>(v); }
+
+// 16 float32 results into y: as they are, or rounded to bf16 as c10::BFloat16 rounds (to nearest
+// even; a NaN to c10's NaN), sixteen at a time where the vectors allow
+inline void store_columns(const float* out, float* y) { std::memcpy(y, out, STREAM_COLUMNS * sizeof(float)); }
+inline void store_columns(const float* out, c10::BFloat16* y) {
+#if defined(__AVX512F__)
+  const __m512 v = _mm512_loadu_ps(out);
+  const __m512i bits = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))), 16);
+  rounded = _mm512_mask_mov_epi32(rounded, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7fc0));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(y), _mm512_cvtepi32_epi16(rounded));
+#else
+  from_float(out, y, STREAM_COLUMNS);
+#endif
+}
+
+// The weight of one block: `w` (K x 16, the panel of W) then, for a LoRA side path, `w2` (K2 x 16,
+// the panel of B), the inputs `xt` [k][row] over k = 0..K, then `xt2` [k][row] over k = 0..K2 (d).
+template <typename W>
+struct Panel {
+  const W* w;
+  int64_t K;
+  const W* w2;
+  int64_t K2;
+};
+
+// y[r, 0..16) = bias + sum_k xt[k * ldx + r] * w[k * 16 + 0..16) (+ sum_k xt2[..] * w2[..]) for
+// r < ROWS, rounded to O (float32, or bf16)
+template <int ROWS, typename W, typename O>
+inline void stream_block(const float* xt, const float* xt2, int64_t ldx, Panel<W> panel, const float* bias, O* y,
+                         int64_t ldy) {
+  float out[ROWS][STREAM_COLUMNS];
 #if defined(__AVX512F__)
   __m512 acc[ROWS];
 #pragma GCC unroll 32
-  for (int r = 0; r < ROWS; ++r) acc[r] = resume ? _mm512_loadu_ps(y + r * ldy) : _mm512_setzero_ps();
-  for (int64_t k = 0; k < K; ++k) {
-    _mm_prefetch(reinterpret_cast<const char*>(w + k * STREAM_COLUMNS + STREAM_PREFETCH), _MM_HINT_T0);
-    const __m512 wk = _mm512_loadu_ps(w + k * STREAM_COLUMNS);
-    const float* xk = xt + k * ldx;
+  for (int r = 0; r < ROWS; ++r) acc[r] = _mm512_setzero_ps();
+  auto run = [&](const float* x, const W* w, int64_t K) {
+    for (int64_t k = 0; k < K; ++k) {
+      _mm_prefetch(reinterpret_cast<const char*>(w + k * STREAM_COLUMNS) + STREAM_PREFETCH_BYTES, _MM_HINT_T0);
+      const __m512 wk = load_columns(w + k * STREAM_COLUMNS);
+      const float* xk = x + k * ldx;
 #pragma GCC unroll 32
-    for (int r = 0; r < ROWS; ++r) acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(xk[r]), wk, acc[r]);
-  }
+      for (int r = 0; r < ROWS; ++r) acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(xk[r]), wk, acc[r]);
+    }
+  };
+  run(xt, panel.w, panel.K);
+  run(xt2, panel.w2, panel.K2);
   const __m512 b = bias ? _mm512_loadu_ps(bias) : _mm512_setzero_ps();
 #pragma GCC unroll 32
-  for (int r = 0; r < ROWS; ++r) _mm512_storeu_ps(y + r * ldy, _mm512_add_ps(acc[r], b));
+  for (int r = 0; r < ROWS; ++r) _mm512_storeu_ps(out[r], _mm512_add_ps(acc[r], b));
 #elif defined(__AVX2__) && defined(__FMA__)
   __m256 lo[ROWS], hi[ROWS];
 #pragma GCC unroll 32
-  for (int r = 0; r < ROWS; ++r) {
-    lo[r] = resume ? _mm256_loadu_ps(y + r * ldy) : _mm256_setzero_ps();
-    hi[r] = resume ? _mm256_loadu_ps(y + r * ldy + 8) : _mm256_setzero_ps();
-  }
-  for (int64_t k = 0; k < K; ++k) {
-    _mm_prefetch(reinterpret_cast<const char*>(w + k * STREAM_COLUMNS + STREAM_PREFETCH), _MM_HINT_T0);
-    const __m256 w0 = _mm256_loadu_ps(w + k * STREAM_COLUMNS), w1 = _mm256_loadu_ps(w + k * STREAM_COLUMNS + 8);
-    const float* xk = xt + k * ldx;
+  for (int r = 0; r < ROWS; ++r) lo[r] = hi[r] = _mm256_setzero_ps();
+  auto run = [&](const float* x, const W* w, int64_t K) {
+    for (int64_t k = 0; k < K; ++k) {
+      _mm_prefetch(reinterpret_cast<const char*>(w + k * STREAM_COLUMNS) + STREAM_PREFETCH_BYTES, _MM_HINT_T0);
+      const __m256 w0 = load_columns(w + k * STREAM_COLUMNS), w1 = load_columns(w + k * STREAM_COLUMNS + 8);
+      const float* xk = x + k * ldx;
 #pragma GCC unroll 32
-    for (int r = 0; r < ROWS; ++r) {
-      const __m256 xr = _mm256_broadcast_ss(xk + r);
-      lo[r] = _mm256_fmadd_ps(xr, w0, lo[r]);
-      hi[r] = _mm256_fmadd_ps(xr, w1, hi[r]);
+      for (int r = 0; r < ROWS; ++r) {
+        const __m256 xr = _mm256_broadcast_ss(xk + r);
+        lo[r] = _mm256_fmadd_ps(xr, w0, lo[r]);
+        hi[r] = _mm256_fmadd_ps(xr, w1, hi[r]);
+      }
     }
-  }
+  };
+  run(xt, panel.w, panel.K);
+  run(xt2, panel.w2, panel.K2);
   const __m256 b0 = bias ? _mm256_loadu_ps(bias) : _mm256_setzero_ps();
   const __m256 b1 = bias ? _mm256_loadu_ps(bias + 8) : _mm256_setzero_ps();
 #pragma GCC unroll 32
   for (int r = 0; r < ROWS; ++r) {
-    _mm256_storeu_ps(y + r * ldy, _mm256_add_ps(lo[r], b0));
-    _mm256_storeu_ps(y + r * ldy + 8, _mm256_add_ps(hi[r], b1));
+    _mm256_storeu_ps(out[r], _mm256_add_ps(lo[r], b0));
+    _mm256_storeu_ps(out[r] + 8, _mm256_add_ps(hi[r], b1));
   }
 #else
-  float acc[ROWS][STREAM_COLUMNS] = {};
-  if (resume)
-    for (int r = 0; r < ROWS; ++r)
-      for (int64_t j = 0; j < STREAM_COLUMNS; ++j) acc[r][j] = y[r * ldy + j];
-  for (int64_t k = 0; k < K; ++k)
-    for (int r = 0; r < ROWS; ++r)
-      for (int64_t j = 0; j < STREAM_COLUMNS; ++j) acc[r][j] = std::fma(xt[k * ldx + r], w[k * STREAM_COLUMNS + j], acc[r][j]);
   for (int r = 0; r < ROWS; ++r)
-    for (int64_t j = 0; j < STREAM_COLUMNS; ++j) y[r * ldy + j] = acc[r][j] + (bias ? bias[j] : 0.0f);
+    for (int64_t j = 0; j < STREAM_COLUMNS; ++j) out[r][j] = 0.0f;
+  auto run = [&](const float* x, const W* w, int64_t K) {
+    for (int64_t k = 0; k < K; ++k)
+      for (int r = 0; r < ROWS; ++r)
+        for (int64_t j = 0; j < STREAM_COLUMNS; ++j)
+          out[r][j] = std::fma(x[k * ldx + r], scalar_float(w[k * STREAM_COLUMNS + j]), out[r][j]);
+  };
+  run(xt, panel.w, panel.K);
+  run(xt2, panel.w2, panel.K2);
+  for (int r = 0; r < ROWS; ++r)
+    for (int64_t j = 0; j < STREAM_COLUMNS; ++j) out[r][j] += bias ? bias[j] : 0.0f;
 #endif
+  for (int r = 0; r < ROWS; ++r) store_columns(out[r], y + r * ldy);
 }
 
 // rows in one block: as many accumulators as the vector registers hold beside a weight vector
@@ -750,162 +816,196 @@ constexpr int STREAM_ROWS = 4;
 // Two adjacent panels (32 columns) for ROWS rows: half the broadcasts per multiply-add of
 // stream_block, for products of many rows (a prefill), where the arithmetic sets the time: at
 // 120-504 rows, 1.08-1.10x stream_block's rate (still 0.85-0.99x oneDNN's; docs/benchmark.md).
-template <int ROWS>
-inline void stream_block_wide(const float* xt, int64_t ldx, int64_t K, int64_t panel_stride, const float* w,
-                              const float* bias, float* y, int64_t ldy, bool resume, bool finish) {
-  if (!finish) bias = nullptr;
-  const float* w1 = w + panel_stride;
+template <int ROWS, typename W, typename O>
+inline void stream_block_wide(const float* xt, const float* xt2, int64_t ldx, Panel<W> panel, Panel<W> next,
+                              const float* bias, O* y, int64_t ldy) {
   __m512 a0[ROWS], a1[ROWS];
 #pragma GCC unroll 32
-  for (int r = 0; r < ROWS; ++r) {
-    a0[r] = resume ? _mm512_loadu_ps(y + r * ldy) : _mm512_setzero_ps();
-    a1[r] = resume ? _mm512_loadu_ps(y + r * ldy + STREAM_COLUMNS) : _mm512_setzero_ps();
-  }
-  for (int64_t k = 0; k < K; ++k) {
-    const __m512 u = _mm512_loadu_ps(w + k * STREAM_COLUMNS), v = _mm512_loadu_ps(w1 + k * STREAM_COLUMNS);
-    const float* xk = xt + k * ldx;
+  for (int r = 0; r < ROWS; ++r) a0[r] = a1[r] = _mm512_setzero_ps();
+  auto run = [&](const float* x, const W* w, const W* w1, int64_t K) {
+    for (int64_t k = 0; k < K; ++k) {
+      const __m512 u = load_columns(w + k * STREAM_COLUMNS), v = load_columns(w1 + k * STREAM_COLUMNS);
+      const float* xk = x + k * ldx;
 #pragma GCC unroll 32
-    for (int r = 0; r < ROWS; ++r) {
-      const __m512 xr = _mm512_set1_ps(xk[r]);
-      a0[r] = _mm512_fmadd_ps(xr, u, a0[r]);
-      a1[r] = _mm512_fmadd_ps(xr, v, a1[r]);
+      for (int r = 0; r < ROWS; ++r) {
+        const __m512 xr = _mm512_set1_ps(xk[r]);
+        a0[r] = _mm512_fmadd_ps(xr, u, a0[r]);
+        a1[r] = _mm512_fmadd_ps(xr, v, a1[r]);
+      }
     }
-  }
+  };
+  run(xt, panel.w, next.w, panel.K);
+  run(xt2, panel.w2, next.w2, panel.K2);
   const __m512 b0 = bias ? _mm512_loadu_ps(bias) : _mm512_setzero_ps();
   const __m512 b1 = bias ? _mm512_loadu_ps(bias + STREAM_COLUMNS) : _mm512_setzero_ps();
-#pragma GCC unroll 32
+  float out[2 * STREAM_COLUMNS];
   for (int r = 0; r < ROWS; ++r) {
-    _mm512_storeu_ps(y + r * ldy, _mm512_add_ps(a0[r], b0));
-    _mm512_storeu_ps(y + r * ldy + STREAM_COLUMNS, _mm512_add_ps(a1[r], b1));
+    _mm512_storeu_ps(out, _mm512_add_ps(a0[r], b0));
+    _mm512_storeu_ps(out + STREAM_COLUMNS, _mm512_add_ps(a1[r], b1));
+    store_columns(out, y + r * ldy);
+    store_columns(out + STREAM_COLUMNS, y + r * ldy + STREAM_COLUMNS);
   }
 }
-#endif
-
-#if defined(__AVX512F__)
 constexpr bool STREAM_WIDE = true;
 constexpr int STREAM_WIDE_ROWS = 12;  // 24 zmm accumulators, as stream_block's
-// stream_block_wide for `rows` <= ROWS rows
-template <int ROWS>
-inline void stream_wide_tail(int64_t rows, const float* xt, int64_t ldx, int64_t K, int64_t panel_stride,
-                             const float* w, const float* bias, float* y, int64_t ldy, bool resume, bool finish) {
-  if constexpr (ROWS > 0) {
-    if (rows == ROWS) return stream_block_wide<ROWS>(xt, ldx, K, panel_stride, w, bias, y, ldy, resume, finish);
-    stream_wide_tail<ROWS - 1>(rows, xt, ldx, K, panel_stride, w, bias, y, ldy, resume, finish);
-  }
-}
 #else
 constexpr bool STREAM_WIDE = false;
 constexpr int STREAM_WIDE_ROWS = 1;
-template <int ROWS>
-inline void stream_wide_tail(int64_t, const float*, int64_t, int64_t, int64_t, const float*, const float*, float*,
-                             int64_t, bool, bool) {}
+template <int ROWS, typename W, typename O>
+inline void stream_block_wide(const float*, const float*, int64_t, Panel<W>, Panel<W>, const float*, O*, int64_t) {}
 #endif
 
-// a last block of `rows` < STREAM_ROWS rows
-template <int ROWS>
-inline void stream_tail(int64_t rows, const float* xt, int64_t ldx, int64_t K, const float* w, const float* bias,
-                        float* y, int64_t ldy, bool resume, bool finish) {
+// stream_block_wide for `rows` <= ROWS rows
+template <int ROWS, typename W, typename O>
+inline void stream_wide_tail(int64_t rows, const float* xt, const float* xt2, int64_t ldx, Panel<W> panel,
+                             Panel<W> next, const float* bias, O* y, int64_t ldy) {
   if constexpr (ROWS > 0) {
-    if (rows == ROWS) return stream_block<ROWS>(xt, ldx, K, w, bias, y, ldy, resume, finish);
-    stream_tail<ROWS - 1>(rows, xt, ldx, K, w, bias, y, ldy, resume, finish);
+    if (rows == ROWS) return stream_block_wide<ROWS>(xt, xt2, ldx, panel, next, bias, y, ldy);
+    stream_wide_tail<ROWS - 1>(rows, xt, xt2, ldx, panel, next, bias, y, ldy);
   }
 }
 
-// Beyond two blocks of rows (a prefill), k goes in slices of this many: a slice of the panel (8
-// KiB) stays in the first-level cache while every block of rows passes over it. Measured, it bought
-// nothing clear (128-512 rows within the VM's noise of no slicing, at 0.8-0.9x oneDNN's rate either
-// way; docs/benchmark.md); the sums are the same multiply-adds in the same order with or without.
-constexpr int64_t STREAM_K_SLICE = 128;
+// a last block of `rows` < STREAM_ROWS rows
+template <int ROWS, typename W, typename O>
+inline void stream_tail(int64_t rows, const float* xt, const float* xt2, int64_t ldx, Panel<W> panel,
+                        const float* bias, O* y, int64_t ldy) {
+  if constexpr (ROWS > 0) {
+    if (rows == ROWS) return stream_block<ROWS>(xt, xt2, ldx, panel, bias, y, ldy);
+    stream_tail<ROWS - 1>(rows, xt, xt2, ldx, panel, bias, y, ldy);
+  }
+}
 
-// [N, K] -> [N / 16][K][16]
+// [N, K] -> [N / 16][K][16], in the weight's dtype (float32 or bf16)
 at::Tensor stream_pack(const at::Tensor& weight) {
-  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kFloat && weight.device().is_cpu(),
-              "stream_pack: a float32 CPU weight [out_features, in_features], got ", weight.scalar_type(), " ",
-              weight.sizes());
+  TORCH_CHECK(weight.dim() == 2 && (weight.scalar_type() == at::kFloat || weight.scalar_type() == at::kBFloat16) &&
+                  weight.device().is_cpu(),
+              "stream_pack: a float32 or bfloat16 CPU weight [out_features, in_features], got ", weight.scalar_type(),
+              " ", weight.device(), " ", weight.sizes());
   const int64_t n = weight.size(0), k = weight.size(1);
   TORCH_CHECK(n % STREAM_COLUMNS == 0 && k > 0, "stream_pack: out_features must be a multiple of ", STREAM_COLUMNS,
               " (got ", n, ") and in_features positive (got ", k, ")");
   const auto w = weight.contiguous();
   auto packed = at::empty({n / STREAM_COLUMNS, k, STREAM_COLUMNS}, w.options());
-  const float* src = w.data_ptr<float>();
-  float* dst = packed.data_ptr<float>();
-  at::parallel_for(0, n / STREAM_COLUMNS, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t p = begin; p < end; ++p)
-      for (int64_t i = 0; i < k; ++i)
-        for (int64_t j = 0; j < STREAM_COLUMNS; ++j)
-          dst[(p * k + i) * STREAM_COLUMNS + j] = src[(p * STREAM_COLUMNS + j) * k + i];
+  DISPATCH_SAMPLER_TYPES(w.scalar_type(), "stream_pack", [&] {
+    const scalar_t* src = w.data_ptr<scalar_t>();
+    scalar_t* dst = packed.data_ptr<scalar_t>();
+    at::parallel_for(0, n / STREAM_COLUMNS, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t p = begin; p < end; ++p)
+        for (int64_t i = 0; i < k; ++i)
+          for (int64_t j = 0; j < STREAM_COLUMNS; ++j)
+            dst[(p * k + i) * STREAM_COLUMNS + j] = src[(p * STREAM_COLUMNS + j) * k + i];
+    });
   });
   return packed;
 }
 
-// x [..., K] @ W.T + bias for a weight packed by stream_pack: [..., N]
-at::Tensor stream_linear(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias) {
-  TORCH_CHECK(packed.dim() == 3 && packed.size(2) == STREAM_COLUMNS && packed.scalar_type() == at::kFloat &&
-                  packed.is_contiguous(),
-              "stream_linear: a weight from stream_pack ([out / ", STREAM_COLUMNS, ", in, ", STREAM_COLUMNS,
-              "] float32), got ", packed.scalar_type(), " ", packed.sizes());
-  const int64_t panels = packed.size(0), k = packed.size(1), n = panels * STREAM_COLUMNS;
-  TORCH_CHECK(x.dim() >= 1 && x.size(-1) == k && x.scalar_type() == at::kFloat && x.device().is_cpu(),
-              "stream_linear: float32 CPU input with ", k, " features last, got ", x.scalar_type(), " ", x.sizes());
-  TORCH_CHECK(!bias.has_value() || (bias->dim() == 1 && bias->size(0) == n && bias->scalar_type() == at::kFloat),
-              "stream_linear: bias must be float32 [", n, "]");
+// `rows` rows of k values (at a stride of ld) as float32 [block of STREAM_ROWS rows][k][row in the
+// block]: a k's inputs side by side, and each block read front to back (the last block's rows at a
+// stride of its own count: a decoding step's few rows then take a few KiB of cache beside the
+// weights, not a whole block's)
+template <typename T>
+std::vector<float> stream_inputs(const T* src, int64_t ld, int64_t rows, int64_t k) {
+  const int64_t blocks = (rows + STREAM_ROWS - 1) / STREAM_ROWS;
+  std::vector<float> xp(blocks * k * STREAM_ROWS), row(k);
+  for (int64_t block = 0; block < blocks; ++block) {
+    const int64_t count = std::min<int64_t>(STREAM_ROWS, rows - block * STREAM_ROWS);
+    for (int64_t r = 0; r < count; ++r) {
+      to_float(src + (block * STREAM_ROWS + r) * ld, row.data(), k);
+      float* to = xp.data() + block * k * STREAM_ROWS + r;
+      for (int64_t i = 0; i < k; ++i) to[i * count] = row[i];
+    }
+  }
+  return xp;
+}
+
+// y [rows, panels * 16] = the inputs `xp` (stream_inputs, k values) @ the panels' weights + bias,
+// each panel's sums going on over `xp2` (k2 values) against `w2`'s panel where given. Each thread
+// streams a contiguous run of panels (pairs of them for many rows), and every block of rows over a
+// panel in turn.
+template <typename W, typename O>
+void stream_product(const float* xp, int64_t k, const float* xp2, int64_t k2, int64_t rows, int64_t panels,
+                    const W* wd, const W* w2d, const float* bd, O* yd) {
+  const int64_t n = panels * STREAM_COLUMNS, blocks = (rows + STREAM_ROWS - 1) / STREAM_ROWS;
+  const int64_t step = rows > 2 * STREAM_ROWS && STREAM_WIDE ? 2 : 1;
+  auto panel_at = [&](int64_t p) {
+    return Panel<W>{wd + p * k * STREAM_COLUMNS, k, w2d ? w2d + p * k2 * STREAM_COLUMNS : nullptr, w2d ? k2 : 0};
+  };
+  at::parallel_for(0, (panels + step - 1) / step, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t p = begin * step; p < std::min(end * step, panels); p += step) {
+      const bool pair = step == 2 && p + 1 < panels;
+      const float* bp = bd ? bd + p * STREAM_COLUMNS : nullptr;
+      const Panel<W> panel = panel_at(p);
+      O* y = yd + p * STREAM_COLUMNS;
+      for (int64_t block = 0; block < blocks; ++block) {
+        const int64_t r = block * STREAM_ROWS, count = std::min<int64_t>(STREAM_ROWS, rows - r);
+        const float* x = xp + block * k * STREAM_ROWS;
+        const float* x2 = xp2 ? xp2 + block * k2 * STREAM_ROWS : nullptr;
+        if (pair) {
+          for (int64_t half = 0; half < count; half += STREAM_WIDE_ROWS)
+            stream_wide_tail<STREAM_WIDE_ROWS>(std::min<int64_t>(STREAM_WIDE_ROWS, count - half), x + half,
+                                               x2 ? x2 + half : nullptr, count, panel, panel_at(p + 1), bp,
+                                               y + (r + half) * n, n);
+        } else if (count == STREAM_ROWS) {
+          stream_block<STREAM_ROWS>(x, x2, STREAM_ROWS, panel, bp, y + r * n, n);
+        } else {
+          stream_tail<STREAM_ROWS - 1>(count, x, x2, count, panel, bp, y + r * n, n);
+        }
+      }
+    }
+  });
+}
+
+// Checks a packed weight (and its input width, where `k` >= 0); its number of output columns.
+int64_t stream_check(const char* what, const at::Tensor& packed, at::ScalarType dtype, int64_t k = -1) {
+  TORCH_CHECK(packed.dim() == 3 && packed.size(2) == STREAM_COLUMNS && packed.scalar_type() == dtype &&
+                  packed.is_contiguous() && packed.device().is_cpu() && (k < 0 || packed.size(1) == k),
+              "stream_linear: ", what, " must come from stream_pack ([out / ", STREAM_COLUMNS, ", in, ",
+              STREAM_COLUMNS, "] ", dtype, k < 0 ? "" : ", in = ", k < 0 ? std::string() : std::to_string(k),
+              "), got ", packed.scalar_type(), " ", packed.sizes());
+  return packed.size(0) * STREAM_COLUMNS;
+}
+
+// x [..., K] @ W.T + bias for a weight packed by stream_pack: [..., N], in the weight's dtype (the
+// input's and the bias's too). With LoRA's A [R, K] and B [N, R] (the scale in B) packed by
+// stream_pack (R a multiple of 16: pad A's rows and B's columns with zeros), x @ W.T + (x @ A.T) @
+// B.T + bias, one sum per output, rounded once.
+at::Tensor stream_linear(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
+                         const c10::optional<at::Tensor>& lora_a, const c10::optional<at::Tensor>& lora_b) {
+  const auto dtype = packed.scalar_type();
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16,
+              "stream_linear: a weight from stream_pack (float32 or bfloat16), got ", dtype);
+  const int64_t n = stream_check("the weight", packed, dtype), k = packed.size(1);
+  TORCH_CHECK(x.dim() >= 1 && x.size(-1) == k && x.scalar_type() == dtype && x.device().is_cpu(), "stream_linear: a ",
+              dtype, " CPU input with ", k, " features last (the weight's), got ", x.scalar_type(), " ", x.device(),
+              " ", x.sizes());
+  TORCH_CHECK(!bias.has_value() || (bias->dim() == 1 && bias->size(0) == n && bias->scalar_type() == dtype),
+              "stream_linear: bias must be ", dtype, " [", n, "], got ", bias->scalar_type(), " ", bias->sizes());
+  TORCH_CHECK(lora_a.has_value() == lora_b.has_value(), "stream_linear: a LoRA side path needs both A and B");
+  int64_t rank = 0;
+  if (lora_a.has_value()) {
+    rank = stream_check("LoRA's A", *lora_a, dtype, k);
+    TORCH_CHECK(stream_check("LoRA's B", *lora_b, dtype, rank) == n, "stream_linear: LoRA's B must have ", n,
+                " rows (the weight's), got ", lora_b->size(0) * STREAM_COLUMNS);
+  }
   const int64_t rows = x.numel() / k;
   std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
   shape.back() = n;
   auto out = at::empty(shape, x.options());
   if (rows == 0) return out;
-  // the inputs as [block of STREAM_ROWS rows][k][row in the block]: a k's inputs side by side, and
-  // each block read front to back (the last block's rows at a stride of its own count: a decoding
-  // step's few rows then take a few KiB of cache beside the weights, not a whole block's)
-  const int64_t blocks = (rows + STREAM_ROWS - 1) / STREAM_ROWS;
   const auto xc = x.contiguous();
-  auto xp = at::empty({blocks, k, STREAM_ROWS}, x.options());
-  {
-    const float* src = xc.data_ptr<float>();
-    float* dst = xp.data_ptr<float>();
-    for (int64_t block = 0; block < blocks; ++block) {
-      const int64_t count = std::min<int64_t>(STREAM_ROWS, rows - block * STREAM_ROWS);
-      for (int64_t r = 0; r < count; ++r) {
-        const float* from = src + (block * STREAM_ROWS + r) * k;
-        float* to = dst + block * k * STREAM_ROWS + r;
-        for (int64_t i = 0; i < k; ++i) to[i * count] = from[i];
-      }
+  DISPATCH_SAMPLER_TYPES(dtype, "stream_linear", [&] {
+    const auto xp = stream_inputs(xc.data_ptr<scalar_t>(), k, rows, k);
+    std::vector<float> b(bias.has_value() ? n : 0), down, dp;
+    if (bias.has_value()) to_float(bias->contiguous().data_ptr<scalar_t>(), b.data(), n);
+    if (rank > 0) {  // d = x @ A.T, kept in float32, then laid out as the inputs of B's part of the sums
+      down.resize(rows * rank);
+      stream_product<scalar_t, float>(xp.data(), k, nullptr, 0, rows, rank / STREAM_COLUMNS,
+                                      lora_a->data_ptr<scalar_t>(), nullptr, nullptr, down.data());
+      dp = stream_inputs(down.data(), rank, rows, rank);
     }
-  }
-  const auto b = bias.has_value() ? bias->contiguous() : at::Tensor();
-  const float* xd = xp.data_ptr<float>();
-  const float* wd = packed.data_ptr<float>();
-  const float* bd = b.defined() ? b.data_ptr<float>() : nullptr;
-  float* yd = out.data_ptr<float>();
-  // Each thread streams a contiguous run of panels (pairs of them for many rows), and every block
-  // of rows over a panel, or over a slice of its k, in turn.
-  const bool many = rows > 2 * STREAM_ROWS;
-  const int64_t slice = many ? STREAM_K_SLICE : k, step = many && STREAM_WIDE ? 2 : 1;
-  at::parallel_for(0, (panels + step - 1) / step, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t p = begin * step; p < std::min(end * step, panels); p += step) {
-      const bool pair = step == 2 && p + 1 < panels;
-      const float* bp = bd ? bd + p * STREAM_COLUMNS : nullptr;
-      float* y = yd + p * STREAM_COLUMNS;
-      for (int64_t k0 = 0; k0 < k; k0 += slice) {
-        const int64_t kn = std::min(slice, k - k0);
-        const bool resume = k0 > 0, finish = k0 + kn == k;
-        const float* w = wd + (p * k + k0) * STREAM_COLUMNS;
-        for (int64_t block = 0; block < blocks; ++block) {
-          const int64_t r = block * STREAM_ROWS, count = std::min<int64_t>(STREAM_ROWS, rows - r);
-          const float* x = xd + block * k * STREAM_ROWS + k0 * count;
-          if (pair) {
-            for (int64_t half = 0; half < count; half += STREAM_WIDE_ROWS)
-              stream_wide_tail<STREAM_WIDE_ROWS>(std::min<int64_t>(STREAM_WIDE_ROWS, count - half), x + half,
-                                                 count, kn, k * STREAM_COLUMNS, w, bp, y + (r + half) * n, n,
-                                                 resume, finish);
-          } else if (count == STREAM_ROWS) {
-            stream_block<STREAM_ROWS>(x, STREAM_ROWS, kn, w, bp, y + r * n, n, resume, finish);
-          } else {
-            stream_tail<STREAM_ROWS - 1>(count, x, count, kn, w, bp, y + r * n, n, resume, finish);
-          }
-        }
-      }
-    }
+    stream_product<scalar_t, scalar_t>(xp.data(), k, rank ? dp.data() : nullptr, rank, rows, n / STREAM_COLUMNS,
+                                       packed.data_ptr<scalar_t>(), rank ? lora_b->data_ptr<scalar_t>() : nullptr,
+                                       b.empty() ? nullptr : b.data(), out.data_ptr<scalar_t>());
   });
   return out;
 }
@@ -917,9 +1017,10 @@ at::Tensor stream_linear(const at::Tensor& x, const at::Tensor& packed, const c1
 // here, so that a step pays one call from Python instead of ~8 a layer (with the modules' own
 // calls between them: ~12% of an fp32 step at 24 rows on SmolLM2's 30 layers).
 
-// oneDNN's Linear as PyTorch registers it (mkldnn::_linear_pointwise) on oneDNN's packed weight, or
-// stream_linear on a weight in the streaming layout, with LoRA's side path added by oneDNN's binary
-// post-op: what cpu_linear.py's packed_product and LoraSideProduct.add_to compute from Python.
+// oneDNN's Linear as PyTorch registers it (mkldnn::_linear_pointwise) on oneDNN's packed weight, with
+// LoRA's side path added by oneDNN's binary post-op; or stream_linear on a weight in the streaming
+// layout, its side path (packed in it too) in the same sums: what cpu_linear.py's packed_product
+// computes from Python.
 at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias,
                          const c10::optional<at::Tensor>& lora_a, const c10::optional<at::Tensor>& lora_b) {
   static const auto linear =
@@ -934,8 +1035,8 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& weight, const c1
           .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
                             const c10::optional<at::Tensor>&, c10::string_view)>();
   TORCH_CHECK(lora_a.has_value() == lora_b.has_value(), "decode_layers: a LoRA side path needs both A and B");
-  auto out = weight.is_mkldnn() ? linear.call(x, weight, bias, "none", c10::List<c10::optional<c10::Scalar>>(), "")
-                                : stream_linear(x, weight, bias);
+  if (!weight.is_mkldnn()) return stream_linear(x, weight, bias, lora_a, lora_b);
+  auto out = linear.call(x, weight, bias, "none", c10::List<c10::optional<c10::Scalar>>(), "");
   if (!lora_a.has_value()) return out;
   auto down = linear.call(x, *lora_a, c10::nullopt, "none", c10::List<c10::optional<c10::Scalar>>(), "");
   return linear_add.call(down, out, *lora_b, c10::nullopt, "add");
@@ -995,7 +1096,7 @@ TORCH_LIBRARY(grpo_native, m) {
   m.def("rope_attend(Tensor q, Tensor k, Tensor v, Tensor cos, Tensor sin, Tensor(a!) k_cache, Tensor(b!) v_cache, "
         "Tensor lengths, int heads, float scale) -> Tensor");
   m.def("stream_pack(Tensor weight) -> Tensor");
-  m.def("stream_linear(Tensor x, Tensor packed, Tensor? bias) -> Tensor");
+  m.def("stream_linear(Tensor x, Tensor packed, Tensor? bias, Tensor? lora_a=None, Tensor? lora_b=None) -> Tensor");
   m.def("decode_layers(Tensor hidden, Tensor cos, Tensor sin, Tensor lengths, Tensor[] weights, Tensor?[] extras, "
         "Tensor[] norms, Tensor(a!)[] k_caches, Tensor(b!)[] v_caches, int[] qkv_sizes, int heads, float scale, "
         "float eps) -> Tensor");

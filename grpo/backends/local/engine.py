@@ -123,8 +123,8 @@ class Engine:
         use_kernel(self.model, self.fp32_kernel)
         # Sampling multiplies by packed weights (cpu_linear.py), at the cost of one more copy of the
         # weights it reads there: in fp32 the unembedding's (the LoRA layers are folded into packed
-        # copies of their own); in bf16 a whole packed copy of the model. fp32 weights are packed in
-        # the layout measured faster for a decoding step here (kernel_probe.py), bf16 in oneDNN's.
+        # copies of their own); in bf16 a whole packed copy of the model. Each is packed in the
+        # layout measured faster for a decoding step in its precision here (kernel_probe.py).
         self.fp32_layout = kernel_probe.decoding_layout(shapes) if has_onednn else "onednn"
         keep_packed_copies([self.model.get_output_embeddings()], self.fp32_layout)
         for p in self.model.parameters():
@@ -139,12 +139,15 @@ class Engine:
         # trainer: sibling projections stacked, LoRA side paths made once per set of weights. A
         # sampling call of the bench (8 x 4 x 32 tokens) took 3.2 s against 4.4 s through peft's
         # layers over the trainer's weights (Intel Xeon with AMX), in the bytes that those
-        # layers' packed copies took before. (A CPU that packs no bf16 weights gets no copy: it
-        # would only hold the weights twice.) Made before any adapter is injected, so that it
-        # copies the plain base model.
+        # layers' packed copies took before. (A CPU that packs no bf16 weights, in neither layout,
+        # gets no copy: it would only hold the weights twice.) Made before any adapter is injected,
+        # so that it copies the plain base model.
+        self.sample_layout = (self.fp32_layout if self.sample_dtype == self.dtype == torch.float32
+                              else kernel_probe.decoding_layout(shapes, self.sample_dtype))
         own_copy = self.sample_dtype != self.dtype or (
-            self.device.type == "cpu" and self.sample_dtype == torch.bfloat16 and packing_works(torch.bfloat16))
-        self._sampler_copy = SamplerCopy(self.model, self.sample_dtype, self.fp32_layout) if own_copy else None
+            self.device.type == "cpu" and self.sample_dtype == torch.bfloat16
+            and (packing_works(torch.bfloat16) or self.sample_layout == "stream"))
+        self._sampler_copy = SamplerCopy(self.model, self.sample_dtype, self.sample_layout) if own_copy else None
         self.vocab_size = int(self.model.get_input_embeddings().weight.shape[0])
         self.lock = threading.RLock()
         self.peft_model = None

@@ -82,7 +82,7 @@ class FoldedAdapter:
                     self.replacements[path] = FusedMember(group, index, base.in_features)
             for name in list(layers):
                 base = layers[name].base_layer
-                if can_pack(base.weight):
+                if can_pack(base.weight, layout):
                     # Folded into a scratch buffer, then kept only in its packed layout
                     # (cpu_linear.py): the decoding steps multiply by it without a reorder each.
                     folded_weight = buffer(tuple(base.weight.shape), base.weight.dtype)

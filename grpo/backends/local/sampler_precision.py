@@ -2,8 +2,9 @@
 
 When ``sample_dtype`` differs from ``train_dtype`` (say bf16 sampling, fp32 training), and for any
 bf16 sampling on a CPU, the sampler runs a second copy of the base model converted once to
-``sample_dtype`` (half the bytes streamed per decoding step in bf16) and kept only in oneDNN's
-packed layout, and the trainer keeps its own weights and the fp32 master LoRA weights.
+``sample_dtype`` (half the bytes streamed per decoding step in bf16) and kept only in a packed
+layout (oneDNN's, or the streaming one where it measured faster: cpu_linear.py), and the trainer
+keeps its own weights and the fp32 master LoRA weights.
 The copy carries the adapter being sampled as an *unmerged* LoRA side path,
 ``base(x) + scaling * B(A(x))`` in ``sample_dtype``, refreshed whenever the adapter's weights
 change (a new version or a sampling snapshot).
@@ -38,7 +39,7 @@ class SamplerCopy:
     """The base model in ``dtype`` with at most one adapter's LoRA side paths installed."""
 
     def __init__(self, base_model: nn.Module, dtype: torch.dtype, layout: str = "onednn"):
-        """``layout``: how float32 weights are packed (cpu_linear.pack_weight; bf16 is oneDNN's)."""
+        """``layout``: how the weights are packed (cpu_linear.pack_weight), LoRA's side paths too."""
         # Called before any adapter is injected, so the copy is the plain transformers model; tied
         # embeddings stay tied (deepcopy keeps shared Parameters shared). Only the parameters take
         # ``dtype``, as when transformers loads a model in it: buffers keep theirs -- rotary

@@ -19,12 +19,13 @@ ran up to 1.6x faster. So a float32 model's training products go to the kernel t
 faster on the machine (``OneDNNLinear.kernel``, set by the engine from kernel_probe.py).
 
 The sampler's gradient-free weights are packed once (``pack_weight``): into oneDNN's blocked
-layout, or -- float32 only, where grpo's native kernels are built and the machine measured it
-faster for a decoding step (kernel_probe.py) -- into grpo's streaming layout, whose product
-(native_kernels.cpp's ``stream_linear``) reads each weight once for all of a decoding step's rows
-and prefetches ahead: SmolLM2's Linears at 24 rows, 30 layers' distinct weights, took 34 ms
-against oneDNN's 48 (Intel Xeon, avx512, 2 cores; docs/benchmark.md). ``packed_product``
-multiplies by either.
+layout, or -- float32 or bf16, where grpo's native kernels are built and the machine measured it
+faster for a decoding step in that precision (kernel_probe.py) -- into grpo's streaming layout,
+whose product (native_kernels.cpp's ``stream_linear``) reads each weight once for all of a
+decoding step's rows and prefetches ahead: SmolLM2's Linears at 24 rows, 30 layers' distinct
+weights, took 33 ms against oneDNN's 47 in fp32, 29 against 51 in bf16 (Intel Xeon, avx512, no
+AMX, 2 cores; docs/benchmark.md). ``packed_product`` multiplies by either, with LoRA's side path
+(``LoraSideProduct``) inside the streaming product's sums.
 
 ``GRPO_CPU_LINEAR=torch`` in the environment keeps PyTorch's default kernels.
 """

@@ -35,7 +35,7 @@ the cache file to measure again.
 
 The result is cached in ``$GRPO_CACHE/precision.json`` (and in this process) keyed by CPU model,
 its instruction sets (``instruction_sets``), torch version, thread count, fp32 Linear kernel, the
-shapes and the probe's own version, so the probe (about 7 s on a quiet machine; 2.1 GB peak
+shapes and the probe's own version, so the probe (about 10 s on a quiet machine; 2.1 GB peak
 resident for SmolLM2 with both layouts timed, 1.3 GB with one: python -m grpo.models.dtype_probe,
 Intel Xeon with avx512, 2 cores) is paid once per machine and model shape; the choice and its numbers
 are printed once, when measured.

@@ -21,7 +21,7 @@ The sampler's weights are packed the same way: in oneDNN's blocked layout, or in
 layout (cpu_linear.py, native_kernels.cpp's ``stream_linear``), which reads each weight once for
 all of a decoding step's rows. In fp32 it measured 1.1-1.4x faster than oneDNN's for 1-48 rows on
 an Intel Xeon (avx512) and 0.75-0.95x its speed for 128-512 rows (a prefill); in bf16, on the same
-Xeon without AMX, 1.3-1.9x faster at every row count (docs/benchmark.md), where on an AMX Xeon
+Xeon without AMX, 1.3-1.8x faster at every row count (docs/benchmark.md), where on an AMX Xeon
 oneDNN's bf16 product runs on the tiles. ``decoding_layout`` times dtype_probe's decoding step in
 the sampler's precision (the model's layers' Linears at a decoding step's rows, fp32 with LoRA
 folded, bf16 with LoRA's side paths) packed each way and takes the streaming layout where it

@@ -29,6 +29,7 @@
 #include <cstdint>
 #include <cstring>
 #include <initializer_list>
+#include <memory>
 #include <vector>
 
 namespace {
@@ -57,6 +58,12 @@ inline void to_float(const c10::BFloat16* src, float* dst, int64_t n) {
 inline void from_float(const float* src, float* dst, int64_t n) { std::memcpy(dst, src, n * sizeof(float)); }
 inline void from_float(const float* src, c10::BFloat16* dst, int64_t n) {
   for (int64_t i = 0; i < n; ++i) dst[i] = c10::BFloat16(src[i]);
+}
+// n values of T as floats without a copy where they are floats already (else widened into buf)
+inline const float* as_float(const float* src, float*, int64_t) { return src; }
+inline const float* as_float(const c10::BFloat16* src, float* buf, int64_t n) {
+  to_float(src, buf, n);
+  return buf;
 }
 // a float rounded to T and back: where an eager operator's result would be stored in T
 template <typename T> inline float in_dtype(float v) { return static_cast<float>(static_cast<T>(v)); }
@@ -568,7 +575,8 @@ void rope_attend_impl(const T* q, int64_t q_stride, const T* k, int64_t k_stride
     rotate<T>(xf, c, s, y, dim);
   };
   at::parallel_for(0, rows * kv_heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> c(dim), s(dim), xf(dim), rotated(dim), queries(group * dim), acc(dim), keys, values, scores;
+    std::vector<float> c(dim), s(dim), xf(dim), rotated(dim), queries(group * dim), acc(group * dim), widened(dim),
+        scores, tops(group), totals(group);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t r = task / kv_heads, g = task % kv_heads, n = lengths[r] + 1;
       to_float(cos + r * cos_stride, c.data(), dim);
@@ -580,38 +588,45 @@ void rope_attend_impl(const T* q, int64_t q_stride, const T* k, int64_t k_stride
       std::memcpy(row_values + lengths[r] * dim, v + r * v_stride + g * dim, dim * sizeof(T));
       for (int64_t j = 0; j < group; ++j)
         rotate_row(q + r * q_stride + (g * group + j) * dim, c.data(), s.data(), xf.data(), queries.data() + j * dim);
-      keys.resize(n * dim);
-      values.resize(n * dim);
-      scores.resize(n);
-      to_float(row_keys, keys.data(), n * dim);
-      to_float(row_values, values.data(), n * dim);
-      for (int64_t j = 0; j < group; ++j) {
-        const float* qj = queries.data() + j * dim;
-        float top = -INFINITY;
-        for (int64_t p = 0; p < n; ++p) {
-          const float* kp = keys.data() + p * dim;
+      // Each key and value read once from the cache for the group's query heads (float32 in place;
+      // bf16 widened as read): copying the row's cache out first for each task was a pass over
+      // every cached key and value of every layer a step. The sums are the same, in the same order.
+      scores.resize(group * n);
+      std::fill(tops.begin(), tops.end(), -INFINITY);
+      for (int64_t p = 0; p < n; ++p) {
+        const float* kp = as_float(row_keys + p * dim, widened.data(), dim);
+        for (int64_t j = 0; j < group; ++j) {
+          const float* qj = queries.data() + j * dim;
           float dot = 0.f;
 #pragma omp simd reduction(+ : dot)
           for (int64_t i = 0; i < dim; ++i) dot += qj[i] * kp[i];
-          scores[p] = dot * scale;
-          top = std::max(top, scores[p]);
+          scores[j * n + p] = dot * scale;
+          tops[j] = std::max(tops[j], scores[j * n + p]);
         }
-        float total = 0.f;
-        float* sp = scores.data();
+      }
+      for (int64_t j = 0; j < group; ++j) {
+        float total = 0.f, top = tops[j];
+        float* sp = scores.data() + j * n;
 #pragma omp simd reduction(+ : total)
         for (int64_t p = 0; p < n; ++p) {
           sp[p] = vexp(sp[p] - top);
           total += sp[p];
         }
-        float* a = acc.data();
-        std::fill(acc.begin(), acc.end(), 0.f);
-        for (int64_t p = 0; p < n; ++p) {
-          const float* vp = values.data() + p * dim;
-          const float weight = sp[p];
+        totals[j] = total;
+      }
+      std::fill(acc.begin(), acc.end(), 0.f);
+      for (int64_t p = 0; p < n; ++p) {
+        const float* vp = as_float(row_values + p * dim, widened.data(), dim);
+        for (int64_t j = 0; j < group; ++j) {
+          float* a = acc.data() + j * dim;
+          const float weight = scores[j * n + p];
 #pragma omp simd
           for (int64_t i = 0; i < dim; ++i) a[i] += weight * vp[i];
         }
-        const float inv = 1.f / total;
+      }
+      for (int64_t j = 0; j < group; ++j) {
+        float* a = acc.data() + j * dim;
+        const float inv = 1.f / totals[j];
 #pragma omp simd
         for (int64_t i = 0; i < dim; ++i) a[i] *= inv;
         from_float(a, out + r * heads * dim + (g * group + j) * dim, dim);
@@ -904,17 +919,22 @@ at::Tensor stream_pack(const at::Tensor& weight) {
 // stride of its own count: a decoding step's few rows then take a few KiB of cache beside the
 // weights, not a whole block's)
 template <typename T>
-std::vector<float> stream_inputs(const T* src, int64_t ld, int64_t rows, int64_t k) {
+std::unique_ptr<float[]> stream_inputs(const T* src, int64_t ld, int64_t rows, int64_t k) {
   const int64_t blocks = (rows + STREAM_ROWS - 1) / STREAM_ROWS;
-  std::vector<float> xp(blocks * k * STREAM_ROWS), row(k);
-  for (int64_t block = 0; block < blocks; ++block) {
-    const int64_t count = std::min<int64_t>(STREAM_ROWS, rows - block * STREAM_ROWS);
-    for (int64_t r = 0; r < count; ++r) {
-      to_float(src + (block * STREAM_ROWS + r) * ld, row.data(), k);
-      float* to = xp.data() + block * k * STREAM_ROWS + r;
-      for (int64_t i = 0; i < k; ++i) to[i * count] = row[i];
+  std::unique_ptr<float[]> xp(new float[blocks * k * STREAM_ROWS]);  // (every value written below)
+  // a prefill's hundreds of rows on every thread; a decoding step's block or two on this one
+  const int64_t grain = std::max<int64_t>(1, (1 << 16) / (STREAM_ROWS * k));
+  at::parallel_for(0, blocks, grain, [&](int64_t begin, int64_t end) {
+    std::vector<float> row(k);
+    for (int64_t block = begin; block < end; ++block) {
+      const int64_t count = std::min<int64_t>(STREAM_ROWS, rows - block * STREAM_ROWS);
+      for (int64_t r = 0; r < count; ++r) {
+        to_float(src + (block * STREAM_ROWS + r) * ld, row.data(), k);
+        float* to = xp.get() + block * k * STREAM_ROWS + r;
+        for (int64_t i = 0; i < k; ++i) to[i * count] = row[i];
+      }
     }
-  }
+  });
   return xp;
 }
 
@@ -995,15 +1015,16 @@ at::Tensor stream_linear(const at::Tensor& x, const at::Tensor& packed, const c1
   const auto xc = x.contiguous();
   DISPATCH_SAMPLER_TYPES(dtype, "stream_linear", [&] {
     const auto xp = stream_inputs(xc.data_ptr<scalar_t>(), k, rows, k);
-    std::vector<float> b(bias.has_value() ? n : 0), down, dp;
+    std::vector<float> b(bias.has_value() ? n : 0), down;
+    std::unique_ptr<float[]> dp;
     if (bias.has_value()) to_float(bias->contiguous().data_ptr<scalar_t>(), b.data(), n);
     if (rank > 0) {  // d = x @ A.T, kept in float32, then laid out as the inputs of B's part of the sums
       down.resize(rows * rank);
-      stream_product<scalar_t, float>(xp.data(), k, nullptr, 0, rows, rank / STREAM_COLUMNS,
+      stream_product<scalar_t, float>(xp.get(), k, nullptr, 0, rows, rank / STREAM_COLUMNS,
                                       lora_a->data_ptr<scalar_t>(), nullptr, nullptr, down.data());
       dp = stream_inputs(down.data(), rank, rows, rank);
     }
-    stream_product<scalar_t, scalar_t>(xp.data(), k, rank ? dp.data() : nullptr, rank, rows, n / STREAM_COLUMNS,
+    stream_product<scalar_t, scalar_t>(xp.get(), k, dp.get(), rank, rows, n / STREAM_COLUMNS,
                                        packed.data_ptr<scalar_t>(), rank ? lora_b->data_ptr<scalar_t>() : nullptr,
                                        b.empty() ? nullptr : b.data(), out.data_ptr<scalar_t>());
   });

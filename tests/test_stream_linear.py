@@ -210,9 +210,10 @@ def test_packed_product_multiplies_by_either_layout(ops) -> None:
         assert torch.allclose(packed_product(x, pack_weight(w, layout), b), nn.functional.linear(x, w, b), atol=1e-5)
 
 
-def test_the_layouts_script_prints_both_layouts_per_row_count(ops) -> None:
-    """scripts/packed_layouts.py, which docs/benchmark.md's table comes from, runs (tiny model, a few
-    passes): one row per row count, both layouts timed, their ratio."""
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_the_layouts_script_prints_both_layouts_per_row_count(ops, dtype) -> None:
+    """scripts/packed_layouts.py, which docs/benchmark.md's tables come from, runs (tiny model, a few
+    passes, each precision): one row per row count, both layouts timed, their ratio."""
     import re
     import subprocess
     import sys
@@ -222,10 +223,12 @@ def test_the_layouts_script_prints_both_layouts_per_row_count(ops) -> None:
         pytest.skip("no oneDNN Linear in this torch build")
     root = Path(__file__).resolve().parent.parent
     out = subprocess.run([sys.executable, str(root / "scripts" / "packed_layouts.py"), "--model", "tiny", "--rows",
-                          "1", "30", "--passes", "2"], capture_output=True, text=True, timeout=300, cwd=root)
+                          "1", "30", "--passes", "2", "--dtype", dtype], capture_output=True, text=True, timeout=300,
+                         cwd=root)
     assert out.returncode == 0, out.stderr[-2000:]
     rows = re.findall(r"^\| (\d+) \| [\d.]+ ms .*\| [\d.]+ ms .*\| ([\d.]+) \|$", out.stdout, re.M)
     assert [r for r, _ in rows] == ["1", "30"] and all(float(ratio) > 0 for _, ratio in rows)
+    assert f"MB of {dtype} weights a pass" in out.stdout
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -288,9 +288,9 @@ def worker_grpo(args: argparse.Namespace) -> None:
         alone = computing.run(
             hardware_floors.kernels_alone, size, precision, rows_per_decode_step(timed),
             int(median([e["processed_tokens"] for e in timed])), int(median([e["tokens"] for e in timed])),
-            sample_dtype=sample_precision, layout=tc.engine.fp32_layout) if timed else {}
+            sample_dtype=sample_precision, layout=tc.engine.sample_layout) if timed else {}
         floors = {**hardware_floors.as_dict(machine, size), "kernels_alone": alone, "sample_dtype": sample_precision,
-                  "layout": tc.engine.fp32_layout if sample_precision == "fp32" else "onednn"}
+                  "layout": tc.engine.sample_layout}
     emit(event="done", **memory, **({"floors": floors} if floors else {}))
 
 

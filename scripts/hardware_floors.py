@@ -124,7 +124,7 @@ def kernels_alone(size: ModelSize, dtype: str, rows: float, processed_tokens: in
     """Seconds of the step's matmuls alone, the fastest of ``reps`` (see the module docstring):
     ``decode_linears_s``, one decoding step's Linears and unembedding at ``rows`` rows, in
     ``sample_dtype`` (default ``dtype``), packed in ``layout`` as the sampler packs them (the engine's
-    ``fp32_layout``; cpu_linear.pack_weight); ``train_matmuls_s``, one training pass's forward and
+    ``sample_layout``; cpu_linear.pack_weight); ``train_matmuls_s``, one training pass's forward and
     input-gradient products in ``dtype`` (the decoder's for ``processed_tokens``, the unembedding's
     for ``counted_tokens``). Weights are random: a kernel's rate does not depend on the values.
     Call it on the thread that runs grpo's kernels (grpo/models/computing.py): another thread's
@@ -144,7 +144,7 @@ def kernels_alone(size: ModelSize, dtype: str, rows: float, processed_tokens: in
 
     def sampler_linear(w: torch.Tensor):
         w = w.to(decode_dtype)
-        return (cpu_linear.PackedLinear(w, None, layout) if cpu_linear.can_pack(w)
+        return (cpu_linear.PackedLinear(w, None, layout) if cpu_linear.can_pack(w, layout)
                 else (lambda x: torch.nn.functional.linear(x, w)))
 
     sampler = [sampler_linear(w) for w in weights]

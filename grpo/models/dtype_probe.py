@@ -247,7 +247,7 @@ def timings(shapes: Shapes, timer: Timer | None = None, cache: Path | None = Non
     per process, where the machine is too busy to measure: ``auto`` is fp32 until a run finds it quiet."""
     key = machine_key(shapes)
     cache = cache if cache is not None else cache_file()
-    # fp32 per training kernel and per decoding layout, where measured: kept with the entry
+    # fp32 per training kernel and each precision per decoding layout, where measured: kept with the entry
     by_variant: dict[str, dict[str, float]] = {}
 
     def measured() -> dict[str, Timing]:
@@ -501,9 +501,10 @@ def _lora(module, dtype, trainable: bool):
 
 def _decode_ops(shapes: Shapes, dtype, layout: str = "onednn") -> tuple[list[Op], list[float]]:
     """One decoding step: ``DECODE_ROWS`` rows through the Linears of the model's layers, one
-    layer after the other, built as the sampler builds them -- fp32 with LoRA folded into weights
-    packed in ``layout`` (folded_lora.py, cpu_linear.pack_weight), bf16 as the sampler's copy with sibling projections stacked and LoRA
-    side paths (sampler_precision.py) -- and a slice of the unembedding. As many layers as the
+    layer after the other, built as the sampler builds them, packed in ``layout`` (cpu_linear.pack_weight)
+    -- fp32 with LoRA folded into the weights (folded_lora.py), bf16 as the sampler's copy with
+    sibling projections stacked and LoRA side paths (sampler_precision.py) -- and a slice of the
+    unembedding. As many layers as the
     model has, up to ``DECODE_BYTES``: whether a step's weights stay in the last-level cache (480
     MiB on one Xeon here: bf16 SmolLM2 does, fp32 does not) is part of what decides."""
     import torch

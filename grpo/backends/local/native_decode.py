@@ -9,7 +9,8 @@ residual add with the next RMSNorm, rotary + cache write + attention, SiLU * up,
 add + RMSNorm. They round to the model's dtype wherever the eager operators do, so they compute
 what the model's own forward computes up to the order of float sums (tests/test_native_decode.py).
 Where every layer has the sampler's packed layout (q/k/v and gate/up stacked, each Linear a packed
-oneDNN weight, LoRA -- if any -- as a packed side path), the whole loop over layers is one native
+weight in oneDNN's layout or the streaming one, LoRA -- if any -- as a side path packed with it),
+the whole loop over layers is one native
 call (``decode_layers``), which makes the same calls in the same order from C++: the ~8 calls a
 layer from Python, and the modules' own calls between them, were ~12% of an fp32 step at 24 rows
 (docs/benchmark.md). Other layouts take the loop below.

@@ -88,7 +88,7 @@ def test_the_kernels_alone_decode_in_the_samplers_precision(monkeypatch):
     size = hardware_floors.ModelSize(decoder_matmul_params=8 * 16, head_params=32 * 8, weight_bytes=0,
                                      linear_shapes=((16, 8), (32, 8)))
     decoded, trained = [], []
-    monkeypatch.setattr(cpu_linear, "can_pack", lambda w: False)  # through F.linear, whatever this CPU packs
+    monkeypatch.setattr(cpu_linear, "can_pack", lambda w, layout="onednn": False)  # through F.linear, whatever this CPU packs
     real_linear, real_mm = torch.nn.functional.linear, torch.mm
     monkeypatch.setattr(torch.nn.functional, "linear", lambda x, w: decoded.append((x.dtype, w.dtype)) or real_linear(x, w))
     monkeypatch.setattr(torch, "mm", lambda a, b: trained.append((a.dtype, b.dtype)) or real_mm(a, b))

@@ -75,6 +75,37 @@ def test_rows_decode_at_their_own_positions_through_admission_and_finishing():
     assert all(torch.equal(held(r), expected[r]) for r in range(3))
 
 
+def test_rows_holding_copies_of_one_prompt_are_named_to_attention_through_admission_and_finishing():
+    """A prompt fanned out to a group's rows, or written again from the same source with its copy's
+    id, is read once for the rows holding it: each decode step names, per row, the first row with
+    the same copy (``shared_from``) and the prompt's columns (``shared``) -- following the rows as
+    finished ones are replaced; nothing where no two rows share."""
+    gen = torch.Generator().manual_seed(0)
+    cache = SlotCache(CONFIG, slots=6, capacity=12, device=torch.device("cpu"))
+    first, _ = prefill([5, 2], gen)
+    cache.write_prompt(0, 1, first, 1, 3)  # prompt 1 alone
+    cache.set_step()
+    assert cache.step.shared_from is None and cache.step.shared is None
+    copy = cache.new_copy()
+    cache.write_prompt(1, 2, first, 0, 0, copy_of=copy)  # prompt 0 to two rows
+    cache.write_prompt(3, 1, first, 0, 0, copy_of=copy)  # and to one more, from the same source
+    cache.lengths = [n + 1 for n in cache.lengths]
+    cache.set_step()
+    assert cache.step.shared_from.tolist() == [0, 1, 1, 1] and cache.step.shared.tolist() == [2, 5, 5, 5]
+    second, _ = prefill([3], gen)
+    cache.write_prompt(4, 2, second, 0, 0)  # a group admitted later: a copy of its own
+    cache.set_step()
+    assert cache.step.shared_from.tolist() == [0, 1, 1, 1, 4, 4]
+    assert cache.step.shared.tolist() == [2, 5, 5, 5, 3, 3]
+    order = cache.keep([2, 3, 5])  # rows 0, 1 and 4 finish: row 3 moves into slot 0, row 5 into slot 1
+    assert order == [3, 5, 2]
+    cache.set_step()
+    assert cache.step.shared_from.tolist() == [0, 1, 0] and cache.step.shared.tolist() == [5, 3, 5]
+    cache.keep([0, 1])
+    cache.set_step()
+    assert cache.step.shared_from is None
+
+
 def test_decode_mask_shows_each_row_its_own_columns_and_only_the_window_where_sliding():
     cache = SlotCache(Qwen2Config(num_hidden_layers=2, hidden_size=8, num_attention_heads=2, num_key_value_heads=1,
                                   intermediate_size=16, vocab_size=32, sliding_window=3, use_sliding_window=True,

@@ -103,6 +103,65 @@ def test_rope_attend_is_rotary_cache_write_and_grouped_query_attention(ops, dtyp
     _within(got, want, dtype, ulps=2 if dtype == torch.bfloat16 else 64)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rows_sharing_their_first_columns_attend_bit_for_bit_as_each_alone(ops, dtype) -> None:
+    """Rows told that another row holds their first columns (a group's copies of one prompt) read
+    those columns there -- their own copies are never read -- and attend to the bit as they do
+    reading their own: sets of any size (more than the 8 attended together), rows at different
+    lengths, a source at any position, rows sharing nothing beside them."""
+    torch.manual_seed(4)
+    heads, kv_heads, dim, capacity = 6, 2, 64, 48
+    # rows 0-3 read row 2's first 10 columns, rows 4-13 row 13's first 7 (ten rows: a run of 8,
+    # then 2), rows 14 and 15 their own
+    shared_from = torch.tensor([2] * 4 + [13] * 10 + [14, 15])
+    shared = torch.tensor([10] * 4 + [7] * 10 + [0, 0])
+    lengths = torch.tensor([12, 15, 10, 20, 7, 9, 30, 8, 7, 40, 11, 12, 13, 7, 0, 5])
+    rows = len(lengths)
+    keys = torch.randn(rows, kv_heads, capacity, dim, dtype=dtype)
+    values = torch.randn(rows, kv_heads, capacity, dim, dtype=dtype)
+    for r in range(rows):  # the copies
+        f, n = shared_from[r], shared[r]
+        keys[r, :, :n], values[r, :, :n] = keys[f, :, :n], values[f, :, :n]
+    q = torch.randn(rows, heads * dim, dtype=dtype)
+    k, v = torch.randn(rows, kv_heads * dim, dtype=dtype), torch.randn(rows, kv_heads * dim, dtype=dtype)
+    cos, sin = torch.randn(rows, dim, dtype=dtype), torch.randn(rows, dim, dtype=dtype)
+    own_k, own_v = keys.clone(), values.clone()
+    alone = ops.rope_attend(q, k, v, cos, sin, own_k, own_v, lengths, heads, dim**-0.5)
+    readers = shared_from != torch.arange(rows)
+    for r in readers.nonzero()[:, 0].tolist():  # spoil the copies the readers must not read
+        keys[r, :, :shared[r]] = float("nan")
+        values[r, :, :shared[r]] = float("nan")
+    together = ops.rope_attend(q, k, v, cos, sin, keys, values, lengths, heads, dim**-0.5, shared_from, shared)
+    assert torch.equal(together, alone)
+    for r in range(rows):  # each row's new key and value written as before
+        at = lengths[r]
+        assert torch.equal(keys[r, :, at], own_k[r, :, at]) and torch.equal(values[r, :, at], own_v[r, :, at])
+
+
+def test_shared_columns_are_refused_unless_every_row_can_read_them(ops) -> None:
+    keys = torch.zeros(3, 1, 8, 8)
+    q, k, cs = torch.zeros(3, 8), torch.zeros(3, 8), torch.zeros(3, 8)
+    lengths = torch.tensor([4, 4, 2])
+
+    def attend(shared_from, shared):
+        return ops.rope_attend(q, k, k, cs, cs, keys, keys.clone(), lengths, 1, 1.0, torch.tensor(shared_from),
+                               torch.tensor(shared))
+
+    attend([0, 0, 2], [3, 3, 0])
+    with pytest.raises(RuntimeError, match=r"row 1 reads its first 3 columns from row 2: that row must read its own"):
+        attend([0, 2, 2], [3, 3, 3])
+    with pytest.raises(RuntimeError, match=r"row 1 reads its first 3 columns from row 0: .*share as many columns"):
+        attend([0, 0, 2], [2, 3, 0])
+    with pytest.raises(RuntimeError, match=r"both must have written them \(lengths 4, 4\)"):
+        attend([0, 0, 2], [5, 5, 0])
+    with pytest.raises(RuntimeError, match=r"row 2 reads its first 0 columns from row 3"):
+        attend([0, 0, 3], [3, 3, 0])
+    with pytest.raises(RuntimeError, match=r"one value a row \(3\), got Long \[2\]"):
+        attend([0, 0], [3, 3])
+    with pytest.raises(RuntimeError, match="shared_from and shared go together"):
+        ops.rope_attend(q, k, k, cs, cs, keys, keys.clone(), lengths, 1, 1.0, torch.tensor([0, 1, 2]), None)
+
+
 def test_kernels_refuse_bad_input_with_what_was_expected(ops) -> None:
     keys = torch.zeros(2, 1, 4, 8)
     q, k = torch.zeros(2, 8), torch.zeros(2, 8)
@@ -155,6 +214,32 @@ def test_the_layers_in_one_native_call_sample_bit_for_bit_what_the_per_layer_loo
     per_layer = sample_each(tc, temperature=1.0, seed=11)
     assert decoders[-1].plan is None
     assert one_call == per_layer
+
+
+@pytest.mark.parametrize("one_call", [True, False])
+@pytest.mark.parametrize(("train_dtype", "sample_dtype"), [("fp32", "fp32"), ("fp32", "bf16")])
+def test_a_groups_prompt_read_once_samples_bit_for_bit_what_each_rows_own_copy_samples(
+        tmp_path, monkeypatch, ops, train_dtype, sample_dtype, one_call):
+    """Each prompt's three samples hold copies of its columns; attention reads one copy for the
+    three (kv_cache.SlotCache's sharing): the same tokens and logprobs, to the bit, as reading
+    each row's own copy, at temperature 1, through the one native call and the per-layer loop."""
+    from grpo.backends.local import kv_cache
+
+    monkeypatch.setattr(native_decode, "ONE_CALL", one_call)
+    tc, decoders = _client_whose_decoders_are_kept(tmp_path, monkeypatch, train_dtype, sample_dtype)
+    told, real = [], kv_cache.SlotCache._sharing
+
+    def recorded(cache):
+        told.append(real(cache))
+        return told[-1]
+
+    monkeypatch.setattr(kv_cache.SlotCache, "_sharing", recorded)
+    together = sample_each(tc, temperature=1.0, seed=11)
+    assert decoders and all(type(d) is native_decode.NativeDecoder for d in decoders)
+    assert any(shared_from is not None and len(set(shared_from.tolist())) < len(shared_from)
+               for shared_from, _ in told)  # (rows left alone once their group's others finish)
+    monkeypatch.setattr(kv_cache.SlotCache, "_sharing", lambda cache: (None, None))
+    assert sample_each(tc, temperature=1.0, seed=11) == together
 
 
 def _client_whose_decoders_are_kept(tmp_path, monkeypatch, train_dtype: str, sample_dtype: str):

@@ -564,81 +564,139 @@ std::vector<at::Tensor> sample_tokens(const at::Tensor& logits, const at::Tensor
 // columns 0..lengths[r] through key head h / (heads / kv_heads), in float32, output rounded to T.
 // HEAD_DIM: the head dimension known when compiling (64, 128: loops of fixed length, unrolled
 // and without remainders), or 0 for any other, taken from ``head_dim``.
+//
+// Rows that share their first columns (a GRPO group's samples of one prompt, each slot holding
+// its own copy): `from[r]` is the row whose cache is read for row r's first `shared[r]` columns
+// (r itself where it shares nothing), and the rows reading one row's columns are attended
+// together, up to ROPE_SHARERS at a time: each shared key and value is read once for all of
+// them rather than once a row. A row's sums are the same, in the same order, either way.
+constexpr int64_t ROPE_SHARERS = 8;
+
 template <typename T, int64_t HEAD_DIM>
 void rope_attend_impl(const T* q, int64_t q_stride, const T* k, int64_t k_stride, const T* v, int64_t v_stride,
                       const T* cos, int64_t cos_stride, const T* sin, int64_t sin_stride, T* k_cache, T* v_cache,
-                      int64_t slot_stride, int64_t head_stride, const int64_t* lengths, T* out, int64_t rows,
-                      int64_t heads, int64_t kv_heads, int64_t head_dim, float scale) {
+                      int64_t slot_stride, int64_t head_stride, const int64_t* lengths, const int64_t* from,
+                      const int64_t* shared, T* out, int64_t rows, int64_t heads, int64_t kv_heads, int64_t head_dim,
+                      float scale) {
   const int64_t dim = HEAD_DIM > 0 ? HEAD_DIM : head_dim;
   const int64_t group = heads / kv_heads;
+  // the rows in sets that read one row's shared columns (that row first), and the work: a run of
+  // up to ROPE_SHARERS of a set's rows, through one key head
+  std::vector<int64_t> order, runs;  // runs: {offset into order, count} pairs
+  if (from == nullptr) {
+    for (int64_t r = 0; r < rows; ++r) order.push_back(r), runs.push_back(r), runs.push_back(1);
+  } else {
+    std::vector<std::vector<int64_t>> sets(rows);
+    for (int64_t r = 0; r < rows; ++r) sets[from[r]].push_back(r);  // (a reader after its source: r >= from[r] or not)
+    for (int64_t r = 0; r < rows; ++r)
+      for (size_t i = 0; i < sets[r].size(); i += ROPE_SHARERS) {
+        runs.push_back(static_cast<int64_t>(order.size()));
+        runs.push_back(std::min<int64_t>(ROPE_SHARERS, static_cast<int64_t>(sets[r].size() - i)));
+        order.insert(order.end(), sets[r].begin() + i, sets[r].begin() + i + runs.back());
+      }
+  }
+  const int64_t tasks = static_cast<int64_t>(runs.size() / 2) * kv_heads;
   auto rotate_row = [&](const T* x, const float* c, const float* s, float* xf, float* y) {
     to_float(x, xf, dim);
     rotate<T>(xf, c, s, y, dim);
   };
-  at::parallel_for(0, rows * kv_heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> c(dim), s(dim), xf(dim), rotated(dim), queries(group * dim), acc(group * dim), widened(dim),
-        scores, tops(group), totals(group);
+  at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> c(dim), s(dim), xf(dim), rotated(dim), queries(ROPE_SHARERS * group * dim),
+        acc(ROPE_SHARERS * group * dim), widened(dim), scores, tops(ROPE_SHARERS * group),
+        totals(ROPE_SHARERS * group);
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t r = task / kv_heads, g = task % kv_heads, n = lengths[r] + 1;
-      to_float(cos + r * cos_stride, c.data(), dim);
-      to_float(sin + r * sin_stride, s.data(), dim);
-      T* row_keys = k_cache + r * slot_stride + g * head_stride;
-      T* row_values = v_cache + r * slot_stride + g * head_stride;
-      rotate_row(k + r * k_stride + g * dim, c.data(), s.data(), xf.data(), rotated.data());
-      from_float(rotated.data(), row_keys + lengths[r] * dim, dim);
-      std::memcpy(row_values + lengths[r] * dim, v + r * v_stride + g * dim, dim * sizeof(T));
-      for (int64_t j = 0; j < group; ++j)
-        rotate_row(q + r * q_stride + (g * group + j) * dim, c.data(), s.data(), xf.data(), queries.data() + j * dim);
-      // Each key and value read once from the cache for the group's query heads (float32 in place;
-      // bf16 widened as read): copying the row's cache out first for each task was a pass over
-      // every cached key and value of every layer a step. The sums are the same, in the same order.
-      scores.resize(group * n);
-      std::fill(tops.begin(), tops.end(), -INFINITY);
-      for (int64_t p = 0; p < n; ++p) {
-        const float* kp = as_float(row_keys + p * dim, widened.data(), dim);
+      const int64_t run = task / kv_heads, g = task % kv_heads;
+      const int64_t* members = order.data() + runs[2 * run];
+      const int64_t count = runs[2 * run + 1];
+      const int64_t source = from == nullptr ? members[0] : from[members[0]];
+      const int64_t common = from == nullptr ? 0 : shared[members[0]];  // columns read from `source`
+      const T* source_keys = k_cache + source * slot_stride + g * head_stride;
+      const T* source_values = v_cache + source * slot_stride + g * head_stride;
+      int64_t offsets[ROPE_SHARERS + 1] = {0};  // where each row's scores start: group x its columns
+      for (int64_t u = 0; u < count; ++u) {
+        const int64_t r = members[u];
+        offsets[u + 1] = offsets[u] + group * (lengths[r] + 1);
+        to_float(cos + r * cos_stride, c.data(), dim);
+        to_float(sin + r * sin_stride, s.data(), dim);
+        T* row_keys = k_cache + r * slot_stride + g * head_stride;
+        T* row_values = v_cache + r * slot_stride + g * head_stride;
+        rotate_row(k + r * k_stride + g * dim, c.data(), s.data(), xf.data(), rotated.data());
+        from_float(rotated.data(), row_keys + lengths[r] * dim, dim);
+        std::memcpy(row_values + lengths[r] * dim, v + r * v_stride + g * dim, dim * sizeof(T));
+        for (int64_t j = 0; j < group; ++j)
+          rotate_row(q + r * q_stride + (g * group + j) * dim, c.data(), s.data(), xf.data(),
+                     queries.data() + (u * group + j) * dim);
+      }
+      // Each key and value read once from the cache for every query head that attends to it
+      // (float32 in place; bf16 widened as read): the shared columns for all of the run's rows,
+      // then each row's own. Scores are [row][query head][column].
+      scores.resize(offsets[count]);
+      std::fill(tops.begin(), tops.begin() + count * group, -INFINITY);
+      auto score = [&](const T* key, int64_t p, int64_t u) {
+        const float* kp = as_float(key, widened.data(), dim);
+        const int64_t n = (offsets[u + 1] - offsets[u]) / group;
         for (int64_t j = 0; j < group; ++j) {
-          const float* qj = queries.data() + j * dim;
+          const float* qj = queries.data() + (u * group + j) * dim;
           float dot = 0.f;
 #pragma omp simd reduction(+ : dot)
           for (int64_t i = 0; i < dim; ++i) dot += qj[i] * kp[i];
-          scores[j * n + p] = dot * scale;
-          tops[j] = std::max(tops[j], scores[j * n + p]);
+          float& sp = scores[offsets[u] + j * n + p];
+          sp = dot * scale;
+          tops[u * group + j] = std::max(tops[u * group + j], sp);
         }
+      };
+      for (int64_t p = 0; p < common; ++p)
+        for (int64_t u = 0; u < count; ++u) score(source_keys + p * dim, p, u);
+      for (int64_t u = 0; u < count; ++u) {
+        const T* row_keys = k_cache + members[u] * slot_stride + g * head_stride;
+        for (int64_t p = common; p <= lengths[members[u]]; ++p) score(row_keys + p * dim, p, u);
       }
-      for (int64_t j = 0; j < group; ++j) {
-        float total = 0.f, top = tops[j];
-        float* sp = scores.data() + j * n;
-#pragma omp simd reduction(+ : total)
-        for (int64_t p = 0; p < n; ++p) {
-          sp[p] = vexp(sp[p] - top);
-          total += sp[p];
-        }
-        totals[j] = total;
-      }
-      std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t p = 0; p < n; ++p) {
-        const float* vp = as_float(row_values + p * dim, widened.data(), dim);
+      for (int64_t u = 0; u < count; ++u) {
+        const int64_t n = lengths[members[u]] + 1;
         for (int64_t j = 0; j < group; ++j) {
-          float* a = acc.data() + j * dim;
-          const float weight = scores[j * n + p];
+          float total = 0.f, top = tops[u * group + j];
+          float* sp = scores.data() + offsets[u] + j * n;
+#pragma omp simd reduction(+ : total)
+          for (int64_t p = 0; p < n; ++p) {
+            sp[p] = vexp(sp[p] - top);
+            total += sp[p];
+          }
+          totals[u * group + j] = total;
+        }
+      }
+      std::fill(acc.begin(), acc.begin() + count * group * dim, 0.f);
+      auto weigh = [&](const T* value, int64_t p, int64_t u) {
+        const float* vp = as_float(value, widened.data(), dim);
+        const int64_t n = (offsets[u + 1] - offsets[u]) / group;
+        for (int64_t j = 0; j < group; ++j) {
+          float* a = acc.data() + (u * group + j) * dim;
+          const float weight = scores[offsets[u] + j * n + p];
 #pragma omp simd
           for (int64_t i = 0; i < dim; ++i) a[i] += weight * vp[i];
         }
+      };
+      for (int64_t p = 0; p < common; ++p)
+        for (int64_t u = 0; u < count; ++u) weigh(source_values + p * dim, p, u);
+      for (int64_t u = 0; u < count; ++u) {
+        const T* row_values = v_cache + members[u] * slot_stride + g * head_stride;
+        for (int64_t p = common; p <= lengths[members[u]]; ++p) weigh(row_values + p * dim, p, u);
       }
-      for (int64_t j = 0; j < group; ++j) {
-        float* a = acc.data() + j * dim;
-        const float inv = 1.f / totals[j];
+      for (int64_t u = 0; u < count; ++u)
+        for (int64_t j = 0; j < group; ++j) {
+          float* a = acc.data() + (u * group + j) * dim;
+          const float inv = 1.f / totals[u * group + j];
 #pragma omp simd
-        for (int64_t i = 0; i < dim; ++i) a[i] *= inv;
-        from_float(a, out + r * heads * dim + (g * group + j) * dim, dim);
-      }
+          for (int64_t i = 0; i < dim; ++i) a[i] *= inv;
+          from_float(a, out + members[u] * heads * dim + (g * group + j) * dim, dim);
+        }
     }
   });
 }
 
 at::Tensor rope_attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cos,
                        const at::Tensor& sin, at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& lengths,
-                       int64_t heads, double scale) {
+                       int64_t heads, double scale, const c10::optional<at::Tensor>& shared_from,
+                       const c10::optional<at::Tensor>& shared) {
   TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous() &&
                   v_cache.sizes() == k_cache.sizes() && k_cache.device().is_cpu(),
               "rope_attend: the caches must be contiguous CPU [slots, kv_heads, capacity, head_dim] tensors of one "
@@ -664,13 +722,33 @@ at::Tensor rope_attend(const at::Tensor& q, const at::Tensor& k, const at::Tenso
   for (int64_t r = 0; r < rows; ++r)
     TORCH_CHECK(lp[r] >= 0 && lp[r] < capacity, "rope_attend: row ", r, " is at column ", lp[r],
                 " of a cache with ", capacity, " columns");
+  // which rows read which row's first columns: checked whole, since a wrong index would read
+  // (or race with) another row's cache
+  TORCH_CHECK(shared_from.has_value() == shared.has_value(), "rope_attend: shared_from and shared go together");
+  at::Tensor from_t, shared_t;
+  const int64_t *fp = nullptr, *sp = nullptr;
+  if (shared_from.has_value()) {
+    for (const at::Tensor* t : {&*shared_from, &*shared})
+      TORCH_CHECK(t->dim() == 1 && t->size(0) == rows && t->scalar_type() == at::kLong && t->device().is_cpu(),
+                  "rope_attend: shared_from and shared must be int64 CPU tensors of one value a row (", rows,
+                  "), got ", t->scalar_type(), " ", t->sizes());
+    from_t = shared_from->contiguous(), shared_t = shared->contiguous();
+    fp = from_t.data_ptr<int64_t>(), sp = shared_t.data_ptr<int64_t>();
+    for (int64_t r = 0; r < rows; ++r) {
+      const int64_t f = fp[r];
+      TORCH_CHECK(f >= 0 && f < rows && fp[f] == f && sp[r] == sp[f] && sp[r] >= 0 && sp[r] <= lp[r] && sp[f] <= lp[f],
+                  "rope_attend: row ", r, " reads its first ", sp[r], " columns from row ", f,
+                  ": that row must read its own (shared_from[", f, "] == ", f, "), share as many columns, and "
+                  "both must have written them (lengths ", lp[r], ", ", f >= 0 && f < rows ? lp[f] : -1, ")");
+    }
+  }
   auto out = at::empty({rows, heads * dim}, q.options());
   DISPATCH_SAMPLER_TYPES(dtype, "rope_attend", [&] {
     auto run = [&](auto impl) {
       impl(q.data_ptr<scalar_t>(), q.stride(0), k.data_ptr<scalar_t>(), k.stride(0), v.data_ptr<scalar_t>(),
            v.stride(0), cos.data_ptr<scalar_t>(), cos.stride(0), sin.data_ptr<scalar_t>(), sin.stride(0),
-           k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(), k_cache.stride(0), k_cache.stride(1), lp,
-           out.data_ptr<scalar_t>(), rows, heads, kv_heads, dim, static_cast<float>(scale));
+           k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(), k_cache.stride(0), k_cache.stride(1), lp, fp,
+           sp, out.data_ptr<scalar_t>(), rows, heads, kv_heads, dim, static_cast<float>(scale));
     };
     if (dim == 64) run(rope_attend_impl<scalar_t, 64>);
     else if (dim == 128) run(rope_attend_impl<scalar_t, 128>);
@@ -1139,12 +1217,14 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& weight, const c1
 // stacked, o, gate/up stacked, down) in `weights`, and 3 optional tensors per weight in `extras`
 // (bias, LoRA's packed A and packed B, the scale in B); `norms` holds each layer's input and
 // post-attention norm weights in turn, then the final norm's. `hidden` is the embedded tokens
-// [rows, dim]; returns the final norm's output [rows, dim].
+// [rows, dim]; returns the final norm's output [rows, dim]. `shared_from` and `shared`: rows that
+// share their first columns, as rope_attend takes them (every layer's caches alike).
 at::Tensor decode_layers(const at::Tensor& hidden_in, const at::Tensor& cos, const at::Tensor& sin,
                          const at::Tensor& lengths, at::TensorList weights,
                          const c10::List<c10::optional<at::Tensor>>& extras, at::TensorList norms,
                          at::TensorList k_caches, at::TensorList v_caches, at::IntArrayRef qkv_sizes,
-                         int64_t heads, double scale, double eps) {
+                         int64_t heads, double scale, double eps, const c10::optional<at::Tensor>& shared_from,
+                         const c10::optional<at::Tensor>& shared) {
   const int64_t layers = static_cast<int64_t>(k_caches.size());
   TORCH_CHECK(layers > 0 && static_cast<int64_t>(v_caches.size()) == layers &&
                   static_cast<int64_t>(weights.size()) == 4 * layers &&
@@ -1165,7 +1245,7 @@ at::Tensor decode_layers(const at::Tensor& hidden_in, const at::Tensor& cos, con
     auto k = qkv.narrow(1, qkv_sizes[0], qkv_sizes[1]);
     auto v = qkv.narrow(1, qkv_sizes[0] + qkv_sizes[1], qkv_sizes[2]);
     at::Tensor k_cache = k_caches[i], v_cache = v_caches[i];
-    auto attended = rope_attend(q, k, v, cos, sin, k_cache, v_cache, lengths, heads, scale);
+    auto attended = rope_attend(q, k, v, cos, sin, k_cache, v_cache, lengths, heads, scale, shared_from, shared);
     state = add_rms_norm(state[0], linear(attended, i, 1), norms[2 * i + 1], eps);
     auto gate_up = linear(state[1], i, 2);
     const int64_t inter = gate_up.size(1) / 2;
@@ -1187,12 +1267,12 @@ TORCH_LIBRARY(grpo_native, m) {
   m.def("target_logprobs(Tensor logits, Tensor targets) -> Tensor[]");
   m.def("target_logprobs_backward_(Tensor grad, Tensor(a!) logits, Tensor targets, Tensor stats) -> Tensor(a!)");
   m.def("rope_attend(Tensor q, Tensor k, Tensor v, Tensor cos, Tensor sin, Tensor(a!) k_cache, Tensor(b!) v_cache, "
-        "Tensor lengths, int heads, float scale) -> Tensor");
+        "Tensor lengths, int heads, float scale, Tensor? shared_from=None, Tensor? shared=None) -> Tensor");
   m.def("stream_pack(Tensor weight) -> Tensor");
   m.def("stream_linear(Tensor x, Tensor packed, Tensor? bias, Tensor? lora_a=None, Tensor? lora_b=None) -> Tensor");
   m.def("decode_layers(Tensor hidden, Tensor cos, Tensor sin, Tensor lengths, Tensor[] weights, Tensor?[] extras, "
         "Tensor[] norms, Tensor(a!)[] k_caches, Tensor(b!)[] v_caches, int[] qkv_sizes, int heads, float scale, "
-        "float eps) -> Tensor");
+        "float eps, Tensor? shared_from=None, Tensor? shared=None) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(grpo_native, CPU, m) {

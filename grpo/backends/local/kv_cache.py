@@ -12,9 +12,16 @@ Rows that finish leave by having a surviving row copied into their slot (``keep`
 costs one row's copy, not a copy of every row behind it. Every attention layer, sliding-window
 ones too (their window is a mask, ``decode_mask``), uses a slot layer; a model whose decoder has
 layers of another kind (linear attention, state-space) is refused by ``attention_layers``.
+
+The rows a prompt is fanned out to (a GRPO group's samples) each hold a copy of its columns. The
+cache remembers which rows hold copies of one prompt (``write_prompt``'s ``copy_of``), and each
+decode step names them (``set_step``: ``StepState.shared_from`` and ``shared``) to the native
+attention kernel, which then reads those columns once for all of the rows rather than once a row.
 """
 
 from __future__ import annotations
+
+import itertools
 
 import torch
 from transformers.cache_utils import Cache, DynamicLayer, get_layer_types_and_kwargs
@@ -50,6 +57,10 @@ class StepState:
         self.row_index = torch.arange(slots, device=device)
         self.lengths_tensor = self.row_index[:0]
         self.width = 0
+        # for each row, the row whose copy of their common prompt attention reads, and its columns;
+        # None where no two rows hold copies of one prompt
+        self.shared_from: torch.Tensor | None = None
+        self.shared: torch.Tensor | None = None
 
 
 class SlotLayer(DynamicLayer):
@@ -118,17 +129,28 @@ class SlotCache(Cache):
         self.step = StepState(slots, capacity, device)
         super().__init__(layers=[SlotLayer(self.step) for _ in self.kinds])
         self.lengths: list[int] = []
+        # for each row (batch order, as lengths): which prompt copy its first columns are, and how
+        # many columns that prompt has; rows with the same copy hold the same keys and values there
+        self.prompts: list[tuple[int, int]] = []
+        self._copies = itertools.count()
         self._columns = torch.arange(capacity, device=device)
 
+    def new_copy(self) -> int:
+        """An id for ``write_prompt``'s ``copy_of``: one per prompt's keys and values written."""
+        return next(self._copies)
+
     def write_prompt(self, first: int, count: int, prompt_cache: Cache, source_row: int, start: int,
-                     end: int | None = None) -> None:
+                     end: int | None = None, copy_of: int | None = None) -> None:
         """Rows ``first .. first+count-1`` take row ``source_row`` of a prefill cache, columns
-        ``start`` to ``end`` (its padding dropped; ``end`` None: to the last column)."""
+        ``start`` to ``end`` (its padding dropped; ``end`` None: to the last column). Rows written
+        with the same ``copy_of`` (``new_copy``), here or in another call, hold the very same keys
+        and values in those columns: attention reads them once for all of them."""
         for ours, theirs in zip(self.layers, prompt_cache.layers, strict=True):
             ours.write_prompt(first, count, theirs.keys[source_row:source_row + 1, :, start:end],
                               theirs.values[source_row:source_row + 1, :, start:end])
         length = (prompt_cache.layers[0].keys.shape[-2] if end is None else end) - start
         self.lengths[first:first + count] = [length] * count
+        self.prompts[first:first + count] = [(self.new_copy() if copy_of is None else copy_of, length)] * count
 
     def read_row(self, slot: int, length: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """A copy of slot ``slot``'s first ``length`` columns, per layer ``[1, heads, length, dim]``
@@ -154,13 +176,25 @@ class SlotCache(Cache):
         for hole, mover in zip(holes, movers, strict=True):
             order[hole] = mover
         self.lengths = [self.lengths[p] for p in order]
+        self.prompts = [self.prompts[p] for p in order]
         return order
 
     def set_step(self) -> tuple[torch.Tensor, torch.Tensor | dict[str, torch.Tensor]]:
         """Prepare a decode step of the rows in ``lengths``: their position ids and attention mask."""
         self.step.lengths_tensor = torch.tensor(self.lengths, device=self.device)
         self.step.width = max(self.lengths) + 1
+        self.step.shared_from, self.step.shared = self._sharing()
         return self.step.lengths_tensor[:, None], self.decode_mask()
+
+    def _sharing(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """For each row, the first row holding the same prompt copy (itself if none before it) and
+        that prompt's columns; (None, None) where every row's copy is its own."""
+        first: dict[int, int] = {}
+        shared_from = [first.setdefault(copy, r) for r, (copy, _) in enumerate(self.prompts)]
+        if len(first) == len(shared_from):
+            return None, None
+        shared = [columns for _, columns in self.prompts]
+        return torch.tensor(shared_from), torch.tensor(shared)
 
     def decode_mask(self) -> torch.Tensor | dict[str, torch.Tensor]:
         """``[rows, 1, 1, width]`` booleans: row r's query (at column ``lengths[r]``) sees columns

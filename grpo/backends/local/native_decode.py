@@ -55,7 +55,8 @@ class NativeDecoder(LeanDecoder):
             plan = self.plan
             x = ops.decode_layers(hidden[:, 0], cos, sin, lengths, plan.weights, plan.extras, plan.norms,
                                   [slot._keys for slot in cache.layers], [slot._values for slot in cache.layers],
-                                  plan.qkv_sizes, self.heads, plan.scale, plan.eps)
+                                  plan.qkv_sizes, self.heads, plan.scale, plan.eps, cache.step.shared_from,
+                                  cache.step.shared)
             return self.causal_lm.lm_head(x).float()
         norm = layers[0].input_layernorm
         hidden, x = ops.add_rms_norm(hidden[:, 0], None, norm.weight, norm.variance_epsilon)
@@ -63,7 +64,8 @@ class NativeDecoder(LeanDecoder):
             attn, mlp = layer.self_attn, layer.mlp
             q, k, v = qkv.full(x) if qkv is not None else (attn.q_proj(x), attn.k_proj(x), attn.v_proj(x))
             slot = cache.layers[index]
-            out = ops.rope_attend(q, k, v, cos, sin, slot._keys, slot._values, lengths, self.heads, attn.scaling)
+            out = ops.rope_attend(q, k, v, cos, sin, slot._keys, slot._values, lengths, self.heads, attn.scaling,
+                                  cache.step.shared_from, cache.step.shared)
             norm = layer.post_attention_layernorm
             hidden, x = ops.add_rms_norm(hidden, attn.o_proj(out), norm.weight, norm.variance_epsilon)
             gate, up = gate_up.full(x) if gate_up is not None else (mlp.gate_proj(x), mlp.up_proj(x))

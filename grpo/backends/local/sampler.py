@@ -290,9 +290,14 @@ def _admit(model, requests: list[GenerationRequest], cache: SlotCache, first_slo
 
     rows: list[_Row] = []
     owner: list[int] = []
+    # requests written from one source hold copies of the same keys and values (``sources`` keeps
+    # every prompt cache alive here, so no two of them share an id)
+    copies: dict[tuple, int] = {}
     for i, req in enumerate(requests):
         prompt_cache, source_row, start, end = sources[i]
-        cache.write_prompt(first_slot + len(rows), req.num_samples, prompt_cache, source_row, start, end)
+        copy_of = copies.setdefault((id(prompt_cache), source_row, start, end), cache.new_copy())
+        cache.write_prompt(first_slot + len(rows), req.num_samples, prompt_cache, source_row, start, end,
+                           copy_of=copy_of)
         stop_strings, stop_ids = req.params.stop_strings_and_ids()
         generator = None
         if req.params.seed is not None:

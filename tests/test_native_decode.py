@@ -83,12 +83,14 @@ def _eager_step(q, k, v, cos, sin, keys, values, lengths, heads, scale):
     return out.reshape(rows, heads * dim)
 
 
-@pytest.mark.parametrize("dim", [16, 64, 128])  # 64 and 128 are compiled as fixed lengths of their own
+# 64 and 128 are compiled as fixed lengths of their own; 40 leaves a part of 16 dims
+@pytest.mark.parametrize("dim", [16, 40, 64, 128])
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_rope_attend_is_rotary_cache_write_and_grouped_query_attention(ops, dtype, dim) -> None:
+@pytest.mark.parametrize("heads", [6, 10])  # 3 or 5 query heads a key head (4 at a time)
+def test_rope_attend_is_rotary_cache_write_and_grouped_query_attention(ops, dtype, dim, heads) -> None:
     torch.manual_seed(2)
-    rows, heads, kv_heads, capacity = 4, 6, 2, 12
-    lengths = torch.tensor([3, 0, 7, 11])  # each row's new column; 11: the cache's last
+    rows, kv_heads, capacity = 4, 2, 40
+    lengths = torch.tensor([3, 0, 17, 39])  # each row's new column (columns 16 at a time); 39: the cache's last
     q = torch.randn(rows, heads * dim, dtype=dtype)
     kv = torch.randn(rows, 2 * kv_heads * dim, dtype=dtype)  # k and v side by side, as a stacked product
     k, v = kv[:, :kv_heads * dim], kv[:, kv_heads * dim:]

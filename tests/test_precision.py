@@ -172,6 +172,23 @@ def test_a_cache_entry_from_other_instruction_sets_is_not_used(probe, monkeypatc
     assert timer.calls == 4
 
 
+def test_a_new_build_of_the_native_kernels_is_measured_again(monkeypatch, tmp_path):
+    """The streaming layout's numbers are its kernels' numbers: another build of them (a changed
+    source, another torch) keys its measurements apart, so an upgrade never answers from the old
+    kernels' timings."""
+    from grpo.models import cpu_linear, native_kernels
+
+    if not (cpu_linear.wanted() and cpu_linear.onednn_works() and cpu_linear.stream_available()):
+        pytest.skip("no streaming layout here: its kernels are not part of the key")
+    shapes = dtype_probe.Shapes(hidden=64, intermediate=128, q_out=64, kv_out=32, vocab=300, layers=2)
+    built = native_kernels.build_directory()
+    ours = dtype_probe.machine_key(shapes)
+    assert f"+stream {built.name.rsplit('_', 1)[-1][:8]} |" in ours
+    monkeypatch.setattr(native_kernels, "build_directory", lambda: tmp_path / "grpo_native_0123456789abcdef")
+    other = dtype_probe.machine_key(shapes)
+    assert other != ours and "+stream 01234567 |" in other
+
+
 def test_a_busy_machine_is_not_measured_and_auto_is_fp32_until_a_quiet_run(probe, monkeypatch, tmp_path, capsys):
     """Timing on an oversubscribed machine measures the other processes, and would be cached."""
     timer = probe(FakeTimer(sample=(0.030, 0.015), train=(2.0, 1.0)))

@@ -83,6 +83,7 @@ HEAD_DECODE_BYTES = 256 << 20  # the unembedding's rows timed per decoding step 
 # 7: bf16 decoding in both layouts too, its LoRA side paths in the base's layout; a decoding step of
 #    32 rows (16 before): at 16 the streaming bf16 step measured 1.30x faster than fp32's on an Intel
 #    Xeon without AMX, where a sampling call of the default shape (8 x 4) ran 1.18x faster.
+# (The native kernels' own changes are in the key as their build's digest: machine_key.)
 PROBE_VERSION = 7
 HEAD_TRAIN_ROWS = 4096  # the unembedding's rows timed per training pass (compute-bound: scales linearly)
 LORA_RANK = 16  # the API's default rank; every Linear adapted (train_attn/mlp/unembed default on)
@@ -221,7 +222,11 @@ def machine_key(shapes: Shapes) -> str:
 
     kernel = "onednn" if cpu_linear.wanted() and cpu_linear.onednn_works() else "torch"
     if kernel == "onednn" and cpu_linear.stream_available():
-        kernel += "+stream"  # the streaming layout is timed too
+        # the streaming layout is timed too, through grpo's own kernels: a change to them (their
+        # build's digest) measures again rather than answer from the previous kernels' numbers
+        from grpo.models import native_kernels
+
+        kernel += f"+stream {native_kernels.build_directory().name.rsplit('_', 1)[-1][:8]}"
     return (f"{cpu_name()} | {instruction_sets()} | torch {torch.__version__} | {torch.get_num_threads()} threads | "
             f"{kernel} | {shapes.signature()} | probe {PROBE_VERSION}")
 

@@ -584,10 +584,13 @@ void rope_attend_impl(const T* q, int64_t q_stride, const T* k, int64_t k_stride
   // up to ROPE_SHARERS of a set's rows, through one key head
   std::vector<int64_t> order, runs;  // runs: {offset into order, count} pairs
   if (from == nullptr) {
-    for (int64_t r = 0; r < rows; ++r) order.push_back(r), runs.push_back(r), runs.push_back(1);
+    for (int64_t r = 0; r < rows; ++r) {
+      order.push_back(r);
+      runs.insert(runs.end(), {r, 1});
+    }
   } else {
-    std::vector<std::vector<int64_t>> sets(rows);
-    for (int64_t r = 0; r < rows; ++r) sets[from[r]].push_back(r);  // (a reader after its source: r >= from[r] or not)
+    std::vector<std::vector<int64_t>> sets(rows);  // (a source is in its own set: from[f] == f)
+    for (int64_t r = 0; r < rows; ++r) sets[from[r]].push_back(r);
     for (int64_t r = 0; r < rows; ++r)
       for (size_t i = 0; i < sets[r].size(); i += ROPE_SHARERS) {
         runs.push_back(static_cast<int64_t>(order.size()));
@@ -632,8 +635,7 @@ void rope_attend_impl(const T* q, int64_t q_stride, const T* k, int64_t k_stride
       // then each row's own. Scores are [row][query head][column].
       scores.resize(offsets[count]);
       std::fill(tops.begin(), tops.begin() + count * group, -INFINITY);
-      auto score = [&](const T* key, int64_t p, int64_t u) {
-        const float* kp = as_float(key, widened.data(), dim);
+      auto score = [&](const float* kp, int64_t p, int64_t u) {  // kp: the key at column p, as float32
         const int64_t n = (offsets[u + 1] - offsets[u]) / group;
         for (int64_t j = 0; j < group; ++j) {
           const float* qj = queries.data() + (u * group + j) * dim;
@@ -645,11 +647,14 @@ void rope_attend_impl(const T* q, int64_t q_stride, const T* k, int64_t k_stride
           tops[u * group + j] = std::max(tops[u * group + j], sp);
         }
       };
-      for (int64_t p = 0; p < common; ++p)
-        for (int64_t u = 0; u < count; ++u) score(source_keys + p * dim, p, u);
+      for (int64_t p = 0; p < common; ++p) {
+        const float* kp = as_float(source_keys + p * dim, widened.data(), dim);
+        for (int64_t u = 0; u < count; ++u) score(kp, p, u);
+      }
       for (int64_t u = 0; u < count; ++u) {
         const T* row_keys = k_cache + members[u] * slot_stride + g * head_stride;
-        for (int64_t p = common; p <= lengths[members[u]]; ++p) score(row_keys + p * dim, p, u);
+        for (int64_t p = common; p <= lengths[members[u]]; ++p)
+          score(as_float(row_keys + p * dim, widened.data(), dim), p, u);
       }
       for (int64_t u = 0; u < count; ++u) {
         const int64_t n = lengths[members[u]] + 1;
@@ -665,8 +670,7 @@ void rope_attend_impl(const T* q, int64_t q_stride, const T* k, int64_t k_stride
         }
       }
       std::fill(acc.begin(), acc.begin() + count * group * dim, 0.f);
-      auto weigh = [&](const T* value, int64_t p, int64_t u) {
-        const float* vp = as_float(value, widened.data(), dim);
+      auto weigh = [&](const float* vp, int64_t p, int64_t u) {  // vp: the value at column p, as float32
         const int64_t n = (offsets[u + 1] - offsets[u]) / group;
         for (int64_t j = 0; j < group; ++j) {
           float* a = acc.data() + (u * group + j) * dim;
@@ -675,11 +679,14 @@ void rope_attend_impl(const T* q, int64_t q_stride, const T* k, int64_t k_stride
           for (int64_t i = 0; i < dim; ++i) a[i] += weight * vp[i];
         }
       };
-      for (int64_t p = 0; p < common; ++p)
-        for (int64_t u = 0; u < count; ++u) weigh(source_values + p * dim, p, u);
+      for (int64_t p = 0; p < common; ++p) {
+        const float* vp = as_float(source_values + p * dim, widened.data(), dim);
+        for (int64_t u = 0; u < count; ++u) weigh(vp, p, u);
+      }
       for (int64_t u = 0; u < count; ++u) {
         const T* row_values = v_cache + members[u] * slot_stride + g * head_stride;
-        for (int64_t p = common; p <= lengths[members[u]]; ++p) weigh(row_values + p * dim, p, u);
+        for (int64_t p = common; p <= lengths[members[u]]; ++p)
+          weigh(as_float(row_values + p * dim, widened.data(), dim), p, u);
       }
       for (int64_t u = 0; u < count; ++u)
         for (int64_t j = 0; j < group; ++j) {
@@ -856,8 +863,9 @@ inline void stream_block(const float* xt, const float* xt2, int64_t ldx, Panel<W
       const __m512 wk = load_columns(w + k * STREAM_COLUMNS);
       const float* xk = x + k * ldx;
       if constexpr (ROWS >= 8) {  // the inputs ahead too: just laid out by another core, each would wait on it
-        _mm_prefetch(reinterpret_cast<const char*>(xk + STREAM_INPUTS_AHEAD * ldx), _MM_HINT_T0);
-        if constexpr (ROWS > 16) _mm_prefetch(reinterpret_cast<const char*>(xk + STREAM_INPUTS_AHEAD * ldx + 16), _MM_HINT_T0);
+        const char* ahead = reinterpret_cast<const char*>(xk + STREAM_INPUTS_AHEAD * ldx);
+        _mm_prefetch(ahead, _MM_HINT_T0);
+        if constexpr (ROWS > 16) _mm_prefetch(ahead + 16 * sizeof(float), _MM_HINT_T0);
       }
 #pragma GCC unroll 32
       for (int r = 0; r < ROWS; ++r) acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(xk[r]), wk, acc[r]);

@@ -615,10 +615,11 @@ void rope_attend_impl(const T* q, int64_t q_stride, const T* k, int64_t k_stride
       const int64_t common = from == nullptr ? 0 : shared[members[0]];  // columns read from `source`
       const T* source_keys = k_cache + source * slot_stride + g * head_stride;
       const T* source_values = v_cache + source * slot_stride + g * head_stride;
+      auto columns = [&](int64_t u) { return lengths[members[u]] + 1; };  // the run's row u attends to
       int64_t offsets[ROPE_SHARERS + 1] = {0};  // where each row's scores start: group x its columns
       for (int64_t u = 0; u < count; ++u) {
         const int64_t r = members[u];
-        offsets[u + 1] = offsets[u] + group * (lengths[r] + 1);
+        offsets[u + 1] = offsets[u] + group * columns(u);
         to_float(cos + r * cos_stride, c.data(), dim);
         to_float(sin + r * sin_stride, s.data(), dim);
         T* row_keys = k_cache + r * slot_stride + g * head_stride;
@@ -633,10 +634,22 @@ void rope_attend_impl(const T* q, int64_t q_stride, const T* k, int64_t k_stride
       // Each key and value read once from the cache for every query head that attends to it
       // (float32 in place; bf16 widened as read): the shared columns for all of the run's rows,
       // then each row's own. Scores are [row][query head][column].
+      // visit(x, p, u) for each column p of each row u of the run, x its key or value as float32:
+      // the shared columns once (from `source`), for every row, then each row's own
+      auto each_column = [&](const T* source_cache, T* cache, auto visit) {
+        for (int64_t p = 0; p < common; ++p) {
+          const float* x = as_float(source_cache + p * dim, widened.data(), dim);
+          for (int64_t u = 0; u < count; ++u) visit(x, p, u);
+        }
+        for (int64_t u = 0; u < count; ++u) {
+          const T* row = cache + members[u] * slot_stride + g * head_stride;
+          for (int64_t p = common; p < columns(u); ++p) visit(as_float(row + p * dim, widened.data(), dim), p, u);
+        }
+      };
       scores.resize(offsets[count]);
       std::fill(tops.begin(), tops.begin() + count * group, -INFINITY);
-      auto score = [&](const float* kp, int64_t p, int64_t u) {  // kp: the key at column p, as float32
-        const int64_t n = (offsets[u + 1] - offsets[u]) / group;
+      each_column(source_keys, k_cache, [&](const float* kp, int64_t p, int64_t u) {
+        const int64_t n = columns(u);
         for (int64_t j = 0; j < group; ++j) {
           const float* qj = queries.data() + (u * group + j) * dim;
           float dot = 0.f;
@@ -646,18 +659,9 @@ void rope_attend_impl(const T* q, int64_t q_stride, const T* k, int64_t k_stride
           sp = dot * scale;
           tops[u * group + j] = std::max(tops[u * group + j], sp);
         }
-      };
-      for (int64_t p = 0; p < common; ++p) {
-        const float* kp = as_float(source_keys + p * dim, widened.data(), dim);
-        for (int64_t u = 0; u < count; ++u) score(kp, p, u);
-      }
+      });
       for (int64_t u = 0; u < count; ++u) {
-        const T* row_keys = k_cache + members[u] * slot_stride + g * head_stride;
-        for (int64_t p = common; p <= lengths[members[u]]; ++p)
-          score(as_float(row_keys + p * dim, widened.data(), dim), p, u);
-      }
-      for (int64_t u = 0; u < count; ++u) {
-        const int64_t n = lengths[members[u]] + 1;
+        const int64_t n = columns(u);
         for (int64_t j = 0; j < group; ++j) {
           float total = 0.f, top = tops[u * group + j];
           float* sp = scores.data() + offsets[u] + j * n;
@@ -670,24 +674,15 @@ void rope_attend_impl(const T* q, int64_t q_stride, const T* k, int64_t k_stride
         }
       }
       std::fill(acc.begin(), acc.begin() + count * group * dim, 0.f);
-      auto weigh = [&](const float* vp, int64_t p, int64_t u) {  // vp: the value at column p, as float32
-        const int64_t n = (offsets[u + 1] - offsets[u]) / group;
+      each_column(source_values, v_cache, [&](const float* vp, int64_t p, int64_t u) {
+        const int64_t n = columns(u);
         for (int64_t j = 0; j < group; ++j) {
           float* a = acc.data() + (u * group + j) * dim;
           const float weight = scores[offsets[u] + j * n + p];
 #pragma omp simd
           for (int64_t i = 0; i < dim; ++i) a[i] += weight * vp[i];
         }
-      };
-      for (int64_t p = 0; p < common; ++p) {
-        const float* vp = as_float(source_values + p * dim, widened.data(), dim);
-        for (int64_t u = 0; u < count; ++u) weigh(vp, p, u);
-      }
-      for (int64_t u = 0; u < count; ++u) {
-        const T* row_values = v_cache + members[u] * slot_stride + g * head_stride;
-        for (int64_t p = common; p <= lengths[members[u]]; ++p)
-          weigh(as_float(row_values + p * dim, widened.data(), dim), p, u);
-      }
+      });
       for (int64_t u = 0; u < count; ++u)
         for (int64_t j = 0; j < group; ++j) {
           float* a = acc.data() + (u * group + j) * dim;
@@ -806,9 +801,12 @@ constexpr int64_t STREAM_INPUTS_AHEAD = 32;
 
 #if defined(__AVX512F__)
 inline __m512 load_columns(const float* w) { return _mm512_loadu_ps(w); }
-inline __m512 load_columns(const c10::BFloat16* w) {
-  const __m256i half = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w));
+// 16 bf16 values widened to float32 (bf16 is float32's upper half: a shift)
+inline __m512 widen_bf16(__m256i half) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16));
+}
+inline __m512 load_columns(const c10::BFloat16* w) {
+  return widen_bf16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w)));
 }
 #elif defined(__AVX2__) && defined(__FMA__)
 inline __m256 load_columns(const float* w) { return _mm256_loadu_ps(w); }
@@ -1044,8 +1042,7 @@ inline void transpose16(__m512 r[16]) {
 }
 inline __m512 load_floats(const float* src, __mmask16 mask) { return _mm512_maskz_loadu_ps(mask, src); }
 inline __m512 load_floats(const c10::BFloat16* src, __mmask16 mask) {
-  const __m256i half = _mm256_maskz_loadu_epi16(mask, src);
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16));
+  return widen_bf16(_mm256_maskz_loadu_epi16(mask, src));
 }
 #endif
 

@@ -172,7 +172,7 @@ def test_a_cache_entry_from_other_instruction_sets_is_not_used(probe, monkeypatc
     assert timer.calls == 4
 
 
-def test_a_new_build_of_the_native_kernels_is_measured_again(monkeypatch, tmp_path):
+def test_a_new_build_of_the_native_kernels_is_measured_again(monkeypatch):
     """The streaming layout's numbers are its kernels' numbers: another build of them (a changed
     source, another torch) keys its measurements apart, so an upgrade never answers from the old
     kernels' timings."""
@@ -183,8 +183,8 @@ def test_a_new_build_of_the_native_kernels_is_measured_again(monkeypatch, tmp_pa
     shapes = dtype_probe.Shapes(hidden=64, intermediate=128, q_out=64, kv_out=32, vocab=300, layers=2)
     built = native_kernels.build_directory()
     ours = dtype_probe.machine_key(shapes)
-    assert f"+stream {built.name.rsplit('_', 1)[-1][:8]} |" in ours
-    monkeypatch.setattr(native_kernels, "build_directory", lambda: tmp_path / "grpo_native_0123456789abcdef")
+    assert f"+stream {built.name.rsplit('_', 1)[-1][:8]} |" in ours  # the build the kernels load from
+    monkeypatch.setattr(native_kernels, "build_digest", lambda: "0123456789abcdef")
     other = dtype_probe.machine_key(shapes)
     assert other != ours and "+stream 01234567 |" in other
 

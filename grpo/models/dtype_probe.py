@@ -226,7 +226,7 @@ def machine_key(shapes: Shapes) -> str:
         # build's digest) measures again rather than answer from the previous kernels' numbers
         from grpo.models import native_kernels
 
-        kernel += f"+stream {native_kernels.build_directory().name.rsplit('_', 1)[-1][:8]}"
+        kernel += f"+stream {native_kernels.build_digest()[:8]}"
     return (f"{cpu_name()} | {instruction_sets()} | torch {torch.__version__} | {torch.get_num_threads()} threads | "
             f"{kernel} | {shapes.signature()} | probe {PROBE_VERSION}")
 

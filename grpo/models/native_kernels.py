@@ -58,17 +58,24 @@ def _arch_flags() -> list[str]:
     return []
 
 
-def build_directory() -> Path:
-    """Where this machine's build lives: named by what the binary depends on, so that a cache
-    shared across machines (a home directory on a cluster) never loads another CPU's code."""
-    from grpo import models
+def build_digest() -> str:
+    """A digest of everything this machine's build depends on: the source, torch, the CPU and its
+    instruction sets, the compiler's target, Python. A change to any is another build."""
     from grpo.models import dtype_probe
 
     # torch's own path too: two environments' builds differ in their include paths, and sharing a
     # folder, each would rebuild over the other's
     identity = "\n".join([SOURCE.read_text(), torch.__version__, str(Path(torch.__file__).parent),
                           dtype_probe.cpu_name(), dtype_probe.instruction_sets(), " ".join(_arch_flags()), sys.version])
-    return models.cache_dir() / "kernels" / f"grpo_native_{hashlib.sha1(identity.encode()).hexdigest()[:16]}"
+    return hashlib.sha1(identity.encode()).hexdigest()[:16]
+
+
+def build_directory() -> Path:
+    """Where this machine's build lives: named by its ``build_digest``, so that a cache shared
+    across machines (a home directory on a cluster) never loads another CPU's code."""
+    from grpo import models
+
+    return models.cache_dir() / "kernels" / f"grpo_native_{build_digest()}"
 
 
 def kernels():

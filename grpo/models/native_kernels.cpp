@@ -1067,9 +1067,9 @@ void transpose_rows(const T* src, int64_t ld, int64_t count, int64_t k, float* t
     }
   }
 #else  // (STREAM_ROWS rows of 6 or 4: a k's values take a cache line or less)
-  std::vector<float> row(k);
+  std::vector<float> widened(std::is_same_v<T, float> ? 0 : k);
   for (int64_t r = 0; r < count; ++r) {
-    to_float(src + r * ld, row.data(), k);
+    const float* row = as_float(src + r * ld, widened.data(), k);
     for (int64_t i = 0; i < k; ++i) to[i * count + r] = row[i];
   }
 #endif

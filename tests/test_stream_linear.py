@@ -7,6 +7,8 @@ trainer and against oneDNN's layout.
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
 from backend_helpers import DECODE_PROMPTS, perturb_adapter, rl_datum, sample_each
@@ -104,6 +106,66 @@ def test_bad_input_is_refused_naming_what_was_expected(ops) -> None:
 
 
 @needs_onednn
+def _mapping_of(address: int) -> dict[str, str] | None:
+    """The /proc/self/smaps entry of the mapping holding ``address`` (its fields), or None."""
+    entry = None
+    with open("/proc/self/smaps") as smaps:
+        for line in smaps:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                start, end = (int(part, 16) for part in head.split("-"))
+                if entry is not None:
+                    return entry
+                entry = {} if start <= address < end else None
+            elif entry is not None:
+                key, _, value = line.partition(":")
+                entry[key] = value.strip()
+    return entry
+
+
+needs_linux_smaps = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/smaps")
+
+
+@needs_linux_smaps
+def test_large_packed_weights_sit_in_memory_advised_for_huge_pages(ops) -> None:
+    """A weight streamed at every decoding step (at least 1 MiB) is placed in a mapping asked for
+    2 MiB pages (VmFlags ``hg``: whether the kernel grants them is its setting); a small one (LoRA's
+    packed A and B) stays in the ordinary heap."""
+    gen = torch.Generator().manual_seed(3)
+    big = ops.stream_pack(torch.randn(3072, 576, generator=gen))  # 7 MiB
+    small = ops.stream_pack(torch.randn(32, 576, generator=gen))  # 72 KiB
+    assert "hg" in _mapping_of(big.data_ptr())["VmFlags"].split()
+    assert "hg" not in _mapping_of(small.data_ptr())["VmFlags"].split()
+
+
+def test_packed_weights_sharing_memory_outlive_each_other(ops) -> None:
+    """Weights packed one after another share chunks of memory: each stays intact while others are
+    freed and more are packed (no two live weights overlap), and a chunk freed whole is reused
+    rather than mapped again (its first weight's address comes back)."""
+    gen = torch.Generator().manual_seed(4)
+    weights = [torch.randn(n, 576, generator=gen) for n in (1536, 576, 960, 1536)]
+    seen: set[int] = set()
+
+    def pack(w: torch.Tensor) -> torch.Tensor:
+        packed = ops.stream_pack(w)
+        seen.add(packed.data_ptr())
+        return packed
+
+    packed = [pack(w) for w in weights]
+    x = torch.randn(5, 576, generator=gen)
+    del packed[1]
+    weights.pop(1)
+    packed += [pack(w) for w in weights[:2]]
+    weights += weights[:2]
+    spans = sorted((p.data_ptr(), p.data_ptr() + p.numel() * 4) for p in packed)
+    assert all(end <= start for (_, end), (start, _) in zip(spans, spans[1:], strict=False))
+    for w, p in zip(weights, packed, strict=True):
+        assert torch.equal(ops.stream_linear(x, p, None), ops.stream_linear(x, pack(w), None))
+    packed.clear()  # every weight gone: the next pack takes a kept chunk, at its start
+    again = pack(weights[0])
+    assert again.data_ptr() in seen or not sys.platform.startswith("linux")
+
+
 def test_pack_weight_takes_the_streaming_layout_only_where_it_applies(ops) -> None:
     """float32 and bf16 weights whose rows are a multiple of 16; others (33 rows) keep oneDNN's, and
     both multiply through packed_product as F.linear does."""

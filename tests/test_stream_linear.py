@@ -15,8 +15,8 @@ from backend_helpers import DECODE_PROMPTS, perturb_adapter, rl_datum, sample_ea
 from torch import nn
 
 from grpo import types
-from grpo.backends.local import ServiceClient, native_decode
-from grpo.models import cpu_linear, kernel_probe
+from grpo.backends.local import ServiceClient, heap, native_decode
+from grpo.models import cpu_linear, kernel_probe, native_kernels
 from grpo.models.cpu_linear import OneDNNLinear, PackedLinear, pack_weight, packed_product
 
 needs_onednn = pytest.mark.skipif(not cpu_linear.onednn_works(), reason="no oneDNN Linear in this torch build")
@@ -164,6 +164,20 @@ def test_packed_weights_sharing_memory_outlive_each_other(ops) -> None:
     packed.clear()  # every weight gone: the next pack takes a kept chunk, at its start
     again = pack(weights[0])
     assert again.data_ptr() in seen or not sys.platform.startswith("linux")
+
+
+@needs_linux_smaps
+def test_memory_kept_for_the_next_pack_is_given_back_after_each_call(ops) -> None:
+    """A freed packed weight's chunk is kept for the next pack until the engine's end-of-call
+    release (heap.release_free_memory) unmaps it; nothing is kept twice."""
+    native_kernels.release_kept_memory()  # (what earlier tests left kept: none counts against this one)
+    big = ops.stream_pack(torch.randn(9008, 1024))  # 37 MB: a chunk of its own
+    address = big.data_ptr()
+    del big
+    assert _mapping_of(address) is not None  # kept, still mapped
+    assert heap.release_free_memory(torch.device("cpu"), keep=2**62) is False  # (malloc's cap not passed)
+    assert _mapping_of(address) is None  # the kept chunk unmapped whatever malloc's cap
+    assert native_kernels.release_kept_memory() == 0
 
 
 def test_pack_weight_takes_the_streaming_layout_only_where_it_applies(ops) -> None:

@@ -98,6 +98,13 @@ def kernels():
         return _loaded.get("ops")
 
 
+def release_kept_memory() -> int:
+    """Give back the memory the kernels keep for the next packed weights (``stream_pack`` reuses a
+    freed chunk rather than fault in a new one); the bytes returned, 0 where they were never loaded."""
+    ops = _loaded.get("ops")
+    return int(ops.release_kept_chunks()) if ops is not None else 0
+
+
 def _load():
     """Load this machine's build, or build it (and load it). The folder's name is a digest of
     everything the library depends on, so a library found there is the right one; one that does

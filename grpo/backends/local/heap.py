@@ -32,6 +32,8 @@ import threading
 
 import torch
 
+from grpo.models import native_kernels
+
 # mallopt's parameters (malloc.h)
 _M_TRIM_THRESHOLD = -1
 _M_MMAP_THRESHOLD = -3
@@ -87,7 +89,12 @@ def free_bytes() -> int | None:
 
 def release_free_memory(device: torch.device, keep: int = 0) -> bool:
     """Return the free pages of every malloc arena to the OS when ``device`` is the CPU and malloc
-    holds more than ``keep`` bytes free; returns whether it did."""
+    holds more than ``keep`` bytes free; returns whether it did. The chunks the native kernels keep
+    for packed weights (native_kernels.cpp's ``stream_pack``) are given back whatever ``keep``: a
+    sampler's repack frees and reuses them within one call, so those still kept after it are not
+    about to be packed into."""
+    if device.type == "cpu":
+        native_kernels.release_kept_memory()
     free = free_bytes() if device.type == "cpu" else None
     if free is None or (keep and free <= keep):
         return False

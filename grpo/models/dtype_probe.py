@@ -326,6 +326,10 @@ def measured_once(key: str, cache: Path, memo: dict[str, Any], parse: Callable[[
                 memo[memo_key] = None
                 return None
             result = measure()
+            from grpo.models import native_kernels
+
+            # the packed weights it timed are gone: the memory kept for a next pack is no one's
+            native_kernels.release_kept_memory()
             stored = _read(cache)  # another process may have added entries meanwhile
             stored[key] = to_json(result)
             _write(cache, stored)

@@ -648,7 +648,8 @@ inline void attend_values(__m512 (&acc)[NQ][DIM / 16], int lo, int hi, const flo
 
 // The attention outputs of queries qa..qa+NQ of a run (query i belongs to row i / group): their
 // weights w (unnormalised, by column) over the shared columns from `shared_values`, then over each
-// row's own from `row_values[u]` (columns common..columns[u]), divided by their totals, rounded to T.
+// row's own from `row_values[u]` (columns common..columns[u]), times their totals' inverses (as the
+// scalar path), rounded to T. A row's sums run over its columns in one order, shared or its own.
 template <int64_t DIM, int NQ, typename T>
 void attend_chunk(int64_t qa, int64_t group, const float* const* w, const T* shared_values, int64_t common,
                   const T* const* row_values, const int64_t* columns, const float* totals, T* const* out) {
@@ -1145,10 +1146,10 @@ inline void stream_tail(int64_t rows, const float* xt, const float* xt2, int64_t
 }
 
 // Memory for the packed weights that a decoding step streams, in 2 MiB-aligned chunks the kernel
-// is asked to back with 2 MiB pages (transparent huge pages, madvise). Streaming SmolLM2's 30
-// layers once a step touches ~100,000 4 KiB pages, each a TLB miss and a page walk beside its 64
-// loads; in 2 MiB pages the fp32 decoding step took ~0.85x the time (Intel Xeon, avx512, 2 cores,
-// docs/benchmark.md). Weights of at least half a huge page are placed one after another in the
+// is asked to back with 2 MiB pages (transparent huge pages, madvise). Streaming SmolLM2's 540 MB
+// once a step touches ~130,000 4 KiB pages, each a TLB miss and a page walk beside its 64 loads; in
+// 2 MiB pages a step's products alone took 0.80-0.84x the time and the fp32 sampler's decoding steps
+// 0.94x (Intel Xeon, avx512, 2 cores, docs/benchmark.md). Weights of at least half a huge page are placed one after another in the
 // chunk being filled (32 MiB, or one of their own when larger), each tensor holding its chunk.
 // The sampler packs its weights anew at each optimizer step (folded_lora.py), freeing the last
 // step's first, so a chunk whose last tensor goes is kept for the next pack rather than unmapped

@@ -749,8 +749,7 @@ void rope_attend_impl(const T* q, int64_t q_stride, const T* k, int64_t k_stride
   };
   at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> c(dim), s(dim), xf(dim), rotated(dim), queries(ROPE_SHARERS * group * dim),
-        acc(ROPE_SHARERS * group * dim), widened(dim), scores, tops(ROPE_SHARERS * group),
-        totals(ROPE_SHARERS * group);
+        acc(ROPE_SHARERS * group * dim), widened(dim), scores, totals(ROPE_SHARERS * group);
     std::vector<float*> weights(ROPE_SHARERS * group);  // (query i's scores, then softmax numerators)
     std::vector<T*> outs(ROPE_SHARERS * group);
     for (int64_t task = begin; task < end; ++task) {
@@ -777,27 +776,18 @@ void rope_attend_impl(const T* q, int64_t q_stride, const T* k, int64_t k_stride
           rotate_row(q + r * q_stride + (g * group + j) * dim, c.data(), s.data(), xf.data(),
                      queries.data() + (u * group + j) * dim);
       }
-#if defined(ATTEND_AVX512)
-      if constexpr (HEAD_DIM > 0 && HEAD_DIM % 16 == 0) {  // sixteen keys at a time, outputs in registers
-        const int64_t nq = count * group;  // query i: row i / group's head g * group + i % group
-        const T* row_values[ROPE_SHARERS];
-        int64_t lengths_of[ROPE_SHARERS];
-        scores.resize(offsets[count]);
-        for (int64_t u = 0; u < count; ++u) {
-          row_values[u] = v_cache + members[u] * slot_stride + g * head_stride;
-          lengths_of[u] = columns(u);
-          for (int64_t j = 0; j < group; ++j) {
-            weights[u * group + j] = scores.data() + offsets[u] + j * lengths_of[u];
-            outs[u * group + j] = out + members[u] * heads * dim + (g * group + j) * dim;
-          }
-        }
-        attend_scores<HEAD_DIM>(queries.data(), nq, source_keys, 0, common, weights.data(), scale);
-        for (int64_t u = 0; u < count; ++u)
-          attend_scores<HEAD_DIM>(queries.data() + u * group * dim, group,
-                                  k_cache + members[u] * slot_stride + g * head_stride, common, lengths_of[u],
-                                  weights.data() + u * group, scale);
-        for (int64_t i = 0; i < nq; ++i) {  // softmax's numerators and their totals
-          const int64_t n = lengths_of[i / group];
+      // query i (row i / group's head g * group + i % group): its scores, by column, and its output
+      scores.resize(offsets[count]);
+      const int64_t nq = count * group;
+      for (int64_t i = 0; i < nq; ++i) {
+        const int64_t u = i / group, j = i % group;
+        weights[i] = scores.data() + offsets[u] + j * columns(u);
+        outs[i] = out + members[u] * heads * dim + (g * group + j) * dim;
+      }
+      // each query's scores -> softmax's numerators, exp(score - the largest), and their totals
+      auto numerators = [&] {
+        for (int64_t i = 0; i < nq; ++i) {
+          const int64_t n = columns(i / group);
           float* sp = weights[i];
           const float top = row_max(sp, n);
           float total = 0.f;
@@ -808,6 +798,21 @@ void rope_attend_impl(const T* q, int64_t q_stride, const T* k, int64_t k_stride
           }
           totals[i] = total;
         }
+      };
+#if defined(ATTEND_AVX512)
+      if constexpr (HEAD_DIM > 0 && HEAD_DIM % 16 == 0) {  // sixteen keys at a time, outputs in registers
+        const T* row_values[ROPE_SHARERS];
+        int64_t lengths_of[ROPE_SHARERS];
+        for (int64_t u = 0; u < count; ++u) {
+          row_values[u] = v_cache + members[u] * slot_stride + g * head_stride;
+          lengths_of[u] = columns(u);
+        }
+        attend_scores<HEAD_DIM>(queries.data(), nq, source_keys, 0, common, weights.data(), scale);
+        for (int64_t u = 0; u < count; ++u)
+          attend_scores<HEAD_DIM>(queries.data() + u * group * dim, group,
+                                  k_cache + members[u] * slot_stride + g * head_stride, common, lengths_of[u],
+                                  weights.data() + u * group, scale);
+        numerators();
         constexpr int CHUNK = 24 / static_cast<int>(HEAD_DIM / 16);
         for (int64_t qa = 0; qa < nq; qa += CHUNK)
           attend_chunk_of<HEAD_DIM, CHUNK>(std::min<int64_t>(CHUNK, nq - qa), qa, group, weights.data(),
@@ -817,7 +822,7 @@ void rope_attend_impl(const T* q, int64_t q_stride, const T* k, int64_t k_stride
 #endif
       // Each key and value read once from the cache for every query head that attends to it
       // (float32 in place; bf16 widened as read): the shared columns for all of the run's rows,
-      // then each row's own. Scores are [row][query head][column].
+      // then each row's own.
       // visit(x, p, u) for each column p of each row u of the run, x its key or value as float32:
       // the shared columns once (from `source`), for every row, then each row's own
       auto each_column = [&](const T* source_cache, T* cache, auto visit) {
@@ -830,51 +835,32 @@ void rope_attend_impl(const T* q, int64_t q_stride, const T* k, int64_t k_stride
           for (int64_t p = common; p < columns(u); ++p) visit(as_float(row + p * dim, widened.data(), dim), p, u);
         }
       };
-      scores.resize(offsets[count]);
-      std::fill(tops.begin(), tops.begin() + count * group, -INFINITY);
       each_column(source_keys, k_cache, [&](const float* kp, int64_t p, int64_t u) {
-        const int64_t n = columns(u);
         for (int64_t j = 0; j < group; ++j) {
           const float* qj = queries.data() + (u * group + j) * dim;
           float dot = 0.f;
 #pragma omp simd reduction(+ : dot)
           for (int64_t i = 0; i < dim; ++i) dot += qj[i] * kp[i];
-          float& sp = scores[offsets[u] + j * n + p];
-          sp = dot * scale;
-          tops[u * group + j] = std::max(tops[u * group + j], sp);
+          weights[u * group + j][p] = dot * scale;
         }
       });
-      for (int64_t u = 0; u < count; ++u) {
-        const int64_t n = columns(u);
-        for (int64_t j = 0; j < group; ++j) {
-          float total = 0.f, top = tops[u * group + j];
-          float* sp = scores.data() + offsets[u] + j * n;
-#pragma omp simd reduction(+ : total)
-          for (int64_t p = 0; p < n; ++p) {
-            sp[p] = vexp(sp[p] - top);
-            total += sp[p];
-          }
-          totals[u * group + j] = total;
-        }
-      }
-      std::fill(acc.begin(), acc.begin() + count * group * dim, 0.f);
+      numerators();
+      std::fill(acc.begin(), acc.begin() + nq * dim, 0.f);
       each_column(source_values, v_cache, [&](const float* vp, int64_t p, int64_t u) {
-        const int64_t n = columns(u);
         for (int64_t j = 0; j < group; ++j) {
           float* a = acc.data() + (u * group + j) * dim;
-          const float weight = scores[offsets[u] + j * n + p];
+          const float weight = weights[u * group + j][p];
 #pragma omp simd
           for (int64_t i = 0; i < dim; ++i) a[i] += weight * vp[i];
         }
       });
-      for (int64_t u = 0; u < count; ++u)
-        for (int64_t j = 0; j < group; ++j) {
-          float* a = acc.data() + (u * group + j) * dim;
-          const float inv = 1.f / totals[u * group + j];
+      for (int64_t i = 0; i < nq; ++i) {
+        float* a = acc.data() + i * dim;
+        const float inv = 1.f / totals[i];
 #pragma omp simd
-          for (int64_t i = 0; i < dim; ++i) a[i] *= inv;
-          from_float(a, out + members[u] * heads * dim + (g * group + j) * dim, dim);
-        }
+        for (int64_t d = 0; d < dim; ++d) a[d] *= inv;
+        from_float(a, outs[i], dim);
+      }
     }
   });
 }

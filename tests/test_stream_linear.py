@@ -45,10 +45,11 @@ def _within_sum_bound(got: torch.Tensor, x: torch.Tensor, w: torch.Tensor, b: to
 DTYPES = (torch.float32, torch.bfloat16)
 
 
-# rows: one and a few (a decoding step), a whole block and one more (24 on avx512), beyond two
-# blocks (panels in pairs), an odd number of panels (48 / 16 = 3)
+# rows: one and a few (a decoding step), a whole block (32 on avx512, 6 on avx2) and one more (the
+# second block across a pair of panels), two blocks, beyond two (every block across the pair), an
+# odd number of panels (48 / 16 = 3: the last one alone)
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("rows", [1, 5, 23, 24, 25, 49, 130])
+@pytest.mark.parametrize("rows", [1, 5, 6, 7, 23, 32, 33, 40, 64, 65, 130])
 @pytest.mark.parametrize(("out_features", "in_features"), [(48, 7), (960, 576), (32, 300)])
 def test_the_product_is_within_a_float32_sums_bound_of_float64(ops, rows, out_features, in_features, dtype) -> None:
     gen = torch.Generator().manual_seed(rows * 1000 + out_features)
@@ -72,7 +73,8 @@ def test_a_rows_result_is_the_same_alone_or_among_any_other_rows(ops, dtype) -> 
     w, b = (torch.randn(960, 576, generator=gen) * 0.04).to(dtype), torch.randn(960, generator=gen).to(dtype)
     packed = ops.stream_pack(w)
     everything = ops.stream_linear(x, packed, b)
-    for rows in ([0], [7, 3], list(range(24)), list(range(100, 130)), list(range(60))):
+    for rows in ([0], [7, 3], list(range(24)), list(range(32)), list(range(33)), list(range(100, 130)),
+                 list(range(60)), list(range(70))):
         assert torch.equal(ops.stream_linear(x[rows], packed, b), everything[rows])
 
 
@@ -308,7 +310,7 @@ def test_the_layouts_script_prints_both_layouts_per_row_count(ops, dtype) -> Non
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("rows", [1, 5, 24, 49])
+@pytest.mark.parametrize("rows", [1, 5, 32, 33, 49, 70])
 @pytest.mark.parametrize("rank", [8, 16, 20])
 def test_a_lora_side_path_is_part_of_the_streaming_products_sums(ops, dtype, rows, rank) -> None:
     """A and B packed in the streaming layout beside their base, the rank padded with zeros to 16:

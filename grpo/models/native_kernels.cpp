@@ -988,6 +988,11 @@ inline void store_columns(const float* out, c10::BFloat16* y) {
 #endif
 }
 
+// The kernels' loops over k inlined wherever they are instantiated: out of line, a block's
+// accumulators live in memory (GCC stopped inlining bf16's at 12 rows once the blocks grew to 32
+// rows: 2x the time)
+#define STREAM_INLINE __attribute__((always_inline))
+
 // The weight of one block: `w` (K x 16, the panel of W) then, for a LoRA side path, `w2` (K2 x 16,
 // the panel of B), the inputs `xt` [k][row] over k = 0..K, then `xt2` [k][row] over k = 0..K2 (d).
 template <typename W>
@@ -1008,7 +1013,7 @@ inline void stream_block(const float* xt, const float* xt2, int64_t ldx, Panel<W
   __m512 acc[ROWS];
 #pragma GCC unroll 32
   for (int r = 0; r < ROWS; ++r) acc[r] = _mm512_setzero_ps();
-  auto run = [&](const float* x, const W* w, int64_t K) {
+  auto run = [&](const float* x, const W* w, int64_t K) STREAM_INLINE {
     for (int64_t k = 0; k < K; ++k) {
       __builtin_prefetch(reinterpret_cast<const char*>(w + k * STREAM_COLUMNS) + STREAM_PREFETCH_BYTES, 0,
                          STREAM_PREFETCH_LOCALITY<W>);
@@ -1032,7 +1037,7 @@ inline void stream_block(const float* xt, const float* xt2, int64_t ldx, Panel<W
   __m256 lo[ROWS], hi[ROWS];
 #pragma GCC unroll 32
   for (int r = 0; r < ROWS; ++r) lo[r] = hi[r] = _mm256_setzero_ps();
-  auto run = [&](const float* x, const W* w, int64_t K) {
+  auto run = [&](const float* x, const W* w, int64_t K) STREAM_INLINE {
     for (int64_t k = 0; k < K; ++k) {
       _mm_prefetch(reinterpret_cast<const char*>(w + k * STREAM_COLUMNS) + STREAM_PREFETCH_BYTES, _MM_HINT_T0);
       const __m256 w0 = load_columns(w + k * STREAM_COLUMNS), w1 = load_columns(w + k * STREAM_COLUMNS + 8);
@@ -1057,7 +1062,7 @@ inline void stream_block(const float* xt, const float* xt2, int64_t ldx, Panel<W
 #else
   for (int r = 0; r < ROWS; ++r)
     for (int64_t j = 0; j < STREAM_COLUMNS; ++j) out[r][j] = 0.0f;
-  auto run = [&](const float* x, const W* w, int64_t K) {
+  auto run = [&](const float* x, const W* w, int64_t K) STREAM_INLINE {
     for (int64_t k = 0; k < K; ++k)
       for (int r = 0; r < ROWS; ++r)
         for (int64_t j = 0; j < STREAM_COLUMNS; ++j)
@@ -1071,9 +1076,14 @@ inline void stream_block(const float* xt, const float* xt2, int64_t ldx, Panel<W
   for (int r = 0; r < ROWS; ++r) store_columns(out[r], y + r * ldy);
 }
 
-// rows in one block: as many accumulators as the vector registers hold beside a weight vector
+// rows in one block: as many accumulators as the vector registers hold beside a weight vector --
+// with avx512, one more: 32 rows (a GRPO batch of 8 prompts x 4) in one pass over the weight, where
+// 24 rows and then 8 had re-read every panel from the cache at 8 multiply-adds a k (36.1 -> 32.5 ms
+// for SmolLM2's 121 products at 32 rows, Intel Xeon avx512, 2 cores; docs/benchmark.md; bf16's the
+// same, 0.99x). The compiler keeps the accumulators that do not fit (two) in L1: each k's
+// load-add-store chain (~10 cycles) fits in the 16 cycles of a k's 32 multiply-adds.
 #if defined(__AVX512F__)
-constexpr int STREAM_ROWS = 24;  // 24 zmm accumulators of 32
+constexpr int STREAM_ROWS = 32;
 #elif defined(__AVX2__) && defined(__FMA__)
 constexpr int STREAM_ROWS = 6;  // 12 ymm accumulators of 16
 #else
@@ -1082,15 +1092,16 @@ constexpr int STREAM_ROWS = 4;
 
 #if defined(__AVX512F__)
 // Two adjacent panels (32 columns) for ROWS rows: half the broadcasts per multiply-add of
-// stream_block, for products of many rows (a prefill), where the arithmetic sets the time: at
-// 120-504 rows, 1.08-1.10x stream_block's rate (still 0.85-0.99x oneDNN's; docs/benchmark.md).
+// stream_block, for rows beyond a block (a prefill; a second block from the cache), where the
+// arithmetic sets the time: at 120-504 rows, 1.08-1.10x stream_block's rate (still 0.85-0.99x
+// oneDNN's; docs/benchmark.md).
 template <int ROWS, typename W, typename O>
 inline void stream_block_wide(const float* xt, const float* xt2, int64_t ldx, Panel<W> panel, Panel<W> next,
                               const float* bias, O* y, int64_t ldy) {
   __m512 a0[ROWS], a1[ROWS];
 #pragma GCC unroll 32
   for (int r = 0; r < ROWS; ++r) a0[r] = a1[r] = _mm512_setzero_ps();
-  auto run = [&](const float* x, const W* w, const W* w1, int64_t K) {
+  auto run = [&](const float* x, const W* w, const W* w1, int64_t K) STREAM_INLINE {
     for (int64_t k = 0; k < K; ++k) {
       const __m512 u = load_columns(w + k * STREAM_COLUMNS), v = load_columns(w1 + k * STREAM_COLUMNS);
       const float* xk = x + k * ldx;
@@ -1376,29 +1387,39 @@ template <typename W, typename O>
 void stream_product(const float* xp, int64_t k, const float* xp2, int64_t k2, int64_t rows, int64_t panels,
                     const W* wd, const W* w2d, const float* bd, O* yd) {
   const int64_t n = panels * STREAM_COLUMNS, blocks = (rows + STREAM_ROWS - 1) / STREAM_ROWS;
-  const int64_t step = rows > 2 * STREAM_ROWS && STREAM_WIDE ? 2 : 1;
+  // more rows than a block: panels in pairs (two threads' runs of them), a block's rows across both
+  // panels of a pair at a time (half the broadcasts a multiply-add). Up to two blocks, the first
+  // still one panel at a time, streaming it (its 32 multiply-adds a k hide the loads), the second
+  // across the pair from the cache: 33-64 rows in 0.91-0.98x the time of both blocks one panel at a
+  // time, whose second block had re-read each panel at fewer multiply-adds a k (Intel Xeon avx512).
+  const int64_t step = rows > STREAM_ROWS && STREAM_WIDE ? 2 : 1;
   auto panel_at = [&](int64_t p) {
     return Panel<W>{wd + p * k * STREAM_COLUMNS, k, w2d ? w2d + p * k2 * STREAM_COLUMNS : nullptr, w2d ? k2 : 0};
   };
   at::parallel_for(0, (panels + step - 1) / step, 1, [&](int64_t begin, int64_t end) {
     for (int64_t p = begin * step; p < std::min(end * step, panels); p += step) {
       const bool pair = step == 2 && p + 1 < panels;
-      const float* bp = bd ? bd + p * STREAM_COLUMNS : nullptr;
-      const Panel<W> panel = panel_at(p);
-      O* y = yd + p * STREAM_COLUMNS;
       for (int64_t block = 0; block < blocks; ++block) {
         const int64_t r = block * STREAM_ROWS, count = std::min<int64_t>(STREAM_ROWS, rows - r);
         const float* x = xp + block * k * STREAM_ROWS;
         const float* x2 = xp2 ? xp2 + block * k2 * STREAM_ROWS : nullptr;
-        if (pair) {
-          for (int64_t half = 0; half < count; half += STREAM_WIDE_ROWS)
-            stream_wide_tail<STREAM_WIDE_ROWS>(std::min<int64_t>(STREAM_WIDE_ROWS, count - half), x + half,
-                                               x2 ? x2 + half : nullptr, count, panel, panel_at(p + 1), bp,
-                                               y + (r + half) * n, n);
-        } else if (count == STREAM_ROWS) {
-          stream_block<STREAM_ROWS>(x, x2, STREAM_ROWS, panel, bp, y + r * n, n);
-        } else {
-          stream_tail<STREAM_ROWS - 1>(count, x, x2, count, panel, bp, y + r * n, n);
+        if (pair && (block > 0 || rows > 2 * STREAM_ROWS)) {
+          // in chunks of at most STREAM_WIDE_ROWS rows, as even as they divide (32: 11 + 11 + 10)
+          const int64_t chunks = (count + STREAM_WIDE_ROWS - 1) / STREAM_WIDE_ROWS;
+          for (int64_t c = 0, at = 0; c < chunks; ++c) {
+            const int64_t size = (count - at) / (chunks - c);
+            stream_wide_tail<STREAM_WIDE_ROWS>(size, x + at, x2 ? x2 + at : nullptr, count, panel_at(p),
+                                               panel_at(p + 1), bd ? bd + p * STREAM_COLUMNS : nullptr,
+                                               yd + (r + at) * n + p * STREAM_COLUMNS, n);
+            at += size;
+          }
+          continue;
+        }
+        for (int64_t q = p; q < p + (pair ? 2 : 1); ++q) {
+          const float* bq = bd ? bd + q * STREAM_COLUMNS : nullptr;
+          O* y = yd + r * n + q * STREAM_COLUMNS;
+          if (count == STREAM_ROWS) stream_block<STREAM_ROWS>(x, x2, STREAM_ROWS, panel_at(q), bq, y, n);
+          else stream_tail<STREAM_ROWS - 1>(count, x, x2, count, panel_at(q), bq, y, n);
         }
       }
     }

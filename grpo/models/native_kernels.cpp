@@ -134,6 +134,28 @@ inline void rotate(const float* x, const float* c, const float* s, float* y, int
 template <typename T>
 void add_rms_norm_impl(const T* res, int64_t res_stride, const T* x, int64_t x_stride, const T* weight, T* hidden,
                        T* out, int64_t rows, int64_t dim, float eps) {
+  if constexpr (std::is_same_v<T, float>) {  // in place, no copies of rows (as silu_mul's)
+    at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) {
+        const float* h = res + r * res_stride;
+        if (x != nullptr) {
+          float* sum_row = hidden + r * dim;
+          const float* xr = x + r * x_stride;
+#pragma omp simd
+          for (int64_t i = 0; i < dim; ++i) sum_row[i] = h[i] + xr[i];
+          h = sum_row;
+        }
+        float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+        for (int64_t i = 0; i < dim; ++i) sum += h[i] * h[i];
+        const float scale = 1.f / std::sqrt(sum / static_cast<float>(dim) + eps);
+        float* o = out + r * dim;
+#pragma omp simd
+        for (int64_t i = 0; i < dim; ++i) o[i] = weight[i] * (h[i] * scale);
+      }
+    });
+    return;
+  }
   at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> h(dim), w(dim), y(dim), xs(dim);
     to_float(weight, w.data(), dim);

@@ -1152,7 +1152,7 @@ inline void stream_block(const float* xt, const float* xt2, int64_t ldx, Panel<W
 
 // rows in one block: as many accumulators as the vector registers hold beside a weight vector --
 // with avx512, one more: 32 rows (a GRPO batch of 8 prompts x 4) in one pass over the weight, where
-// 24 rows and then 8 had re-read every panel from the cache at 8 multiply-adds a k (36.1 -> 32.5 ms
+// 24 rows and then 8 had re-read every panel from the cache at 8 multiply-adds a k (35.6 -> 32.3 ms
 // for SmolLM2's 121 products at 32 rows, Intel Xeon avx512, 2 cores; docs/benchmark.md; bf16's the
 // same, 0.99x). The compiler keeps the accumulators that do not fit (two) in L1: each k's
 // load-add-store chain (~10 cycles) fits in the 16 cycles of a k's 32 multiply-adds.
@@ -1464,7 +1464,7 @@ void stream_product(const float* xp, int64_t k, const float* xp2, int64_t k2, in
   // more rows than a block: panels in pairs (two threads' runs of them), a block's rows across both
   // panels of a pair at a time (half the broadcasts a multiply-add). Up to two blocks, the first
   // still one panel at a time, streaming it (its 32 multiply-adds a k hide the loads), the second
-  // across the pair from the cache: 33-64 rows in 0.91-0.98x the time of both blocks one panel at a
+  // across the pair from the cache: 33-64 rows in 0.91-0.99x the time of both blocks one panel at a
   // time, whose second block had re-read each panel at fewer multiply-adds a k (Intel Xeon avx512).
   const int64_t step = rows > STREAM_ROWS && STREAM_WIDE ? 2 : 1;
   auto panel_at = [&](int64_t p) {
@@ -1478,7 +1478,7 @@ void stream_product(const float* xp, int64_t k, const float* xp2, int64_t k2, in
         const float* x = xp + block * k * STREAM_ROWS;
         const float* x2 = xp2 ? xp2 + block * k2 * STREAM_ROWS : nullptr;
         if (pair && (block > 0 || rows > 2 * STREAM_ROWS)) {
-          // in chunks of at most STREAM_WIDE_ROWS rows, as even as they divide (32: 11 + 11 + 10)
+          // in chunks of at most STREAM_WIDE_ROWS rows, as even as they divide (32: 10 + 11 + 11)
           const int64_t chunks = (count + STREAM_WIDE_ROWS - 1) / STREAM_WIDE_ROWS;
           for (int64_t c = 0, at = 0; c < chunks; ++c) {
             const int64_t size = (count - at) / (chunks - c);

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from grpo import models
-from grpo.backends.local import native_layers
+from grpo.backends.local import long_lived, native_layers
 from grpo.backends.local.folded_lora import FoldedAdapter, can_fold
 from grpo.backends.local.sampler_precision import SamplerCopy
 from grpo.backends.local.sections import section
@@ -107,6 +107,8 @@ class Engine:
         """``dtype``: the trainer's precision (``train_dtype``), ``sample_dtype`` the sampler's
         (None: the same name as ``dtype``); each fp32, bf16 or auto (grpo/models/precision.py).
         ``auto`` is decided per role: sampling and training may measure differently."""
+        # the imports set aside from the garbage collector's full passes, before any model loads
+        long_lived.freeze_once()
         self.base_model = base_model
         self.device = models.resolve_device(device)
         sample_dtype = dtype if sample_dtype is None else sample_dtype

@@ -8,8 +8,9 @@ cores, docs/benchmark.md). ``gc.freeze`` moves every object alive at that moment
 generation that collections skip; done before the first engine loads its model, that is the imports
 (~373,000 objects there), and six steps' full collections took 24 ms instead of 205.
 
-Frozen objects are never collected, so the freeze comes after a collection (nothing already garbage is
-kept), once per process, before any model is loaded: what is alive then lives for the process anyway.
+Frozen objects are still freed when their last reference goes, but a cycle among them is never
+collected; so the freeze comes after a collection (nothing already garbage is kept), once per process,
+before any model is loaded: what is alive then lives for the process anyway.
 ``GRPO_GC_FREEZE=off`` leaves the collector as the program set it; a program that switched the
 collector off is left alone too.
 """

@@ -7,6 +7,7 @@ one ``grpo: configuration error: ...`` line. Free of heavy imports, so it runs b
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable
 from typing import Any
 
@@ -28,6 +29,16 @@ def check_choice(key: str, value: Any, choices: Iterable[str]) -> None:
 
 def is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+def env_switch(name: str) -> bool:
+    """Whether the environment switch ``name`` is on: on (the default, or empty) or off; any other
+    value is refused with one line naming it and the valid ones (a ValueError, raised where the
+    switch is read)."""
+    value = os.environ.get(name, "on").strip().lower() or "on"
+    if value not in ("on", "off"):
+        raise ValueError(f"{name}={os.environ[name]!r} is invalid; valid: on, off")
+    return value == "on"
 
 
 def check_lora_targets(train_mlp: bool, train_attn: bool, train_unembed: bool) -> None:

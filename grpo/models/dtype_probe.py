@@ -61,6 +61,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
+from grpo.checks import env_switch
 from grpo.models import computing
 
 ROLES = ("sample", "train")
@@ -156,10 +157,7 @@ _lock = threading.Lock()
 
 def enabled() -> bool:
     """Whether ``auto`` may time the model (``GRPO_PRECISION_PROBE``: on, the default, or off)."""
-    value = os.environ.get(ENV_SWITCH, "on").strip().lower() or "on"
-    if value not in ("on", "off"):
-        raise ValueError(f"{ENV_SWITCH}={os.environ[ENV_SWITCH]!r} is invalid; valid: on, off")
-    return value == "on"
+    return env_switch(ENV_SWITCH)
 
 
 # Environment variables that cap the instruction sets the kernels use (oneDNN, MKL); ATen's own

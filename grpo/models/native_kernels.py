@@ -29,6 +29,8 @@ from pathlib import Path
 
 import torch
 
+from grpo.checks import env_switch
+
 ENV_SWITCH = "GRPO_NATIVE_KERNELS"
 SOURCE = Path(__file__).with_name("native_kernels.cpp")
 
@@ -39,10 +41,7 @@ _loaded: dict[str, object] = {}  # "ops" -> torch.ops.grpo_native, or "error" ->
 
 def enabled() -> bool:
     """Whether grpo may use its native kernels (``GRPO_NATIVE_KERNELS``: on, the default, or off)."""
-    value = os.environ.get(ENV_SWITCH, "on").strip().lower() or "on"
-    if value not in ("on", "off"):
-        raise ValueError(f"{ENV_SWITCH}={os.environ[ENV_SWITCH]!r} is invalid; valid: on, off")
-    return value == "on"
+    return env_switch(ENV_SWITCH)
 
 
 def _arch_flags() -> list[str]:

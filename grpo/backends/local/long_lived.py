@@ -18,8 +18,9 @@ collector off is left alone too.
 from __future__ import annotations
 
 import gc
-import os
 import threading
+
+from grpo.checks import env_switch
 
 ENV_SWITCH = "GRPO_GC_FREEZE"
 
@@ -29,10 +30,7 @@ _frozen = False
 
 def enabled() -> bool:
     """Whether grpo may freeze what is alive at its first engine (``GRPO_GC_FREEZE``: on, the default, or off)."""
-    value = os.environ.get(ENV_SWITCH, "on").strip().lower() or "on"
-    if value not in ("on", "off"):
-        raise ValueError(f"{ENV_SWITCH}={os.environ[ENV_SWITCH]!r} is invalid; valid: on, off")
-    return value == "on"
+    return env_switch(ENV_SWITCH)
 
 
 def freeze_once() -> bool:

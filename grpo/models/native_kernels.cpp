@@ -1040,7 +1040,7 @@ constexpr int64_t STREAM_PREFETCH_BYTES = 4096;  // how far ahead of the weight 
 template <typename W>
 constexpr int STREAM_PREFETCH_LOCALITY = std::is_same_v<W, float> ? 2 : 3;
 #endif
-// how many k ahead stream_block prefetches its inputs ([k][row]: up to 24 rows, 96 bytes a k)
+// how many k ahead stream_block prefetches its inputs ([k][row]: up to 32 rows, 128 bytes a k)
 constexpr int64_t STREAM_INPUTS_AHEAD = 32;
 
 inline float scalar_float(float v) { return v; }
@@ -1200,7 +1200,7 @@ inline void stream_block_wide(const float* xt, const float* xt2, int64_t ldx, Pa
   }
 }
 constexpr bool STREAM_WIDE = true;
-constexpr int STREAM_WIDE_ROWS = 12;  // 24 zmm accumulators, as stream_block's
+constexpr int STREAM_WIDE_ROWS = 12;  // 24 zmm accumulators beside two weight vectors
 #else
 constexpr bool STREAM_WIDE = false;
 constexpr int STREAM_WIDE_ROWS = 1;

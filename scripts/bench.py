@@ -699,7 +699,8 @@ def against_hardware(events: list[dict[str, Any]], floors: dict[str, Any], step_
     if "decode_linears_s" in alone:
         out["decode_linears_ms"] = 1000 * alone["decode_linears_s"]
         linears = f"{out['decode_linears_ms'] / out['decode_stream_floor_ms']:.2f}x ({out['decode_linears_ms']:.1f} ms)"
-    layout = {"stream": ", streaming layout", "onednn": ", oneDNN's layout"}.get(floors.get("layout"), "")
+    layout = {"stream": ", streaming layout", "stream_dot": ", streaming layout, bf16 dot products",
+              "onednn": ", oneDNN's layout"}.get(floors.get("layout"), "")
     table.append((f"decoding step / weight-stream floor ({floors.get('sample_dtype', machine.dtype)}{layout}: "
                   f"{decode_ms:.1f} ms / {out['decode_stream_floor_ms']:.1f} ms; "
                   f"{rows:.1f} rows, compute floor {out['decode_compute_floor_ms']:.1f} ms)", f"{ratio:.2f}x",

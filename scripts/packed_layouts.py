@@ -1,4 +1,5 @@
-"""The sampler's two packed layouts side by side: oneDNN's and grpo's streaming one (cpu_linear.py).
+"""The sampler's packed layouts side by side: oneDNN's and grpo's streaming one (cpu_linear.py), and
+in bf16, where grpo's kernels are built with avx512_bf16, the streaming layout's dot-product kernel.
 
 Usage (from the repository root):
 
@@ -17,7 +18,8 @@ trainer) per layout through the local backend, one client per layout, alternatin
 and its sections per step, and the medians.
 
 ``--dtype bf16``: the products in bf16, and the steps' sampler in bf16 (its own copy of the model,
-LoRA as side paths: sampler_precision.py).
+LoRA as side paths: sampler_precision.py); a third column, ``stream_dot``, where the kernels have
+avx512_bf16's dot product.
 Ratios within one run are what to read: this machine kind's speed drifts between runs.
 """
 
@@ -31,7 +33,14 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-LAYOUTS = ("onednn", "stream")
+NAMES = {"onednn": "oneDNN packed", "stream": "streaming", "stream_dot": "streaming, bf16 dot products"}
+
+
+def layouts_of(dtype_name: str) -> tuple[str, ...]:
+    """oneDNN's layout and the streaming ones a sampler in ``dtype_name`` could pack in here."""
+    from grpo.models import dtype_probe
+
+    return ("onednn", *[layout for layout in dtype_probe.sampler_layouts(dtype_name) if layout != "onednn"])
 
 
 def product(x, weight):
@@ -57,33 +66,38 @@ def products(model: str, rows: list[int], passes: int, dtype_name: str = "fp32")
     layer = [(q + 2 * kv, h), (h, q), (2 * i, h), (h, i)]  # as the sampler stacks them: q/k/v, o, gate/up, down
     torch.manual_seed(0)
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype_name]
+    layouts = layouts_of(dtype_name)
     dense = [torch.empty(shape).uniform_(-0.05, 0.05).to(dtype) for _ in range(shapes.layers) for shape in layer]
     dense.append(torch.empty(shapes.vocab, h).uniform_(-0.05, 0.05).to(dtype))
     # (where oneDNN packs no bf16 weight -- a CPU without avx512 -- the sampler keeps the plain weight)
     packed = {layout: [cpu_linear.pack_weight(w, layout) if cpu_linear.can_pack(w, layout) else w for w in dense]
-              for layout in LAYOUTS}
+              for layout in layouts}
     fan_ins = [w.shape[1] for w in dense]
     elements = sum(w.numel() for w in dense)
     nbytes, flops_per_row = elements * dense[0].element_size(), 2 * elements
     del dense
     print(f"# {model}: {len(packed['onednn'])} products, {nbytes / 1e6:.0f} MB of {dtype_name} weights a pass; "
           f"torch {torch.__version__}, {torch.get_num_threads()} threads")
-    first = "oneDNN packed" if any(w.is_mkldnn for w in packed["onednn"]) else "plain (oneDNN packs none here)"
-    print(f"| rows | {first} | streaming | {first.split()[0]} / streaming |")
-    print("| --- | --- | --- | --- |")
+    first = NAMES["onednn"] if any(w.is_mkldnn for w in packed["onednn"]) else "plain (oneDNN packs none here)"
+    others = layouts[1:]
+    print(f"| rows | {first} | {' | '.join(NAMES[layout] for layout in others)} | "
+          f"{' | '.join(f'{first.split()[0]} / {NAMES[layout]}' for layout in others)} |")
+    print("| --- " * (2 + 2 * len(others)) + "|")
     with torch.inference_mode():
         for m in rows:
             inputs = {n: torch.randn(m, n).to(dtype) for n in set(fan_ins)}
-            best = {layout: float("inf") for layout in LAYOUTS}
+            best = {layout: float("inf") for layout in layouts}
             for _ in range(passes):
-                for layout in LAYOUTS:
+                for layout in layouts:
                     start = time.perf_counter()
                     for w, fan_in in zip(packed[layout], fan_ins, strict=True):
                         product(inputs[fan_in], w)
                     best[layout] = min(best[layout], time.perf_counter() - start)
-            o, s = best["onednn"], best["stream"]
-            print(f"| {m} | {o * 1e3:.1f} ms ({m * flops_per_row / o / 1e9:.0f} GFLOP/s) | {s * 1e3:.1f} ms "
-                  f"({m * flops_per_row / s / 1e9:.0f} GFLOP/s, {nbytes / s / 1e9:.1f} GB/s) | {o / s:.2f} |")
+            o = best["onednn"]
+            streamed = " | ".join(f"{best[layout] * 1e3:.1f} ms ({m * flops_per_row / best[layout] / 1e9:.0f} GFLOP/s, "
+                                  f"{nbytes / best[layout] / 1e9:.1f} GB/s)" for layout in others)
+            print(f"| {m} | {o * 1e3:.1f} ms ({m * flops_per_row / o / 1e9:.0f} GFLOP/s) | {streamed} | "
+                  f"{' | '.join(f'{o / best[layout]:.2f}' for layout in others)} |")
 
 
 def steps(model: str, count: int, dtype_name: str = "fp32") -> None:
@@ -96,7 +110,8 @@ def steps(model: str, count: int, dtype_name: str = "fp32") -> None:
     # one client per layout (an fp32 trainer; the sampler in ``dtype_name``), each packing its
     # sampler in its layout, as on a machine that measured that layout faster
     clients = {}
-    for layout in LAYOUTS:
+    layouts = layouts_of(dtype_name)
+    for layout in layouts:
         kernel_probe.decoding_layout = lambda shapes, dtype=None, layout=layout: layout
         clients[layout] = ServiceClient(device="cpu", train_dtype="fp32", sample_dtype=dtype_name
                                         ).create_lora_training_client(model, rank=16, seed=0, train_unembed=False)
@@ -114,7 +129,7 @@ def steps(model: str, count: int, dtype_name: str = "fp32") -> None:
 
     for tc in clients.values():
         step(tc, 100)  # warm-up
-    calls: dict[str, list[float]] = {layout: [] for layout in LAYOUTS}
+    calls: dict[str, list[float]] = {layout: [] for layout in layouts}
     print(f"\n{dtype_name} sampler, fp32 trainer\n\n| step | layout | sampling call | decoding forward | prefill | "
           "installing LoRA |")
     print("| --- | --- | --- | --- | --- | --- |")
@@ -125,8 +140,8 @@ def steps(model: str, count: int, dtype_name: str = "fp32") -> None:
             print(f"| {seed} | {layout} | {timing['sample_s']:.2f} s | {seconds.get('grpo.sample.decode_forward', 0):.3f} s"
                   f" | {seconds.get('grpo.sample.prefill', 0):.3f} s | {seconds.get('grpo.sample.install_lora', 0):.3f} s |")
     medians = {layout: statistics.median(v) for layout, v in calls.items()}
-    print(f"\nsampling call, median: oneDNN {medians['onednn']:.2f} s, streaming {medians['stream']:.2f} s, "
-          f"streaming / oneDNN {medians['stream'] / medians['onednn']:.2f}")
+    print("\nsampling call, median: " + ", ".join(f"{NAMES[layout]} {medians[layout]:.2f} s" for layout in layouts)
+          + "; " + ", ".join(f"{NAMES[layout]} / oneDNN {medians[layout] / medians['onednn']:.2f}" for layout in layouts[1:]))
 
 
 def main() -> None:

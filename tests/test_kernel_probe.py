@@ -48,10 +48,12 @@ def probe(monkeypatch, tmp_path):
     monkeypatch.setattr(dtype_probe, "cache_file", lambda: tmp_path / "precision.json")
     monkeypatch.setattr(dtype_probe, "machine_busy", lambda: None)
 
-    def use(timer: FakeTimer, layouts: FakeTimer | None = None, bf16_layouts: FakeTimer | None = None) -> FakeTimer:
+    def use(timer: FakeTimer, layouts: FakeTimer | None = None, bf16_layouts: FakeTimer | None = None,
+            bf16_kernels: FakeTimer | None = None) -> FakeTimer:
         monkeypatch.setattr(kernel_probe, "measure", timer)
         monkeypatch.setattr(kernel_probe, "measure_layouts", layouts or FakeTimer(0.045, 0.032))
         monkeypatch.setattr(kernel_probe, "measure_bf16_layouts", bf16_layouts or FakeTimer(0.052, 0.030))
+        monkeypatch.setattr(kernel_probe, "measure_bf16_stream_kernels", bf16_kernels or FakeTimer(0.030, 0.031))
         return timer
 
     return use
@@ -209,7 +211,9 @@ def test_the_kernel_decides_which_library_computes_a_float32_training_product(mo
 @pytest.mark.parametrize(("question", "measure"), [
     (kernel_probe.TRAINING_KERNEL, kernel_probe.measure),
     pytest.param(kernel_probe.DECODING_LAYOUT["fp32"], kernel_probe.measure_layouts, marks=needs_streaming),
-    pytest.param(kernel_probe.DECODING_LAYOUT["bf16"], kernel_probe.measure_bf16_layouts, marks=needs_streaming)])
+    pytest.param(kernel_probe.DECODING_LAYOUT["bf16"], kernel_probe.measure_bf16_layouts, marks=needs_streaming),
+    pytest.param(kernel_probe.BF16_STREAM_KERNEL, kernel_probe.measure_bf16_stream_kernels, marks=pytest.mark.skipif(
+        not cpu_linear.stream_dot_available(), reason="grpo's kernels are not built with avx512_bf16 here"))])
 def test_the_real_probe_times_both_options(tmp_path, monkeypatch, question, measure) -> None:
     """Only that measuring works and is reused: which option wins is this machine's."""
     monkeypatch.setattr(kernel_probe, "_memo", {})
@@ -284,3 +288,63 @@ def test_no_layout_is_measured_without_the_kernels_the_probe_or_shapes(probe, mo
         assert kernel_probe.decoding_layout(SMOL) == "onednn"
         assert "fp32 decoding layout not measured, the machine is busy" in capsys.readouterr().err
     assert layouts.calls == 0
+
+
+@needs_onednn
+@needs_streaming
+@pytest.mark.parametrize(("widened_s", "dot_s", "expected"), [
+    (0.0531, 0.0270, "stream_dot"),  # an AMD EPYC (Zen 4): the dot products ~2x the multiply-adds
+    (0.0300, 0.0295, "stream"),  # inside the margin: the widened kernel, the one used so far, stays
+    (0.0300, 0.0600, "stream"),  # a CPU whose dot product runs at half float32's rate
+])
+def test_bf16_streams_through_the_dot_product_only_where_it_measured_faster(probe, monkeypatch, widened_s, dot_s,
+                                                                          expected) -> None:
+    monkeypatch.setattr(cpu_linear, "stream_dot_available", lambda: True)
+    kernels = FakeTimer(widened_s, dot_s)
+    probe(FakeTimer(0.4, 0.4), bf16_layouts=FakeTimer(0.052, 0.030), bf16_kernels=kernels)
+    assert kernel_probe.decoding_layout(SMOL, torch.bfloat16) == expected
+    assert kernel_probe.decoding_layout(SMOL, torch.bfloat16) == expected and kernels.calls == 1
+
+
+@needs_onednn
+@needs_streaming
+def test_no_bf16_streaming_kernel_is_weighed_where_there_is_one_or_onednn_won(probe, monkeypatch, tmp_path,
+                                                                             capsys) -> None:
+    """Built without the dot product: the widened kernel, untimed. oneDNN's layout measured faster
+    than the streaming one (in its faster kernel): no kernel to choose."""
+    kernels = FakeTimer(0.0531, 0.0270)
+    monkeypatch.setattr(cpu_linear, "stream_dot_available", lambda: False)
+    probe(FakeTimer(0.4, 0.4), bf16_layouts=FakeTimer(0.052, 0.030), bf16_kernels=kernels)
+    assert kernel_probe.decoding_layout(SMOL, torch.bfloat16) == "stream"
+    monkeypatch.setattr(cpu_linear, "stream_dot_available", lambda: True)
+    kernel_probe._memo.clear()  # another machine: nothing cached
+    (tmp_path / "precision.json").unlink()
+    probe(FakeTimer(0.4, 0.4), bf16_layouts=FakeTimer(0.030, 0.052), bf16_kernels=kernels)
+    assert kernel_probe.decoding_layout(SMOL, torch.bfloat16) == "onednn"
+    assert kernels.calls == 0 and "streaming kernel" not in capsys.readouterr().err
+
+
+@needs_onednn
+@needs_streaming
+def test_the_precision_probes_three_bf16_times_answer_both_questions_untimed(probe, monkeypatch, tmp_path,
+                                                                             capsys) -> None:
+    """The precision probe times bf16 decoding in oneDNN's layout and in both streaming kernels: the
+    layout question weighs oneDNN's against the streaming layout in the kernel those numbers
+    choose (an AMD EPYC: oneDNN 52.7 ms, widened 53.1 ms, dot products 27.0 ms), and the kernel
+    question answers from them too; nothing is timed again."""
+    monkeypatch.setattr(cpu_linear, "stream_dot_available", lambda: True)
+    monkeypatch.setattr(dtype_probe, "_by_variant_memo", {})
+    layouts, kernels = FakeTimer(0.9, 0.1), FakeTimer(0.9, 0.1)
+    probe(FakeTimer(0.4, 0.4), bf16_layouts=layouts, bf16_kernels=kernels)
+    key = dtype_probe.machine_key(SMOL)
+    (tmp_path / "precision.json").write_text(json.dumps({key: {dtype_probe.BY_LAYOUT["bf16"]: {
+        "onednn": 0.0527, "stream": 0.0531, "stream_dot": 0.0270}}}))
+    assert kernel_probe.decoding_layout(SMOL, torch.bfloat16) == "stream_dot"
+    assert layouts.calls == kernels.calls == 0
+    layout_line, kernel_line = capsys.readouterr().err.splitlines()
+    assert "bf16 decoding layout" in layout_line and "(per decoding step: oneDNN 52.7 ms, streaming 27.0 ms" in layout_line
+    assert kernel_line.startswith(f"grpo: bf16 streaming kernel on {dtype_probe.cpu_name()} ({SMOL.signature()}): "
+                                  "avx512_bf16 dot products (per decoding step: float32 multiply-adds 53.1 ms, bf16 dot "
+                                  "products 27.0 ms, bf16 dot products 1.97x faster, as the precision probe timed them)")
+    stored = json.loads((tmp_path / "precision.json").read_text())
+    assert stored[kernel_probe.BF16_STREAM_KERNEL.key_prefix + key] == {"stream_s": 0.0531, "stream_dot_s": 0.027}

@@ -297,14 +297,16 @@ def test_the_real_probe_returns_a_choice_per_role_and_caches_it(tmp_path, monkey
     assert dtype_probe.timings(shapes, timer=no_timing, cache=tmp_path / "p.json") == first
 
 
-@pytest.mark.parametrize(("onednn_s", "torch_s", "stream_s", "bf16_stream_s"),
-                         [(4.0, 2.0, 0.5, 0.25), (2.0, 4.0, 2.0, 3.0)])
+@pytest.mark.parametrize(("onednn_s", "torch_s", "stream_s", "bf16_stream_s", "bf16_dot_s"),
+                         [(4.0, 2.0, 0.5, 0.25, 0.125), (2.0, 4.0, 2.0, 3.0, 4.0)])
 def test_each_precision_is_timed_through_its_faster_kernel_and_packed_layout(monkeypatch, onednn_s, torch_s,
-                                                                              stream_s, bf16_stream_s) -> None:
+                                                                              stream_s, bf16_stream_s,
+                                                                              bf16_dot_s) -> None:
     """A float32 model trains through whichever kernel measured faster, and a sampler packs in
     whichever layout measured faster in its precision (kernel_probe.py), so the probe's times are
-    those: ``auto`` weighs bf16 against fp32 as each would run. The ops advance a fake clock by
-    their cost: the probe's arithmetic, not this CPU's speed."""
+    those: ``auto`` weighs bf16 against fp32 as each would run. bf16 streams in two kernels where
+    the dot product is built ("stream_dot"), and in one where it is not. The ops advance a fake
+    clock by their cost: the probe's arithmetic, not this CPU's speed."""
     import types as pytypes
 
     from grpo.models import cpu_linear
@@ -312,7 +314,7 @@ def test_each_precision_is_timed_through_its_faster_kernel_and_packed_layout(mon
     clock = [0.0]
     cost = {(torch.float32, "onednn"): onednn_s, (torch.float32, "torch"): torch_s, (torch.bfloat16, "onednn"): 3.0}
     decode_cost = {(torch.float32, "onednn"): 1.0, (torch.float32, "stream"): stream_s, (torch.bfloat16, "onednn"): 1.0,
-                   (torch.bfloat16, "stream"): bf16_stream_s}
+                   (torch.bfloat16, "stream"): bf16_stream_s, (torch.bfloat16, "stream_dot"): bf16_dot_s}
 
     def ops(seconds: float):
         def op() -> None:
@@ -325,13 +327,19 @@ def test_each_precision_is_timed_through_its_faster_kernel_and_packed_layout(mon
     monkeypatch.setattr(cpu_linear, "wanted", lambda: True)
     monkeypatch.setattr(cpu_linear, "onednn_works", lambda: True)
     monkeypatch.setattr(cpu_linear, "stream_available", lambda: True)
+    monkeypatch.setattr(cpu_linear, "stream_dot_available", lambda: True)
     shapes = dtype_probe.Shapes.from_config(models.load_config("tiny"))
     result = dtype_probe.measure(shapes, budget_s=0.1)
     assert result["train"] == (6 * min(onednn_s, torch_s), 6 * 3.0)
-    assert result["sample"] == (6 * min(1.0, stream_s), 6 * min(1.0, bf16_stream_s))
+    assert result["sample"] == (6 * min(1.0, stream_s), 6 * min(1.0, bf16_stream_s, bf16_dot_s))
     # each kernel's and layout's time kept too: the kernel probe answers from them (tests/test_kernel_probe.py)
     assert result[dtype_probe.BY_KERNEL] == {"onednn": 6 * onednn_s, "torch": 6 * torch_s}
     assert result[dtype_probe.BY_LAYOUT["fp32"]] == {"onednn": 6.0, "stream": 6 * stream_s}
+    assert result[dtype_probe.BY_LAYOUT["bf16"]] == {"onednn": 6.0, "stream": 6 * bf16_stream_s,
+                                                     "stream_dot": 6 * bf16_dot_s}
+    monkeypatch.setattr(cpu_linear, "stream_dot_available", lambda: False)  # built without avx512_bf16
+    result = dtype_probe.measure(shapes, budget_s=0.1)
+    assert result["sample"] == (6 * min(1.0, stream_s), 6 * min(1.0, bf16_stream_s))
     assert result[dtype_probe.BY_LAYOUT["bf16"]] == {"onednn": 6.0, "stream": 6 * bf16_stream_s}
     monkeypatch.setattr(cpu_linear, "wanted", lambda: False)  # GRPO_CPU_LINEAR=torch: one kernel, nothing to pick
     monkeypatch.setattr(cpu_linear, "stream_available", lambda: False)  # grpo's kernels not built: one layout
@@ -469,7 +477,9 @@ def _bf16_layouts():
     return [pytest.param("onednn", 1e-3, marks=pytest.mark.skipif(
                 not packing_works(torch.bfloat16), reason="this CPU/torch build packs no bf16 weights")),
             pytest.param("stream", 1e-2, marks=pytest.mark.skipif(
-                not cpu_linear.stream_available(), reason="grpo's native kernels are not built here"))]
+                not cpu_linear.stream_available(), reason="grpo's native kernels are not built here")),
+            pytest.param("stream_dot", 1e-2, marks=pytest.mark.skipif(
+                not cpu_linear.stream_dot_available(), reason="grpo's kernels are not built with avx512_bf16 here"))]
 
 
 @pytest.mark.parametrize(("layout", "tolerance"), _bf16_layouts())

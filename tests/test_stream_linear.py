@@ -20,6 +20,8 @@ from grpo.models import cpu_linear, kernel_probe, native_kernels
 from grpo.models.cpu_linear import OneDNNLinear, PackedLinear, pack_weight, packed_product
 
 needs_onednn = pytest.mark.skipif(not cpu_linear.onednn_works(), reason="no oneDNN Linear in this torch build")
+needs_dot = pytest.mark.skipif(not cpu_linear.stream_dot_available(),
+                               reason="grpo's kernels are not built with avx512_bf16's dot product here")
 
 
 @pytest.fixture
@@ -64,14 +66,38 @@ def test_the_product_is_within_a_float32_sums_bound_of_float64(ops, rows, out_fe
     _within_sum_bound(ops.stream_linear(x, packed, None), x, w, None)
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_a_rows_result_is_the_same_alone_or_among_any_other_rows(ops, dtype) -> None:
+@needs_dot
+@pytest.mark.parametrize("rows", [1, 5, 31, 32, 33, 64, 65, 130])
+@pytest.mark.parametrize(("out_features", "in_features"), [(48, 7), (960, 576), (32, 300)])
+def test_bf16_in_pairs_is_within_a_float32_sums_bound_of_float64(ops, rows, out_features, in_features) -> None:
+    """A bf16 weight packed in pairs for avx512_bf16's dot product ([N / 16, ceil(K / 2), 32], an odd
+    K completed with a zero): each instruction adds two exact products to the float32 sum, one
+    rounding each, so the bound of K fused multiply-adds holds (the inputs hold no denormals, which
+    the instruction takes as zero); and it agrees with the widened kernel to bf16's rounding."""
+    gen = torch.Generator().manual_seed(rows * 1000 + out_features)
+    x = torch.randn(rows, in_features, generator=gen).bfloat16()
+    w = (torch.randn(out_features, in_features, generator=gen) * in_features**-0.5).bfloat16()
+    b = torch.randn(out_features, generator=gen).bfloat16()
+    packed = ops.stream_pack(w, True)
+    assert packed.shape == (out_features // 16, (in_features + 1) // 2, 32) and packed.dtype == torch.bfloat16
+    assert cpu_linear.layout_of(packed) == "stream_dot" and cpu_linear.layout_of(ops.stream_pack(w)) == "stream"
+    got = ops.stream_linear(x, packed, b)
+    assert got.dtype == torch.bfloat16 and got.shape == (rows, out_features)
+    _within_sum_bound(got, x, w, b)
+    _within_sum_bound(ops.stream_linear(x, packed, None), x, w, None)
+    widened = ops.stream_linear(x, ops.stream_pack(w), b).float()
+    assert torch.allclose(got.float(), widened, rtol=2.0**-7, atol=1e-6)
+
+
+@pytest.mark.parametrize(("dtype", "pairs"), [(torch.float32, False), (torch.bfloat16, False),
+                                              pytest.param(torch.bfloat16, True, marks=needs_dot)])
+def test_a_rows_result_is_the_same_alone_or_among_any_other_rows(ops, dtype, pairs) -> None:
     """Each output is the same sum in the same order whatever the batch: a decoding row's logits
     do not depend on which other rows share its step (unlike a kernel that blocks by row count)."""
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(130, 576, generator=gen).to(dtype)
     w, b = (torch.randn(960, 576, generator=gen) * 0.04).to(dtype), torch.randn(960, generator=gen).to(dtype)
-    packed = ops.stream_pack(w)
+    packed = ops.stream_pack(w, pairs)
     everything = ops.stream_linear(x, packed, b)
     for rows in ([0], [7, 3], list(range(24)), list(range(32)), list(range(33)), list(range(100, 130)),
                  list(range(60)), list(range(70))):
@@ -105,6 +131,15 @@ def test_bad_input_is_refused_naming_what_was_expected(ops) -> None:
         ops.stream_linear(torch.randn(2, 8), w, None)
     with pytest.raises(RuntimeError, match=r"bias must be Float \[32\]"):
         ops.stream_linear(torch.randn(2, 8), packed, torch.randn(31))
+    if not cpu_linear.stream_dot_available():
+        with pytest.raises(RuntimeError, match="pairs need avx512_bf16's dot product, which this build"):
+            ops.stream_pack(w.bfloat16(), True)
+        return
+    with pytest.raises(RuntimeError, match="pairs are for bfloat16 weights, got Float"):
+        ops.stream_pack(w, True)
+    pairs = ops.stream_pack(w.bfloat16(), True)
+    with pytest.raises(RuntimeError, match="a BFloat16 CPU input with 8 \\(or one fewer\\) features last"):
+        ops.stream_linear(torch.randn(2, 9).bfloat16(), pairs, None)
 
 
 @needs_onednn
@@ -284,8 +319,13 @@ def test_packed_product_multiplies_by_either_layout(ops) -> None:
         pytest.skip("no oneDNN Linear in this torch build")
     gen = torch.Generator().manual_seed(3)
     x, w, b = torch.randn(6, 24, generator=gen), torch.randn(32, 24, generator=gen), torch.randn(32, generator=gen)
-    for layout in cpu_linear.LAYOUTS:
+    for layout in cpu_linear.LAYOUTS:  # (a float32 weight asked for "stream_dot" streams as "stream")
         assert torch.allclose(packed_product(x, pack_weight(w, layout), b), nn.functional.linear(x, w, b), atol=1e-5)
+        xb, wb, bb = x.bfloat16(), w.bfloat16(), b.bfloat16()
+        if not cpu_linear.can_pack(wb, layout):  # (oneDNN packs no bf16 on a CPU without avx512)
+            continue
+        assert torch.allclose(packed_product(xb, pack_weight(wb, layout), bb).float(),
+                              nn.functional.linear(xb.float(), wb.float(), bb.float()), atol=0.05, rtol=0.01)
 
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
@@ -309,21 +349,25 @@ def test_the_layouts_script_prints_both_layouts_per_row_count(ops, dtype) -> Non
     assert f"MB of {dtype} weights a pass" in out.stdout
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("dtype", "layout"), [(torch.float32, "stream"), (torch.bfloat16, "stream"),
+                                               pytest.param(torch.bfloat16, "stream_dot", marks=needs_dot)])
 @pytest.mark.parametrize("rows", [1, 5, 32, 33, 49, 70])
 @pytest.mark.parametrize("rank", [8, 16, 20])
-def test_a_lora_side_path_is_part_of_the_streaming_products_sums(ops, dtype, rows, rank) -> None:
+def test_a_lora_side_path_is_part_of_the_streaming_products_sums(ops, dtype, layout, rows, rank) -> None:
     """A and B packed in the streaming layout beside their base, the rank padded with zeros to 16:
     x @ W.T + (x @ A.T) @ B.T + bias, each output one float32 sum over [x, x @ A.T] against [W, B]
-    (d = x @ A.T itself a float32 sum), rounded once; a row's result still its own."""
+    (d = x @ A.T itself a float32 sum), rounded once; a row's result still its own. Beside a base
+    in pairs (bf16's dot product), A is in pairs too and B plain (it multiplies float32 d)."""
     gen = torch.Generator().manual_seed(rank * 100 + rows)
     x = torch.randn(rows, 40, generator=gen).to(dtype)
     w, bias = (torch.randn(64, 40, generator=gen) * 0.2).to(dtype), torch.randn(64, generator=gen).to(dtype)
     a, b = (torch.randn(rank, 40, generator=gen) * 0.2).to(dtype), (torch.randn(64, rank, generator=gen) * 0.2).to(dtype)
-    side = cpu_linear.LoraSideProduct(a, b, "stream")
-    assert side.streams and side.packed[0].shape == (-(-rank // 16), 40, 16)
+    side = cpu_linear.LoraSideProduct(a, b, layout)
+    in_pairs = layout == "stream_dot"
+    assert side.streams and side.packed[0].shape == ((-(-rank // 16), 20, 32) if in_pairs else (-(-rank // 16), 40, 16))
     assert side.packed[1].shape == (4, -(-rank // 16) * 16, 16)
-    packed = pack_weight(w, "stream")
+    packed = pack_weight(w, layout)
+    assert cpu_linear.layout_of(packed) == layout
     got = packed_product(x, packed, bias, side)
     assert got.dtype == dtype and got.shape == (rows, 64)
     # the bound of [x, d] @ [W, B].T + bias, d's own sums' error carried through |B|
@@ -352,6 +396,12 @@ def test_a_lora_side_path_is_refused_unless_packed_to_match(ops) -> None:
     with pytest.raises(RuntimeError, match="LoRA's B must come from stream_pack .*BFloat16"):
         ops.stream_linear(x.bfloat16(), ops.stream_pack(torch.randn(32, 8).bfloat16()), None,
                           ops.stream_pack(torch.randn(16, 8).bfloat16()), b)
+    if cpu_linear.stream_dot_available():
+        wb, ab, bb = (t.bfloat16() for t in (torch.randn(32, 8), torch.randn(16, 8), torch.randn(32, 16)))
+        with pytest.raises(RuntimeError, match="LoRA's A must be packed as the weight is \\(in pairs\\) and its B plain"):
+            ops.stream_linear(x.bfloat16(), ops.stream_pack(wb, True), None, ops.stream_pack(ab), ops.stream_pack(bb))
+        with pytest.raises(RuntimeError, match="LoRA's A must be packed as the weight is \\(plain\\) and its B plain"):
+            ops.stream_linear(x.bfloat16(), ops.stream_pack(wb), None, ops.stream_pack(ab, True), ops.stream_pack(bb))
 
 
 @pytest.fixture
@@ -372,11 +422,13 @@ def bf16_mixed(monkeypatch, tmp_path):
     return make
 
 
-def test_a_bf16_sampler_in_the_streaming_layout_tracks_the_fp32_trainer(ops, bf16_mixed) -> None:
+@pytest.mark.parametrize("layout", ["stream", pytest.param("stream_dot", marks=needs_dot)])
+def test_a_bf16_sampler_in_the_streaming_layout_tracks_the_fp32_trainer(ops, bf16_mixed, layout) -> None:
     """Every weight of the bf16 copy streams (LoRA's side paths too, in the one native call), and
-    its logprobs stay within bf16 rounding of the fp32 trainer's, as oneDNN's bf16 sampler's do."""
-    client = bf16_mixed("stream")
-    assert client.engine.sample_layout == "stream"
+    its logprobs stay within bf16 rounding of the fp32 trainer's, as oneDNN's bf16 sampler's do --
+    widened or in pairs for the dot product."""
+    client = bf16_mixed(layout)
+    assert client.engine.sample_layout == layout
     decoders, real = [], native_decode.native_decoder
     with pytest.MonkeyPatch.context() as patched:
         patched.setattr(native_decode, "native_decoder", lambda lean, device: decoders.append(real(lean, device))
@@ -384,6 +436,7 @@ def test_a_bf16_sampler_in_the_streaming_layout_tracks_the_fp32_trainer(ops, bf1
         runs = sample_each(client, temperature=1.0, seed=5)
     plan = decoders[-1].plan
     assert plan is not None and all(w.dim() == 3 and w.dtype == torch.bfloat16 for w in plan.weights)
+    assert {cpu_linear.layout_of(w) for w in plan.weights} == {layout}
     assert all(e is None or (e.dim() == 3 and e.dtype == torch.bfloat16) for e in plan.extras)
     assert any(e is not None for e in plan.extras)  # the side paths are there
     data, sampled = [], []
@@ -407,7 +460,8 @@ def test_both_bf16_layouts_score_the_same_tokens_alike(ops, bf16_mixed) -> None:
     tokens = [1, *range(40, 90)]
     scored = {layout: s.compute_logprobs(types.ModelInput.from_ints(tokens)).result()[1:]
               for layout, s in samplers.items()}
-    assert max(abs(a - b) for a, b in zip(scored["stream"], scored["onednn"], strict=True)) < 0.02
+    for layout in cpu_linear.STREAMING:
+        assert max(abs(a - b) for a, b in zip(scored[layout], scored["onednn"], strict=True)) < 0.02
     (seq,) = samplers["stream"].sample(types.ModelInput.from_ints(tokens[:8]), 1, types.SamplingParams(
         max_tokens=12, temperature=1.0, seed=3)).result().sequences
     rescored = samplers["onednn"].compute_logprobs(types.ModelInput.from_ints(tokens[:8] + seq.tokens)).result()[8:]

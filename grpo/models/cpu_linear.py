@@ -24,8 +24,13 @@ faster for a decoding step in that precision (kernel_probe.py) -- into grpo's st
 whose product (native_kernels.cpp's ``stream_linear``) reads each weight once for all of a
 decoding step's rows and prefetches ahead: SmolLM2's Linears at 24 rows, 30 layers' distinct
 weights, took 33 ms against oneDNN's 47 in fp32, 29 against 51 in bf16 (Intel Xeon, avx512, no
-AMX, 2 cores; docs/benchmark.md). ``packed_product`` multiplies by either, with LoRA's side path
-(``LoraSideProduct``) inside the streaming product's sums.
+AMX, 2 cores; docs/benchmark.md). A bf16 weight streams in one of two kernels: widened to float32
+for float32's multiply-adds (``stream``), or in pairs of values for avx512_bf16's dot product
+(``stream_dot``), which on an AMD EPYC (Zen 4) ran SmolLM2's products at 32 rows 1.96x faster than
+the widened kernel and 1.34x faster than oneDNN's bf16 product, and on an Intel Xeon without AMX
+slower: which one a sampler packs in is measured too (kernel_probe.py). ``packed_product``
+multiplies by any of them, with LoRA's side path (``LoraSideProduct``) inside the streaming
+product's sums.
 
 ``GRPO_CPU_LINEAR=torch`` in the environment keeps PyTorch's default kernels.
 """
@@ -48,9 +53,12 @@ def _onednn(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) ->
     return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
 
 
-# The layouts a gradient-free weight may be packed in: oneDNN's, or grpo's streaming one (float32;
-# native_kernels.cpp). The streaming layout holds the output columns in panels of this many.
-LAYOUTS = ("onednn", "stream")
+# The layouts a gradient-free weight may be packed in: oneDNN's, or grpo's streaming one
+# (native_kernels.cpp): "stream" for float32 multiply-adds (bf16 widened), "stream_dot" for a bf16
+# weight in pairs of values for avx512_bf16's dot product (a float32 weight asked for it streams as
+# "stream"). The streaming layouts hold the output columns in panels of this many.
+LAYOUTS = ("onednn", "stream", "stream_dot")
+STREAMING = ("stream", "stream_dot")
 STREAM_COLUMNS = 16
 STREAM_DTYPES = (torch.float32, torch.bfloat16)
 _stream: dict = {"ops": None}  # torch.ops.grpo_native, once loaded
@@ -65,6 +73,25 @@ def _stream_ops():
         if ops is not None and hasattr(ops, "stream_linear"):
             _stream["ops"] = ops
     return _stream["ops"]
+
+
+def stream_dot_available() -> bool:
+    """Whether bf16 weights can stream in pairs for avx512_bf16's dot product here (the "stream_dot"
+    layout): grpo's native kernels loaded, and built for a CPU with that instruction."""
+    ops = _stream_ops()
+    return ops is not None and bool(ops.stream_dot_available())
+
+
+def _in_pairs(weight: torch.Tensor, layout: str) -> bool:
+    """Whether ``weight`` packed in ``layout`` streams in pairs: bf16 in "stream_dot" where built."""
+    return layout == "stream_dot" and weight.dtype == torch.bfloat16 and stream_dot_available()
+
+
+def layout_of(packed: torch.Tensor) -> str:
+    """The layout a weight was packed in by ``pack_weight``."""
+    if packed.is_mkldnn:
+        return "onednn"
+    return "stream_dot" if packed.shape[-1] == 2 * STREAM_COLUMNS else "stream"
 
 
 def stream_available() -> bool:
@@ -103,11 +130,12 @@ class LoraSideProduct:
     def __init__(self, a: torch.Tensor, b: torch.Tensor, layout: str = "onednn"):
         self.a, self.b = a, b
         self.packed = None
-        self.streams = layout == "stream" and streams(b) and streams(a, any_rows=True)
-        if self.streams:
+        self.streams = layout in STREAMING and streams(b) and streams(a, any_rows=True)
+        if self.streams:  # (A as the base, in pairs where it is; B multiplies float32 d = x @ A.T: plain)
             pad = -a.shape[0] % STREAM_COLUMNS
             ops = _stream_ops()
-            self.packed = (ops.stream_pack(F.pad(a.detach(), (0, 0, 0, pad))), ops.stream_pack(F.pad(b.detach(), (0, pad))))
+            self.packed = (ops.stream_pack(F.pad(a.detach(), (0, 0, 0, pad)), _in_pairs(a, layout)),
+                           ops.stream_pack(F.pad(b.detach(), (0, pad))))
         elif can_pack(a) and can_pack(b) and _binary_add_works(a.dtype):
             self.packed = (pack_weight(a, "onednn"), pack_weight(b, "onednn"))
 
@@ -217,8 +245,8 @@ def pack_weight(weight: torch.Tensor, layout: str = "onednn") -> torch.Tensor:
     opaque mkldnn tensor ``_linear_pointwise`` takes), as does every weight asked for in oneDNN's."""
     if layout not in LAYOUTS:
         raise ValueError(f"unknown packed layout {layout!r}; valid: {', '.join(LAYOUTS)}")
-    if layout == "stream" and streams(weight):
-        return _stream_ops().stream_pack(weight.detach())
+    if layout in STREAMING and streams(weight):
+        return _stream_ops().stream_pack(weight.detach(), _in_pairs(weight, layout))
     # The batch size is a hint for the layout; 32 rows is what a decoding step carries at most
     # as a rule, and the packed weight computes any number of rows.
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 32)
@@ -241,7 +269,7 @@ class PackedLinear(nn.Module):
 
     @property
     def layout(self) -> str:
-        return "onednn" if self.packed.is_mkldnn else "stream"
+        return layout_of(self.packed)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, dtype={self.dtype}, "
@@ -264,7 +292,7 @@ def keep_packed_copies(modules: list[nn.Module], layout: str = "onednn") -> int:
 
 def can_pack(weight: torch.Tensor, layout: str = "onednn") -> bool:
     """Whether ``weight`` can be packed here, in ``layout`` or else in oneDNN's (``pack_weight``)."""
-    if layout == "stream" and streams(weight):
+    if layout in STREAMING and streams(weight):
         return True
     return (weight.device.type == "cpu" and weight.dtype in _ONEDNN_DTYPES and weight.dim() == 2
             and wanted() and onednn_works() and packing_works(weight.dtype))

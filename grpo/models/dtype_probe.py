@@ -84,8 +84,9 @@ HEAD_DECODE_BYTES = 256 << 20  # the unembedding's rows timed per decoding step 
 # 7: bf16 decoding in both layouts too, its LoRA side paths in the base's layout; a decoding step of
 #    32 rows (16 before): at 16 the streaming bf16 step measured 1.30x faster than fp32's on an Intel
 #    Xeon without AMX, where a sampling call of the default shape (8 x 4) ran 1.18x faster.
+# 8: bf16 decoding in the streaming layout's dot-product kernel too, where built (avx512_bf16).
 # (The native kernels' own changes are in the key as their build's digest: machine_key.)
-PROBE_VERSION = 7
+PROBE_VERSION = 8
 HEAD_TRAIN_ROWS = 4096  # the unembedding's rows timed per training pass (compute-bound: scales linearly)
 LORA_RANK = 16  # the API's default rank; every Linear adapted (train_attn/mlp/unembed default on)
 LORA_SCALING = 2.0  # alpha = 2 * rank
@@ -416,17 +417,16 @@ def measure(shapes: Shapes, budget_s: float = BUDGET_S) -> dict[str, tuple[float
         # a decoding step runs right after the previous one, over the same weights: what of
         # them the cache holds then is part of its time, so each run is timed after a first;
         # each precision in each packed layout the sampler could pack in, the faster counting
-        layouts = cpu_linear.LAYOUTS if cpu_linear.stream_available() else ("onednn",)
         precisions = {"fp32": torch.float32, "bf16": torch.bfloat16}
+        layouts = {p: sampler_layouts(p) for p in precisions}
         variants = {(p, layout): _decode_ops(shapes, dtype, layout) for p, dtype in precisions.items()
-                    for layout in layouts}
+                    for layout in layouts[p]}
         counts = next(iter(variants.values()))[1]
         seconds = dict(zip(variants, _fastest_of([ops for ops, _ in variants.values()], counts, budget_s * 0.4,
                                                  warm_each=True), strict=True))
-        by_layout = {p: {layout: seconds[p, layout] for layout in layouts} for p in precisions}
+        by_layout = {p: {layout: seconds[p, layout] for layout in layouts[p]} for p in precisions}
         out["sample"] = (min(by_layout["fp32"].values()), min(by_layout["bf16"].values()))
-        if len(layouts) > 1:
-            out |= {BY_LAYOUT[p]: by_layout[p] for p in precisions}
+        out |= {BY_LAYOUT[p]: by_layout[p] for p in precisions if len(layouts[p]) > 1}
         del variants  # a probed decoding step holds the model's weights in each variant
         # fp32 training through each float32 kernel the model could train through, the faster counting
         kernels = cpu_linear.KERNELS if cpu_linear.wanted() and cpu_linear.onednn_works() else ("onednn",)
@@ -504,6 +504,18 @@ def _lora(module, dtype, trainable: bool):
         p.requires_grad_(trainable)
     use_onednn_linears(a), use_onednn_linears(b)
     return a, b
+
+
+def sampler_layouts(precision: str) -> tuple[str, ...]:
+    """The packed layouts a sampler in ``precision`` ("fp32" or "bf16") could use here: oneDNN's, the
+    streaming one where grpo's kernels are loaded, and for bf16 its dot-product kernel where they
+    were built with avx512_bf16 (cpu_linear.py)."""
+    from grpo.models import cpu_linear
+
+    if not cpu_linear.stream_available():
+        return ("onednn",)
+    dot = precision == "bf16" and cpu_linear.stream_dot_available()
+    return ("onednn", "stream", "stream_dot") if dot else ("onednn", "stream")
 
 
 def _decode_ops(shapes: Shapes, dtype, layout: str = "onednn") -> tuple[list[Op], list[float]]:

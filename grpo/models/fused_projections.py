@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from grpo.models.cpu_linear import LoraSideProduct, can_pack, pack_weight, packed_product
+from grpo.models.cpu_linear import LoraSideProduct, can_pack, layout_of, pack_weight, packed_product
 
 # Sibling Linears by their names under one parent, as Llama, Mistral, Qwen2/3, Gemma and most
 # decoder families in transformers name them.
@@ -32,7 +32,7 @@ class FusedProjections:
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, sizes: list[int], layout: str = "onednn"):
         self.packed = pack_weight(weight, layout)
-        self.layout = "onednn" if self.packed.is_mkldnn else "stream"  # (a weight it cannot take: oneDNN's)
+        self.layout = layout_of(self.packed)  # (a weight it cannot take: oneDNN's)
         self.bias = None if bias is None else bias.detach()
         self.sizes = sizes
         self.dtype = weight.dtype

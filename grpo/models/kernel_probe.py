@@ -28,6 +28,13 @@ folded, bf16 with LoRA's side paths) packed each way and takes the streaming lay
 measured ``MARGIN`` faster; as for training, the precision probe's own numbers answer where it
 timed both.
 
+A bf16 weight streams in one of two kernels (cpu_linear.py): widened to float32 for float32's
+multiply-adds, or in pairs for avx512_bf16's dot product, twice the multiply-adds an instruction.
+On an AMD EPYC (Zen 4) the dot products ran a step's products 1.96x faster, on an Intel Xeon
+without AMX the instruction ran at half float32's rate of multiply-adds (docs/benchmark.md): where
+the kernels were built with it, ``bf16_stream_kernel`` asks which is faster, and the bf16 layout
+question weighs oneDNN's layout against the streaming one in that kernel.
+
 These are the same question -- which of two ways of computing the same thing runs faster here --
 asked by a ``Question``: its answer is cached beside the precision probe's (``$GRPO_CACHE/precision.json``) under the same
 machine key (CPU and its instruction sets, torch, threads, shapes, probe version), printed once
@@ -38,6 +45,8 @@ is at least its core count is not measured (oneDNN for that run, measured by a l
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import functools
 import sys
 from collections.abc import Callable
@@ -138,6 +147,32 @@ DECODING_LAYOUT = {
 KEY_PREFIX, LAYOUT_KEY_PREFIX = TRAINING_KERNEL.key_prefix, DECODING_LAYOUT["fp32"].key_prefix
 
 
+def _bf16_stream_kernels_timed(shapes: Shapes, cache: Path) -> dict[str, float] | None:
+    return dtype_probe.sampling_by_layout("bf16", shapes, cache)
+
+
+def _bf16_layouts_timed(shapes: Shapes, cache: Path) -> dict[str, float] | None:
+    return _as_two_layouts(dtype_probe.sampling_by_layout("bf16", shapes, cache))
+
+
+def _as_two_layouts(timed: dict[str, float] | None) -> dict[str, float] | None:
+    """bf16 decoding times per layout as the layout question's two options: oneDNN's, and the
+    streaming layout in the kernel that the same numbers choose (BF16_STREAM_KERNEL's rule)."""
+    if timed and {"stream", "stream_dot"} <= timed.keys():
+        kernel = Timing(BF16_STREAM_KERNEL, timed["stream"], timed["stream_dot"]).choice
+        timed = {"onednn": timed.get("onednn"), "stream": timed[kernel]}
+    return timed if timed and None not in timed.values() else None
+
+
+# the bf16 streaming layout's kernel, where the dot product is built: its weights widened for
+# float32's multiply-adds (the one used so far), or in pairs for avx512_bf16's dot product
+BF16_STREAM_KERNEL = Question("bf16 streaming kernel", "decoding step", ("stream", "stream_dot"),
+                              ("float32 multiply-adds", "bf16 dot products"),
+                              ("float32 multiply-adds (bf16 widened)", "avx512_bf16 dot products"),
+                              _bf16_stream_kernels_timed, "measure_bf16_stream_kernels")
+DECODING_LAYOUT["bf16"] = dataclasses.replace(DECODING_LAYOUT["bf16"], borrowed=_bf16_layouts_timed)
+
+
 def _probed(shapes: Shapes | None) -> bool:
     """Whether there is anything to measure: shapes, the probe on, oneDNN's Linears in use."""
     from grpo.models import cpu_linear
@@ -159,15 +194,29 @@ def timings(shapes: Shapes, timer: Timer | None = None, cache: Path | None = Non
 
 def decoding_layout(shapes: Shapes | None, dtype=None, timer: Timer | None = None, cache: Path | None = None) -> str:
     """The packed layout for a sampler of ``shapes`` in ``dtype`` (float32, the default, or bf16) on
-    this machine, "onednn" or "stream": oneDNN's without measuring where there is nothing to measure
-    (no shapes, the probe off, oneDNN or grpo's kernels not in use) or the machine is too busy to."""
+    this machine, "onednn" or "stream" (bf16: or "stream_dot", ``bf16_stream_kernel``): oneDNN's
+    without measuring where there is nothing to measure (no shapes, the probe off, oneDNN or grpo's
+    kernels not in use) or the machine is too busy to."""
     import torch
 
     from grpo.models import cpu_linear
 
     if not (_probed(shapes) and cpu_linear.stream_available()):
         return "onednn"
-    return DECODING_LAYOUT["bf16" if dtype == torch.bfloat16 else "fp32"].answer(shapes, timer, cache)
+    if dtype != torch.bfloat16:
+        return DECODING_LAYOUT["fp32"].answer(shapes, timer, cache)
+    layout = DECODING_LAYOUT["bf16"].answer(shapes, timer, cache)
+    return bf16_stream_kernel(shapes, cache=cache) if layout == "stream" else layout
+
+
+def bf16_stream_kernel(shapes: Shapes, timer: Timer | None = None, cache: Path | None = None) -> str:
+    """The streaming layout a bf16 sampler of ``shapes`` packs in: "stream_dot" (avx512_bf16's dot
+    product) where built and measured ``MARGIN`` faster than "stream" (float32 multiply-adds)."""
+    from grpo.models import cpu_linear
+
+    if not (_probed(shapes) and cpu_linear.stream_dot_available()):
+        return "stream"
+    return BF16_STREAM_KERNEL.answer(shapes, timer, cache)
 
 
 def measure(shapes: Shapes, budget_s: float = BUDGET_S) -> tuple[float, float]:
@@ -189,19 +238,43 @@ def measure_layouts(shapes: Shapes, budget_s: float = BUDGET_S, dtype=None) -> t
     streaming one (dtype_probe's decoding ops, scaled to the whole model)."""
     import torch
 
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        (onednn, counts), (stream, _) = (dtype_probe._decode_ops(shapes, dtype or torch.float32, layout)
-                                         for layout in ("onednn", "stream"))
-        onednn_s, stream_s = dtype_probe._fastest_of([onednn, stream], counts, budget_s, warm_each=True)
-        return onednn_s, stream_s
+    return _time_layouts(shapes, dtype or torch.float32, ("onednn", "stream"), budget_s)
 
 
 def measure_bf16_layouts(shapes: Shapes, budget_s: float = BUDGET_S) -> tuple[float, float]:
-    """``measure_layouts`` in bf16."""
+    """``measure_layouts`` in bf16, the streaming layout in whichever of its kernels measured
+    faster here (timed alongside, not asked of ``bf16_stream_kernel``: each question measures
+    under the probe's lock, which is not taken twice)."""
     import torch
 
-    return measure_layouts(shapes, budget_s, torch.bfloat16)
+    layouts = dtype_probe.sampler_layouts("bf16")
+    timed = _as_two_layouts(dict(zip(layouts, _time_layouts(shapes, torch.bfloat16, layouts, budget_s), strict=True)))
+    return timed["onednn"], timed["stream"]
+
+
+def measure_bf16_stream_kernels(shapes: Shapes, budget_s: float = BUDGET_S) -> tuple[float, float]:
+    """Seconds per bf16 decoding step streamed through float32 multiply-adds and through
+    avx512_bf16's dot products (dtype_probe's decoding ops, scaled to the whole model)."""
+    import torch
+
+    return _time_layouts(shapes, torch.bfloat16, ("stream", "stream_dot"), budget_s)
+
+
+def _time_layouts(shapes: Shapes, dtype, layouts: tuple[str, ...], budget_s: float) -> tuple[float, ...]:
+    """Seconds of dtype_probe's decoding step packed in each of ``layouts``, alternating."""
+    with torch_fork_rng():
+        ops = [dtype_probe._decode_ops(shapes, dtype, layout) for layout in layouts]
+        return tuple(dtype_probe._fastest_of([step for step, _ in ops], ops[0][1], budget_s, warm_each=True))
+
+
+@contextlib.contextmanager
+def torch_fork_rng():
+    """Timed on weights drawn from seed 0, leaving the caller's random state as it was."""
+    import torch
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        yield
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -219,6 +292,8 @@ def main(argv: list[str] | None = None) -> None:
     for precision, question in DECODING_LAYOUT.items():
         if cpu_linear.stream_available():
             print(Timing(question, *globals()[question.measure](shapes)).summary(shapes))
+            if precision == "bf16" and cpu_linear.stream_dot_available():
+                print(Timing(BF16_STREAM_KERNEL, *measure_bf16_stream_kernels(shapes)).summary(shapes))
         else:
             print(f"{precision} decoding layout: oneDNN's (grpo's native kernels are not built here: nothing to weigh "
                   f"it against)")

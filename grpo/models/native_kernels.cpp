@@ -1228,6 +1228,72 @@ inline void stream_tail(int64_t rows, const float* xt, const float* xt2, int64_t
   }
 }
 
+
+// ---------------------------------------------------------------------------------------------
+// bf16 weights multiplied by avx512_bf16's dot-product instruction (vdpbf16ps): each instruction
+// takes two k of a column at once, x[2i] * w[2i] and x[2i + 1] * w[2i + 1] added into the float32
+// sum (the odd product first, then the even, each addition rounded to float32 -- the instruction's
+// definition -- with denormal inputs and results taken as zero). On an AMD EPYC (Zen 4) it runs as
+// many instructions a cycle as float32's FMA, so twice the multiply-adds: the bf16 products of a
+// decoding step's rows ~2x the widened ones' rate (docs/benchmark.md). On an Intel Xeon without AMX
+// it ran half as many multiply-adds a second as float32's FMA: which of the two kernels a sampler
+// uses is measured (kernel_probe.py's bf16 decoding layout), never taken from the flags.
+//
+// The weight is packed in pairs of k, [N / 16][ceil(K / 2)][16][2] (a K of odd length padded with a
+// zero), the inputs as pairs too: [k / 2][row], each a 32-bit word of two bf16 that the instruction
+// broadcasts to the sixteen columns. A row's sums still depend only on its own inputs, in one order.
+// A LoRA side path's A is packed in pairs like its weight; d = x @ A.T is float32, so B's part of
+// the sums is float32 multiply-adds over B's plain panel, after the dot products.
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+#define STREAM_DOT 1
+constexpr int64_t STREAM_PAIR_COLUMNS = 2 * STREAM_COLUMNS;  // bf16 values in a pair-packed k-pair row
+
+template <int ROWS, typename O>
+inline void stream_dot_block(const float* xt, const float* xt2, int64_t ldx, const c10::BFloat16* w, int64_t pairs,
+                             const c10::BFloat16* w2, int64_t K2, const float* bias, O* y, int64_t ldy) {
+  __m512 acc[ROWS];
+#pragma GCC unroll 32
+  for (int r = 0; r < ROWS; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t i = 0; i < pairs; ++i) {
+    const auto* wi = w + i * STREAM_PAIR_COLUMNS;
+    __builtin_prefetch(reinterpret_cast<const char*>(wi) + STREAM_PREFETCH_BYTES, 0, 3);
+    const __m512bh wv = (__m512bh)_mm512_loadu_si512(wi);
+    const float* xi = xt + i * ldx;  // (each float's bits: a pair of bf16)
+    if constexpr (ROWS >= 8) {
+      const char* ahead = reinterpret_cast<const char*>(xi + STREAM_INPUTS_AHEAD * ldx);
+      _mm_prefetch(ahead, _MM_HINT_T0);
+      if constexpr (ROWS > 16) _mm_prefetch(ahead + 16 * sizeof(float), _MM_HINT_T0);
+    }
+    // each input pair broadcast by the instruction itself (an operand {1to16}): GCC emits a
+    // broadcast of its own before each dot product, which on Zen 4 costs them a quarter of their rate
+#pragma GCC unroll 32
+    for (int r = 0; r < ROWS; ++r) asm("vdpbf16ps %1%{1to16%}, %2, %0" : "+v"(acc[r]) : "m"(xi[r]), "v"(wv));
+  }
+  for (int64_t k = 0; k < K2; ++k) {  // LoRA's B over d, float32
+    const __m512 wk = load_columns(w2 + k * STREAM_COLUMNS);
+    const float* xk = xt2 + k * ldx;
+#pragma GCC unroll 32
+    for (int r = 0; r < ROWS; ++r) acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(xk[r]), wk, acc[r]);
+  }
+  const __m512 b = bias ? _mm512_loadu_ps(bias) : _mm512_setzero_ps();
+  float out[STREAM_COLUMNS];
+#pragma GCC unroll 32
+  for (int r = 0; r < ROWS; ++r) {
+    _mm512_storeu_ps(out, _mm512_add_ps(acc[r], b));
+    store_columns(out, y + r * ldy);
+  }
+}
+
+template <int ROWS, typename O>
+inline void stream_dot_tail(int64_t rows, const float* xt, const float* xt2, int64_t ldx, const c10::BFloat16* w,
+                            int64_t pairs, const c10::BFloat16* w2, int64_t K2, const float* bias, O* y, int64_t ldy) {
+  if constexpr (ROWS > 0) {
+    if (rows == ROWS) return stream_dot_block<ROWS>(xt, xt2, ldx, w, pairs, w2, K2, bias, y, ldy);
+    stream_dot_tail<ROWS - 1>(rows, xt, xt2, ldx, w, pairs, w2, K2, bias, y, ldy);
+  }
+}
+#endif
+
 // Memory for the packed weights that a decoding step streams, in 2 MiB-aligned chunks the kernel
 // is asked to back with 2 MiB pages (transparent huge pages, madvise). Streaming SmolLM2's 540 MB
 // once a step touches ~130,000 4 KiB pages, each a TLB miss and a page walk beside its 64 loads; in
@@ -1349,8 +1415,10 @@ at::Tensor weight_empty(at::IntArrayRef sizes, const at::TensorOptions& options)
 int64_t release_kept_chunks() { return 0; }
 #endif
 
-// [N, K] -> [N / 16][K][16], in the weight's dtype (float32 or bf16)
-at::Tensor stream_pack(const at::Tensor& weight) {
+// [N, K] -> [N / 16][K][16], in the weight's dtype (float32 or bf16); with `pairs` (bf16, a build
+// with avx512_bf16), [N / 16][ceil(K / 2)][32] for the dot-product kernel: k-pairs of 16 columns,
+// each column's two values side by side, an odd K's last pair completed with a zero
+at::Tensor stream_pack(const at::Tensor& weight, bool pairs) {
   TORCH_CHECK(weight.dim() == 2 && (weight.scalar_type() == at::kFloat || weight.scalar_type() == at::kBFloat16) &&
                   weight.device().is_cpu(),
               "stream_pack: a float32 or bfloat16 CPU weight [out_features, in_features], got ", weight.scalar_type(),
@@ -1359,6 +1427,27 @@ at::Tensor stream_pack(const at::Tensor& weight) {
   TORCH_CHECK(n % STREAM_COLUMNS == 0 && k > 0, "stream_pack: out_features must be a multiple of ", STREAM_COLUMNS,
               " (got ", n, ") and in_features positive (got ", k, ")");
   const auto w = weight.contiguous();
+  if (pairs) {
+#if defined(STREAM_DOT)
+    TORCH_CHECK(w.scalar_type() == at::kBFloat16, "stream_pack: pairs are for bfloat16 weights, got ", w.scalar_type());
+    const int64_t half = (k + 1) / 2;
+    auto packed = weight_empty({n / STREAM_COLUMNS, half, STREAM_PAIR_COLUMNS}, w.options());
+    const auto* src = w.data_ptr<c10::BFloat16>();
+    auto* dst = packed.data_ptr<c10::BFloat16>();
+    at::parallel_for(0, n / STREAM_COLUMNS, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t p = begin; p < end; ++p)
+        for (int64_t i = 0; i < half; ++i)
+          for (int64_t j = 0; j < STREAM_COLUMNS; ++j)
+            for (int64_t e = 0; e < 2; ++e)
+              dst[((p * half + i) * STREAM_COLUMNS + j) * 2 + e] =
+                  2 * i + e < k ? src[(p * STREAM_COLUMNS + j) * k + 2 * i + e] : c10::BFloat16(0.0f);
+    });
+    return packed;
+#else
+    TORCH_CHECK(false, "stream_pack: pairs need avx512_bf16's dot product, which this build of the kernels lacks "
+                "(stream_dot_available() is false)");
+#endif
+  }
   auto packed = weight_empty({n / STREAM_COLUMNS, k, STREAM_COLUMNS}, w.options());
   DISPATCH_SAMPLER_TYPES(w.scalar_type(), "stream_pack", [&] {
     const scalar_t* src = w.data_ptr<scalar_t>();
@@ -1500,34 +1589,85 @@ void stream_product(const float* xp, int64_t k, const float* xp2, int64_t k2, in
   });
 }
 
+#if defined(STREAM_DOT)
+// stream_product for pair-packed bf16 weights (stream_dot_block): `xp` the inputs' k-pairs
+// (stream_inputs over the pairs' 32-bit words), `xp2` / `w2d` LoRA's d and B as stream_product's.
+// Each thread streams a contiguous run of panels, every block of rows over a panel in turn.
+template <typename O>
+void stream_dot_product(const float* xp, int64_t pairs, const float* xp2, int64_t k2, int64_t rows, int64_t panels,
+                        const c10::BFloat16* wd, const c10::BFloat16* w2d, const float* bd, O* yd) {
+  const int64_t n = panels * STREAM_COLUMNS, blocks = (rows + STREAM_ROWS - 1) / STREAM_ROWS;
+  at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t p = begin; p < end; ++p)
+      for (int64_t block = 0; block < blocks; ++block) {
+        const int64_t r = block * STREAM_ROWS, count = std::min<int64_t>(STREAM_ROWS, rows - r);
+        const float* x = xp + block * pairs * STREAM_ROWS;
+        const float* x2 = xp2 ? xp2 + block * k2 * STREAM_ROWS : nullptr;
+        const c10::BFloat16* w = wd + p * pairs * STREAM_PAIR_COLUMNS;
+        const c10::BFloat16* w2 = w2d ? w2d + p * k2 * STREAM_COLUMNS : nullptr;
+        const float* b = bd ? bd + p * STREAM_COLUMNS : nullptr;
+        O* y = yd + r * n + p * STREAM_COLUMNS;
+        if (count == STREAM_ROWS)
+          stream_dot_block<STREAM_ROWS>(x, x2, STREAM_ROWS, w, pairs, w2, w2d ? k2 : 0, b, y, n);
+        else
+          stream_dot_tail<STREAM_ROWS - 1>(count, x, x2, count, w, pairs, w2, w2d ? k2 : 0, b, y, n);
+      }
+  });
+}
+#endif
+
+bool stream_dot_available() {
+#if defined(STREAM_DOT)
+  return true;
+#else
+  return false;
+#endif
+}
+
+// Whether a packed weight is in k-pairs for the dot-product kernel (stream_pack's `pairs`).
+bool stream_pairs(const at::Tensor& packed) {
+  return packed.dim() == 3 && packed.size(2) == 2 * STREAM_COLUMNS && stream_dot_available();
+}
+
 // Checks a packed weight (and its input width, where `k` >= 0); its number of output columns.
 int64_t stream_check(const char* what, const at::Tensor& packed, at::ScalarType dtype, int64_t k = -1) {
-  TORCH_CHECK(packed.dim() == 3 && packed.size(2) == STREAM_COLUMNS && packed.scalar_type() == dtype &&
-                  packed.is_contiguous() && packed.device().is_cpu() && (k < 0 || packed.size(1) == k),
+  const bool pairs = stream_pairs(packed) && dtype == at::kBFloat16;
+  TORCH_CHECK(packed.dim() == 3 && (packed.size(2) == STREAM_COLUMNS || pairs) && packed.scalar_type() == dtype &&
+                  packed.is_contiguous() && packed.device().is_cpu() &&
+                  (k < 0 || packed.size(1) == (pairs ? (k + 1) / 2 : k)),
               "stream_linear: ", what, " must come from stream_pack ([out / ", STREAM_COLUMNS, ", in, ",
               STREAM_COLUMNS, "] ", dtype, k < 0 ? "" : ", in = ", k < 0 ? std::string() : std::to_string(k),
-              "), got ", packed.scalar_type(), " ", packed.sizes());
+              stream_dot_available() ? "; or in pairs for bfloat16: [out / 16, ceil(in / 2), 32]" : "", "), got ",
+              packed.scalar_type(), " ", packed.sizes());
   return packed.size(0) * STREAM_COLUMNS;
 }
 
 // x [..., K] @ W.T + bias for a weight packed by stream_pack: [..., N], in the weight's dtype (the
 // input's and the bias's too). With LoRA's A [R, K] and B [N, R] (the scale in B) packed by
 // stream_pack (R a multiple of 16: pad A's rows and B's columns with zeros), x @ W.T + (x @ A.T) @
-// B.T + bias, one sum per output, rounded once.
+// B.T + bias, one sum per output, rounded once. A bf16 weight packed in pairs takes its A in pairs
+// too and its B plain (B multiplies d = x @ A.T, float32).
 at::Tensor stream_linear(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
                          const c10::optional<at::Tensor>& lora_a, const c10::optional<at::Tensor>& lora_b) {
   const auto dtype = packed.scalar_type();
   TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16,
               "stream_linear: a weight from stream_pack (float32 or bfloat16), got ", dtype);
-  const int64_t n = stream_check("the weight", packed, dtype), k = packed.size(1);
-  TORCH_CHECK(x.dim() >= 1 && x.size(-1) == k && x.scalar_type() == dtype && x.device().is_cpu(), "stream_linear: a ",
-              dtype, " CPU input with ", k, " features last (the weight's), got ", x.scalar_type(), " ", x.device(),
+  const bool pairs = dtype == at::kBFloat16 && stream_pairs(packed);
+  const int64_t k = x.dim() >= 1 ? x.size(-1) : 0;
+  const int64_t n = stream_check("the weight", packed, dtype);
+  TORCH_CHECK(x.dim() >= 1 && (pairs ? (k + 1) / 2 == packed.size(1) : k == packed.size(1)) &&
+                  x.scalar_type() == dtype && x.device().is_cpu(),
+              "stream_linear: a ", dtype, " CPU input with ", pairs ? 2 * packed.size(1) : packed.size(1),
+              pairs ? " (or one fewer)" : "", " features last (the weight's), got ", x.scalar_type(), " ", x.device(),
               " ", x.sizes());
   TORCH_CHECK(!bias.has_value() || (bias->dim() == 1 && bias->size(0) == n && bias->scalar_type() == dtype),
               "stream_linear: bias must be ", dtype, " [", n, "], got ", bias->scalar_type(), " ", bias->sizes());
   TORCH_CHECK(lora_a.has_value() == lora_b.has_value(), "stream_linear: a LoRA side path needs both A and B");
   int64_t rank = 0;
   if (lora_a.has_value()) {
+    TORCH_CHECK(stream_pairs(*lora_a) == pairs && !stream_pairs(*lora_b),
+                "stream_linear: LoRA's A must be packed as the weight is (", pairs ? "in pairs" : "plain",
+                ") and its B plain");
     rank = stream_check("LoRA's A", *lora_a, dtype, k);
     TORCH_CHECK(stream_check("LoRA's B", *lora_b, dtype, rank) == n, "stream_linear: LoRA's B must have ", n,
                 " rows (the weight's), got ", lora_b->size(0) * STREAM_COLUMNS);
@@ -1537,6 +1677,29 @@ at::Tensor stream_linear(const at::Tensor& x, const at::Tensor& packed, const c1
   shape.back() = n;
   auto out = at::empty(shape, x.options());
   if (rows == 0) return out;
+#if defined(STREAM_DOT)
+  if (pairs) {
+    // the inputs as k-pairs (an odd K completed with a zero, as the weight was): each pair's 32 bits
+    // moved as a float's, never computed with
+    const auto xc = k % 2 ? at::constant_pad_nd(x.reshape({rows, k}), {0, 1}) : x.contiguous();
+    const int64_t half = (k + 1) / 2;
+    const auto xp = stream_inputs(reinterpret_cast<const float*>(xc.data_ptr<c10::BFloat16>()), half, rows, half);
+    std::vector<float> b(bias.has_value() ? n : 0), down;
+    std::unique_ptr<float[]> dp;
+    if (bias.has_value()) to_float(bias->contiguous().data_ptr<c10::BFloat16>(), b.data(), n);
+    if (rank > 0) {
+      down.resize(rows * rank);
+      stream_dot_product<float>(xp.get(), half, nullptr, 0, rows, rank / STREAM_COLUMNS,
+                                lora_a->data_ptr<c10::BFloat16>(), nullptr, nullptr, down.data());
+      dp = stream_inputs(down.data(), rank, rows, rank);
+    }
+    stream_dot_product<c10::BFloat16>(xp.get(), half, dp.get(), rank, rows, n / STREAM_COLUMNS,
+                                      packed.data_ptr<c10::BFloat16>(),
+                                      rank ? lora_b->data_ptr<c10::BFloat16>() : nullptr,
+                                      b.empty() ? nullptr : b.data(), out.data_ptr<c10::BFloat16>());
+    return out;
+  }
+#endif
   const auto xc = x.contiguous();
   DISPATCH_SAMPLER_TYPES(dtype, "stream_linear", [&] {
     const auto xp = stream_inputs(xc.data_ptr<scalar_t>(), k, rows, k);
@@ -1643,7 +1806,8 @@ TORCH_LIBRARY(grpo_native, m) {
   m.def("target_logprobs_backward_(Tensor grad, Tensor(a!) logits, Tensor targets, Tensor stats) -> Tensor(a!)");
   m.def("rope_attend(Tensor q, Tensor k, Tensor v, Tensor cos, Tensor sin, Tensor(a!) k_cache, Tensor(b!) v_cache, "
         "Tensor lengths, int heads, float scale, Tensor? shared_from=None, Tensor? shared=None) -> Tensor");
-  m.def("stream_pack(Tensor weight) -> Tensor");
+  m.def("stream_pack(Tensor weight, bool pairs=False) -> Tensor");
+  m.def("stream_dot_available() -> bool", stream_dot_available);
   m.def("release_kept_chunks() -> int", release_kept_chunks);  // (no tensor to dispatch on: one kernel)
   m.def("stream_linear(Tensor x, Tensor packed, Tensor? bias, Tensor? lora_a=None, Tensor? lora_b=None) -> Tensor");
   m.def("decode_layers(Tensor hidden, Tensor cos, Tensor sin, Tensor lengths, Tensor[] weights, Tensor?[] extras, "

@@ -28,6 +28,7 @@ from grpo.backends.local.sections import section
 from grpo.checks import check_lora_targets
 from grpo.models import dtype_probe, kernel_probe, precision
 from grpo.models.cpu_linear import (
+    STREAMING,
     OneDNNLinear,
     keep_packed_copies,
     packing_works,
@@ -148,7 +149,7 @@ class Engine:
                               else kernel_probe.decoding_layout(shapes, self.sample_dtype))
         own_copy = self.sample_dtype != self.dtype or (
             self.device.type == "cpu" and self.sample_dtype == torch.bfloat16
-            and (packing_works(torch.bfloat16) or self.sample_layout == "stream"))
+            and (packing_works(torch.bfloat16) or self.sample_layout in STREAMING))
         self._sampler_copy = SamplerCopy(self.model, self.sample_dtype, self.sample_layout) if own_copy else None
         self.vocab_size = int(self.model.get_input_embeddings().weight.shape[0])
         self.lock = threading.RLock()

@@ -147,10 +147,6 @@ DECODING_LAYOUT = {
 KEY_PREFIX, LAYOUT_KEY_PREFIX = TRAINING_KERNEL.key_prefix, DECODING_LAYOUT["fp32"].key_prefix
 
 
-def _bf16_stream_kernels_timed(shapes: Shapes, cache: Path) -> dict[str, float] | None:
-    return dtype_probe.sampling_by_layout("bf16", shapes, cache)
-
-
 def _bf16_layouts_timed(shapes: Shapes, cache: Path) -> dict[str, float] | None:
     return _as_two_layouts(dtype_probe.sampling_by_layout("bf16", shapes, cache))
 
@@ -169,7 +165,8 @@ def _as_two_layouts(timed: dict[str, float] | None) -> dict[str, float] | None:
 BF16_STREAM_KERNEL = Question("bf16 streaming kernel", "decoding step", ("stream", "stream_dot"),
                               ("float32 multiply-adds", "bf16 dot products"),
                               ("float32 multiply-adds (bf16 widened)", "avx512_bf16 dot products"),
-                              _bf16_stream_kernels_timed, "measure_bf16_stream_kernels")
+                              functools.partial(dtype_probe.sampling_by_layout, "bf16"),
+                              "measure_bf16_stream_kernels")
 DECODING_LAYOUT["bf16"] = dataclasses.replace(DECODING_LAYOUT["bf16"], borrowed=_bf16_layouts_timed)
 
 
@@ -262,13 +259,13 @@ def measure_bf16_stream_kernels(shapes: Shapes, budget_s: float = BUDGET_S) -> t
 
 def _time_layouts(shapes: Shapes, dtype, layouts: tuple[str, ...], budget_s: float) -> tuple[float, ...]:
     """Seconds of dtype_probe's decoding step packed in each of ``layouts``, alternating."""
-    with torch_fork_rng():
+    with _seeded_rng():
         ops = [dtype_probe._decode_ops(shapes, dtype, layout) for layout in layouts]
         return tuple(dtype_probe._fastest_of([step for step, _ in ops], ops[0][1], budget_s, warm_each=True))
 
 
 @contextlib.contextmanager
-def torch_fork_rng():
+def _seeded_rng():
     """Timed on weights drawn from seed 0, leaving the caller's random state as it was."""
     import torch
 

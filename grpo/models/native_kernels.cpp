@@ -1021,9 +1021,10 @@ at::Tensor rope_attend(const at::Tensor& q, const at::Tensor& k, const at::Tenso
 // float32 in a register (bf16 is float32's upper half: a shift), each widened vector serving all of
 // a block's rows, so the arithmetic is float32 multiply-adds either way: a product of two bf16
 // values is exact in float32, so the sums are what oneDNN's bf16 product computes (float32
-// accumulation, one rounding to bf16 at the end) up to their order. Not avx512_bf16's dot-product
-// instruction: on an Intel Xeon (avx512_bf16, no AMX) it ran half as many multiply-adds a second
-// as float32's FMA (docs/benchmark.md), and it flushes denormals.
+// accumulation, one rounding to bf16 at the end) up to their order. Where the CPU has avx512_bf16,
+// a bf16 weight may instead be packed in pairs for its dot-product instruction (stream_dot_block
+// below): twice the multiply-adds an instruction on an AMD EPYC (Zen 4), half float32's rate on an
+// Intel Xeon without AMX -- the sampler takes whichever measured faster (kernel_probe.py).
 //
 // A LoRA side path, (x @ A.T) @ B.T with the scale in B, is part of the same sums: d = x @ A.T is
 // computed first (in float32, A packed as a weight of its own), and each output's sum goes on over

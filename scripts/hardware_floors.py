@@ -72,6 +72,9 @@ class ModelSize:
     weight_bytes: int  # what a decoding step reads: the decoder's Linears and the unembedding
     # every decoder Linear's (out, in) in order, then the unembedding's: what kernels_alone multiplies
     linear_shapes: tuple[tuple[int, int], ...] = ()
+    # the same as the sampler multiplies them: sibling projections stacked (q/k/v, gate/up), one
+    # product each (fused_projections.py); empty: as linear_shapes
+    sampler_shapes: tuple[tuple[int, int], ...] = ()
 
     @classmethod
     def of(cls, model, sample_dtype: str | None = None) -> ModelSize:
@@ -88,11 +91,36 @@ class ModelSize:
         head_params = head.weight.numel()
         size = BYTES[sample_dtype] if sample_dtype else head.weight.element_size()
         shapes = tuple((m.out_features, m.in_features) for m in linears) + (tuple(head.weight.shape),)
-        return cls(decoder_params, head_params, (decoder_params + head_params) * size, shapes)
+        return cls(decoder_params, head_params, (decoder_params + head_params) * size, shapes,
+                   _stacked(decoder, nn.Linear) + (tuple(head.weight.shape),))
 
     @classmethod
     def from_dict(cls, data: dict) -> ModelSize:
-        return cls(**{**data, "linear_shapes": tuple(tuple(s) for s in data.get("linear_shapes", ()))})
+        return cls(**{**data, **{key: tuple(tuple(s) for s in data.get(key, ()))
+                                 for key in ("linear_shapes", "sampler_shapes")}})
+
+
+def _stacked(decoder, linear_type) -> tuple[tuple[int, int], ...]:
+    """The decoder's Linears (out, in) in order, each set of siblings (fused_projections.SIBLINGS:
+    q/k/v, gate/up) one product of their stacked outputs, as the sampler packs them."""
+    from grpo.models.fused_projections import SIBLINGS
+
+    leaves = {leaf: set_ for set_ in SIBLINGS for leaf in set_}
+    shapes, pending = [], {}  # pending: (parent, sibling set) -> outputs so far
+    for name, m in decoder.named_modules():
+        if not isinstance(m, linear_type) or ".lora_" in f".{name}":
+            continue
+        path = name.removesuffix(".base_layer")  # (peft's LoRA layer wraps the base)
+        parent, _, leaf = path.rpartition(".")
+        set_ = leaves.get(leaf)
+        if set_ is None:
+            shapes.append((m.out_features, m.in_features))
+            continue
+        outs = pending.setdefault((parent, set_), [])
+        outs.append(m.out_features)
+        if len(outs) == len(set_):
+            shapes.append((sum(outs), m.in_features))
+    return tuple(shapes)
 
 
 def decode_step_floor_s(size: ModelSize, machine: Machine, rows: float) -> dict[str, float]:
@@ -123,7 +151,10 @@ def kernels_alone(size: ModelSize, dtype: str, rows: float, processed_tokens: in
                   reps: int = 5, sample_dtype: str | None = None, layout: str = "onednn") -> dict[str, float]:
     """Seconds of the step's matmuls alone, the fastest of ``reps`` (see the module docstring):
     ``decode_linears_s``, one decoding step's Linears and unembedding at ``rows`` rows, in
-    ``sample_dtype`` (default ``dtype``), packed in ``layout`` as the sampler packs them (the engine's
+    ``sample_dtype`` (default ``dtype``), stacked (``sampler_shapes``: q/k/v and gate/up one product
+    each: the separate Linears, each call with its own fixed costs, took 34.0 ms against the
+    stacked products' 15.7 ms for a bf16 step on an AMD EPYC, docs/benchmark.md) and
+    packed in ``layout`` as the sampler packs them (the engine's
     ``sample_layout``; cpu_linear.pack_weight); ``train_matmuls_s``, one training pass's forward and
     input-gradient products in ``dtype`` (the decoder's for ``processed_tokens``, the unembedding's
     for ``counted_tokens``). Weights are random: a kernel's rate does not depend on the values.
@@ -140,6 +171,8 @@ def kernels_alone(size: ModelSize, dtype: str, rows: float, processed_tokens: in
     decode_rows = max(1, round(rows))
     fans = {fan_in for _, fan_in in size.linear_shapes} | {fan_out for fan_out, _ in size.linear_shapes}
     inputs = {n: torch.randn(processed_tokens, n, dtype=train_dtype) for n in fans}
+    decode_shapes = size.sampler_shapes or size.linear_shapes
+    fans |= {fan_in for _, fan_in in decode_shapes}
     decode_inputs = {n: torch.randn(decode_rows, n, dtype=decode_dtype) for n in fans}
 
     def sampler_linear(w: torch.Tensor):
@@ -147,10 +180,10 @@ def kernels_alone(size: ModelSize, dtype: str, rows: float, processed_tokens: in
         return (cpu_linear.PackedLinear(w, None, layout) if cpu_linear.can_pack(w, layout)
                 else (lambda x: torch.nn.functional.linear(x, w)))
 
-    sampler = [sampler_linear(w) for w in weights]
+    sampler = [sampler_linear(torch.empty(shape).uniform_(-0.05, 0.05)) for shape in decode_shapes]
 
     def decode_step() -> None:
-        for linear, (_, fan_in) in zip(sampler, size.linear_shapes, strict=True):
+        for linear, (_, fan_in) in zip(sampler, decode_shapes, strict=True):
             linear(decode_inputs[fan_in])
 
     def train_pass() -> None:

@@ -52,6 +52,9 @@ def test_the_models_size_counts_its_own_linears_not_loras():
     assert plain.head_params == config.vocab_size * hidden
     assert plain.weight_bytes == 4 * (plain.decoder_matmul_params + plain.head_params)
     assert len(plain.linear_shapes) == 7 * layers + 1 and plain.linear_shapes[-1] == (config.vocab_size, hidden)
+    # the sampler's products: q/k/v stacked, o, gate/up stacked, down (fused_projections.py), the unembedding
+    assert plain.sampler_shapes == ((q + 2 * kv, hidden), (hidden, q), (2 * inter, hidden), (hidden, inter)) * layers \
+        + ((config.vocab_size, hidden),)
     # a bf16 sampler beside an fp32 trainer streams half the bytes a decoding step
     assert hardware_floors.ModelSize.of(model, "bf16").weight_bytes == plain.weight_bytes // 2
     adapted = get_peft_model(model, LoraConfig(r=4, target_modules=["q_proj", "v_proj", "down_proj"]))

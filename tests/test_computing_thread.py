@@ -106,3 +106,37 @@ def test_the_probes_measure_on_the_computing_thread_whoever_asks(tmp_path, monke
     kernel_probe.timings(shapes, timer=kernel_timer, cache=tmp_path / "p.json")
     assert len(seen) == 2 and seen[0] == seen[1] and seen[0].startswith("grpo-compute"), seen
     assert threading.current_thread().name not in seen
+
+
+def test_the_linear_kernels_checks_leave_no_openmp_team_on_the_callers_thread() -> None:
+    """cpu_linear's capability checks (oneDNN present, bf16 packing, the add post-op) multiply a few
+    values through oneDNN; asked from a program's main thread (the bench resolving ``auto`` before
+    it made its client), that one product left an OpenMP team there, and grpo's sampling then ran
+    1.5x slower. They run on the computing thread: the process's threads stay as many. A product
+    on the main thread does add a team's thread (the count can tell). Its own process: this one's
+    threads are whatever earlier tests left."""
+    import subprocess
+    import sys
+    import textwrap
+
+    code = textwrap.dedent("""
+        import os, torch
+        import torch.nn.functional as F
+        from grpo.models import computing, cpu_linear
+        torch.set_num_threads(2)
+        threads = lambda: len(os.listdir("/proc/self/task"))
+        x, w = torch.randn(64, 256), torch.randn(256, 256)
+        computing.run(lambda: F.linear(x, w))  # the computing thread and its team, as an engine makes them
+        before = threads()
+        cpu_linear.onednn_works(), cpu_linear.packing_works(torch.bfloat16), cpu_linear.packing_works(torch.float32)
+        cpu_linear._binary_add_works(torch.float32)
+        after_checks = threads()
+        F.linear(x, w)  # a product on this thread: its own team
+        print(before, after_checks, threads())
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         env={**__import__("os").environ, "OMP_NUM_THREADS": "2"})
+    assert out.returncode == 0, out.stderr[-2000:]
+    before, after_checks, after_product = map(int, out.stdout.split())
+    assert after_checks == before, (before, after_checks)
+    assert after_product > before, "a product on the main thread should have added a team's thread"

@@ -150,7 +150,24 @@ class LoraSideProduct:
         return base_out
 
 
-@functools.cache
+def _on_computing_thread(check):
+    """A cached check that multiplies a few values through oneDNN, run on the process's computing
+    thread (computing.py) whoever asks: run on a caller's own thread, its one product left an OpenMP
+    team there, a second one in the process, after which grpo's sampling ran 1.5x slower (a bf16
+    decoding step 35 against 22.5 ms on an AMD EPYC; the bench resolved ``auto`` on its main
+    thread and measured grpo that way; docs/benchmark.md)."""
+
+    @functools.cache
+    @functools.wraps(check)
+    def checked(*args):
+        from grpo.models import computing
+
+        return computing.run(check, *args)
+
+    return checked
+
+
+@_on_computing_thread
 def _binary_add_works(dtype: torch.dtype) -> bool:
     """Whether oneDNN's Linear with an ``add`` post-op computes ``other + x @ w.T`` here."""
     try:
@@ -298,7 +315,7 @@ def can_pack(weight: torch.Tensor, layout: str = "onednn") -> bool:
             and wanted() and onednn_works() and packing_works(weight.dtype))
 
 
-@functools.cache
+@_on_computing_thread
 def packing_works(dtype: torch.dtype) -> bool:
     """Whether this torch build and CPU pack a ``dtype`` weight and multiply by it as ``F.linear``
     does (a CPU without bf16 instructions may refuse a bf16 layout: its layers stay plain)."""
@@ -324,7 +341,7 @@ def pack_for_inference(model: nn.Module, layout: str = "onednn") -> int:
     return count
 
 
-@functools.cache
+@_on_computing_thread
 def onednn_works() -> bool:
     """Whether this torch build has oneDNN's linear kernel and it computes what ``F.linear`` does."""
     try:

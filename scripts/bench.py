@@ -135,6 +135,9 @@ def device_and_dtypes(args: argparse.Namespace) -> tuple[str, str, str]:
     if args.precision != "auto":
         name = {"fp32": "float32", "bf16": "bfloat16"}[args.precision]
         return device, name, name
+    if args.resolved:  # (the parent's answer: main)
+        train, sample = args.resolved.split(",")
+        return device, train, sample
     from grpo import models
     from grpo.models import dtype_probe, precision
 
@@ -304,7 +307,12 @@ def worker_trl(args: argparse.Namespace) -> None:
     from trl import GRPOConfig, GRPOTrainer
 
     from grpo import models
+    from grpo.models import cpu_linear
 
+    # TRL computes on this thread: nothing of grpo's may start its computing thread here (whose
+    # OpenMP team beside this one would slow TRL), and the oneDNN check behind grpo's Linears runs
+    # there -- so PyTorch's own Linears from the start, as TRL's users have them
+    os.environ[cpu_linear.ENV_SWITCH] = "torch"
     device, dtype, _ = device_and_dtypes(args)
     model = plain_model(args, device, dtype)  # TRL as its users run it
     tokenizer = models.load_tokenizer(args.model)
@@ -553,6 +561,7 @@ def forwarded(args: argparse.Namespace) -> list[str]:
            "--steps", str(args.steps), "--warmup", str(args.warmup),
            "--reps", str(args.reps), "--prompts", str(args.prompts), "--group", str(args.group),
            "--max-tokens", str(args.max_tokens), "--rank", str(args.rank), "--lr", str(args.lr)]
+    out += ["--resolved", args.resolved] if args.resolved else []
     return out + (["--trl-gradient-checkpointing"] if args.trl_gradient_checkpointing else [])
 
 
@@ -747,6 +756,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--no-micro", action="store_true", help="skip the sampler/trainer micro-benchmarks")
     p.add_argument("--json", type=Path, help="write the summary here")
     p.add_argument("--worker", choices=["grpo", "trl", "micro"], help=argparse.SUPPRESS)
+    p.add_argument("--resolved", help=argparse.SUPPRESS)  # auto's train,sample dtypes, from the parent
     args = p.parse_args(argv)
     for name in ("steps", "reps", "prompts", "group", "max_tokens", "rank"):
         if getattr(args, name) < 1:
@@ -768,6 +778,12 @@ def main(argv: list[str] | None = None) -> None:
             sys.exit("TRL is not installed in this environment: run `make bench` (it builds .venv-bench), "
                      "or pass --no-trl")
     started = time.perf_counter()
+    if args.precision == "auto":
+        # resolved here, once, and handed to the workers: resolving asks oneDNN a question on the
+        # process's computing thread, and in TRL's worker that thread's OpenMP team would sit beside
+        # the one TRL computes on (two teams on two cores: every parallel region waits for wake-ups)
+        _, train, sample = device_and_dtypes(args)
+        args.resolved = f"{train},{sample}"
     with tempfile.TemporaryDirectory(prefix="grpo-bench-") as tmp:
         log_dir = Path(tmp)
         print(f"GRPO step: {args.model}, {args.prompts} prompts x {args.group} samples, max_tokens {args.max_tokens}, "

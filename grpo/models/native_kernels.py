@@ -9,7 +9,7 @@ and the trainer's norms and MLP activations (native_layers.py), and multiply by 
 packed in the streaming layout (cpu_linear.py).
 
 They are C++ built on first use by ``torch.utils.cpp_extension`` into grpo's cache, once per
-machine (source, torch version and instruction sets in the folder's name), ~10-15 s on two
+machine (source, torch version and instruction sets in the folder's name), ~10-25 s on two
 cores. Where they cannot be built -- no C++ compiler, another platform -- this says so once, and
 the callers run PyTorch's operators as before. ``GRPO_NATIVE_KERNELS=off`` skips them.
 """

@@ -12,9 +12,10 @@ machine times both precisions on that model's shapes, for each role separately:
   480 MiB last-level cache: SmolLM2's bf16 weights fit in it, its fp32 weights do not); the layers
   are built as the sampler builds them: packed weights, fp32 with LoRA folded in, bf16 as the
   sampler's copy with sibling projections stacked and LoRA as a bf16 side path. Each precision is
-  timed in both packed layouts where grpo's native kernels are loaded (oneDNN's and the streaming
-  one, cpu_linear.py), and the faster counts: the sampler packs in whichever measured faster
-  (kernel_probe.py);
+  timed in each packed layout it could use where grpo's native kernels are loaded (oneDNN's and the
+  streaming one; bf16 also the streaming layout's dot-product kernel, where built with avx512_bf16:
+  ``sampler_layouts``, cpu_linear.py), and the fastest counts: the sampler packs in whichever
+  measured fastest (kernel_probe.py);
 - ``train``: a forward and backward pass of ``TRAIN_ROWS`` tokens through one layer's Linears and
   the unembedding, as the trainer runs them: the frozen base in the precision timed (input
   gradient only), LoRA's fp32 weights cast to it and added inside the matmul (lora_linear.py).
@@ -37,7 +38,8 @@ The result is cached in ``$GRPO_CACHE/precision.json`` (and in this process) key
 its instruction sets (``instruction_sets``), torch version, thread count, fp32 Linear kernel, the
 shapes and the probe's own version, so the probe (about 10 s on a quiet machine; 2.1 GB peak
 resident for SmolLM2 with both layouts timed, 1.3 GB with one: python -m grpo.models.dtype_probe,
-Intel Xeon with avx512, 2 cores) is paid once per machine and model shape; the choice and its numbers
+Intel Xeon with avx512, 2 cores; bf16's dot-product kernel, where timed too, holds one more packed
+copy of the bf16 weights, 270 MB) is paid once per machine and model shape; the choice and its numbers
 are printed once, when measured.
 ``GRPO_PRECISION_PROBE=off`` skips the probe: ``auto`` is then fp32 on a CPU. So is it, for the run,
 where the load average is at least the number of cores: a measurement there would time the other

@@ -82,17 +82,22 @@ class ModelSize:
         precision, where it differs from the model's), else at the model's own."""
         from torch import nn
 
+        from grpo.models.fused_projections import sibling_sets
+
         head = model.get_output_embeddings()
         decoder = model.get_decoder()
         # the model's own Linears: peft's LoRA A and B (Linears inside the adapted layers) are
         # overhead above the floors, not part of them
-        linears = [m for name, m in decoder.named_modules() if isinstance(m, nn.Linear) and ".lora_" not in f".{name}"]
+        # (paths without peft's ".base_layer": the module paths the sampler's siblings are found by)
+        named = [(name.removesuffix(".base_layer"), m) for name, m in decoder.named_modules()
+                 if isinstance(m, nn.Linear) and ".lora_" not in f".{name}"]
+        linears = [m for _, m in named]
         decoder_params = sum(m.weight.numel() for m in linears)
         head_params = head.weight.numel()
         size = BYTES[sample_dtype] if sample_dtype else head.weight.element_size()
         shapes = tuple((m.out_features, m.in_features) for m in linears) + (tuple(head.weight.shape),)
         return cls(decoder_params, head_params, (decoder_params + head_params) * size, shapes,
-                   _stacked(decoder, nn.Linear) + (tuple(head.weight.shape),))
+                   _stacked(named, sibling_sets(decoder)) + (tuple(head.weight.shape),))
 
     @classmethod
     def from_dict(cls, data: dict) -> ModelSize:
@@ -100,26 +105,19 @@ class ModelSize:
                                  for key in ("linear_shapes", "sampler_shapes")}})
 
 
-def _stacked(decoder, linear_type) -> tuple[tuple[int, int], ...]:
-    """The decoder's Linears (out, in) in order, each set of siblings (fused_projections.SIBLINGS:
-    q/k/v, gate/up) one product of their stacked outputs, as the sampler packs them."""
-    from grpo.models.fused_projections import SIBLINGS
-
-    leaves = {leaf: set_ for set_ in SIBLINGS for leaf in set_}
-    shapes, pending = [], {}  # pending: (parent, sibling set) -> outputs so far
-    for name, m in decoder.named_modules():
-        if not isinstance(m, linear_type) or ".lora_" in f".{name}":
-            continue
-        path = name.removesuffix(".base_layer")  # (peft's LoRA layer wraps the base)
-        parent, _, leaf = path.rpartition(".")
-        set_ = leaves.get(leaf)
-        if set_ is None:
+def _stacked(named: list, sets: list[list[str]]) -> tuple[tuple[int, int], ...]:
+    """The (out, in) of the decoder's Linears ``named`` (path, module) in order, each set of
+    siblings in ``sets`` (fused_projections.sibling_sets) one product of their stacked outputs, at
+    its last member, as the sampler packs them."""
+    modules = dict(named)
+    last = {paths[-1]: paths for paths in sets}
+    members = {path for paths in sets for path in paths}
+    shapes = []
+    for path, m in named:
+        if path in last:
+            shapes.append((sum(modules[p].out_features for p in last[path]), m.in_features))
+        elif path not in members:
             shapes.append((m.out_features, m.in_features))
-            continue
-        outs = pending.setdefault((parent, set_), [])
-        outs.append(m.out_features)
-        if len(outs) == len(set_):
-            shapes.append((sum(outs), m.in_features))
     return tuple(shapes)
 
 
@@ -171,8 +169,7 @@ def kernels_alone(size: ModelSize, dtype: str, rows: float, processed_tokens: in
     decode_rows = max(1, round(rows))
     fans = {fan_in for _, fan_in in size.linear_shapes} | {fan_out for fan_out, _ in size.linear_shapes}
     inputs = {n: torch.randn(processed_tokens, n, dtype=train_dtype) for n in fans}
-    decode_shapes = size.sampler_shapes or size.linear_shapes
-    fans |= {fan_in for _, fan_in in decode_shapes}
+    decode_shapes = size.sampler_shapes or size.linear_shapes  # (stacking keeps the inputs' widths)
     decode_inputs = {n: torch.randn(decode_rows, n, dtype=decode_dtype) for n in fans}
 
     def sampler_linear(w: torch.Tensor):

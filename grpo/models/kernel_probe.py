@@ -230,12 +230,12 @@ def measure(shapes: Shapes, budget_s: float = BUDGET_S) -> tuple[float, float]:
         return onednn_s, torch_s
 
 
-def measure_layouts(shapes: Shapes, budget_s: float = BUDGET_S, dtype=None) -> tuple[float, float]:
-    """Seconds per decoding step in ``dtype`` (default float32) packed in oneDNN's layout and in the
-    streaming one (dtype_probe's decoding ops, scaled to the whole model)."""
+def measure_layouts(shapes: Shapes, budget_s: float = BUDGET_S) -> tuple[float, float]:
+    """Seconds per float32 decoding step packed in oneDNN's layout and in the streaming one
+    (dtype_probe's decoding ops, scaled to the whole model)."""
     import torch
 
-    return _time_layouts(shapes, dtype or torch.float32, ("onednn", "stream"), budget_s)
+    return _time_layouts(shapes, torch.float32, ("onednn", "stream"), budget_s)
 
 
 def measure_bf16_layouts(shapes: Shapes, budget_s: float = BUDGET_S) -> tuple[float, float]:

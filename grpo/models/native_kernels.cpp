@@ -1229,7 +1229,6 @@ inline void stream_tail(int64_t rows, const float* xt, const float* xt2, int64_t
   }
 }
 
-
 // ---------------------------------------------------------------------------------------------
 // bf16 weights multiplied by avx512_bf16's dot-product instruction (vdpbf16ps): each instruction
 // takes two k of a column at once, x[2i] * w[2i] and x[2i + 1] * w[2i + 1] added into the float32
@@ -1678,44 +1677,33 @@ at::Tensor stream_linear(const at::Tensor& x, const at::Tensor& packed, const c1
   shape.back() = n;
   auto out = at::empty(shape, x.options());
   if (rows == 0) return out;
-#if defined(STREAM_DOT)
-  if (pairs) {
-    // the inputs as k-pairs (an odd K completed with a zero, as the weight was): each pair's 32 bits
-    // moved as a float's, never computed with
-    const auto xc = k % 2 ? at::constant_pad_nd(x.reshape({rows, k}), {0, 1}) : x.contiguous();
-    const int64_t half = (k + 1) / 2;
-    const auto xp = stream_inputs(reinterpret_cast<const float*>(xc.data_ptr<c10::BFloat16>()), half, rows, half);
-    std::vector<float> b(bias.has_value() ? n : 0), down;
-    std::unique_ptr<float[]> dp;
-    if (bias.has_value()) to_float(bias->contiguous().data_ptr<c10::BFloat16>(), b.data(), n);
-    if (rank > 0) {
-      down.resize(rows * rank);
-      stream_dot_product<float>(xp.get(), half, nullptr, 0, rows, rank / STREAM_COLUMNS,
-                                lora_a->data_ptr<c10::BFloat16>(), nullptr, nullptr, down.data());
-      dp = stream_inputs(down.data(), rank, rows, rank);
-    }
-    stream_dot_product<c10::BFloat16>(xp.get(), half, dp.get(), rank, rows, n / STREAM_COLUMNS,
-                                      packed.data_ptr<c10::BFloat16>(),
-                                      rank ? lora_b->data_ptr<c10::BFloat16>() : nullptr,
-                                      b.empty() ? nullptr : b.data(), out.data_ptr<c10::BFloat16>());
-    return out;
-  }
-#endif
-  const auto xc = x.contiguous();
   DISPATCH_SAMPLER_TYPES(dtype, "stream_linear", [&] {
-    const auto xp = stream_inputs(xc.data_ptr<scalar_t>(), k, rows, k);
+    // the inputs laid out for the kernel: as they are, or as k-pairs for the dot product (an odd K
+    // completed with a zero, as the weight was), each pair's 32 bits moved as a float's, never
+    // computed with
+    const auto xc = pairs && k % 2 ? at::constant_pad_nd(x.reshape({rows, k}), {0, 1}) : x.contiguous();
+    const int64_t width = pairs ? (k + 1) / 2 : k;
+    const auto xp = pairs ? stream_inputs(reinterpret_cast<const float*>(xc.data_ptr<scalar_t>()), width, rows, width)
+                          : stream_inputs(xc.data_ptr<scalar_t>(), k, rows, k);
+    // xp @ a weight's panels (+ x2 @ w2's, LoRA's B over d) into y, through the weight's kernel
+    auto product = [&](const float* x2, int64_t k2, int64_t panels, const scalar_t* w, const scalar_t* w2,
+                       const float* bd, auto* y) {
+#if defined(STREAM_DOT)
+      if constexpr (std::is_same_v<scalar_t, c10::BFloat16>)
+        if (pairs) return stream_dot_product(xp.get(), width, x2, k2, rows, panels, w, w2, bd, y);
+#endif
+      stream_product<scalar_t>(xp.get(), k, x2, k2, rows, panels, w, w2, bd, y);
+    };
     std::vector<float> b(bias.has_value() ? n : 0), down;
     std::unique_ptr<float[]> dp;
     if (bias.has_value()) to_float(bias->contiguous().data_ptr<scalar_t>(), b.data(), n);
     if (rank > 0) {  // d = x @ A.T, kept in float32, then laid out as the inputs of B's part of the sums
       down.resize(rows * rank);
-      stream_product<scalar_t, float>(xp.get(), k, nullptr, 0, rows, rank / STREAM_COLUMNS,
-                                      lora_a->data_ptr<scalar_t>(), nullptr, nullptr, down.data());
+      product(nullptr, 0, rank / STREAM_COLUMNS, lora_a->data_ptr<scalar_t>(), nullptr, nullptr, down.data());
       dp = stream_inputs(down.data(), rank, rows, rank);
     }
-    stream_product<scalar_t, scalar_t>(xp.get(), k, dp.get(), rank, rows, n / STREAM_COLUMNS,
-                                       packed.data_ptr<scalar_t>(), rank ? lora_b->data_ptr<scalar_t>() : nullptr,
-                                       b.empty() ? nullptr : b.data(), out.data_ptr<scalar_t>());
+    product(dp.get(), rank, n / STREAM_COLUMNS, packed.data_ptr<scalar_t>(),
+            rank ? lora_b->data_ptr<scalar_t>() : nullptr, b.empty() ? nullptr : b.data(), out.data_ptr<scalar_t>());
   });
   return out;
 }

@@ -211,9 +211,11 @@ def test_packed_micro_batches_equal_padded_ones(client, loss_fn, share, max_toke
 
 
 def test_half_precision_attention_runs_in_float32_on_a_cpu(monkeypatch) -> None:
-    """bf16 queries, keys and values are attended in float32 (PyTorch's CPU flash-attention
-    backward is several times slower in bf16): the output is the float32 attention of the same
-    bf16 values, rounded once to bf16, and gradients come back in bf16."""
+    """Through SDPA (the path without grpo's kernel), bf16 queries, keys and values are attended in
+    float32 (PyTorch's CPU flash-attention backward is several times slower in bf16): the output is
+    the float32 attention of the same bf16 values, rounded once to bf16, and gradients come back in
+    bf16."""
+    monkeypatch.setattr(packed_attention, "NATIVE_ATTENTION_ON_CPU", False)
     lengths = [3, 7, 5]
     packed = packed_attention.PackedPass(lengths, CPU)
     layer = torch.nn.Module()
@@ -230,3 +232,77 @@ def test_half_precision_attention_runs_in_float32_on_a_cpu(monkeypatch) -> None:
     assert q.grad.dtype == k.grad.dtype == torch.bfloat16 and q.grad.abs().sum() > 0
     monkeypatch.setattr(packed_attention, "FP32_ATTENTION_ON_CPU", False)
     assert not torch.equal(packed.attend(layer, q, k, v, None, 0.0, None), out)  # bf16 SDPA rounds otherwise
+
+
+def _chained_pass() -> packed_attention.PackedPass:
+    """A GRPO micro-batch's shape: a system prompt, two prompts continuing it, each prompt's answers
+    continuing the prompt (the system prompt's keys then get gradients from seven sequences)."""
+    lengths = [6, 9, 5, 4, 11, 1, 7, 3, 13]
+    return packed_attention.PackedPass(lengths, CPU, continues=[None, 0, 0, 1, 1, 1, 2, 2, 2])
+
+
+def _attend_with_grads(packed, q, k, v, scaling=None, sliding_window=None):
+    q, k, v = (t.detach().clone().requires_grad_() for t in (q, k, v))
+    out = packed.attend(torch.nn.Module(), q, k, v, scaling, 0.0, sliding_window)
+    gen = torch.Generator().manual_seed(11)
+    (out.float() * torch.randn(out.shape, generator=gen)).sum().backward()
+    return out, q.grad, k.grad, v.grad
+
+
+@pytest.mark.parametrize("dim", [64, 128, 24])  # (64 and 128 take the kernel's fixed-width loops)
+def test_native_attention_equals_sdpa_over_padded_blocks(monkeypatch, dim) -> None:
+    """The kernel's attention (outputs, and gradients of q, k and v) is what SDPA computes over the
+    gathered, padded blocks, to float32 rounding: with grouped-query heads and chained prefixes."""
+    heads, kv_heads = 6, 2
+    packed = _chained_pass()
+    gen = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn((1, h, packed.tokens, dim), generator=gen) for h in (heads, kv_heads, kv_heads))
+    monkeypatch.setattr(packed_attention, "NATIVE_ATTENTION_ON_CPU", False)
+    want = _attend_with_grads(packed, q, k, v, scaling=0.3)
+    assert packed._native_plan is None
+    monkeypatch.setattr(packed_attention, "NATIVE_ATTENTION_ON_CPU", True)
+    got = _attend_with_grads(packed, q, k, v, scaling=0.3)
+    assert packed._native_plan is not None  # (the kernel ran: it made its plan)
+    assert got[0].shape == want[0].shape == (1, packed.tokens, heads, dim)
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w, atol=2e-6 * float(w.detach().abs().max()), rtol=1e-5)
+
+
+def test_native_bf16_attention_is_its_float32_attention_rounded_once() -> None:
+    """bf16 q, k and v are widened as read and attended in float32: the output is the float32
+    attention of the same values rounded once to bf16, and gradients come back in bf16 (those of
+    float32 to bf16's rounding: the gradient arriving at a bf16 output is bf16 itself)."""
+    packed = _chained_pass()
+    gen = torch.Generator().manual_seed(8)
+    q, k, v = (torch.randn((1, h, packed.tokens, 64), generator=gen).to(torch.bfloat16) for h in (9, 3, 3))
+    out, *grads = _attend_with_grads(packed, q, k, v)
+    want, *want_grads = _attend_with_grads(packed, q.float(), k.float(), v.float())
+    assert packed._native_plan is not None
+    assert out.dtype == torch.bfloat16 and torch.equal(out, want.to(torch.bfloat16))
+    for g, w in zip(grads, want_grads, strict=True):  # (the bf16 pass's gradient arrives rounded to bf16)
+        assert g.dtype == torch.bfloat16
+        torch.testing.assert_close(g.float(), w, atol=2**-8 * float(w.abs().max()), rtol=2**-7)
+
+
+def test_native_attention_leaves_what_it_does_not_cover_to_sdpa() -> None:
+    """A sliding window (and dropout) take the gathered blocks through SDPA."""
+    packed = _chained_pass()
+    q, k, v = (torch.randn((1, h, packed.tokens, 16)) for h in (4, 2, 2))
+    packed.attend(torch.nn.Module(), q, k, v, None, 0.0, 4)
+    packed.attend(torch.nn.Module(), q, k, v, None, 0.1, None)
+    assert packed._native_plan is None
+
+
+def test_native_attention_refuses_sequences_out_of_range() -> None:
+    from grpo.models import native_kernels
+
+    ops = native_kernels.kernels()
+    if ops is None:
+        pytest.skip("native kernels not built here")
+    q, k, v = torch.randn(5, 4 * 16), torch.randn(5, 2 * 16), torch.randn(5, 2 * 16)
+    with pytest.raises(RuntimeError, match="sequence 0 is out of range"):
+        ops.packed_attention(q, k, v, torch.tensor([[2, 4, 0, 0]]), torch.arange(4), 4, 2, 0.25)
+    with pytest.raises(RuntimeError, match="key row out of range"):
+        ops.packed_attention(q, k, v, torch.tensor([[0, 2, 0, 0]]), torch.tensor([0, 9]), 4, 2, 0.25)
+    with pytest.raises(RuntimeError, match="not a multiple of"):
+        ops.packed_attention(q, k[:, :16], v[:, :16], torch.tensor([[0, 2, 0, 0]]), torch.arange(2), 4, 3, 0.25)

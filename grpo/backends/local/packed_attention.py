@@ -26,6 +26,7 @@ from itertools import accumulate
 
 import torch
 import torch.nn.functional as F
+from torch.autograd.function import once_differentiable
 from transformers import AttentionInterface
 
 IMPLEMENTATION = "grpo_packed"
@@ -38,6 +39,9 @@ GROUPED_SDPA_ON_CPU = True
 # Half-precision (bf16, fp16) attention runs in float32 on a CPU (see PackedPass.attend); False
 # keeps the model's dtype (for measuring one against the other).
 FP32_ATTENTION_ON_CPU = True
+# On a CPU, float32 and bf16 attention through grpo's native kernel (``_NativeAttention``) where it
+# is built; False takes SDPA over gathered blocks, as before (for measuring one against the other).
+NATIVE_ATTENTION_ON_CPU = True
 
 
 def supports(config) -> bool:
@@ -105,6 +109,7 @@ class PackedPass:
                 raise ValueError(f"continues[{bad[0][0]}] = {bad[0][1]}: a sequence continues an earlier one of the pass")
         self.lengths = [int(n) for n in lengths]
         self.calls = 0
+        self._native_plan: tuple[torch.Tensor, torch.Tensor] | None = None  # _native_attention's, made on first use
         n = sum(self.lengths)
         starts = [0, *accumulate(self.lengths)][:-1]
         self.starts = starts
@@ -161,6 +166,9 @@ class PackedPass:
         returns ``(1, n, heads, dim)`` as transformers' kernels do."""
         self.calls += 1
         heads, dim = query.shape[1], query.shape[3]
+        native = self._native_attention(query, key, value, scaling, dropout, sliding_window)
+        if native is not None:
+            return native
         q = query[0].transpose(0, 1)  # (n, heads, dim)
         k, v = key[0].transpose(0, 1), value[0].transpose(0, 1)  # (n, kv_heads, dim)
         # PyTorch's CPU flash-attention backward in bf16 takes 3-4x its float32 time on these
@@ -191,6 +199,35 @@ class PackedPass:
             outputs.append(out.transpose(1, 2).reshape(b.count * b.q_len, heads, dim))
         return torch.cat(outputs).index_select(0, self.out_index)[None].to(out_dtype)
 
+    def _native_attention(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float | None,
+                          dropout: float, sliding_window: int | None) -> torch.Tensor | None:
+        """``attend`` through grpo's kernel (native_kernels.cpp, ``packed_attention``): each
+        sequence's queries over its own keys, none padded, nothing past a query's last key computed,
+        float32 sums; None where it does not apply (off the CPU, another dtype, dropout, a sliding
+        window, kernels not built). SmolLM2's 30 layers over the bench's packed pass, forward and
+        backward: 0.14 against 0.46 s for the gathered blocks through SDPA (bf16, AMD EPYC Zen 4,
+        2 cores; docs/benchmark.md)."""
+        if not (NATIVE_ATTENTION_ON_CPU and query.device.type == "cpu" and query.dtype in (torch.float32, torch.bfloat16)
+                and key.dtype == value.dtype == query.dtype and dropout == 0.0 and sliding_window is None
+                and query.shape[1] % key.shape[1] == 0):
+            return None
+        from grpo.models import native_kernels
+
+        ops = native_kernels.kernels()
+        if ops is None or not hasattr(ops, "packed_attention"):
+            return None
+        if self._native_plan is None:
+            seqs, rows = [], []
+            for i, (start, length) in enumerate(zip(self.starts, self.lengths, strict=True)):
+                seqs.append((start, length, len(self.key_rows[i]) - length, len(rows)))
+                rows += self.key_rows[i]
+            self._native_plan = (torch.tensor(seqs, dtype=torch.long).reshape(-1, 4), torch.tensor(rows, dtype=torch.long))
+        heads, kv_heads, n, dim = query.shape[1], key.shape[1], query.shape[2], query.shape[3]
+        scale = float(scaling) if scaling is not None else dim ** -0.5
+        flat = [t[0].transpose(0, 1).reshape(n, -1) for t in (query, key, value)]  # (n, heads * dim) rows
+        out = _NativeAttention.apply(*flat, *self._native_plan, heads, kv_heads, scale, ops)
+        return out.view(1, n, heads, dim)
+
     @contextmanager
     def running(self, decoder) -> Iterator[None]:
         """``decoder``'s attention layers use this pass while the block runs; afterwards, checks that
@@ -214,6 +251,26 @@ class PackedPass:
             out = decoder(input_ids=input_ids[None], position_ids=self.position_ids, use_cache=False,
                           grpo_packed=self)
         return out.last_hidden_state[0]
+
+
+class _NativeAttention(torch.autograd.Function):
+    """``PackedPass``'s attention through the kernel, forward and backward (the backward recomputes
+    the weights from the saved log-sum-exp, as flash attention does)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, seqs, key_rows, heads, kv_heads, scale, ops):
+        out, lse = ops.packed_attention(q, k, v, seqs, key_rows, heads, kv_heads, scale)
+        ctx.save_for_backward(q, k, v, out, lse, seqs, key_rows)
+        ctx.heads, ctx.kv_heads, ctx.scale, ctx.ops = heads, kv_heads, scale, ops
+        return out
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad):
+        q, k, v, out, lse, seqs, key_rows = ctx.saved_tensors
+        dq, dk, dv = ctx.ops.packed_attention_backward(grad.contiguous(), q, k, v, out, lse, seqs, key_rows, ctx.heads,
+                                                       ctx.kv_heads, ctx.scale)
+        return dq, dk, dv, None, None, None, None, None, None
 
 
 def _split(order: list[int], key_lengths: list[int]) -> list[list[int]]:

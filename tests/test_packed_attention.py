@@ -236,8 +236,9 @@ def test_half_precision_attention_runs_in_float32_on_a_cpu(monkeypatch) -> None:
 
 def _chained_pass() -> packed_attention.PackedPass:
     """A GRPO micro-batch's shape: a system prompt, two prompts continuing it, each prompt's answers
-    continuing the prompt (the system prompt's keys then get gradients from seven sequences)."""
-    lengths = [6, 9, 5, 4, 11, 1, 7, 3, 13]
+    continuing the prompt (the system prompt's keys then get gradients from seven sequences); two
+    answers longer than the kernel's 64-query tasks."""
+    lengths = [6, 9, 5, 4, 140, 1, 7, 3, 70]
     return packed_attention.PackedPass(lengths, CPU, continues=[None, 0, 0, 1, 1, 1, 2, 2, 2])
 
 

@@ -1792,13 +1792,14 @@ at::Tensor decode_layers(const at::Tensor& hidden_in, const at::Tensor& cos, con
 // them: causal within its own tokens. PyTorch's SDPA took this as padded blocks gathered per call,
 // with an explicit mask (no block skipped), each (sequence, head) a few small GEMM calls: ~87
 // GFLOP/s padded over SmolLM2's bench pass on an AMD EPYC, 2 cores, forward + backward 0.22 s of a
-// 2.1 s training call. Here each (sequence, key head) is one task: its keys and values gathered once
-// into float32 panels shared by the query heads reading them, scores for four queries at a time
-// over sixteen keys in registers, no padding and nothing past a query's last key. float32 sums, q/k/v
-// widened from bf16 as read, outputs rounded once to their dtype (as SDPA over float32 copies, the
-// path it replaces). The backward recomputes the weights from the saved log-sum-exp (as flash
-// attention does) and sums the key and value gradients of the rows that several sequences see (a
-// shared prompt) in a float32 buffer per thread, added up at the end.
+// 2.1 s training call. Here a task is up to 64 queries of one sequence through one key head: the
+// keys and values they see gathered once into float32 panels shared by the query heads reading
+// them, scores for four queries by thirty-two keys in registers (avx512), no padding and nothing
+// past a query's last key. float32 sums, q/k/v widened from bf16 as read, outputs rounded once to
+// their dtype (as SDPA over float32 copies, the path it replaces). The backward recomputes the
+// weights from the saved log-sum-exp (as flash attention does) and sums the key and value
+// gradients of the rows that several tasks see (a shared prompt, a long sequence's first tokens) in
+// a float32 buffer per thread, added up at the end.
 
 // seqs: [S, 4] int64 rows (q_start, q_len, prefix, key_offset)
 struct PackedSeq {
@@ -2079,20 +2080,29 @@ inline float pa_softmax_numerators(float* x, int64_t n, float scale, float& top)
   return total;
 }
 
-// the tasks (sequence, key head), most work first: taken in turn by whichever thread is free
-std::vector<int64_t> pa_tasks(const std::vector<PackedSeq>& seqs, int64_t kv_heads) {
-  std::vector<int64_t> tasks(seqs.size() * kv_heads);
-  for (size_t i = 0; i < tasks.size(); ++i) tasks[i] = static_cast<int64_t>(i);
-  auto cost = [&](int64_t task) {
-    const PackedSeq& s = seqs[task / kv_heads];
-    return s.q_len * (s.prefix + s.q_len);
-  };
-  std::stable_sort(tasks.begin(), tasks.end(), [&](int64_t a, int64_t b) { return cost(a) > cost(b); });
+// A task: PA_CHUNK queries (or fewer, a sequence's last) of one sequence through one key head, and
+// only the keys they see. A long sequence is then many tasks, not one per key head (a single
+// 2,048-token sequence of a model with one key head would otherwise keep one thread busy).
+constexpr int64_t PA_CHUNK = 64;
+
+struct PaTask {
+  int64_t seq, head, first, count;  // queries first..first+count of sequence seq, key head `head`
+};
+
+// the tasks, most work first: taken in turn by whichever thread is free
+std::vector<PaTask> pa_tasks(const std::vector<PackedSeq>& seqs, int64_t kv_heads) {
+  std::vector<PaTask> tasks;
+  for (size_t i = 0; i < seqs.size(); ++i)
+    for (int64_t first = 0; first < seqs[i].q_len; first += PA_CHUNK)
+      for (int64_t g = 0; g < kv_heads; ++g)
+        tasks.push_back({static_cast<int64_t>(i), g, first, std::min(PA_CHUNK, seqs[i].q_len - first)});
+  auto cost = [&](const PaTask& t) { return t.count * (seqs[t.seq].prefix + t.first + t.count); };
+  std::stable_sort(tasks.begin(), tasks.end(), [&](const PaTask& a, const PaTask& b) { return cost(a) > cost(b); });
   return tasks;
 }
 
 template <typename F>
-void pa_run(const std::vector<int64_t>& tasks, F&& work) {
+void pa_run(const std::vector<PaTask>& tasks, F&& work) {
   std::atomic<int64_t> next{0};
   const int64_t threads = std::min<int64_t>(at::get_num_threads(), static_cast<int64_t>(tasks.size()));
   at::parallel_for(0, std::max<int64_t>(threads, 1), 1, [&](int64_t begin, int64_t end) {
@@ -2146,10 +2156,9 @@ void packed_attention_impl(const T* q, const T* k, const T* v, const std::vector
                            const int64_t* key_rows, PaShape sh, float scale, T* out, float* lse) {
   const int64_t dim = DIM > 0 ? DIM : sh.dim, group = sh.heads / sh.kv_heads;
   const int64_t q_stride = sh.heads * dim, k_stride = sh.kv_heads * dim;
-  pa_run(pa_tasks(seqs, sh.kv_heads), [&](int64_t task, int64_t) {
-    const PackedSeq& s = seqs[task / sh.kv_heads];
-    const int64_t g = task % sh.kv_heads, kl = s.prefix + s.q_len, klp = pa_round(kl);
-    if (s.q_len == 0) return;
+  pa_run(pa_tasks(seqs, sh.kv_heads), [&](const PaTask& task, int64_t) {
+    const PackedSeq& s = seqs[task.seq];
+    const int64_t g = task.head, end = task.first + task.count, kl = s.prefix + end, klp = pa_round(kl);
     thread_local KeyPanels p;
     thread_local std::vector<float> qf, w, o;
     gather_panels(k, v, k_stride, key_rows + s.key_offset, kl, g, dim, false, false, p);
@@ -2157,8 +2166,8 @@ void packed_attention_impl(const T* q, const T* k, const T* v, const std::vector
     w.resize(PA_ROWS * klp);
     o.resize(PA_ROWS * dim);
     for (int64_t h = g * group; h < (g + 1) * group; ++h) {
-      for (int64_t r0 = 0; r0 < s.q_len; r0 += PA_ROWS) {
-        const int64_t nr = std::min(PA_ROWS, s.q_len - r0);
+      for (int64_t r0 = task.first; r0 < end; r0 += PA_ROWS) {
+        const int64_t nr = std::min(PA_ROWS, end - r0);
         int64_t limit[PA_ROWS];
         for (int64_t i = 0; i < nr; ++i) {
           limit[i] = s.prefix + r0 + i + 1;  // query r0 + i sees its prefix and its sequence up to itself
@@ -2209,10 +2218,9 @@ void packed_attention_backward_impl(const T* grad, const T* q, const T* k, const
   const int64_t dim = DIM > 0 ? DIM : sh.dim, group = sh.heads / sh.kv_heads;
   const int64_t q_stride = sh.heads * dim, k_stride = sh.kv_heads * dim;
   const int64_t per_thread = 2 * sh.rows * k_stride;  // a thread's dk then dv, float32
-  pa_run(pa_tasks(seqs, sh.kv_heads), [&](int64_t task, int64_t thread) {
-    const PackedSeq& s = seqs[task / sh.kv_heads];
-    const int64_t g = task % sh.kv_heads, kl = s.prefix + s.q_len, klp = pa_round(kl);
-    if (s.q_len == 0) return;
+  pa_run(pa_tasks(seqs, sh.kv_heads), [&](const PaTask& task, int64_t thread) {
+    const PackedSeq& s = seqs[task.seq];
+    const int64_t g = task.head, end = task.first + task.count, kl = s.prefix + end, klp = pa_round(kl);
     thread_local KeyPanels p;
     thread_local std::vector<float> qf, gf, of, w, dw, dqf, dkl, dvl;
     gather_panels(k, v, k_stride, key_rows + s.key_offset, kl, g, dim, true, true, p);
@@ -2225,8 +2233,8 @@ void packed_attention_backward_impl(const T* grad, const T* q, const T* k, const
     dkl.assign(kl * dim, 0.f);  // this task's key and value gradients, added to the thread's buffer at the end
     dvl.assign(kl * dim, 0.f);
     for (int64_t h = g * group; h < (g + 1) * group; ++h) {
-      for (int64_t r0 = 0; r0 < s.q_len; r0 += PA_ROWS) {
-        const int64_t nr = std::min(PA_ROWS, s.q_len - r0);
+      for (int64_t r0 = task.first; r0 < end; r0 += PA_ROWS) {
+        const int64_t nr = std::min(PA_ROWS, end - r0);
         int64_t limit[PA_ROWS];
         float delta[PA_ROWS];  // sum_d grad * out of each query: softmax's backward
         for (int64_t i = 0; i < nr; ++i) {

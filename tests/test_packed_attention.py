@@ -307,3 +307,17 @@ def test_native_attention_refuses_sequences_out_of_range() -> None:
         ops.packed_attention(q, k, v, torch.tensor([[0, 2, 0, 0]]), torch.tensor([0, 9]), 4, 2, 0.25)
     with pytest.raises(RuntimeError, match="not a multiple of"):
         ops.packed_attention(q, k[:, :16], v[:, :16], torch.tensor([[0, 2, 0, 0]]), torch.arange(2), 4, 3, 0.25)
+
+
+def test_native_attention_gradients_are_the_same_bits_every_call() -> None:
+    """Keys that several tasks see (the shared prompts, a long answer's first tokens) sum their
+    gradients in an order set by the tasks, not by which thread finished first: runs repeat bit
+    for bit (tests/test_reproducibility.py)."""
+    packed = _chained_pass()
+    gen = torch.Generator().manual_seed(2)
+    q, k, v = (torch.randn((1, h, packed.tokens, 64), generator=gen) for h in (9, 3, 3))
+    first = _attend_with_grads(packed, q, k, v)
+    assert packed._native_plan is not None
+    for _ in range(10):
+        for a, b in zip(_attend_with_grads(packed, q, k, v), first, strict=True):
+            assert torch.equal(a, b)

@@ -31,6 +31,7 @@
 #include <cstring>
 #include <initializer_list>
 #include <memory>
+#include <condition_variable>
 #include <mutex>
 #include <type_traits>
 #include <vector>
@@ -1799,7 +1800,9 @@ at::Tensor decode_layers(const at::Tensor& hidden_in, const at::Tensor& cos, con
 // their dtype (as SDPA over float32 copies, the path it replaces). The backward recomputes the
 // weights from the saved log-sum-exp (as flash attention does) and sums the key and value
 // gradients of the rows that several tasks see (a shared prompt, a long sequence's first tokens) in
-// a float32 buffer per thread, added up at the end.
+// one float32 buffer, each task's added in the tasks' order (the same bits every run; a buffer per
+// thread would also be threads x the keys' and values' size: gigabytes for a 16k-token pass on 16
+// cores).
 
 // seqs: [S, 4] int64 rows (q_start, q_len, prefix, key_offset)
 struct PackedSeq {
@@ -2101,13 +2104,15 @@ std::vector<PaTask> pa_tasks(const std::vector<PackedSeq>& seqs, int64_t kv_head
   return tasks;
 }
 
+// work(task, i) for every task (tasks[i]), each thread taking the next task not yet taken (a static
+// split of tasks of such uneven sizes left one thread idle): task i is started before task i + 1
 template <typename F>
 void pa_run(const std::vector<PaTask>& tasks, F&& work) {
   std::atomic<int64_t> next{0};
   const int64_t threads = std::min<int64_t>(at::get_num_threads(), static_cast<int64_t>(tasks.size()));
   at::parallel_for(0, std::max<int64_t>(threads, 1), 1, [&](int64_t begin, int64_t end) {
     for (int64_t slot = begin; slot < end; ++slot)
-      for (int64_t i = next++; i < static_cast<int64_t>(tasks.size()); i = next++) work(tasks[i], at::get_thread_num());
+      for (int64_t i = next++; i < static_cast<int64_t>(tasks.size()); i = next++) work(tasks[i], i);
   });
 }
 
@@ -2214,11 +2219,14 @@ std::vector<at::Tensor> packed_attention(const at::Tensor& q, const at::Tensor& 
 template <typename T, int64_t DIM>
 void packed_attention_backward_impl(const T* grad, const T* q, const T* k, const T* v, const T* out, const float* lse,
                                     const std::vector<PackedSeq>& seqs, const int64_t* key_rows, PaShape sh,
-                                    float scale, T* dq, float* dkv_threads) {
+                                    float scale, T* dq, float* dkv) {
   const int64_t dim = DIM > 0 ? DIM : sh.dim, group = sh.heads / sh.kv_heads;
   const int64_t q_stride = sh.heads * dim, k_stride = sh.kv_heads * dim;
-  const int64_t per_thread = 2 * sh.rows * k_stride;  // a thread's dk then dv, float32
-  pa_run(pa_tasks(seqs, sh.kv_heads), [&](const PaTask& task, int64_t thread) {
+  // dkv: the key gradients' float32 sums [rows, k_stride], then the values'; tasks add theirs in turn
+  std::mutex turn_lock;
+  std::condition_variable turn_changed;
+  int64_t turn = 0;
+  pa_run(pa_tasks(seqs, sh.kv_heads), [&](const PaTask& task, int64_t index) {
     const PackedSeq& s = seqs[task.seq];
     const int64_t g = task.head, end = task.first + task.count, kl = s.prefix + end, klp = pa_round(kl);
     thread_local KeyPanels p;
@@ -2265,18 +2273,25 @@ void packed_attention_backward_impl(const T* grad, const T* q, const T* k, const
                           dvl.data());
       }
     }
-    float* dk_all = dkv_threads + thread * per_thread;
-    float* dv_all = dk_all + sh.rows * k_stride;
+    // into the shared sums in the tasks' order, whichever thread finished first: float sums in an
+    // order set by the tasks alone, so that a run's gradients are the same bits every time (runs
+    // resume and repeat bit for bit, tests/test_reproducibility.py). Task i was started before
+    // task i + 1, so the wait is for a task under way; the adds are a small part of a task.
+    std::unique_lock<std::mutex> held(turn_lock);
+    turn_changed.wait(held, [&] { return turn == index; });
     const int64_t* rows = key_rows + s.key_offset;
     for (int64_t t = 0; t < kl; ++t) {
-      float* dk = dk_all + rows[t] * k_stride + g * dim;
-      float* dv = dv_all + rows[t] * k_stride + g * dim;
+      float* dk = dkv + rows[t] * k_stride + g * dim;
+      float* dv = dk + sh.rows * k_stride;
 #pragma omp simd
       for (int64_t d = 0; d < dim; ++d) {
         dk[d] += dkl[t * dim + d];
         dv[d] += dvl[t * dim + d];
       }
     }
+    ++turn;
+    held.unlock();
+    turn_changed.notify_all();
   });
 }
 
@@ -2293,9 +2308,7 @@ std::vector<at::Tensor> packed_attention_backward(const at::Tensor& grad, const 
               "packed_attention_backward: lse must be float32 [rows, heads]");
   const auto list = pa_sequences(seqs, key_rows, sh.rows);
   auto dq = at::zeros_like(q, at::MemoryFormat::Contiguous);
-  const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
-  const int64_t k_width = kv_heads * sh.dim;
-  auto dkv = at::zeros({threads, 2, sh.rows, k_width}, q.options().dtype(at::kFloat));
+  auto dkv = at::zeros({2, sh.rows, kv_heads * sh.dim}, q.options().dtype(at::kFloat));
   DISPATCH_SAMPLER_TYPES(q.scalar_type(), "packed_attention_backward", [&] {
     auto run = [&](auto dim) {
       packed_attention_backward_impl<scalar_t, decltype(dim)::value>(
@@ -2307,8 +2320,7 @@ std::vector<at::Tensor> packed_attention_backward(const at::Tensor& grad, const 
     if (sh.dim == 128) return run(std::integral_constant<int64_t, 128>{});
     run(std::integral_constant<int64_t, 0>{});
   });
-  auto summed = dkv.sum(0);  // [2, rows, k_width]: the threads' sums, float32
-  return {dq, summed[0].to(q.scalar_type()), summed[1].to(q.scalar_type())};
+  return {dq, dkv[0].to(q.scalar_type()), dkv[1].to(q.scalar_type())};
 }
 
 }  // namespace

@@ -6,6 +6,8 @@
 //   than in arithmetic; these do a layer's non-matmul work in four calls;
 // - the trainer's RMSNorms, SiLU * up and rotary embeddings, forward and backward, and its loss head
 //   (native_layers.py): one pass over memory each where autograd takes several;
+// - the trainer's attention over packed sequences, forward and backward (packed_attention.py): each
+//   sequence's queries over its own keys, no padding, where SDPA took padded blocks gathered per call;
 // - the sampler's token choice (sampler.py): one pass over a row's logits where PyTorch takes five;
 // - a product by a float32 or bf16 weight in a streaming layout (stream_linear), for the sampler's few
 //   rows.

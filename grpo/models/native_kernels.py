@@ -5,8 +5,8 @@ PyTorch's small operators costs more in dispatch and passes over memory than in 
 RMSNorm is eight of them forward and more backward, SiLU * up three, a decoding step's attention a
 dozen. The kernels in native_kernels.cpp do each such piece in one call, rounding to the tensor's
 dtype wherever the eager operators do. They serve the sampler's decoding step (native_decode.py)
-and the trainer's norms and MLP activations (native_layers.py), and multiply by float32 weights
-packed in the streaming layout (cpu_linear.py).
+and the trainer's norms, MLP activations (native_layers.py) and attention over packed sequences
+(packed_attention.py), and multiply by weights packed in the streaming layout (cpu_linear.py).
 
 They are C++ built on first use by ``torch.utils.cpp_extension`` into grpo's cache, once per
 machine (source, torch version and instruction sets in the folder's name), ~10-25 s on two

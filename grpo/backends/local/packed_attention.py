@@ -5,10 +5,12 @@ step's FLOPs -- run on positions nobody reads: 8-32% of the processed tokens on 
 of docs/benchmark.md (GRPO groups of short answers beside a few long ones). Here the decoder runs on
 one row holding every sequence's tokens back to back, each at its own positions (``position_ids``),
 so the per-token layers see real tokens only. Attention is the one place sequences meet; it is done
-by ``packed_attention``, registered with transformers as an attention implementation, which
-gathers each sequence's queries and keys into small blocks of similar lengths, runs SDPA on them
-with a causal mask, and puts the outputs back in packed order. Attention is a small share of the
-work on these models, so the padding inside those blocks costs little.
+by ``packed_attention``, registered with transformers as an attention implementation. On a CPU,
+in float32 or bf16, grpo's native kernel attends each sequence's queries to its own keys in place,
+forward and backward, without padding (``PackedPass._native_attention``); elsewhere (a GPU, a
+sliding window, dropout, kernels not built) each sequence's queries and keys are gathered into
+small blocks of similar lengths, SDPA runs on them with a causal mask, and the outputs go back in
+packed order.
 
 A sequence may continue an earlier sequence of the same row (a GRPO group's shared prompt): its
 positions go on from there and its attention sees that sequence's keys and values besides its

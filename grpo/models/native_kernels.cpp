@@ -1841,119 +1841,158 @@ void gather_panels(const T* k, const T* v, int64_t k_stride, const int64_t* rows
   }
 }
 
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+#define PA_VECTORS 1
+// One vector register of floats: avx512's sixteen or avx2's eight. The kernels below are written
+// once over it; KEY_BLOCKS (sixteen keys each), ROW_PAIRS, SPLIT_GRADS and REGS_A_PASS (a row's
+// sums over the head dimension per pass) say how many sums a loop keeps in registers: avx512 has
+// 32 of them, avx2 16.
+struct PaVec {
 #if defined(__AVX512F__)
-#define PA_AVX512 1
-// pa_scores with avx512 and a head dimension known when compiling: thirty-two keys by four
-// queries in registers where the keys reach that far (each query's value broadcast once for both
-// halves), sixteen otherwise
+  using reg = __m512;
+  static constexpr int W = 16, KEY_BLOCKS = 2, ROW_PAIRS = 2, SPLIT_GRADS = 1, REGS_A_PASS = 8;
+  static reg zero() { return _mm512_setzero_ps(); }
+  static reg set1(float x) { return _mm512_set1_ps(x); }
+  static reg load(const float* p) { return _mm512_loadu_ps(p); }
+  static void store(float* p, reg v) { _mm512_storeu_ps(p, v); }
+  static reg fma(reg a, reg b, reg c) { return _mm512_fmadd_ps(a, b, c); }
+  static reg add(reg a, reg b) { return _mm512_add_ps(a, b); }
+  static reg mul(reg a, reg b) { return _mm512_mul_ps(a, b); }
+#else
+  using reg = __m256;
+  static constexpr int W = 8, KEY_BLOCKS = 1, ROW_PAIRS = 1, SPLIT_GRADS = 2, REGS_A_PASS = 8;
+  static reg zero() { return _mm256_setzero_ps(); }
+  static reg set1(float x) { return _mm256_set1_ps(x); }
+  static reg load(const float* p) { return _mm256_loadu_ps(p); }
+  static void store(float* p, reg v) { _mm256_storeu_ps(p, v); }
+  static reg fma(reg a, reg b, reg c) { return _mm256_fmadd_ps(a, b, c); }
+  static reg add(reg a, reg b) { return _mm256_add_ps(a, b); }
+  static reg mul(reg a, reg b) { return _mm256_mul_ps(a, b); }
+#endif
+};
+
+// pa_scores with a head dimension known when compiling: KEY_BLOCKS x sixteen keys by four queries
+// in registers (each query's value broadcast once for all of them), sixteen where fewer are left
+template <int64_t DIM, int BLOCKS>
+inline void pa_scores_block(const float* rows, int64_t nr, const float* bt, int64_t ldb, int64_t t0, float* out,
+                            int64_t ldo) {
+  using V = PaVec;
+  constexpr int R = BLOCKS * PA_KEYS / V::W;  // registers a query's sums take
+  typename V::reg acc[PA_ROWS][R];
+#pragma GCC unroll 4
+  for (int i = 0; i < PA_ROWS; ++i)
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) acc[i][r] = V::zero();
+  for (int64_t d = 0; d < DIM; ++d) {
+    typename V::reg b[R];
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) b[r] = V::load(bt + d * ldb + t0 + r * V::W);
+#pragma GCC unroll 4
+    for (int i = 0; i < PA_ROWS; ++i) {
+      const typename V::reg x = V::set1(rows[i * DIM + d]);
+#pragma GCC unroll 4
+      for (int r = 0; r < R; ++r) acc[i][r] = V::fma(x, b[r], acc[i][r]);
+    }
+  }
+  for (int64_t i = 0; i < nr; ++i)
+    for (int r = 0; r < R; ++r) V::store(out + i * ldo + t0 + r * V::W, acc[i][r]);
+}
+
 template <int64_t DIM>
-inline void pa_scores_avx512(const float* a, int64_t nr, const float* bt, int64_t ldb, int64_t keys, float* out,
-                             int64_t ldo) {
-  float rows[PA_ROWS * DIM];
+inline void pa_scores_vec(const float* a, int64_t nr, const float* bt, int64_t ldb, int64_t keys, float* out,
+                          int64_t ldo) {
+  float rows[PA_ROWS * DIM];  // (absent rows as zeros: one loop of fixed shape)
   std::memcpy(rows, a, nr * DIM * sizeof(float));
   std::fill(rows + nr * DIM, rows + PA_ROWS * DIM, 0.f);
+  constexpr int64_t SPAN = PaVec::KEY_BLOCKS * PA_KEYS;
   int64_t t0 = 0;
-  for (; t0 + 2 * PA_KEYS <= keys; t0 += 2 * PA_KEYS) {
-    __m512 acc[PA_ROWS][2];
-#pragma GCC unroll 4
-    for (int i = 0; i < PA_ROWS; ++i) acc[i][0] = acc[i][1] = _mm512_setzero_ps();
-    for (int64_t d = 0; d < DIM; ++d) {
-      const __m512 b0 = _mm512_loadu_ps(bt + d * ldb + t0), b1 = _mm512_loadu_ps(bt + d * ldb + t0 + PA_KEYS);
-#pragma GCC unroll 4
-      for (int i = 0; i < PA_ROWS; ++i) {
-        const __m512 x = _mm512_set1_ps(rows[i * DIM + d]);
-        acc[i][0] = _mm512_fmadd_ps(x, b0, acc[i][0]);
-        acc[i][1] = _mm512_fmadd_ps(x, b1, acc[i][1]);
-      }
-    }
-    for (int64_t i = 0; i < nr; ++i) {
-      _mm512_storeu_ps(out + i * ldo + t0, acc[i][0]);
-      _mm512_storeu_ps(out + i * ldo + t0 + PA_KEYS, acc[i][1]);
-    }
-  }
-  for (; t0 < keys; t0 += PA_KEYS) {
-    __m512 acc[PA_ROWS];
-#pragma GCC unroll 4
-    for (int i = 0; i < PA_ROWS; ++i) acc[i] = _mm512_setzero_ps();
-    for (int64_t d = 0; d < DIM; ++d) {
-      const __m512 b0 = _mm512_loadu_ps(bt + d * ldb + t0);
-#pragma GCC unroll 4
-      for (int i = 0; i < PA_ROWS; ++i) acc[i] = _mm512_fmadd_ps(_mm512_set1_ps(rows[i * DIM + d]), b0, acc[i]);
-    }
-    for (int64_t i = 0; i < nr; ++i) _mm512_storeu_ps(out + i * ldo + t0, acc[i]);
-  }
+  for (; t0 + SPAN <= keys; t0 += SPAN) pa_scores_block<DIM, PaVec::KEY_BLOCKS>(rows, nr, bt, ldb, t0, out, ldo);
+  for (; t0 < keys; t0 += PA_KEYS) pa_scores_block<DIM, 1>(rows, nr, bt, ldb, t0, out, ldo);
 }
 
-// out[i] = scale * sum_{t < limit[i]} w[i][t] * b[t] with two rows' sums in registers at a time,
-// each row of b loaded once for both
+// out[i] = scale * sum_{t < limit[i]} w[i][t] * b[t], ROW_PAIRS rows' sums in registers at a time
+// (avx512: two rows, each row of b loaded once for both; avx2: one)
 template <int64_t DIM>
-inline void pa_weighted_rows_avx512(const float* w, int64_t ldw, int64_t nr, const int64_t* limit, const float* b,
-                                    float scale, float* out) {
-  constexpr int C = DIM / 16;
-  const __m512 factor = _mm512_set1_ps(scale);
-  for (int64_t i = 0; i < nr; i += 2) {
-    const bool pair = i + 1 < nr;
+inline void pa_weighted_rows_vec(const float* w, int64_t ldw, int64_t nr, const int64_t* limit, const float* b,
+                                 float scale, float* out) {
+  using V = PaVec;
+  constexpr int C = V::REGS_A_PASS < DIM / V::W ? V::REGS_A_PASS : DIM / V::W;  // a row's sums a pass
+  const typename V::reg factor = V::set1(scale);
+  for (int64_t i = 0; i < nr; i += V::ROW_PAIRS) {
+    const bool pair = V::ROW_PAIRS == 2 && i + 1 < nr;
     const float* w0 = w + i * ldw;
     const float* w1 = pair ? w0 + ldw : w0;
-    const int64_t both = pair ? std::min(limit[i], limit[i + 1]) : limit[i];
-    __m512 acc0[C], acc1[C];
-#pragma GCC unroll 8
-    for (int c = 0; c < C; ++c) acc0[c] = acc1[c] = _mm512_setzero_ps();
-    int64_t t = 0;
-    for (; t < both; ++t) {
-      const __m512 x0 = _mm512_set1_ps(w0[t]), x1 = _mm512_set1_ps(w1[t]);
-#pragma GCC unroll 8
+    const int64_t both = pair ? std::min(limit[i], limit[i + 1]) : 0;
+    for (int64_t h = 0; h < DIM; h += C * V::W) {  // (avx2 and 128 dims: two passes of 64)
+      typename V::reg acc0[C], acc1[C];
+#pragma GCC unroll 16
+      for (int c = 0; c < C; ++c) acc0[c] = acc1[c] = V::zero();
+      int64_t t = 0;
+      if (pair)
+        for (; t < both; ++t) {
+          const typename V::reg x0 = V::set1(w0[t]), x1 = V::set1(w1[t]);
+#pragma GCC unroll 16
+          for (int c = 0; c < C; ++c) {
+            const typename V::reg v = V::load(b + t * DIM + h + V::W * c);
+            acc0[c] = V::fma(x0, v, acc0[c]);
+            acc1[c] = V::fma(x1, v, acc1[c]);
+          }
+        }
+      for (int64_t u = t; u < limit[i]; ++u) {  // (a row's keys past the other's, or every key of one row)
+        const typename V::reg x0 = V::set1(w0[u]);
+#pragma GCC unroll 16
+        for (int c = 0; c < C; ++c) acc0[c] = V::fma(x0, V::load(b + u * DIM + h + V::W * c), acc0[c]);
+      }
+      if (pair)
+        for (int64_t u = t; u < limit[i + 1]; ++u) {
+          const typename V::reg x1 = V::set1(w1[u]);
+#pragma GCC unroll 16
+          for (int c = 0; c < C; ++c) acc1[c] = V::fma(x1, V::load(b + u * DIM + h + V::W * c), acc1[c]);
+        }
+#pragma GCC unroll 16
       for (int c = 0; c < C; ++c) {
-        const __m512 v = _mm512_loadu_ps(b + t * DIM + 16 * c);
-        acc0[c] = _mm512_fmadd_ps(x0, v, acc0[c]);
-        acc1[c] = _mm512_fmadd_ps(x1, v, acc1[c]);
+        V::store(out + i * DIM + h + V::W * c, V::mul(acc0[c], factor));
+        if (pair) V::store(out + (i + 1) * DIM + h + V::W * c, V::mul(acc1[c], factor));
       }
-    }
-    for (int64_t u = t; u < limit[i]; ++u) {  // (either row's keys past the other's)
-      const __m512 x0 = _mm512_set1_ps(w0[u]);
-#pragma GCC unroll 8
-      for (int c = 0; c < C; ++c) acc0[c] = _mm512_fmadd_ps(x0, _mm512_loadu_ps(b + u * DIM + 16 * c), acc0[c]);
-    }
-    if (pair)
-      for (int64_t u = t; u < limit[i + 1]; ++u) {
-        const __m512 x1 = _mm512_set1_ps(w1[u]);
-#pragma GCC unroll 8
-        for (int c = 0; c < C; ++c) acc1[c] = _mm512_fmadd_ps(x1, _mm512_loadu_ps(b + u * DIM + 16 * c), acc1[c]);
-      }
-#pragma GCC unroll 8
-    for (int c = 0; c < C; ++c) {
-      _mm512_storeu_ps(out + i * DIM + 16 * c, _mm512_mul_ps(acc0[c], factor));
-      if (pair) _mm512_storeu_ps(out + (i + 1) * DIM + 16 * c, _mm512_mul_ps(acc1[c], factor));
     }
   }
 }
 
-// dk[t] += sum_i a[i][t] * q[i], dv[t] += sum_i b[i][t] * g[i] for t < keys: a key's two sums over
-// the nr queries in registers, one add to memory each
+// dk[t] += sum_i scale * a[i][t] * q[i], dv[t] += sum_i b[i][t] * g[i] for t < keys: a key's sums
+// over the nr queries in registers, one add to memory each (avx2: the key's then the value's, 64
+// dims at a time, as more at once would take every register)
 template <int64_t DIM>
-inline void pa_key_grads_avx512(const float* a, const float* bw, int64_t ldw, int64_t nr, int64_t keys, float scale,
-                                const float* q, const float* g, float* dk, float* dv) {
-  constexpr int C = DIM / 16;
-  for (int64_t t = 0; t < keys; ++t) {
-    __m512 ak[C], av[C];
-#pragma GCC unroll 8
-    for (int c = 0; c < C; ++c) ak[c] = av[c] = _mm512_setzero_ps();
-    for (int64_t i = 0; i < nr; ++i) {
-      const __m512 x = _mm512_set1_ps(a[i * ldw + t] * scale), y = _mm512_set1_ps(bw[i * ldw + t]);
-#pragma GCC unroll 8
-      for (int c = 0; c < C; ++c) {
-        ak[c] = _mm512_fmadd_ps(x, _mm512_loadu_ps(q + i * DIM + 16 * c), ak[c]);
-        av[c] = _mm512_fmadd_ps(y, _mm512_loadu_ps(g + i * DIM + 16 * c), av[c]);
+inline void pa_key_grads_vec(const float* a, const float* bw, int64_t ldw, int64_t nr, int64_t keys, float scale,
+                             const float* q, const float* g, float* dk, float* dv) {
+  using V = PaVec;
+  constexpr int C = V::REGS_A_PASS < DIM / V::W ? V::REGS_A_PASS : DIM / V::W;
+  constexpr bool both = V::SPLIT_GRADS == 1;
+  for (int64_t t = 0; t < keys; ++t)
+    for (int part = 0; part < 2; part += both ? 2 : 1)
+      for (int64_t h = 0; h < DIM; h += C * V::W) {
+        typename V::reg ak[C], av[C];
+#pragma GCC unroll 16
+        for (int c = 0; c < C; ++c) ak[c] = av[c] = V::zero();
+        for (int64_t i = 0; i < nr; ++i) {
+          if (both || part == 0) {
+            const typename V::reg x = V::set1(a[i * ldw + t] * scale);
+#pragma GCC unroll 16
+            for (int c = 0; c < C; ++c) ak[c] = V::fma(x, V::load(q + i * DIM + h + V::W * c), ak[c]);
+          }
+          if (both || part == 1) {
+            const typename V::reg y = V::set1(bw[i * ldw + t]);
+#pragma GCC unroll 16
+            for (int c = 0; c < C; ++c) av[c] = V::fma(y, V::load(g + i * DIM + h + V::W * c), av[c]);
+          }
+        }
+#pragma GCC unroll 16
+        for (int c = 0; c < C; ++c) {
+          float* k_out = dk + t * DIM + h + V::W * c;
+          float* v_out = dv + t * DIM + h + V::W * c;
+          if (both || part == 0) V::store(k_out, V::add(V::load(k_out), ak[c]));
+          if (both || part == 1) V::store(v_out, V::add(V::load(v_out), av[c]));
+        }
       }
-    }
-#pragma GCC unroll 8
-    for (int c = 0; c < C; ++c) {
-      float* k_out = dk + t * DIM + 16 * c;
-      float* v_out = dv + t * DIM + 16 * c;
-      _mm512_storeu_ps(k_out, _mm512_add_ps(_mm512_loadu_ps(k_out), ak[c]));
-      _mm512_storeu_ps(v_out, _mm512_add_ps(_mm512_loadu_ps(v_out), av[c]));
-    }
-  }
 }
 #endif
 
@@ -1962,8 +2001,8 @@ inline void pa_key_grads_avx512(const float* a, const float* bw, int64_t ldw, in
 template <int64_t DIM>
 inline void pa_scores(const float* a, int64_t nr, const float* bt, int64_t ldb, int64_t keys, int64_t dim_, float* out,
                       int64_t ldo) {
-#if defined(PA_AVX512)
-  if constexpr (DIM > 0 && DIM % 16 == 0) return pa_scores_avx512<DIM>(a, nr, bt, ldb, keys, out, ldo);
+#if defined(PA_VECTORS)
+  if constexpr (DIM > 0 && DIM % 16 == 0) return pa_scores_vec<DIM>(a, nr, bt, ldb, keys, out, ldo);
 #endif
   const int64_t dim = DIM > 0 ? DIM : dim_;
   float rows[PA_ROWS * (DIM > 0 ? DIM : 1)];
@@ -1992,8 +2031,8 @@ inline void pa_scores(const float* a, int64_t nr, const float* bt, int64_t ldb, 
 template <int64_t DIM>
 inline void pa_weighted_rows(const float* w, int64_t ldw, int64_t nr, const int64_t* limit, const float* b,
                              int64_t dim_, float scale, float* out) {
-#if defined(PA_AVX512)
-  if constexpr (DIM > 0 && DIM % 16 == 0) return pa_weighted_rows_avx512<DIM>(w, ldw, nr, limit, b, scale, out);
+#if defined(PA_VECTORS)
+  if constexpr (DIM > 0 && DIM % 16 == 0) return pa_weighted_rows_vec<DIM>(w, ldw, nr, limit, b, scale, out);
 #endif
   const int64_t dim = DIM > 0 ? DIM : dim_;
   for (int64_t i = 0; i < nr; ++i) {
@@ -2027,8 +2066,8 @@ inline void pa_weighted_rows(const float* w, int64_t ldw, int64_t nr, const int6
 template <int64_t DIM>
 inline void pa_key_grads(const float* a, const float* bw, int64_t ldw, int64_t nr, int64_t keys, float scale,
                          const float* q, const float* g, int64_t dim_, float* dk, float* dv) {
-#if defined(PA_AVX512)
-  if constexpr (DIM > 0 && DIM % 16 == 0) return pa_key_grads_avx512<DIM>(a, bw, ldw, nr, keys, scale, q, g, dk, dv);
+#if defined(PA_VECTORS)
+  if constexpr (DIM > 0 && DIM % 16 == 0) return pa_key_grads_vec<DIM>(a, bw, ldw, nr, keys, scale, q, g, dk, dv);
 #endif
   const int64_t dim = DIM > 0 ? DIM : dim_;
   for (int64_t t = 0; t < keys; ++t)

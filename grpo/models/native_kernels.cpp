@@ -29,11 +29,11 @@
 #include <atomic>
 #include <bit>
 #include <cmath>
+#include <condition_variable>
 #include <cstdint>
 #include <cstring>
 #include <initializer_list>
 #include <memory>
-#include <condition_variable>
 #include <mutex>
 #include <type_traits>
 #include <vector>

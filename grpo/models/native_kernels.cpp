@@ -32,6 +32,7 @@
 #include <condition_variable>
 #include <cstdint>
 #include <cstring>
+#include <exception>
 #include <initializer_list>
 #include <memory>
 #include <mutex>
@@ -2093,7 +2094,8 @@ inline void pa_weights_backward(float* x, float* dx, int64_t n, int64_t keys, fl
   for (int64_t t = 0; t < keys; t += 16) {  // (keys: a multiple of sixteen, past n masked to zero)
     const __mmask16 m = n - t >= 16 ? static_cast<__mmask16>(0xffff)
                         : n > t ? static_cast<__mmask16>((1u << (n - t)) - 1) : static_cast<__mmask16>(0);
-    const __m512 w = _mm512_maskz_mov_ps(m, vexp16(_mm512_sub_ps(_mm512_mul_ps(_mm512_loadu_ps(x + t), factor), shift)));
+    const __m512 score = _mm512_mul_ps(_mm512_loadu_ps(x + t), factor);
+    const __m512 w = _mm512_maskz_mov_ps(m, vexp16(_mm512_sub_ps(score, shift)));
     _mm512_storeu_ps(x + t, w);
     _mm512_storeu_ps(dx + t, _mm512_mul_ps(w, _mm512_sub_ps(_mm512_loadu_ps(dx + t), d)));
   }
@@ -2267,52 +2269,60 @@ void packed_attention_backward_impl(const T* grad, const T* q, const T* k, const
   std::mutex turn_lock;
   std::condition_variable turn_changed;
   int64_t turn = 0;
+  std::exception_ptr failure;
   pa_run(pa_tasks(seqs, sh.kv_heads), [&](const PaTask& task, int64_t index) {
     const PackedSeq& s = seqs[task.seq];
     const int64_t g = task.head, end = task.first + task.count, kl = s.prefix + end, klp = pa_round(kl);
     thread_local KeyPanels p;
     thread_local std::vector<float> qf, gf, of, w, dw, dqf, dkl, dvl;
-    gather_panels(k, v, k_stride, key_rows + s.key_offset, kl, g, dim, true, true, p);
-    qf.resize(PA_ROWS * dim);
-    gf.resize(PA_ROWS * dim);
-    of.resize(dim);
-    w.resize(PA_ROWS * klp);
-    dw.resize(PA_ROWS * klp);
-    dqf.resize(PA_ROWS * dim);
-    dkl.assign(kl * dim, 0.f);  // this task's key and value gradients, added to the thread's buffer at the end
-    dvl.assign(kl * dim, 0.f);
-    for (int64_t h = g * group; h < (g + 1) * group; ++h) {
-      for (int64_t r0 = task.first; r0 < end; r0 += PA_ROWS) {
-        const int64_t nr = std::min(PA_ROWS, end - r0);
-        int64_t limit[PA_ROWS];
-        float delta[PA_ROWS];  // sum_d grad * out of each query: softmax's backward
-        for (int64_t i = 0; i < nr; ++i) {
-          const int64_t row = s.q_start + r0 + i;
-          limit[i] = s.prefix + r0 + i + 1;
-          to_float(q + row * q_stride + h * dim, qf.data() + i * dim, dim);
-          to_float(grad + row * q_stride + h * dim, gf.data() + i * dim, dim);
-          to_float(out + row * q_stride + h * dim, of.data(), dim);
-          float dot = 0.f;
+    bool computed = false;
+    try {  // (a task that fails, out of memory, still takes its turn below: the others wait for it)
+      gather_panels(k, v, k_stride, key_rows + s.key_offset, kl, g, dim, true, true, p);
+      qf.resize(PA_ROWS * dim);
+      gf.resize(PA_ROWS * dim);
+      of.resize(dim);
+      w.resize(PA_ROWS * klp);
+      dw.resize(PA_ROWS * klp);
+      dqf.resize(PA_ROWS * dim);
+      dkl.assign(kl * dim, 0.f);  // this task's key and value gradients, added to the shared sums at the end
+      dvl.assign(kl * dim, 0.f);
+      for (int64_t h = g * group; h < (g + 1) * group; ++h) {
+        for (int64_t r0 = task.first; r0 < end; r0 += PA_ROWS) {
+          const int64_t nr = std::min(PA_ROWS, end - r0);
+          int64_t limit[PA_ROWS];
+          float delta[PA_ROWS];  // sum_d grad * out of each query: softmax's backward
+          for (int64_t i = 0; i < nr; ++i) {
+            const int64_t row = s.q_start + r0 + i;
+            limit[i] = s.prefix + r0 + i + 1;
+            to_float(q + row * q_stride + h * dim, qf.data() + i * dim, dim);
+            to_float(grad + row * q_stride + h * dim, gf.data() + i * dim, dim);
+            to_float(out + row * q_stride + h * dim, of.data(), dim);
+            float dot = 0.f;
 #pragma omp simd reduction(+ : dot)
-          for (int64_t d = 0; d < dim; ++d) dot += gf[i * dim + d] * of[d];
-          delta[i] = dot;
+            for (int64_t d = 0; d < dim; ++d) dot += gf[i * dim + d] * of[d];
+            delta[i] = dot;
+          }
+          const int64_t keys = pa_round(limit[nr - 1]);
+          pa_scores<DIM>(qf.data(), nr, p.keys_t.data(), klp, keys, dim, w.data(), klp);     // scores
+          pa_scores<DIM>(gf.data(), nr, p.values_t.data(), klp, keys, dim, dw.data(), klp);  // d weights
+          for (int64_t i = 0; i < nr; ++i) {
+            float* x = w.data() + i * klp;
+            float* dx = dw.data() + i * klp;
+            const float m = lse[(s.q_start + r0 + i) * sh.heads + h], di = delta[i];
+            pa_weights_backward(x, dx, limit[i], keys, scale, m, di);
+          }
+          pa_weighted_rows<DIM>(dw.data(), klp, nr, limit, p.keys.data(), dim, scale, dqf.data());
+          for (int64_t i = 0; i < nr; ++i)
+            from_float(dqf.data() + i * dim, dq + (s.q_start + r0 + i) * q_stride + h * dim, dim);
+          // dk[t] += scale * sum_i ds[i][t] q[i], dv[t] += sum_i w[i][t] g[i]
+          pa_key_grads<DIM>(dw.data(), w.data(), klp, nr, limit[nr - 1], scale, qf.data(), gf.data(), dim, dkl.data(),
+                            dvl.data());
         }
-        const int64_t keys = pa_round(limit[nr - 1]);
-        pa_scores<DIM>(qf.data(), nr, p.keys_t.data(), klp, keys, dim, w.data(), klp);     // scores
-        pa_scores<DIM>(gf.data(), nr, p.values_t.data(), klp, keys, dim, dw.data(), klp);  // d weights
-        for (int64_t i = 0; i < nr; ++i) {
-          float* x = w.data() + i * klp;
-          float* dx = dw.data() + i * klp;
-          const float m = lse[(s.q_start + r0 + i) * sh.heads + h], di = delta[i];
-          pa_weights_backward(x, dx, limit[i], keys, scale, m, di);
-        }
-        pa_weighted_rows<DIM>(dw.data(), klp, nr, limit, p.keys.data(), dim, scale, dqf.data());
-        for (int64_t i = 0; i < nr; ++i)
-          from_float(dqf.data() + i * dim, dq + (s.q_start + r0 + i) * q_stride + h * dim, dim);
-        // dk[t] += scale * sum_i ds[i][t] q[i], dv[t] += sum_i w[i][t] g[i]
-        pa_key_grads<DIM>(dw.data(), w.data(), klp, nr, limit[nr - 1], scale, qf.data(), gf.data(), dim, dkl.data(),
-                          dvl.data());
       }
+      computed = true;
+    } catch (...) {
+      std::lock_guard<std::mutex> guard(turn_lock);
+      if (!failure) failure = std::current_exception();
     }
     // into the shared sums in the tasks' order, whichever thread finished first: float sums in an
     // order set by the tasks alone, so that a run's gradients are the same bits every time (runs
@@ -2321,7 +2331,7 @@ void packed_attention_backward_impl(const T* grad, const T* q, const T* k, const
     std::unique_lock<std::mutex> held(turn_lock);
     turn_changed.wait(held, [&] { return turn == index; });
     const int64_t* rows = key_rows + s.key_offset;
-    for (int64_t t = 0; t < kl; ++t) {
+    for (int64_t t = 0; computed && t < kl; ++t) {
       float* dk = dkv + rows[t] * k_stride + g * dim;
       float* dv = dk + sh.rows * k_stride;
 #pragma omp simd
@@ -2334,6 +2344,7 @@ void packed_attention_backward_impl(const T* grad, const T* q, const T* k, const
     held.unlock();
     turn_changed.notify_all();
   });
+  if (failure) std::rethrow_exception(failure);
 }
 
 std::vector<at::Tensor> packed_attention_backward(const at::Tensor& grad, const at::Tensor& q, const at::Tensor& k,
@@ -2345,7 +2356,8 @@ std::vector<at::Tensor> packed_attention_backward(const at::Tensor& grad, const 
   check_rows(out, sh.rows, heads * sh.dim, "packed_attention_backward: out");
   TORCH_CHECK(grad.scalar_type() == q.scalar_type() && out.scalar_type() == q.scalar_type(),
               "packed_attention_backward: grad and out must have q's dtype");
-  TORCH_CHECK(lse.scalar_type() == at::kFloat && lse.is_contiguous() && lse.sizes() == at::IntArrayRef({sh.rows, heads}),
+  TORCH_CHECK(lse.scalar_type() == at::kFloat && lse.is_contiguous() &&
+                  lse.sizes() == at::IntArrayRef({sh.rows, heads}),
               "packed_attention_backward: lse must be float32 [rows, heads]");
   const auto list = pa_sequences(seqs, key_rows, sh.rows);
   auto dq = at::zeros_like(q, at::MemoryFormat::Contiguous);

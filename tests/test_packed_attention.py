@@ -312,7 +312,7 @@ def test_native_attention_refuses_sequences_out_of_range() -> None:
 def test_native_attention_gradients_are_the_same_bits_every_call() -> None:
     """Keys that several tasks see (the shared prompts, a long answer's first tokens) sum their
     gradients in an order set by the tasks, not by which thread finished first: runs repeat bit
-    for bit (tests/test_reproducibility.py)."""
+    for bit (tests/test_reproducibility.py), on any number of threads."""
     packed = _chained_pass()
     gen = torch.Generator().manual_seed(2)
     q, k, v = (torch.randn((1, h, packed.tokens, 64), generator=gen) for h in (9, 3, 3))
@@ -321,3 +321,11 @@ def test_native_attention_gradients_are_the_same_bits_every_call() -> None:
     for _ in range(10):
         for a, b in zip(_attend_with_grads(packed, q, k, v), first, strict=True):
             assert torch.equal(a, b)
+    threads = torch.get_num_threads()
+    try:  # (and whatever the number of threads: the order is the tasks', not the threads')
+        for n in (1, 3):
+            torch.set_num_threads(n)
+            for a, b in zip(_attend_with_grads(packed, q, k, v), first, strict=True):
+                assert torch.equal(a, b)
+    finally:
+        torch.set_num_threads(threads)

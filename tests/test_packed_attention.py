@@ -251,7 +251,7 @@ def _attend_with_grads(packed, q, k, v, scaling=None, sliding_window=None):
 
 
 @pytest.mark.parametrize("dim", [64, 128, 24])  # (64 and 128 take the kernel's fixed-width loops)
-def test_native_attention_equals_sdpa_over_padded_blocks(monkeypatch, dim) -> None:
+def test_native_attention_equals_sdpa_over_padded_blocks(native_ops, monkeypatch, dim) -> None:
     """The kernel's attention (outputs, and gradients of q, k and v) is what SDPA computes over the
     gathered, padded blocks, to float32 rounding: with grouped-query heads and chained prefixes."""
     heads, kv_heads = 6, 2
@@ -269,7 +269,7 @@ def test_native_attention_equals_sdpa_over_padded_blocks(monkeypatch, dim) -> No
         torch.testing.assert_close(g, w, atol=2e-6 * float(w.detach().abs().max()), rtol=1e-5)
 
 
-def test_native_bf16_attention_is_its_float32_attention_rounded_once() -> None:
+def test_native_bf16_attention_is_its_float32_attention_rounded_once(native_ops) -> None:
     """bf16 q, k and v are widened as read and attended in float32: the output is the float32
     attention of the same values rounded once to bf16, and gradients come back in bf16 (those of
     float32 to bf16's rounding: the gradient arriving at a bf16 output is bf16 itself)."""
@@ -294,12 +294,8 @@ def test_native_attention_leaves_what_it_does_not_cover_to_sdpa() -> None:
     assert packed._native_plan is None
 
 
-def test_native_attention_refuses_sequences_out_of_range() -> None:
-    from grpo.models import native_kernels
-
-    ops = native_kernels.kernels()
-    if ops is None:
-        pytest.skip("native kernels not built here")
+def test_native_attention_refuses_sequences_out_of_range(native_ops) -> None:
+    ops = native_ops
     q, k, v = torch.randn(5, 4 * 16), torch.randn(5, 2 * 16), torch.randn(5, 2 * 16)
     with pytest.raises(RuntimeError, match="sequence 0 is out of range"):
         ops.packed_attention(q, k, v, torch.tensor([[2, 4, 0, 0]]), torch.arange(4), 4, 2, 0.25)
@@ -309,7 +305,7 @@ def test_native_attention_refuses_sequences_out_of_range() -> None:
         ops.packed_attention(q, k[:, :16], v[:, :16], torch.tensor([[0, 2, 0, 0]]), torch.arange(2), 4, 3, 0.25)
 
 
-def test_native_attention_gradients_are_the_same_bits_every_call() -> None:
+def test_native_attention_gradients_are_the_same_bits_every_call(native_ops) -> None:
     """Keys that several tasks see (the shared prompts, a long answer's first tokens) sum their
     gradients in an order set by the tasks, not by which thread finished first: runs repeat bit
     for bit (tests/test_reproducibility.py), on any number of threads."""

@@ -207,8 +207,8 @@ class PackedPass:
         sequence's queries over its own keys, none padded, nothing past a query's last key computed,
         float32 sums; None where it does not apply (off the CPU, another dtype, dropout, a sliding
         window, kernels not built). SmolLM2's 30 layers over the bench's packed pass, forward and
-        backward: 0.14 against 0.46 s for the gathered blocks through SDPA (bf16, AMD EPYC Zen 4,
-        2 cores; docs/benchmark.md)."""
+        backward: 0.17 against 0.44 s for the gathered blocks through SDPA in bf16, 0.19 against 0.44
+        in float32 (AMD EPYC Zen 4, 2 cores; docs/benchmark.md)."""
         if not (NATIVE_ATTENTION_ON_CPU and query.device.type == "cpu" and query.dtype in (torch.float32, torch.bfloat16)
                 and key.dtype == value.dtype == query.dtype and dropout == 0.0 and sliding_window is None
                 and query.shape[1] % key.shape[1] == 0):

@@ -2086,6 +2086,35 @@ inline void pa_key_grads(const float* a, const float* bw, int64_t ldw, int64_t n
     }
 }
 
+#if !defined(ATTEND_AVX512) && defined(PA_VECTORS)
+#define PA_AVX2 1
+// vexp of eight values at once, each lane vexp's steps in vexp's order (as vexp16 for avx512): the
+// loops over a row's weights below would otherwise be scalar (vexp's NaN test keeps GCC from
+// vectorizing them)
+inline __m256 vexp8(__m256 x) {
+  const __m256 clamped = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.0f)), _mm256_set1_ps(88.0f));
+  const __m256 magic = _mm256_set1_ps(12582912.0f);
+  const __m256 n = _mm256_sub_ps(_mm256_add_ps(_mm256_mul_ps(clamped, _mm256_set1_ps(1.44269504088896341f)), magic),
+                                 magic);
+  __m256 r = _mm256_sub_ps(clamped, _mm256_mul_ps(n, _mm256_set1_ps(0.693359375f)));
+  r = _mm256_sub_ps(r, _mm256_mul_ps(n, _mm256_set1_ps(-2.12194440e-4f)));
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  for (float c : {1.3981999507e-3f, 8.3334519073e-3f, 4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f})
+    p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(c));
+  const __m256 y = _mm256_add_ps(_mm256_add_ps(_mm256_mul_ps(_mm256_mul_ps(p, r), r), r), _mm256_set1_ps(1.0f));
+  const __m256 scale = _mm256_castsi256_ps(
+      _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(n), _mm256_set1_epi32(127)), 23));
+  return _mm256_blendv_ps(_mm256_mul_ps(y, scale), x, _mm256_cmp_ps(x, x, _CMP_UNORD_Q));
+}
+
+// all ones in the lanes of t0..t0+7 below n, zeros past it
+inline __m256 pa_lanes_below(int64_t t0, int64_t n) {
+  const __m256i index =
+      _mm256_add_epi32(_mm256_set1_epi32(static_cast<int>(t0)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+  return _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(n)), index));
+}
+#endif
+
 // x[t] = exp(x[t] * scale - lse), the weight, and dx[t] = x[t] * (dx[t] - delta), the score's
 // gradient before the scale, for t < n; both zero for n <= t < keys
 inline void pa_weights_backward(float* x, float* dx, int64_t n, int64_t keys, float scale, float lse, float delta) {
@@ -2098,6 +2127,15 @@ inline void pa_weights_backward(float* x, float* dx, int64_t n, int64_t keys, fl
     const __m512 w = _mm512_maskz_mov_ps(m, vexp16(_mm512_sub_ps(score, shift)));
     _mm512_storeu_ps(x + t, w);
     _mm512_storeu_ps(dx + t, _mm512_mul_ps(w, _mm512_sub_ps(_mm512_loadu_ps(dx + t), d)));
+  }
+  return;
+#elif defined(PA_AVX2)
+  const __m256 factor = _mm256_set1_ps(scale), shift = _mm256_set1_ps(lse), d = _mm256_set1_ps(delta);
+  for (int64_t t = 0; t < keys; t += 8) {  // (keys: a multiple of sixteen, past n zero)
+    const __m256 score = _mm256_mul_ps(_mm256_loadu_ps(x + t), factor);
+    const __m256 w = _mm256_and_ps(pa_lanes_below(t, n), vexp8(_mm256_sub_ps(score, shift)));
+    _mm256_storeu_ps(x + t, w);
+    _mm256_storeu_ps(dx + t, _mm256_mul_ps(w, _mm256_sub_ps(_mm256_loadu_ps(dx + t), d)));
   }
   return;
 #endif
@@ -2116,6 +2154,20 @@ inline float pa_softmax_numerators(float* x, int64_t n, float scale, float& top)
   top = row_max(x, n);
 #if defined(ATTEND_AVX512)
   return exp_shifted_total(x, n, top);  // (sixteen at a time, the last sixteen masked: no scalar tail)
+#elif defined(PA_AVX2)
+  // eight at a time, lanes past n zero (x has room: a row's scores run to a multiple of sixteen)
+  const __m256 shift = _mm256_set1_ps(top);
+  __m256 sums = _mm256_setzero_ps();
+  for (int64_t t = 0; t < n; t += 8) {
+    const __m256 e = _mm256_and_ps(pa_lanes_below(t, n), vexp8(_mm256_sub_ps(_mm256_loadu_ps(x + t), shift)));
+    _mm256_storeu_ps(x + t, e);
+    sums = _mm256_add_ps(sums, e);
+  }
+  float lanes[8];
+  _mm256_storeu_ps(lanes, sums);
+  float sum = 0.f;
+  for (float lane : lanes) sum += lane;
+  return sum;
 #endif
   float total = 0.f;
 #pragma omp simd reduction(+ : total)

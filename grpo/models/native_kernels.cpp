@@ -620,6 +620,81 @@ inline __m256 load_columns(const c10::BFloat16* w) {
 }
 #endif
 
+// One vector register of floats: avx512's sixteen or avx2's eight. Kernels written once over it:
+// vexp_lanes, and the packed-attention loops, whose KEY_BLOCKS (sixteen keys each), ROW_PAIRS,
+// SPLIT_GRADS and REGS_A_PASS (a row's sums over the head dimension per pass) say how many sums a
+// loop keeps in registers: avx512 has 32 of them, avx2 16.
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+#define FLOAT_LANES 1
+struct FloatLanes {
+#if defined(__AVX512F__)
+  using reg = __m512;
+  static constexpr int W = 16, KEY_BLOCKS = 2, ROW_PAIRS = 2, SPLIT_GRADS = 1, REGS_A_PASS = 8;
+  static reg zero() { return _mm512_setzero_ps(); }
+  static reg set1(float x) { return _mm512_set1_ps(x); }
+  static reg load(const float* p) { return _mm512_loadu_ps(p); }
+  static void store(float* p, reg v) { _mm512_storeu_ps(p, v); }
+  static reg fma(reg a, reg b, reg c) { return _mm512_fmadd_ps(a, b, c); }
+  static reg add(reg a, reg b) { return _mm512_add_ps(a, b); }
+  static reg sub(reg a, reg b) { return _mm512_sub_ps(a, b); }
+  static reg mul(reg a, reg b) { return _mm512_mul_ps(a, b); }
+  static reg min(reg a, reg b) { return _mm512_min_ps(a, b); }
+  static reg max(reg a, reg b) { return _mm512_max_ps(a, b); }
+  // 2^n for lanes holding whole numbers n (the exponent's bits)
+  static reg pow2(reg n) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(_mm512_cvttps_epi32(n), _mm512_set1_epi32(127)), 23));
+  }
+  // x's lanes that are NaN, y's elsewhere
+  static reg nan_from(reg x, reg y) { return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), y, x); }
+  // v's lanes t0 + i below n, zeros past it
+  static reg below(reg v, int64_t t0, int64_t n) {
+    const __mmask16 m = n - t0 >= 16 ? static_cast<__mmask16>(0xffff)
+                        : n > t0 ? static_cast<__mmask16>((1u << (n - t0)) - 1) : static_cast<__mmask16>(0);
+    return _mm512_maskz_mov_ps(m, v);
+  }
+#else
+  using reg = __m256;
+  static constexpr int W = 8, KEY_BLOCKS = 1, ROW_PAIRS = 1, SPLIT_GRADS = 2, REGS_A_PASS = 8;
+  static reg zero() { return _mm256_setzero_ps(); }
+  static reg set1(float x) { return _mm256_set1_ps(x); }
+  static reg load(const float* p) { return _mm256_loadu_ps(p); }
+  static void store(float* p, reg v) { _mm256_storeu_ps(p, v); }
+  static reg fma(reg a, reg b, reg c) { return _mm256_fmadd_ps(a, b, c); }
+  static reg add(reg a, reg b) { return _mm256_add_ps(a, b); }
+  static reg sub(reg a, reg b) { return _mm256_sub_ps(a, b); }
+  static reg mul(reg a, reg b) { return _mm256_mul_ps(a, b); }
+  static reg min(reg a, reg b) { return _mm256_min_ps(a, b); }
+  static reg max(reg a, reg b) { return _mm256_max_ps(a, b); }
+  static reg pow2(reg n) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(n), _mm256_set1_epi32(127)), 23));
+  }
+  static reg nan_from(reg x, reg y) { return _mm256_blendv_ps(y, x, _mm256_cmp_ps(x, x, _CMP_UNORD_Q)); }
+  static reg below(reg v, int64_t t0, int64_t n) {
+    const __m256i index =
+        _mm256_add_epi32(_mm256_set1_epi32(static_cast<int>(t0)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+    return _mm256_and_ps(_mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(n)), index)), v);
+  }
+#endif
+};
+
+// vexp of a register's lanes at once, each lane the same steps in the same order as vexp's (no fused
+// multiply-adds: the kernels are built with -ffp-contract=off), so each lane is bit for bit vexp
+// (a loop of vexp calls stays scalar: its NaN test keeps GCC from vectorizing it)
+inline FloatLanes::reg vexp_lanes(FloatLanes::reg x) {
+  using V = FloatLanes;
+  const V::reg clamped = V::min(V::max(x, V::set1(-87.0f)), V::set1(88.0f));
+  const V::reg magic = V::set1(12582912.0f);
+  const V::reg n = V::sub(V::add(V::mul(clamped, V::set1(1.44269504088896341f)), magic), magic);
+  V::reg r = V::sub(clamped, V::mul(n, V::set1(0.693359375f)));
+  r = V::sub(r, V::mul(n, V::set1(-2.12194440e-4f)));
+  V::reg p = V::set1(1.9875691500e-4f);
+  for (float c : {1.3981999507e-3f, 8.3334519073e-3f, 4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f})
+    p = V::add(V::mul(p, r), V::set1(c));
+  const V::reg y = V::add(V::add(V::mul(V::mul(p, r), r), r), V::set1(1.0f));
+  return V::nan_from(x, V::mul(y, V::pow2(n)));
+}
+#endif
+
 #if defined(__AVX512F__)
 // Lane c of the result: the sum of t[c]'s 16 lanes, each column summed in the same order (pairs
 // inside 128-bit lanes, then across them) whichever c it is: a 16 x 16 transpose folded into the
@@ -638,24 +713,6 @@ inline __m512 sum_lanes16(const __m512 t[16]) {
   return _mm512_add_ps(_mm512_shuffle_f32x4(c[0], c[1], 0x88), _mm512_shuffle_f32x4(c[0], c[1], 0xdd));
 }
 
-// vexp of sixteen values at once, each lane the same steps in the same order as vexp's (no fused
-// multiply-adds: the kernels are built with -ffp-contract=off), so each lane is bit for bit vexp
-inline __m512 vexp16(__m512 x) {
-  const __m512 clamped = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(88.0f));
-  const __m512 magic = _mm512_set1_ps(12582912.0f);
-  const __m512 n = _mm512_sub_ps(_mm512_add_ps(_mm512_mul_ps(clamped, _mm512_set1_ps(1.44269504088896341f)), magic),
-                                 magic);
-  __m512 r = _mm512_sub_ps(clamped, _mm512_mul_ps(n, _mm512_set1_ps(0.693359375f)));
-  r = _mm512_sub_ps(r, _mm512_mul_ps(n, _mm512_set1_ps(-2.12194440e-4f)));
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  for (float c : {1.3981999507e-3f, 8.3334519073e-3f, 4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f})
-    p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(c));
-  const __m512 y = _mm512_add_ps(_mm512_add_ps(_mm512_mul_ps(_mm512_mul_ps(p, r), r), r), _mm512_set1_ps(1.0f));
-  const __m512 scale = _mm512_castsi512_ps(
-      _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvttps_epi32(n), _mm512_set1_epi32(127)), 23));
-  return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), _mm512_mul_ps(y, scale), x);
-}
-
 // x[p] = vexp(x[p] - top) for p < n, sixteen at a time; their total (sixteen running sums, then
 // added across): softmax's numerators and denominator for one query's scores
 inline float exp_shifted_total(float* x, int64_t n, float top) {
@@ -663,7 +720,7 @@ inline float exp_shifted_total(float* x, int64_t n, float top) {
   __m512 total = _mm512_setzero_ps();
   for (int64_t p = 0; p < n; p += 16) {
     const __mmask16 m = n - p >= 16 ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << (n - p)) - 1);
-    const __m512 e = vexp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, x + p), shift));
+    const __m512 e = vexp_lanes(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, x + p), shift));
     _mm512_mask_storeu_ps(x + p, m, e);
     total = _mm512_add_ps(total, _mm512_maskz_mov_ps(m, e));
   }
@@ -1842,42 +1899,13 @@ void gather_panels(const T* k, const T* v, int64_t k_stride, const int64_t* rows
   }
 }
 
-#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
-#define PA_VECTORS 1
-// One vector register of floats: avx512's sixteen or avx2's eight. The kernels below are written
-// once over it; KEY_BLOCKS (sixteen keys each), ROW_PAIRS, SPLIT_GRADS and REGS_A_PASS (a row's
-// sums over the head dimension per pass) say how many sums a loop keeps in registers: avx512 has
-// 32 of them, avx2 16.
-struct PaVec {
-#if defined(__AVX512F__)
-  using reg = __m512;
-  static constexpr int W = 16, KEY_BLOCKS = 2, ROW_PAIRS = 2, SPLIT_GRADS = 1, REGS_A_PASS = 8;
-  static reg zero() { return _mm512_setzero_ps(); }
-  static reg set1(float x) { return _mm512_set1_ps(x); }
-  static reg load(const float* p) { return _mm512_loadu_ps(p); }
-  static void store(float* p, reg v) { _mm512_storeu_ps(p, v); }
-  static reg fma(reg a, reg b, reg c) { return _mm512_fmadd_ps(a, b, c); }
-  static reg add(reg a, reg b) { return _mm512_add_ps(a, b); }
-  static reg mul(reg a, reg b) { return _mm512_mul_ps(a, b); }
-#else
-  using reg = __m256;
-  static constexpr int W = 8, KEY_BLOCKS = 1, ROW_PAIRS = 1, SPLIT_GRADS = 2, REGS_A_PASS = 8;
-  static reg zero() { return _mm256_setzero_ps(); }
-  static reg set1(float x) { return _mm256_set1_ps(x); }
-  static reg load(const float* p) { return _mm256_loadu_ps(p); }
-  static void store(float* p, reg v) { _mm256_storeu_ps(p, v); }
-  static reg fma(reg a, reg b, reg c) { return _mm256_fmadd_ps(a, b, c); }
-  static reg add(reg a, reg b) { return _mm256_add_ps(a, b); }
-  static reg mul(reg a, reg b) { return _mm256_mul_ps(a, b); }
-#endif
-};
-
+#if defined(FLOAT_LANES)
 // pa_scores with a head dimension known when compiling: KEY_BLOCKS x sixteen keys by four queries
 // in registers (each query's value broadcast once for all of them), sixteen where fewer are left
 template <int64_t DIM, int BLOCKS>
 inline void pa_scores_block(const float* rows, int64_t nr, const float* bt, int64_t ldb, int64_t t0, float* out,
                             int64_t ldo) {
-  using V = PaVec;
+  using V = FloatLanes;
   constexpr int R = BLOCKS * PA_KEYS / V::W;  // registers a query's sums take
   typename V::reg acc[PA_ROWS][R];
 #pragma GCC unroll 4
@@ -1905,9 +1933,9 @@ inline void pa_scores_vec(const float* a, int64_t nr, const float* bt, int64_t l
   float rows[PA_ROWS * DIM];  // (absent rows as zeros: one loop of fixed shape)
   std::memcpy(rows, a, nr * DIM * sizeof(float));
   std::fill(rows + nr * DIM, rows + PA_ROWS * DIM, 0.f);
-  constexpr int64_t SPAN = PaVec::KEY_BLOCKS * PA_KEYS;
+  constexpr int64_t SPAN = FloatLanes::KEY_BLOCKS * PA_KEYS;
   int64_t t0 = 0;
-  for (; t0 + SPAN <= keys; t0 += SPAN) pa_scores_block<DIM, PaVec::KEY_BLOCKS>(rows, nr, bt, ldb, t0, out, ldo);
+  for (; t0 + SPAN <= keys; t0 += SPAN) pa_scores_block<DIM, FloatLanes::KEY_BLOCKS>(rows, nr, bt, ldb, t0, out, ldo);
   for (; t0 < keys; t0 += PA_KEYS) pa_scores_block<DIM, 1>(rows, nr, bt, ldb, t0, out, ldo);
 }
 
@@ -1916,7 +1944,7 @@ inline void pa_scores_vec(const float* a, int64_t nr, const float* bt, int64_t l
 template <int64_t DIM>
 inline void pa_weighted_rows_vec(const float* w, int64_t ldw, int64_t nr, const int64_t* limit, const float* b,
                                  float scale, float* out) {
-  using V = PaVec;
+  using V = FloatLanes;
   constexpr int C = V::REGS_A_PASS < DIM / V::W ? V::REGS_A_PASS : DIM / V::W;  // a row's sums a pass
   const typename V::reg factor = V::set1(scale);
   for (int64_t i = 0; i < nr; i += V::ROW_PAIRS) {
@@ -1965,7 +1993,7 @@ inline void pa_weighted_rows_vec(const float* w, int64_t ldw, int64_t nr, const 
 template <int64_t DIM>
 inline void pa_key_grads_vec(const float* a, const float* bw, int64_t ldw, int64_t nr, int64_t keys, float scale,
                              const float* q, const float* g, float* dk, float* dv) {
-  using V = PaVec;
+  using V = FloatLanes;
   constexpr int C = V::REGS_A_PASS < DIM / V::W ? V::REGS_A_PASS : DIM / V::W;
   constexpr bool both = V::SPLIT_GRADS == 1;
   for (int64_t t = 0; t < keys; ++t)
@@ -2002,7 +2030,7 @@ inline void pa_key_grads_vec(const float* a, const float* bw, int64_t ldw, int64
 template <int64_t DIM>
 inline void pa_scores(const float* a, int64_t nr, const float* bt, int64_t ldb, int64_t keys, int64_t dim_, float* out,
                       int64_t ldo) {
-#if defined(PA_VECTORS)
+#if defined(FLOAT_LANES)
   if constexpr (DIM > 0 && DIM % 16 == 0) return pa_scores_vec<DIM>(a, nr, bt, ldb, keys, out, ldo);
 #endif
   const int64_t dim = DIM > 0 ? DIM : dim_;
@@ -2032,7 +2060,7 @@ inline void pa_scores(const float* a, int64_t nr, const float* bt, int64_t ldb, 
 template <int64_t DIM>
 inline void pa_weighted_rows(const float* w, int64_t ldw, int64_t nr, const int64_t* limit, const float* b,
                              int64_t dim_, float scale, float* out) {
-#if defined(PA_VECTORS)
+#if defined(FLOAT_LANES)
   if constexpr (DIM > 0 && DIM % 16 == 0) return pa_weighted_rows_vec<DIM>(w, ldw, nr, limit, b, scale, out);
 #endif
   const int64_t dim = DIM > 0 ? DIM : dim_;
@@ -2067,7 +2095,7 @@ inline void pa_weighted_rows(const float* w, int64_t ldw, int64_t nr, const int6
 template <int64_t DIM>
 inline void pa_key_grads(const float* a, const float* bw, int64_t ldw, int64_t nr, int64_t keys, float scale,
                          const float* q, const float* g, int64_t dim_, float* dk, float* dv) {
-#if defined(PA_VECTORS)
+#if defined(FLOAT_LANES)
   if constexpr (DIM > 0 && DIM % 16 == 0) return pa_key_grads_vec<DIM>(a, bw, ldw, nr, keys, scale, q, g, dk, dv);
 #endif
   const int64_t dim = DIM > 0 ? DIM : dim_;
@@ -2086,56 +2114,16 @@ inline void pa_key_grads(const float* a, const float* bw, int64_t ldw, int64_t n
     }
 }
 
-#if !defined(ATTEND_AVX512) && defined(PA_VECTORS)
-#define PA_AVX2 1
-// vexp of eight values at once, each lane vexp's steps in vexp's order (as vexp16 for avx512): the
-// loops over a row's weights below would otherwise be scalar (vexp's NaN test keeps GCC from
-// vectorizing them)
-inline __m256 vexp8(__m256 x) {
-  const __m256 clamped = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.0f)), _mm256_set1_ps(88.0f));
-  const __m256 magic = _mm256_set1_ps(12582912.0f);
-  const __m256 n = _mm256_sub_ps(_mm256_add_ps(_mm256_mul_ps(clamped, _mm256_set1_ps(1.44269504088896341f)), magic),
-                                 magic);
-  __m256 r = _mm256_sub_ps(clamped, _mm256_mul_ps(n, _mm256_set1_ps(0.693359375f)));
-  r = _mm256_sub_ps(r, _mm256_mul_ps(n, _mm256_set1_ps(-2.12194440e-4f)));
-  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-  for (float c : {1.3981999507e-3f, 8.3334519073e-3f, 4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f})
-    p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(c));
-  const __m256 y = _mm256_add_ps(_mm256_add_ps(_mm256_mul_ps(_mm256_mul_ps(p, r), r), r), _mm256_set1_ps(1.0f));
-  const __m256 scale = _mm256_castsi256_ps(
-      _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(n), _mm256_set1_epi32(127)), 23));
-  return _mm256_blendv_ps(_mm256_mul_ps(y, scale), x, _mm256_cmp_ps(x, x, _CMP_UNORD_Q));
-}
-
-// all ones in the lanes of t0..t0+7 below n, zeros past it
-inline __m256 pa_lanes_below(int64_t t0, int64_t n) {
-  const __m256i index =
-      _mm256_add_epi32(_mm256_set1_epi32(static_cast<int>(t0)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
-  return _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(n)), index));
-}
-#endif
-
 // x[t] = exp(x[t] * scale - lse), the weight, and dx[t] = x[t] * (dx[t] - delta), the score's
 // gradient before the scale, for t < n; both zero for n <= t < keys
 inline void pa_weights_backward(float* x, float* dx, int64_t n, int64_t keys, float scale, float lse, float delta) {
-#if defined(ATTEND_AVX512)
-  const __m512 factor = _mm512_set1_ps(scale), shift = _mm512_set1_ps(lse), d = _mm512_set1_ps(delta);
-  for (int64_t t = 0; t < keys; t += 16) {  // (keys: a multiple of sixteen, past n masked to zero)
-    const __mmask16 m = n - t >= 16 ? static_cast<__mmask16>(0xffff)
-                        : n > t ? static_cast<__mmask16>((1u << (n - t)) - 1) : static_cast<__mmask16>(0);
-    const __m512 score = _mm512_mul_ps(_mm512_loadu_ps(x + t), factor);
-    const __m512 w = _mm512_maskz_mov_ps(m, vexp16(_mm512_sub_ps(score, shift)));
-    _mm512_storeu_ps(x + t, w);
-    _mm512_storeu_ps(dx + t, _mm512_mul_ps(w, _mm512_sub_ps(_mm512_loadu_ps(dx + t), d)));
-  }
-  return;
-#elif defined(PA_AVX2)
-  const __m256 factor = _mm256_set1_ps(scale), shift = _mm256_set1_ps(lse), d = _mm256_set1_ps(delta);
-  for (int64_t t = 0; t < keys; t += 8) {  // (keys: a multiple of sixteen, past n zero)
-    const __m256 score = _mm256_mul_ps(_mm256_loadu_ps(x + t), factor);
-    const __m256 w = _mm256_and_ps(pa_lanes_below(t, n), vexp8(_mm256_sub_ps(score, shift)));
-    _mm256_storeu_ps(x + t, w);
-    _mm256_storeu_ps(dx + t, _mm256_mul_ps(w, _mm256_sub_ps(_mm256_loadu_ps(dx + t), d)));
+#if defined(FLOAT_LANES)
+  using V = FloatLanes;
+  const V::reg factor = V::set1(scale), shift = V::set1(lse), d = V::set1(delta);
+  for (int64_t t = 0; t < keys; t += V::W) {  // (keys: a multiple of sixteen, past n zero)
+    const V::reg w = V::below(vexp_lanes(V::sub(V::mul(V::load(x + t), factor), shift)), t, n);
+    V::store(x + t, w);
+    V::store(dx + t, V::mul(w, V::sub(V::load(dx + t), d)));
   }
   return;
 #endif
@@ -2154,17 +2142,18 @@ inline float pa_softmax_numerators(float* x, int64_t n, float scale, float& top)
   top = row_max(x, n);
 #if defined(ATTEND_AVX512)
   return exp_shifted_total(x, n, top);  // (sixteen at a time, the last sixteen masked: no scalar tail)
-#elif defined(PA_AVX2)
-  // eight at a time, lanes past n zero (x has room: a row's scores run to a multiple of sixteen)
-  const __m256 shift = _mm256_set1_ps(top);
-  __m256 sums = _mm256_setzero_ps();
-  for (int64_t t = 0; t < n; t += 8) {
-    const __m256 e = _mm256_and_ps(pa_lanes_below(t, n), vexp8(_mm256_sub_ps(_mm256_loadu_ps(x + t), shift)));
-    _mm256_storeu_ps(x + t, e);
-    sums = _mm256_add_ps(sums, e);
+#elif defined(FLOAT_LANES)
+  // a register at a time, lanes past n zero (x has room: a row's scores run to a multiple of sixteen)
+  using V = FloatLanes;
+  const V::reg shift = V::set1(top);
+  V::reg sums = V::zero();
+  for (int64_t t = 0; t < n; t += V::W) {
+    const V::reg e = V::below(vexp_lanes(V::sub(V::load(x + t), shift)), t, n);
+    V::store(x + t, e);
+    sums = V::add(sums, e);
   }
-  float lanes[8];
-  _mm256_storeu_ps(lanes, sums);
+  float lanes[V::W];
+  V::store(lanes, sums);
   float sum = 0.f;
   for (float lane : lanes) sum += lane;
   return sum;

@@ -204,6 +204,62 @@ def test_a_busy_machine_is_not_measured_and_auto_is_fp32_until_a_quiet_run(probe
     assert precision.resolve("sample_dtype", "auto", CPU, SMOL) is torch.bfloat16 and timer.calls == 1
 
 
+STAT = """cpu  900 0 300 5000 100 0 0 0 0 0
+cpu0 {u0} 0 {s0} {i0} {w0} 1 2 {st0} 7 0
+cpu1 {u1} 0 {s1} {i1} 0 0 0 0 0 0
+intr 12345 0 0
+"""
+
+
+def test_cpu_times_count_all_but_idle_and_iowait_of_the_cores_asked(tmp_path):
+    stat = tmp_path / "stat"
+    stat.write_text(STAT.format(u0=100, s0=50, i0=800, w0=40, st0=9, u1=10, s1=5, i1=900))
+    # cpu0: busy 100 + 50 + 1 + 2 + 9 (steal: the host ran someone else) = 162, of 1002 ticks;
+    # guest (7) is already in user and not counted twice
+    assert dtype_probe._cpu_times([0], stat) == (162, 1002)
+    assert dtype_probe._cpu_times([0, 1], stat) == (162 + 15, 1002 + 915)
+    assert dtype_probe._cpu_times([0, 5], stat) is None  # a core the kernel does not list: unknown
+    assert dtype_probe._cpu_times([0], tmp_path / "absent") is None
+
+
+def test_a_high_load_average_is_busy_only_while_the_cores_are_in_use(monkeypatch):
+    """A load average remembers the last minute: one left by a job that just ended must not keep
+    a run from measuring a machine that is idle now; one from a job still running must."""
+    import os
+
+    cores = len(os.sched_getaffinity(0))
+    monkeypatch.setattr(os, "getloadavg", lambda: (cores - 0.5, 0.0, 0.0))
+    monkeypatch.setattr(dtype_probe, "cores_in_use", lambda cpus: pytest.fail("a low load is not looked into"))
+    assert dtype_probe.machine_busy() is None
+    monkeypatch.setattr(os, "getloadavg", lambda: (cores + 1.4, 0.0, 0.0))
+    monkeypatch.setattr(dtype_probe, "cores_in_use", lambda cpus: 0.03)  # make test has just ended
+    assert dtype_probe.machine_busy() is None
+    monkeypatch.setattr(dtype_probe, "cores_in_use", lambda cpus: 0.97)  # it is still running
+    assert dtype_probe.machine_busy() == f"load {cores + 1.4:.1f} on {cores} cores, 97% of them in use now"
+    monkeypatch.setattr(dtype_probe, "cores_in_use", lambda cpus: None)  # no /proc/stat: the load decides
+    assert dtype_probe.machine_busy() == f"load {cores + 1.4:.1f} on {cores} cores"
+
+
+def test_cores_kept_busy_by_other_processes_are_seen_in_use():
+    """Real processes spinning on every core this process may use: the share measured is theirs."""
+    import os
+    import subprocess
+    import sys
+    import time
+
+    cpus = sorted(os.sched_getaffinity(0))
+    if dtype_probe.cores_in_use(cpus, window_s=0.05) is None:
+        pytest.skip("no /proc/stat here")
+    burners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in cpus]
+    try:
+        time.sleep(0.3)  # (interpreters started and spinning)
+        assert dtype_probe.cores_in_use(cpus, window_s=0.5) >= dtype_probe.BUSY_NOW
+    finally:
+        for p in burners:
+            p.kill()
+            p.wait()
+
+
 def test_a_second_process_waits_for_the_first_measurement_and_uses_it(probe, tmp_path) -> None:
     """Jobs of a sweep starting together must not time each other: one measures, the others wait."""
     import fcntl

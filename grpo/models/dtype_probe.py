@@ -42,8 +42,8 @@ Intel Xeon with avx512, 2 cores; bf16's dot-product kernel, where timed too, hol
 copy of the bf16 weights, 270 MB) is paid once per machine and model shape; the choice and its numbers
 are printed once, when measured.
 ``GRPO_PRECISION_PROBE=off`` skips the probe: ``auto`` is then fp32 on a CPU. So is it, for the run,
-where the load average is at least the number of cores: a measurement there would time the other
-processes, and be cached.
+where the load average is at least the number of cores and those cores are still busy when looked
+at (``machine_busy``): a measurement there would time the other processes, and be cached.
 """
 
 from __future__ import annotations
@@ -238,13 +238,66 @@ def cache_file() -> Path:
     return models.cache_dir() / "precision.json"
 
 
+# the share of this process's cores in use (by anyone) over BUSY_WINDOW_S above which a high load
+# average still means "busy": a load average is a minute's memory, and one left behind by a job that
+# has just ended (a test suite, a compile) would skip the probe on a machine that is quiet now
+BUSY_NOW = 0.5
+BUSY_WINDOW_S = 0.25
+
+
 def machine_busy() -> str | None:
-    """Why timing now would measure other processes rather than this machine, or None."""
+    """Why timing now would measure other processes rather than this machine, or None: the load
+    average is at least the number of cores this process may run on, and those cores are still
+    mostly in use (``BUSY_NOW``) when looked at now (where the kernel says: Linux's /proc/stat).
+
+    The load average alone kept a run started right after ``make test`` from measuring (load 2.4
+    on 2 idle cores): its bf16 sampler packed in the unmeasured fallback, oneDNN's layout, which
+    the probe then measured 1.58x slower per decoding step than the streaming one (AMD EPYC)."""
     try:
-        load, cores = os.getloadavg()[0], len(os.sched_getaffinity(0))
+        load, cpus = os.getloadavg()[0], sorted(os.sched_getaffinity(0))
     except (AttributeError, OSError):  # not Linux: no load known
         return None
-    return f"load {load:.1f} on {cores} cores" if load >= cores else None
+    if load < len(cpus):
+        return None
+    in_use = cores_in_use(cpus)
+    if in_use is not None and in_use < BUSY_NOW:
+        return None
+    now = f", {in_use:.0%} of them in use now" if in_use is not None else ""
+    return f"load {load:.1f} on {len(cpus)} cores{now}"
+
+
+def cores_in_use(cpus: list[int], window_s: float = BUSY_WINDOW_S) -> float | None:
+    """The share of the time of ``cpus`` that went to running anything (this process included; a
+    virtual machine's stolen time too) over the next ``window_s``; None where /proc/stat is not there."""
+    first = _cpu_times(cpus)
+    if first is None:
+        return None
+    time.sleep(window_s)
+    second = _cpu_times(cpus)
+    if second is None:
+        return None
+    busy, total = (b - a for a, b in zip(first, second, strict=True))
+    return busy / total if total > 0 else None
+
+
+def _cpu_times(cpus: list[int], stat: Path = Path("/proc/stat")) -> tuple[int, int] | None:
+    """(busy, total) clock ticks of ``cpus`` so far, from ``stat``: busy is all but idle and iowait."""
+    try:
+        lines = stat.read_text().splitlines()
+    except OSError:
+        return None
+    wanted, busy, total, seen = {f"cpu{c}" for c in cpus}, 0, 0, 0
+    for line in lines:
+        name, *fields = line.split()
+        if name not in wanted:
+            continue
+        # user nice system idle iowait irq softirq steal [guest guest_nice: already in user and nice]
+        ticks = [int(v) for v in fields[:8]]
+        idle = ticks[3] + (ticks[4] if len(ticks) > 4 else 0)
+        busy += sum(ticks) - idle
+        total += sum(ticks)
+        seen += 1
+    return (busy, total) if seen == len(wanted) else None
 
 
 def timings(shapes: Shapes, timer: Timer | None = None, cache: Path | None = None) -> dict[str, Timing] | None:

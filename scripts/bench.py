@@ -114,10 +114,10 @@ def count_decode_steps() -> dict[str, int]:
     counts = {"steps": 0, "rows": 0}
     choose = sampler._choose_tokens
 
-    def counted(logits, rows, device):
+    def counted(logits, rows, device, **lookup):
         counts["steps"] += 1
         counts["rows"] += len(rows)
-        return choose(logits, rows, device)
+        return choose(logits, rows, device, **lookup)
 
     sampler._choose_tokens = counted
     return counts

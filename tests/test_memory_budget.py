@@ -170,9 +170,9 @@ def test_rows_beside_others_stay_within_the_budget_and_an_oversized_request_runs
     steps: list[list] = []
     real_choose = sampler._choose_tokens
 
-    def choose(logits, rows, device):
+    def choose(logits, rows, device, **lookup):
         steps.append([row.request for row in rows])
-        return real_choose(logits, rows, device)
+        return real_choose(logits, rows, device, **lookup)
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(sampler, "_choose_tokens", choose)

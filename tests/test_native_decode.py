@@ -244,6 +244,30 @@ def test_a_groups_prompt_read_once_samples_bit_for_bit_what_each_rows_own_copy_s
     assert sample_each(tc, temperature=1.0, seed=11) == together
 
 
+@pytest.mark.parametrize(("train_dtype", "sample_dtype"), [("fp32", "fp32"), ("fp32", "bf16")])
+def test_rotary_rows_from_the_table_are_the_rotary_embeddings_own(tmp_path, monkeypatch, ops, train_dtype,
+                                                                  sample_dtype):
+    """The step looks each row's cos and sin up in a table the rotary embedding computed once for
+    every cache column: the values it computes a step at a time, to the bit, and so the same samples."""
+    tc, decoders = _client_whose_decoders_are_kept(tmp_path, monkeypatch, train_dtype, sample_dtype)
+    from_table = sample_each(tc, temperature=1.0, seed=5)
+    step = decoders[-1]
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[sample_dtype]
+    hidden = torch.zeros(7, 1, step.decoder.config.hidden_size, dtype=dtype)
+    positions = torch.tensor([[0], [3], [17], [4], [40], [63], [1]])
+    cos, sin = step._cos_sin(hidden, positions, capacity=64)
+    want_cos, want_sin = step.decoder.rotary_emb(hidden, positions)
+    assert step._rotary_table[0].shape[0] == 64
+    assert torch.equal(cos, want_cos[:, 0]) and torch.equal(sin, want_sin[:, 0])
+
+    def each_step(self, hidden, positions, capacity):
+        cos, sin = self.decoder.rotary_emb(hidden, positions)
+        return cos[:, 0], sin[:, 0]
+
+    monkeypatch.setattr(native_decode.NativeDecoder, "_cos_sin", each_step)
+    assert sample_each(tc, temperature=1.0, seed=5) == from_table
+
+
 def _client_whose_decoders_are_kept(tmp_path, monkeypatch, train_dtype: str, sample_dtype: str):
     """A training client of the tiny model with a nonzero adapter, and the list every sampling
     call's decoding step (as ``native_decoder`` returns it) is appended to."""

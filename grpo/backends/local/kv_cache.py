@@ -179,12 +179,13 @@ class SlotCache(Cache):
         self.prompts = [self.prompts[p] for p in order]
         return order
 
-    def set_step(self) -> tuple[torch.Tensor, torch.Tensor | dict[str, torch.Tensor]]:
-        """Prepare a decode step of the rows in ``lengths``: their position ids and attention mask."""
+    def set_step(self, mask: bool = True) -> tuple[torch.Tensor, torch.Tensor | dict[str, torch.Tensor] | None]:
+        """Prepare a decode step of the rows in ``lengths``: their position ids and attention mask
+        (None with ``mask=False``: a step that reads the rows' lengths instead)."""
         self.step.lengths_tensor = torch.tensor(self.lengths, device=self.device)
         self.step.width = max(self.lengths) + 1
         self.step.shared_from, self.step.shared = self._sharing()
-        return self.step.lengths_tensor[:, None], self.decode_mask()
+        return self.step.lengths_tensor[:, None], self.decode_mask() if mask else None
 
     def _sharing(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """For each row, the first row holding the same prompt copy (itself if none before it) and

@@ -163,6 +163,7 @@ def generate(model, requests: list[GenerationRequest], tokenizer, device: torch.
         lean = None
     else:  # on a CPU, the step's non-matmul work in native kernels where they build (native_decode.py)
         lean = native_decode.native_decoder(lean, device)
+    ops = native_kernels.kernels() if device.type == "cpu" else None  # (token choice's, looked up once)
 
     while True:
         admitted = _admissions(pending, limit - len(batch), nothing_running=not batch)
@@ -180,7 +181,7 @@ def generate(model, requests: list[GenerationRequest], tokenizer, device: torch.
         live = [b for b, row in enumerate(batch) if not row.done]
         live_logits = logits if len(live) == len(batch) else logits[torch.tensor(live, device=device)]
         with section("grpo.sample.choose_tokens"):
-            chosen, logprobs = _choose_tokens(live_logits, [batch[b] for b in live], device)
+            chosen, logprobs = _choose_tokens(live_logits, [batch[b] for b in live], device, ops=ops, ops_known=True)
         # One device-to-host copy per step, not two per row (each a sync on a GPU).
         for token, logprob, b in zip(chosen.tolist(), logprobs.tolist(), live, strict=True):
             row = batch[b]
@@ -193,8 +194,11 @@ def generate(model, requests: list[GenerationRequest], tokenizer, device: torch.
         if prefix_cache is not None:  # before their slots are reused
             _store_finished(prefix_cache, cache, batch, live)
         still = [b for b in live if not batch[b].done]
-        tokens = torch.full((len(batch),), _pad_id(tokenizer), dtype=torch.long, device=device)
-        tokens[torch.tensor(live, device=device)] = chosen  # finished rows ride along on padding
+        if len(live) == len(batch):
+            tokens = chosen
+        else:
+            tokens = torch.full((len(batch),), _pad_id(tokenizer), dtype=torch.long, device=device)
+            tokens[torch.tensor(live, device=device)] = chosen  # finished rows ride along on padding
         finished = len(batch) - len(still)
         room_for_next = bool(pending) and limit - len(still) >= pending[0].num_samples
         if finished and (compact == "eager" or 2 * finished >= len(batch) or room_for_next or not still):
@@ -204,8 +208,8 @@ def generate(model, requests: list[GenerationRequest], tokenizer, device: torch.
         if not still:
             logits = None
             continue  # admit what is pending, or end
-        if graphed is None:
-            positions, mask = cache.set_step()
+        if graphed is None:  # (the native step reads no mask: its attention takes each row's length)
+            positions, mask = cache.set_step(mask=not isinstance(lean, native_decode.NativeDecoder))
         with section("grpo.sample.decode_forward"):
             if graphed is not None:  # its own positions and mask, at its static shapes
                 logits = graphed(tokens, cache.lengths)
@@ -415,8 +419,11 @@ def _max_tokens(req: GenerationRequest, max_context: int | None) -> int:
     return req.params.max_tokens or (max_context - len(req.prompt) if max_context else 256)
 
 
-def _choose_tokens(logits: torch.Tensor, rows: list[_Row], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Pick one token per row; return it with its logprob under the untempered policy."""
+def _choose_tokens(logits: torch.Tensor, rows: list[_Row], device: torch.device, ops=None,
+                   ops_known: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pick one token per row; return it with its logprob under the untempered policy. ``ops``: the
+    native kernels where the caller looked them up (``ops_known``; generate does, once a call),
+    else looked up here."""
     # Rows sharing sampling settings are drawn together; a row with its own seed draws from its
     # own generator so that a seeded request reproduces whatever else is in the batch.
     # Members of a group are taken in row order, not batch order: a seeded request's rows then
@@ -425,17 +432,14 @@ def _choose_tokens(logits: torch.Tensor, rows: list[_Row], device: torch.device)
     for b, row in sorted(enumerate(rows), key=lambda item: item[1].index):
         p = row.request.params
         groups.setdefault((p.temperature, p.top_k, p.top_p, id(row.generator)), []).append(b)
-    ops = native_kernels.kernels() if device.type == "cpu" and logits.dtype == torch.float32 else None
+    if not ops_known:
+        ops = native_kernels.kernels() if device.type == "cpu" else None
+    if logits.dtype != torch.float32:
+        ops = None
     if ops is not None and not any(_filters(top_k, top_p, logits.shape[-1]) for _, top_k, top_p, _ in groups):
         # one native pass per row (native_kernels.cpp): the same draw as below -- the same uniforms
         # from the same generators, the same inverted CDF -- in about a quarter of its time on a CPU
-        temperatures = torch.zeros(len(rows), dtype=torch.float64)
-        uniforms = torch.zeros(len(rows), dtype=torch.float64)
-        for (temperature, _, _, _), members in groups.items():
-            if temperature != 0:
-                temperatures[members] = float(temperature)
-                uniforms[members] = torch.rand(len(members), dtype=torch.float64,
-                                               generator=rows[members[0]].generator)
+        temperatures, uniforms = _draw_inputs(groups, rows)
         return tuple(ops.sample_tokens(logits if logits.stride(-1) == 1 else logits.contiguous(), temperatures,
                                        uniforms))
     logprobs_all = torch.log_softmax(logits, dim=-1)
@@ -451,6 +455,30 @@ def _choose_tokens(logits: torch.Tensor, rows: list[_Row], device: torch.device)
         scores = _filter_top_k_top_p(scores, top_k, top_p)
         chosen[idx] = _draw(torch.softmax(scores, dim=-1), rows[members[0]].generator)
     return chosen, logprobs_all.gather(-1, chosen[:, None])[:, 0]
+
+
+def _draw_inputs(groups: dict[tuple, list[int]], rows: list[_Row]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's temperature and uniform draw for ``sample_tokens`` (float64): a group's uniforms
+    drawn together from its generator, in its rows' order; a greedy group's none. The usual batch --
+    one group, in row order -- in two operator calls: on a CPU every call of a decoding step's Python
+    runs after the step's weight stream has evicted the interpreter from the caches (~10x its cost
+    when warm), and the general case's five were ~0.2 ms of a one-row bf16 step of ~12 ms."""
+    n = len(rows)
+    if len(groups) == 1:
+        ((temperature, *_), members), = groups.items()
+        if temperature == 0:
+            return torch.zeros(n, dtype=torch.float64), torch.zeros(n, dtype=torch.float64)
+        draws = torch.rand(n, dtype=torch.float64, generator=rows[members[0]].generator)
+        if members != list(range(n)):  # (continuous batching moved rows: each draw to its row's place)
+            draws = torch.empty_like(draws).index_copy_(0, torch.tensor(members), draws)
+        return torch.full((n,), float(temperature), dtype=torch.float64), draws
+    temperatures = torch.zeros(n, dtype=torch.float64)
+    uniforms = torch.zeros(n, dtype=torch.float64)
+    for (temperature, _, _, _), members in groups.items():
+        if temperature != 0:
+            temperatures[members] = float(temperature)
+            uniforms[members] = torch.rand(len(members), dtype=torch.float64, generator=rows[members[0]].generator)
+    return temperatures, uniforms
 
 
 def _draw(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:

@@ -6,7 +6,10 @@ Chrome trace shows them, and while ``recording()`` is active its wall time is al
 name. The summing is what the step profile reads: torch.profiler records only the thread that
 started it, and the backend's work runs on the engine's worker threads, never the caller's.
 Wall time is what a section costs on a CPU; on a GPU it would need a synchronisation, which
-nothing here does. Switched off, a section costs one attribute read.
+nothing here does. Switched off -- no profiler on the calling thread, not recording -- a section
+costs an attribute read and one call: a profiler range is two operator calls, and on a CPU a
+decoding step's weight stream evicts the interpreter and the dispatcher from the caches, after
+which the sampler's two ranges a step cost ~0.1 ms of a one-row bf16 step of ~12 ms (AMD EPYC).
 """
 
 from __future__ import annotations
@@ -18,6 +21,12 @@ from collections import defaultdict
 from collections.abc import Iterator
 
 from torch.profiler import record_function
+
+try:  # whether a profiler records on this thread (private: where it is gone, always a range)
+    from torch._C._autograd import _profiler_enabled
+except ImportError:  # pragma: no cover
+    def _profiler_enabled() -> bool:
+        return True
 
 
 class _Recorder:
@@ -35,7 +44,10 @@ _RECORDER = _Recorder()
 def section(name: str) -> Iterator[None]:
     """Mark the enclosed work as ``name`` (a profiler range; timed while recording)."""
     if not _RECORDER.active:
-        with record_function(name):
+        if _profiler_enabled():
+            with record_function(name):
+                yield
+        else:
             yield
         return
     start = time.perf_counter()

@@ -288,7 +288,7 @@ def _cpu_times(cpus: list[int], stat: Path = Path("/proc/stat")) -> tuple[int, i
         return None
     wanted, busy, total, seen = {f"cpu{c}" for c in cpus}, 0, 0, 0
     for line in lines:
-        name, *fields = line.split()
+        name, *fields = line.split() or [""]
         if name not in wanted:
             continue
         # user nice system idle iowait irq softirq steal [guest guest_nice: already in user and nice]

@@ -74,7 +74,6 @@ class NativeDecoder(LeanDecoder):
                                          norm.variance_epsilon)
         return self.causal_lm.lm_head(x).float()
 
-
     def _cos_sin(self, hidden: torch.Tensor, positions: torch.Tensor, capacity: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Each row's rotary cos and sin ``[rows, head_dim]``: rows of a table the model's own rotary
         embedding computed once for every column of the cache, the same values bit for bit (each is a

@@ -181,7 +181,7 @@ def generate(model, requests: list[GenerationRequest], tokenizer, device: torch.
         live = [b for b, row in enumerate(batch) if not row.done]
         live_logits = logits if len(live) == len(batch) else logits[torch.tensor(live, device=device)]
         with section("grpo.sample.choose_tokens"):
-            chosen, logprobs = _choose_tokens(live_logits, [batch[b] for b in live], device, ops=ops, ops_known=True)
+            chosen, logprobs = _choose_tokens(live_logits, [batch[b] for b in live], device, ops=ops)
         # One device-to-host copy per step, not two per row (each a sync on a GPU).
         for token, logprob, b in zip(chosen.tolist(), logprobs.tolist(), live, strict=True):
             row = batch[b]
@@ -419,11 +419,14 @@ def _max_tokens(req: GenerationRequest, max_context: int | None) -> int:
     return req.params.max_tokens or (max_context - len(req.prompt) if max_context else 256)
 
 
-def _choose_tokens(logits: torch.Tensor, rows: list[_Row], device: torch.device, ops=None,
-                   ops_known: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+_LOOK_UP = object()  # (_choose_tokens' ops: not looked up by the caller)
+
+
+def _choose_tokens(logits: torch.Tensor, rows: list[_Row], device: torch.device,
+                   ops=_LOOK_UP) -> tuple[torch.Tensor, torch.Tensor]:
     """Pick one token per row; return it with its logprob under the untempered policy. ``ops``: the
-    native kernels where the caller looked them up (``ops_known``; generate does, once a call),
-    else looked up here."""
+    native kernels (None: none) as the caller looked them up -- generate does, once a call -- else
+    looked up here."""
     # Rows sharing sampling settings are drawn together; a row with its own seed draws from its
     # own generator so that a seeded request reproduces whatever else is in the batch.
     # Members of a group are taken in row order, not batch order: a seeded request's rows then
@@ -432,7 +435,7 @@ def _choose_tokens(logits: torch.Tensor, rows: list[_Row], device: torch.device,
     for b, row in sorted(enumerate(rows), key=lambda item: item[1].index):
         p = row.request.params
         groups.setdefault((p.temperature, p.top_k, p.top_p, id(row.generator)), []).append(b)
-    if not ops_known:
+    if ops is _LOOK_UP:
         ops = native_kernels.kernels() if device.type == "cpu" else None
     if logits.dtype != torch.float32:
         ops = None

@@ -123,3 +123,28 @@ def test_a_seeded_request_samples_alike_with_the_kernels_on_and_off_greedy(tmp_p
     for (tokens, logprobs), (want, want_logprobs) in zip(sample_each(tc, temperature=0.0), greedy, strict=True):
         assert tokens == want
         assert max(abs(a - b) for a, b in zip(logprobs, want_logprobs, strict=True)) < 1e-5
+
+
+def test_the_draws_go_to_each_groups_rows_as_an_index_assignment_per_group_puts_them() -> None:
+    """``_draw_inputs`` assembles the batch's temperatures and uniforms in a few calls; they must be
+    what assigning each group's draw to its rows would give, whatever order the batch holds them in."""
+    params = [SamplingParams(max_tokens=4, temperature=[1.0, 0.0, 0.7, 1.0][i % 4], seed=[3, None, 5, 3][i % 4])
+              for i in range(9)]
+    for batch_order in ([0, 1, 2, 3, 4, 5, 6, 7, 8], [8, 2, 5, 0, 7, 1, 4, 6, 3]):
+        rows = _rows(params)
+        batch = [rows[i] for i in batch_order]
+        groups: dict[tuple, list[int]] = {}
+        for b, row in sorted(enumerate(batch), key=lambda item: item[1].index):
+            p = row.request.params
+            groups.setdefault((p.temperature, p.top_k, p.top_p, id(row.generator)), []).append(b)
+        temperatures, uniforms = sampler._draw_inputs(groups, batch)
+        want_t, want_u = torch.zeros(9, dtype=torch.float64), torch.zeros(9, dtype=torch.float64)
+        again = _rows(params)  # fresh generators: the same draws
+        again_batch = [again[i] for i in batch_order]
+        for (temperature, _, _, _), members in groups.items():
+            if temperature != 0:
+                want_t[members] = float(temperature)
+                want_u[members] = torch.rand(len(members), dtype=torch.float64,
+                                             generator=again_batch[members[0]].generator)
+        assert torch.equal(temperatures, want_t) and torch.equal(uniforms, want_u)
+        assert (uniforms[[b for b, row in enumerate(batch) if row.request.params.temperature == 0]] == 0).all()

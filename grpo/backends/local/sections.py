@@ -9,7 +9,7 @@ Wall time is what a section costs on a CPU; on a GPU it would need a synchronisa
 nothing here does. Switched off -- no profiler on the calling thread, not recording -- a section
 costs an attribute read and one call: a profiler range is two operator calls, and on a CPU a
 decoding step's weight stream evicts the interpreter and the dispatcher from the caches, after
-which the sampler's two ranges a step cost ~0.1 ms of a one-row bf16 step of ~12 ms (AMD EPYC).
+which each of the sampler's two ranges a step cost ~0.1 ms of a one-row bf16 step of ~12 ms (AMD EPYC).
 """
 
 from __future__ import annotations

@@ -50,17 +50,18 @@ def test_rows_run_once_per_precision(tmp_path):
     assert bad.returncode != 0 and "--precision fp8 is invalid; valid: fp32, bf16, bf16-sample" in bad.stderr
 
 
-@pytest.mark.slow  # end to end, minutes on 2 cores: CI's slow stage runs it
-def test_decode_step_cost_prints_every_batch_size():
+@pytest.mark.slow  # end to end (the sampler of a real model): CI's slow stage runs it
+def test_decode_step_cost_prints_every_batch_size_against_the_floors():
     proc = subprocess.run([sys.executable, "scripts/decode_step_cost.py", "--model", "tiny", "--rows", "1,2,4",
-                           "--context", "8"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+                           "--steps", "4", "--precision", "fp32"], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "sampler fp32" in proc.stdout and "# CPU: " in proc.stdout
     table = [line for line in proc.stdout.splitlines() if line.startswith("| ")][2:]  # past header and rule
-    rows = [line.split("|")[1:-1] for line in table]
+    rows = [[cell.strip() for cell in line.split("|")[1:-1]] for line in table]
     assert [int(r[0]) for r in rows] == [1, 2, 4]
-    for rows_, per_step, per_token, _ in rows:
-        assert float(per_step) > 0
-        # ms per step is printed to 0.1 ms, per token to 0.01 ms
-        assert abs(float(per_token) - float(per_step) / int(rows_)) <= 0.06 + 0.01 * float(per_token)
-    assert rows[-1][3].strip() == "1.00x"  # the largest batch against itself
-    assert "Fit over 2-4 rows:" in proc.stdout
+    for _, step, stream, compute, over_larger, over_sum in rows:
+        assert float(step) > 0 and float(stream) > 0 and float(compute) >= 0
+        # a step against the larger floor is at least the step against both floors' sum
+        assert float(over_larger.rstrip("x")) >= float(over_sum.rstrip("x")) > 0
+    # every step streams the same weights; the rows' arithmetic grows with them
+    assert len({r[2] for r in rows}) == 1 and float(rows[-1][3]) >= float(rows[0][3])

@@ -17,7 +17,7 @@ from transformers.models.llama.modeling_llama import LlamaRMSNorm, apply_rotary_
 
 from grpo.backends.local import ServiceClient, native_decode, sampler
 from grpo.models import native_kernels
-from grpo.models.cpu_linear import packing_works
+from grpo.models.cpu_linear import packing_works, stream_dot_available
 from grpo.types import SamplingParams
 
 DTYPES = [torch.float32, torch.bfloat16]
@@ -83,11 +83,13 @@ def _eager_step(q, k, v, cos, sin, keys, values, lengths, heads, scale):
     return out.reshape(rows, heads * dim)
 
 
-# 64 and 128 are compiled as fixed lengths of their own; 40 leaves a part of 16 dims
+# 64 and 128 are compiled as fixed lengths of their own; 40 leaves a part of 16 dims. `dot`: bf16 scores by
+# avx512_bf16's dot product where the kernels have it (64 and 128 dims; elsewhere the flag changes nothing)
+@pytest.mark.parametrize("dot", [False, True])
 @pytest.mark.parametrize("dim", [16, 40, 64, 128])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("heads", [6, 10])  # 3 or 5 query heads a key head (4 at a time)
-def test_rope_attend_is_rotary_cache_write_and_grouped_query_attention(ops, dtype, dim, heads) -> None:
+def test_rope_attend_is_rotary_cache_write_and_grouped_query_attention(ops, dtype, dim, heads, dot) -> None:
     torch.manual_seed(2)
     rows, kv_heads, capacity = 4, 2, 40
     lengths = torch.tensor([3, 0, 17, 39])  # each row's new column (columns 16 at a time); 39: the cache's last
@@ -100,13 +102,14 @@ def test_rope_attend_is_rotary_cache_write_and_grouped_query_attention(ops, dtyp
     values = torch.randn(rows + 1, kv_heads, capacity, dim, dtype=dtype)
     ours_k, ours_v = keys.clone(), values.clone()
     want = _eager_step(q, k, v, cos, sin, keys, values, lengths, heads, dim**-0.5)
-    got = ops.rope_attend(q, k, v, cos, sin, ours_k, ours_v, lengths, heads, dim**-0.5)
+    got = ops.rope_attend(q, k, v, cos, sin, ours_k, ours_v, lengths, heads, dim**-0.5, dot=dot)
     assert torch.equal(ours_k, keys) and torch.equal(ours_v, values)  # the same writes, the same rounding
     _within(got, want, dtype, ulps=2 if dtype == torch.bfloat16 else 64)
 
 
+@pytest.mark.parametrize("dot", [False, True])
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_rows_sharing_their_first_columns_attend_bit_for_bit_as_each_alone(ops, dtype) -> None:
+def test_rows_sharing_their_first_columns_attend_bit_for_bit_as_each_alone(ops, dtype, dot) -> None:
     """Rows told that another row holds their first columns (a group's copies of one prompt) read
     those columns there -- their own copies are never read -- and attend to the bit as they do
     reading their own: sets of any size (more than the 8 attended together), rows at different
@@ -128,16 +131,40 @@ def test_rows_sharing_their_first_columns_attend_bit_for_bit_as_each_alone(ops, 
     k, v = torch.randn(rows, kv_heads * dim, dtype=dtype), torch.randn(rows, kv_heads * dim, dtype=dtype)
     cos, sin = torch.randn(rows, dim, dtype=dtype), torch.randn(rows, dim, dtype=dtype)
     own_k, own_v = keys.clone(), values.clone()
-    alone = ops.rope_attend(q, k, v, cos, sin, own_k, own_v, lengths, heads, dim**-0.5)
+    alone = ops.rope_attend(q, k, v, cos, sin, own_k, own_v, lengths, heads, dim**-0.5, dot=dot)
     readers = shared_from != torch.arange(rows)
     for r in readers.nonzero()[:, 0].tolist():  # spoil the copies the readers must not read
         keys[r, :, :shared[r]] = float("nan")
         values[r, :, :shared[r]] = float("nan")
-    together = ops.rope_attend(q, k, v, cos, sin, keys, values, lengths, heads, dim**-0.5, shared_from, shared)
+    together = ops.rope_attend(q, k, v, cos, sin, keys, values, lengths, heads, dim**-0.5, shared_from, shared,
+                               dot=dot)
     assert torch.equal(together, alone)
     for r in range(rows):  # each row's new key and value written as before
         at = lengths[r]
         assert torch.equal(keys[r, :, at], own_k[r, :, at]) and torch.equal(values[r, :, at], own_v[r, :, at])
+
+
+@pytest.mark.skipif(not stream_dot_available(), reason="kernels built without avx512_bf16's dot product")
+def test_bf16_scores_by_the_dot_product_are_that_instructions(ops) -> None:
+    """With ``dot`` the scores are avx512_bf16's dot products, which take a denormal input as zero (its
+    definition): a query's denormal dim against a huge key moves the float32 multiply-adds' score
+    (1e-39 * 1e38 = 0.1), not the dot product's -- so the flag is seen to choose the instruction."""
+    dim = 64
+    q = torch.zeros(1, dim, dtype=torch.bfloat16)
+    q[0, 0] = 1e-39  # (a bf16 denormal: float32's exponent range, 7 bits of fraction)
+    keys = torch.zeros(1, 1, 4, dim, dtype=torch.bfloat16)
+    keys[0, 0, 0, 0] = 1e38  # column 0 scores 0.1 by multiply-adds, 0 by the dot product; the new column 0
+    values = torch.zeros(1, 1, 4, dim, dtype=torch.bfloat16)
+    values[0, 0, 0] = 1.0  # column 0's value ones, the new column's zeros
+    cos, sin = torch.ones(1, dim, dtype=torch.bfloat16), torch.zeros(1, dim, dtype=torch.bfloat16)
+    k, v = torch.zeros(1, dim, dtype=torch.bfloat16), torch.zeros(1, dim, dtype=torch.bfloat16)
+
+    def attend(dot):
+        return ops.rope_attend(q, k, v, cos, sin, keys.clone(), values.clone(), torch.tensor([1]), 1, 1.0, dot=dot)
+
+    # softmax over scores (0.1, 0) or (0, 0): column 0's weight, every output dim
+    assert torch.equal(attend(True), torch.full((1, dim), 0.5, dtype=torch.bfloat16))
+    assert torch.allclose(attend(False).float(), torch.full((1, dim), 1 / (1 + torch.e**-0.1)), rtol=4e-3)
 
 
 def test_shared_columns_are_refused_unless_every_row_can_read_them(ops) -> None:

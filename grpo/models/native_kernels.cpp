@@ -760,6 +760,44 @@ void attend_scores(const float* queries, int64_t nq, const T* keys, int64_t firs
   }
 }
 
+#if defined(__AVX512BF16__)
+// attend_scores for bf16 queries and keys by avx512_bf16's dot product: a key's DIM values are DIM / 32
+// instructions over pairs of dims, where attend_scores widens each key to float32 for every query that
+// reads it (a grouped-query head's queries, a run's rows over shared columns) before DIM / 16
+// multiply-adds. The products are exact either way (a query is rotated and rounded to bf16 first, as
+// transformers stores it; a product of two bf16 values is exact in float32); the sums differ in their
+// order (pairs of dims, then the lanes), and the instruction takes denormal inputs as zero. A score
+// still depends only on its query and key.
+template <int64_t DIM>
+void attend_scores_dot(const c10::BFloat16* queries, int64_t nq, const c10::BFloat16* keys, int64_t first,
+                       int64_t last, float* const* out, float scale) {
+  static_assert(DIM % 32 == 0, "pairs of dims, 32 bf16 values a register");
+  constexpr int CHUNKS = DIM / 32;
+  const __m512 factor = _mm512_set1_ps(scale);
+  for (int64_t c0 = first; c0 < last; c0 += 16) {
+    const int64_t m = std::min<int64_t>(16, last - c0);
+    const c10::BFloat16* block = keys + c0 * DIM;
+    for (int64_t i = 0; i < nq; ++i) {
+      __m512bh q[CHUNKS];
+      __m512 t[16];
+      for (int c = 0; c < CHUNKS; ++c) q[c] = (__m512bh)_mm512_loadu_si512(queries + i * DIM + 32 * c);
+      for (int col = 0; col < 16; ++col) {
+        if (col >= m) {
+          t[col] = _mm512_setzero_ps();
+          continue;
+        }
+        const c10::BFloat16* key = block + col * DIM;
+        __m512 sum = _mm512_dpbf16_ps(_mm512_setzero_ps(), q[0], (__m512bh)_mm512_loadu_si512(key));
+        for (int c = 1; c < CHUNKS; ++c) sum = _mm512_dpbf16_ps(sum, q[c], (__m512bh)_mm512_loadu_si512(key + 32 * c));
+        t[col] = sum;
+      }
+      _mm512_mask_storeu_ps(out[i] + c0, static_cast<__mmask16>((1u << m) - 1), _mm512_mul_ps(sum_lanes16(t), factor));
+    }
+  }
+}
+#define ATTEND_DOT 1
+#endif
+
 // acc[i] += w[i][p] * value p for p in [first, last) in order, for the queries lo <= i < hi of a
 // chunk of NQ held in registers
 template <int64_t DIM, int NQ, typename T>
@@ -857,7 +895,7 @@ void rope_attend_impl(const T* q, int64_t q_stride, const T* k, int64_t k_stride
                       const T* cos, int64_t cos_stride, const T* sin, int64_t sin_stride, T* k_cache, T* v_cache,
                       int64_t slot_stride, int64_t head_stride, const int64_t* lengths, const int64_t* from,
                       const int64_t* shared, T* out, int64_t rows, int64_t heads, int64_t kv_heads, int64_t head_dim,
-                      float scale) {
+                      float scale, bool dot) {
   const int64_t dim = HEAD_DIM > 0 ? HEAD_DIM : head_dim;
   const int64_t group = heads / kv_heads;
   // the rows in sets that read one row's shared columns (that row first), and the work: a run of
@@ -886,6 +924,7 @@ void rope_attend_impl(const T* q, int64_t q_stride, const T* k, int64_t k_stride
   at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> c(dim), s(dim), xf(dim), rotated(dim), queries(ROPE_SHARERS * group * dim),
         acc(ROPE_SHARERS * group * dim), widened(dim), scores, totals(ROPE_SHARERS * group);
+    std::vector<c10::BFloat16> query_pairs(dot ? ROPE_SHARERS * group * dim : 0);  // (the queries in bf16)
     std::vector<float*> weights(ROPE_SHARERS * group);  // (query i's scores, then softmax numerators)
     std::vector<T*> outs(ROPE_SHARERS * group);
     for (int64_t task = begin; task < end; ++task) {
@@ -947,11 +986,27 @@ void rope_attend_impl(const T* q, int64_t q_stride, const T* k, int64_t k_stride
           row_values[u] = v_cache + members[u] * slot_stride + g * head_stride;
           lengths_of[u] = columns(u);
         }
-        attend_scores<HEAD_DIM>(queries.data(), nq, source_keys, 0, common, weights.data(), scale);
-        for (int64_t u = 0; u < count; ++u)
-          attend_scores<HEAD_DIM>(queries.data() + u * group * dim, group,
-                                  k_cache + members[u] * slot_stride + g * head_stride, common, lengths_of[u],
-                                  weights.data() + u * group, scale);
+        bool scored = false;
+#if defined(ATTEND_DOT)
+        if constexpr (std::is_same_v<T, c10::BFloat16> && HEAD_DIM % 32 == 0) {
+          if (dot) {  // (the rotated queries are bf16 values already: the same numbers in half the bytes)
+            from_float(queries.data(), query_pairs.data(), nq * dim);
+            attend_scores_dot<HEAD_DIM>(query_pairs.data(), nq, source_keys, 0, common, weights.data(), scale);
+            for (int64_t u = 0; u < count; ++u)
+              attend_scores_dot<HEAD_DIM>(query_pairs.data() + u * group * dim, group,
+                                          k_cache + members[u] * slot_stride + g * head_stride, common,
+                                          lengths_of[u], weights.data() + u * group, scale);
+            scored = true;
+          }
+        }
+#endif
+        if (!scored) {
+          attend_scores<HEAD_DIM>(queries.data(), nq, source_keys, 0, common, weights.data(), scale);
+          for (int64_t u = 0; u < count; ++u)
+            attend_scores<HEAD_DIM>(queries.data() + u * group * dim, group,
+                                    k_cache + members[u] * slot_stride + g * head_stride, common, lengths_of[u],
+                                    weights.data() + u * group, scale);
+        }
         numerators();
         constexpr int CHUNK = 24 / static_cast<int>(HEAD_DIM / 16);
         for (int64_t qa = 0; qa < nq; qa += CHUNK)
@@ -1008,7 +1063,7 @@ void rope_attend_impl(const T* q, int64_t q_stride, const T* k, int64_t k_stride
 at::Tensor rope_attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cos,
                        const at::Tensor& sin, at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& lengths,
                        int64_t heads, double scale, const c10::optional<at::Tensor>& shared_from,
-                       const c10::optional<at::Tensor>& shared) {
+                       const c10::optional<at::Tensor>& shared, bool dot) {
   TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous() &&
                   v_cache.sizes() == k_cache.sizes() && k_cache.device().is_cpu(),
               "rope_attend: the caches must be contiguous CPU [slots, kv_heads, capacity, head_dim] tensors of one "
@@ -1060,7 +1115,7 @@ at::Tensor rope_attend(const at::Tensor& q, const at::Tensor& k, const at::Tenso
       impl(q.data_ptr<scalar_t>(), q.stride(0), k.data_ptr<scalar_t>(), k.stride(0), v.data_ptr<scalar_t>(),
            v.stride(0), cos.data_ptr<scalar_t>(), cos.stride(0), sin.data_ptr<scalar_t>(), sin.stride(0),
            k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(), k_cache.stride(0), k_cache.stride(1), lp, fp,
-           sp, out.data_ptr<scalar_t>(), rows, heads, kv_heads, dim, static_cast<float>(scale));
+           sp, out.data_ptr<scalar_t>(), rows, heads, kv_heads, dim, static_cast<float>(scale), dot);
     };
     if (dim == 64) run(rope_attend_impl<scalar_t, 64>);
     else if (dim == 128) run(rope_attend_impl<scalar_t, 128>);
@@ -1831,6 +1886,9 @@ at::Tensor decode_layers(const at::Tensor& hidden_in, const at::Tensor& cos, con
     const int64_t e = 12 * layer + 3 * which;
     return packed_linear(x, weights[4 * layer + which], extras.get(e), extras.get(e + 1), extras.get(e + 2));
   };
+  // the attention's scores by avx512_bf16's dot product where the products take it: the weights packed in
+  // pairs, which the sampler does only where kernel_probe.py measured that instruction the faster here
+  const bool dot = !weights[0].is_mkldnn() && weights[0].scalar_type() == at::kBFloat16 && stream_pairs(weights[0]);
   auto state = add_rms_norm(hidden_in, c10::nullopt, norms[0], eps);  // {hidden, normed}
   for (int64_t i = 0; i < layers; ++i) {
     auto qkv = linear(state[1], i, 0);
@@ -1838,7 +1896,7 @@ at::Tensor decode_layers(const at::Tensor& hidden_in, const at::Tensor& cos, con
     auto k = qkv.narrow(1, qkv_sizes[0], qkv_sizes[1]);
     auto v = qkv.narrow(1, qkv_sizes[0] + qkv_sizes[1], qkv_sizes[2]);
     at::Tensor k_cache = k_caches[i], v_cache = v_caches[i];
-    auto attended = rope_attend(q, k, v, cos, sin, k_cache, v_cache, lengths, heads, scale, shared_from, shared);
+    auto attended = rope_attend(q, k, v, cos, sin, k_cache, v_cache, lengths, heads, scale, shared_from, shared, dot);
     state = add_rms_norm(state[0], linear(attended, i, 1), norms[2 * i + 1], eps);
     auto gate_up = linear(state[1], i, 2);
     const int64_t inter = gate_up.size(1) / 2;
@@ -2433,7 +2491,8 @@ TORCH_LIBRARY(grpo_native, m) {
   m.def("target_logprobs(Tensor logits, Tensor targets) -> Tensor[]");
   m.def("target_logprobs_backward_(Tensor grad, Tensor(a!) logits, Tensor targets, Tensor stats) -> Tensor(a!)");
   m.def("rope_attend(Tensor q, Tensor k, Tensor v, Tensor cos, Tensor sin, Tensor(a!) k_cache, Tensor(b!) v_cache, "
-        "Tensor lengths, int heads, float scale, Tensor? shared_from=None, Tensor? shared=None) -> Tensor");
+        "Tensor lengths, int heads, float scale, Tensor? shared_from=None, Tensor? shared=None, bool dot=False) "
+        "-> Tensor");
   m.def("stream_pack(Tensor weight, bool pairs=False) -> Tensor");
   m.def("stream_dot_available() -> bool", stream_dot_available);
   m.def("release_kept_chunks() -> int", release_kept_chunks);  // (no tensor to dispatch on: one kernel)

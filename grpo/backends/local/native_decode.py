@@ -64,8 +64,10 @@ class NativeDecoder(LeanDecoder):
             attn, mlp = layer.self_attn, layer.mlp
             q, k, v = qkv.full(x) if qkv is not None else (attn.q_proj(x), attn.k_proj(x), attn.v_proj(x))
             slot = cache.layers[index]
+            # (scores by the dot product where the weights stream in pairs for it, as decode_layers decides)
             out = ops.rope_attend(q, k, v, cos, sin, slot._keys, slot._values, lengths, self.heads, attn.scaling,
-                                  cache.step.shared_from, cache.step.shared)
+                                  cache.step.shared_from, cache.step.shared,
+                                  qkv is not None and qkv.layout == "stream_dot")
             norm = layer.post_attention_layernorm
             hidden, x = ops.add_rms_norm(hidden, attn.o_proj(out), norm.weight, norm.variance_epsilon)
             gate, up = gate_up.full(x) if gate_up is not None else (mlp.gate_proj(x), mlp.up_proj(x))

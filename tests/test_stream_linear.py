@@ -142,7 +142,6 @@ def test_bad_input_is_refused_naming_what_was_expected(ops) -> None:
         ops.stream_linear(torch.randn(2, 9).bfloat16(), pairs, None)
 
 
-@needs_onednn
 def _mapping_of(address: int) -> dict[str, str] | None:
     """The /proc/self/smaps entry of the mapping holding ``address`` (its fields), or None."""
     entry = None
@@ -217,6 +216,7 @@ def test_memory_kept_for_the_next_pack_is_given_back_after_each_call(ops) -> Non
     assert native_kernels.release_kept_memory() == 0
 
 
+@needs_onednn
 def test_pack_weight_takes_the_streaming_layout_only_where_it_applies(ops) -> None:
     """float32 and bf16 weights whose rows are a multiple of 16; others (33 rows) keep oneDNN's, and
     both multiply through packed_product as F.linear does."""

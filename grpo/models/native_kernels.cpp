@@ -888,6 +888,10 @@ void attend_chunk_of(int64_t nq, int64_t qa, int64_t group, const float* const* 
 // took 2.7 against 5.6 ms with the caches in cache, 5.0 against 6.7 ms cold; then with the values'
 // sums kept in registers (attend_values) and the softmax's exponentials sixteen at a time
 // (exp_shifted_total), 1.55 against 2.26 ms hot, 4.0 against 4.95 ms cold (docs/benchmark.md).
+// With `dot` (bf16, a build with avx512_bf16, a head dimension of 64 or 128), the scores are
+// avx512_bf16's dot products (attend_scores_dot): 1.25-1.47x the call's speed hot, 1.05-1.10x cold,
+// on an AMD EPYC (Zen 4), 2 cores (docs/benchmark.md); the caller passes it where the sampler's
+// weights are packed in pairs, i.e. where that instruction measured the faster.
 constexpr int64_t ROPE_SHARERS = 8;
 
 template <typename T, int64_t HEAD_DIM>
@@ -924,7 +928,7 @@ void rope_attend_impl(const T* q, int64_t q_stride, const T* k, int64_t k_stride
   at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> c(dim), s(dim), xf(dim), rotated(dim), queries(ROPE_SHARERS * group * dim),
         acc(ROPE_SHARERS * group * dim), widened(dim), scores, totals(ROPE_SHARERS * group);
-    std::vector<c10::BFloat16> query_pairs(dot ? ROPE_SHARERS * group * dim : 0);  // (the queries in bf16)
+    std::vector<c10::BFloat16> query_pairs(dot && std::is_same_v<T, c10::BFloat16> ? ROPE_SHARERS * group * dim : 0);
     std::vector<float*> weights(ROPE_SHARERS * group);  // (query i's scores, then softmax numerators)
     std::vector<T*> outs(ROPE_SHARERS * group);
     for (int64_t task = begin; task < end; ++task) {

@@ -731,72 +731,70 @@ inline float exp_shifted_total(float* x, int64_t n, float top) {
   return _mm512_reduce_add_ps(total);
 }
 
-// out[i][p] = scale * (query i . key p) for p in [first, last), nq queries of DIM floats one after
-// another: sixteen keys at a time, each query's sixteen dot products summed by sum_lanes16. A
-// score depends only on its query and key, not on which other keys share its block.
+// t[col] for the block's keys col < m (zeros after): sixteen lanes whose sum is the query's dot product with key
+// col, DIM floats of the query against keys widened to float32 as loaded
 template <int64_t DIM, typename T>
-void attend_scores(const float* queries, int64_t nq, const T* keys, int64_t first, int64_t last, float* const* out,
-                   float scale) {
+inline void score_lanes(const float* query, const T* block, int64_t m, __m512 (&t)[16]) {
   constexpr int CHUNKS = DIM / 16;
+  __m512 q[CHUNKS];
+  for (int c = 0; c < CHUNKS; ++c) q[c] = _mm512_loadu_ps(query + 16 * c);
+  for (int col = 0; col < 16; ++col) {
+    if (col >= m) {
+      t[col] = _mm512_setzero_ps();
+      continue;
+    }
+    const T* key = block + col * DIM;
+    __m512 sum = _mm512_mul_ps(q[0], load_columns(key));
+    for (int c = 1; c < CHUNKS; ++c) sum = _mm512_fmadd_ps(q[c], load_columns(key + 16 * c), sum);
+    t[col] = sum;
+  }
+}
+
+#if defined(__AVX512BF16__)
+// The same for a bf16 query and bf16 keys by avx512_bf16's dot product: DIM / 32 instructions a key over
+// pairs of dims, where the float32 query's path widens each key for every query that reads it (a
+// grouped-query head's queries, a run's rows over shared columns) before DIM / 16 multiply-adds. The
+// products are exact either way (a query is rotated and rounded to bf16 first, as transformers stores it;
+// a product of two bf16 values is exact in float32); the sums differ in their order (pairs of dims, then
+// the lanes), and the instruction takes denormal inputs as zero.
+template <int64_t DIM>
+inline void score_lanes(const c10::BFloat16* query, const c10::BFloat16* block, int64_t m, __m512 (&t)[16]) {
+  static_assert(DIM % 32 == 0, "pairs of dims, 32 bf16 values a register");
+  constexpr int CHUNKS = DIM / 32;
+  __m512bh q[CHUNKS];
+  for (int c = 0; c < CHUNKS; ++c) q[c] = (__m512bh)_mm512_loadu_si512(query + 32 * c);
+  for (int col = 0; col < 16; ++col) {
+    if (col >= m) {
+      t[col] = _mm512_setzero_ps();
+      continue;
+    }
+    const c10::BFloat16* key = block + col * DIM;
+    __m512 sum = _mm512_dpbf16_ps(_mm512_setzero_ps(), q[0], (__m512bh)_mm512_loadu_si512(key));
+    for (int c = 1; c < CHUNKS; ++c) sum = _mm512_dpbf16_ps(sum, q[c], (__m512bh)_mm512_loadu_si512(key + 32 * c));
+    t[col] = sum;
+  }
+}
+#define ATTEND_DOT 1
+#endif
+
+// out[i][p] = scale * (query i . key p) for p in [first, last), nq queries of DIM values one after
+// another (float32, or bf16 for the dot product): sixteen keys at a time, each query's sixteen dot
+// products summed by sum_lanes16. A score depends only on its query and key, not on which other keys
+// share its block.
+template <int64_t DIM, typename Q, typename T>
+void attend_scores(const Q* queries, int64_t nq, const T* keys, int64_t first, int64_t last, float* const* out,
+                   float scale) {
   const __m512 factor = _mm512_set1_ps(scale);
   for (int64_t c0 = first; c0 < last; c0 += 16) {
     const int64_t m = std::min<int64_t>(16, last - c0);
     const T* block = keys + c0 * DIM;
     for (int64_t i = 0; i < nq; ++i) {
-      __m512 q[CHUNKS], t[16];
-      for (int c = 0; c < CHUNKS; ++c) q[c] = _mm512_loadu_ps(queries + i * DIM + 16 * c);
-      for (int col = 0; col < 16; ++col) {
-        if (col >= m) {
-          t[col] = _mm512_setzero_ps();
-          continue;
-        }
-        const T* key = block + col * DIM;
-        __m512 sum = _mm512_mul_ps(q[0], load_columns(key));
-        for (int c = 1; c < CHUNKS; ++c) sum = _mm512_fmadd_ps(q[c], load_columns(key + 16 * c), sum);
-        t[col] = sum;
-      }
-      _mm512_mask_storeu_ps(out[i] + c0, static_cast<__mmask16>((1u << m) - 1), _mm512_mul_ps(sum_lanes16(t), factor));
-    }
-  }
-}
-
-#if defined(__AVX512BF16__)
-// attend_scores for bf16 queries and keys by avx512_bf16's dot product: a key's DIM values are DIM / 32
-// instructions over pairs of dims, where attend_scores widens each key to float32 for every query that
-// reads it (a grouped-query head's queries, a run's rows over shared columns) before DIM / 16
-// multiply-adds. The products are exact either way (a query is rotated and rounded to bf16 first, as
-// transformers stores it; a product of two bf16 values is exact in float32); the sums differ in their
-// order (pairs of dims, then the lanes), and the instruction takes denormal inputs as zero. A score
-// still depends only on its query and key.
-template <int64_t DIM>
-void attend_scores_dot(const c10::BFloat16* queries, int64_t nq, const c10::BFloat16* keys, int64_t first,
-                       int64_t last, float* const* out, float scale) {
-  static_assert(DIM % 32 == 0, "pairs of dims, 32 bf16 values a register");
-  constexpr int CHUNKS = DIM / 32;
-  const __m512 factor = _mm512_set1_ps(scale);
-  for (int64_t c0 = first; c0 < last; c0 += 16) {
-    const int64_t m = std::min<int64_t>(16, last - c0);
-    const c10::BFloat16* block = keys + c0 * DIM;
-    for (int64_t i = 0; i < nq; ++i) {
-      __m512bh q[CHUNKS];
       __m512 t[16];
-      for (int c = 0; c < CHUNKS; ++c) q[c] = (__m512bh)_mm512_loadu_si512(queries + i * DIM + 32 * c);
-      for (int col = 0; col < 16; ++col) {
-        if (col >= m) {
-          t[col] = _mm512_setzero_ps();
-          continue;
-        }
-        const c10::BFloat16* key = block + col * DIM;
-        __m512 sum = _mm512_dpbf16_ps(_mm512_setzero_ps(), q[0], (__m512bh)_mm512_loadu_si512(key));
-        for (int c = 1; c < CHUNKS; ++c) sum = _mm512_dpbf16_ps(sum, q[c], (__m512bh)_mm512_loadu_si512(key + 32 * c));
-        t[col] = sum;
-      }
+      score_lanes<DIM>(queries + i * DIM, block, m, t);
       _mm512_mask_storeu_ps(out[i] + c0, static_cast<__mmask16>((1u << m) - 1), _mm512_mul_ps(sum_lanes16(t), factor));
     }
   }
 }
-#define ATTEND_DOT 1
-#endif
 
 // acc[i] += w[i][p] * value p for p in [first, last) in order, for the queries lo <= i < hi of a
 // chunk of NQ held in registers
@@ -889,7 +887,7 @@ void attend_chunk_of(int64_t nq, int64_t qa, int64_t group, const float* const* 
 // sums kept in registers (attend_values) and the softmax's exponentials sixteen at a time
 // (exp_shifted_total), 1.55 against 2.26 ms hot, 4.0 against 4.95 ms cold (docs/benchmark.md).
 // With `dot` (bf16, a build with avx512_bf16, a head dimension of 64 or 128), the scores are
-// avx512_bf16's dot products (attend_scores_dot): 1.25-1.47x the call's speed hot, 1.05-1.10x cold,
+// avx512_bf16's dot products (score_lanes' bf16 queries): 1.25-1.47x the call's speed hot, 1.05-1.10x cold,
 // on an AMD EPYC (Zen 4), 2 cores (docs/benchmark.md); the caller passes it where the sampler's
 // weights are packed in pairs, i.e. where that instruction measured the faster.
 constexpr int64_t ROPE_SHARERS = 8;
@@ -990,27 +988,25 @@ void rope_attend_impl(const T* q, int64_t q_stride, const T* k, int64_t k_stride
           row_values[u] = v_cache + members[u] * slot_stride + g * head_stride;
           lengths_of[u] = columns(u);
         }
+        // the run's queries over the shared columns, then each row's over its own
+        auto score = [&](const auto* run_queries) {
+          attend_scores<HEAD_DIM>(run_queries, nq, source_keys, 0, common, weights.data(), scale);
+          for (int64_t u = 0; u < count; ++u)
+            attend_scores<HEAD_DIM>(run_queries + u * group * dim, group,
+                                    k_cache + members[u] * slot_stride + g * head_stride, common, lengths_of[u],
+                                    weights.data() + u * group, scale);
+        };
         bool scored = false;
 #if defined(ATTEND_DOT)
         if constexpr (std::is_same_v<T, c10::BFloat16> && HEAD_DIM % 32 == 0) {
           if (dot) {  // (the rotated queries are bf16 values already: the same numbers in half the bytes)
             from_float(queries.data(), query_pairs.data(), nq * dim);
-            attend_scores_dot<HEAD_DIM>(query_pairs.data(), nq, source_keys, 0, common, weights.data(), scale);
-            for (int64_t u = 0; u < count; ++u)
-              attend_scores_dot<HEAD_DIM>(query_pairs.data() + u * group * dim, group,
-                                          k_cache + members[u] * slot_stride + g * head_stride, common,
-                                          lengths_of[u], weights.data() + u * group, scale);
+            score(query_pairs.data());
             scored = true;
           }
         }
 #endif
-        if (!scored) {
-          attend_scores<HEAD_DIM>(queries.data(), nq, source_keys, 0, common, weights.data(), scale);
-          for (int64_t u = 0; u < count; ++u)
-            attend_scores<HEAD_DIM>(queries.data() + u * group * dim, group,
-                                    k_cache + members[u] * slot_stride + g * head_stride, common, lengths_of[u],
-                                    weights.data() + u * group, scale);
-        }
+        if (!scored) score(queries.data());
         numerators();
         constexpr int CHUNK = 24 / static_cast<int>(HEAD_DIM / 16);
         for (int64_t qa = 0; qa < nq; qa += CHUNK)

@@ -1,6 +1,6 @@
 """grpo's native kernels are built once per machine, for its instruction sets, and found again.
 
-The loader (grpo/backends/local/native_kernels.py): its switch, the build folder's name, the
+The loader (grpo/models/native_kernels.py): its switch, the build folder's name, the
 compiler flags for the CPU's vector width, ninja where the environment is not activated, and a
 broken build in the cache built again rather than loaded for ever.
 """
@@ -29,6 +29,25 @@ def test_a_build_is_never_loaded_on_other_instruction_sets(monkeypatch) -> None:
     monkeypatch.setattr(dtype_probe, "instruction_sets", lambda: "AVX2 flags 00000000")
     assert native_kernels.build_directory() != here
     assert here.parent == native_kernels.build_directory().parent
+
+
+def test_a_change_to_any_source_or_header_is_another_build(monkeypatch, tmp_path) -> None:
+    """The kernels are several files (grpo/models/native/): an edit to a header that only some of
+    them include must still name a new build folder, or a stale library would be loaded."""
+    sources = tmp_path / "native"
+    sources.mkdir()
+    for path in native_kernels.SOURCE_DIR.iterdir():
+        (sources / path.name).write_bytes(path.read_bytes())
+    names = {path.name for path in native_kernels._source_files()}
+    assert {"ops.h", "common.h", "simd.h", "register.cpp"} <= names
+    monkeypatch.setattr(native_kernels, "SOURCE_DIR", sources)
+    here = native_kernels.build_directory()
+    assert {path.name for path in native_kernels._source_files()} == names
+    (sources / "simd.h").write_text((sources / "simd.h").read_text() + "\n// an edit\n")
+    edited = native_kernels.build_directory()
+    assert edited != here
+    (sources / "extra.cpp").write_text("// a new file\n")
+    assert native_kernels.build_directory() not in (here, edited)
 
 
 def test_ninja_is_found_where_the_environment_is_not_activated(monkeypatch) -> None:

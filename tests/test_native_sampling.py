@@ -1,7 +1,7 @@
 """The sampler's native token choice draws what its PyTorch path draws and never a token of
 probability zero.
 
-``sample_tokens`` (native_kernels.cpp) against a float64 reference of sampler._draw: softmax of
+``sample_tokens`` (native/sample_tokens.cpp) against a float64 reference of sampler._draw: softmax of
 the logits over the temperature, the CDF, the first token whose cumulative mass exceeds u times
 the total. Float32 rounding moves a CDF boundary by ~1e-7, so draws landing that close to one are
 not compared; every other draw must be the reference's token.

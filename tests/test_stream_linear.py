@@ -1,4 +1,4 @@
-"""The streaming layout (cpu_linear.pack_weight, native_kernels.cpp's stream_linear), float32 and
+"""The streaming layout (cpu_linear.pack_weight, native/stream_linear.cpp), float32 and
 bf16: the product it computes, against float64 within the error bound of a sequential float32 sum
 (and, in bf16, one rounding); its independence of the other rows; LoRA's side path in it; where it
 is taken and where oneDNN's layout stays; and samplers whose weights are packed in it, against the

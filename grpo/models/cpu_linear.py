@@ -21,7 +21,7 @@ faster on the machine (``OneDNNLinear.kernel``, set by the engine from kernel_pr
 The sampler's gradient-free weights are packed once (``pack_weight``): into oneDNN's blocked
 layout, or -- float32 or bf16, where grpo's native kernels are built and the machine measured it
 faster for a decoding step in that precision (kernel_probe.py) -- into grpo's streaming layout,
-whose product (native_kernels.cpp's ``stream_linear``) reads each weight once for all of a
+whose product (native/stream_linear.cpp) reads each weight once for all of a
 decoding step's rows and prefetches ahead: SmolLM2's Linears at 24 rows, 30 layers' distinct
 weights, took 33 ms against oneDNN's 47 in fp32, 29 against 51 in bf16 (Intel Xeon, avx512, no
 AMX, 2 cores; docs/benchmark.md). A bf16 weight streams in one of two kernels: widened to float32
@@ -54,7 +54,7 @@ def _onednn(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) ->
 
 
 # The layouts a gradient-free weight may be packed in: oneDNN's, or grpo's streaming one
-# (native_kernels.cpp): "stream" for float32 multiply-adds (bf16 widened), "stream_dot" for a bf16
+# (native/stream_linear.cpp): "stream" for float32 multiply-adds (bf16 widened), "stream_dot" for a bf16
 # weight in pairs of values for avx512_bf16's dot product (a float32 weight asked for it streams as
 # "stream"). The streaming layouts hold the output columns in panels of this many.
 LAYOUTS = ("onednn", "stream", "stream_dot")

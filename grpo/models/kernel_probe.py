@@ -18,7 +18,7 @@ very ops through both kernels already (it weighs bf16 against the faster): its n
 cache entry, give the answer without timing them again.
 
 The sampler's weights are packed the same way: in oneDNN's blocked layout, or in grpo's streaming
-layout (cpu_linear.py, native_kernels.cpp's ``stream_linear``), which reads each weight once for
+layout (cpu_linear.py, native/stream_linear.cpp), which reads each weight once for
 all of a decoding step's rows. In fp32 it measured 1.1-1.4x faster than oneDNN's for 1-48 rows on
 an Intel Xeon (avx512) and 0.75-0.95x its speed for 128-512 rows (a prefill); in bf16, on the same
 Xeon without AMX, 1.3-1.8x faster at every row count (docs/benchmark.md), where on an AMX Xeon

@@ -1,10 +1,10 @@
-"""grpo's native CPU kernels (native_kernels.cpp): built once per machine, loaded once per process.
+"""grpo's native CPU kernels (the C++ in native/): built once per machine, loaded once per process.
 
 At the row counts of a decoding step, and at the widths of a small model's training pass, each of
 PyTorch's small operators costs more in dispatch and passes over memory than in arithmetic: an
 RMSNorm is eight of them forward and more backward, SiLU * up three, a decoding step's attention a
-dozen. The kernels in native_kernels.cpp do each such piece in one call, rounding to the tensor's
-dtype wherever the eager operators do. They serve the sampler's decoding step (native_decode.py)
+dozen. The kernels in native/ (one file a job; native/ops.h lists them) do each such piece in one
+call, rounding to the tensor's dtype wherever the eager operators do. They serve the sampler's decoding step (native_decode.py)
 and the trainer's norms, MLP activations (native_layers.py) and attention over packed sequences
 (packed_attention.py), and multiply by weights packed in the streaming layout (cpu_linear.py).
 
@@ -32,7 +32,7 @@ import torch
 from grpo.checks import env_switch
 
 ENV_SWITCH = "GRPO_NATIVE_KERNELS"
-SOURCE = Path(__file__).with_name("native_kernels.cpp")
+SOURCE_DIR = Path(__file__).with_name("native")
 
 _LOCK = "grpo.lock"  # the build folder's flock (_build_lock)
 _lock = threading.Lock()
@@ -64,9 +64,15 @@ def build_digest() -> str:
 
     # torch's own path too: two environments' builds differ in their include paths, and sharing a
     # folder, each would rebuild over the other's
-    identity = "\n".join([SOURCE.read_text(), torch.__version__, str(Path(torch.__file__).parent),
-                          dtype_probe.cpu_name(), dtype_probe.instruction_sets(), " ".join(_arch_flags()), sys.version])
+    sources = [f"{path.name}\n{path.read_text()}" for path in _source_files()]
+    identity = "\n".join([*sources, torch.__version__, str(Path(torch.__file__).parent), dtype_probe.cpu_name(),
+                          dtype_probe.instruction_sets(), " ".join(_arch_flags()), sys.version])
     return hashlib.sha1(identity.encode()).hexdigest()[:16]
+
+
+def _source_files() -> list[Path]:
+    """The kernels' sources and headers, in a fixed order (the digest's)."""
+    return sorted(path for path in SOURCE_DIR.iterdir() if path.suffix in (".cpp", ".h"))
 
 
 def build_directory() -> Path:
@@ -129,7 +135,8 @@ def _load():
               file=sys.stderr)
         started = time.perf_counter()
         with _ninja_on_path():
-            cpp_extension.load(name=name, sources=[str(SOURCE)], build_directory=str(directory),
+            cpp_extension.load(name=name, sources=[str(path) for path in _source_files() if path.suffix == ".cpp"],
+                               build_directory=str(directory),
                                is_python_module=False, verbose=False,
                                extra_cflags=["-O3", "-fopenmp", "-fno-math-errno", "-ffp-contract=off", *_arch_flags()])
         print(f"grpo: built the native kernels in {time.perf_counter() - started:.1f} s", file=sys.stderr)

@@ -90,7 +90,7 @@ def free_bytes() -> int | None:
 def release_free_memory(device: torch.device, keep: int = 0) -> bool:
     """Return the free pages of every malloc arena to the OS when ``device`` is the CPU and malloc
     holds more than ``keep`` bytes free; returns whether it did. The chunks the native kernels keep
-    for packed weights (native_kernels.cpp's ``stream_pack``) are given back whatever ``keep``: a
+    for packed weights (``stream_pack``, grpo/models/native/weight_pool.cpp) are given back whatever ``keep``: a
     sampler's repack frees and reuses them within one call, so those still kept after it are not
     about to be packed into."""
     if device.type == "cpu":

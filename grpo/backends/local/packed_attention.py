@@ -203,7 +203,7 @@ class PackedPass:
 
     def _native_attention(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float | None,
                           dropout: float, sliding_window: int | None) -> torch.Tensor | None:
-        """``attend`` through grpo's kernel (native_kernels.cpp, ``packed_attention``): each
+        """``attend`` through grpo's kernel (grpo/models/native/packed_attention.cpp): each
         sequence's queries over its own keys, none padded, nothing past a query's last key computed,
         float32 sums; None where it does not apply (off the CPU, another dtype, dropout, a sliding
         window, kernels not built). SmolLM2's 30 layers over the bench's packed pass, forward and

@@ -440,7 +440,7 @@ def _choose_tokens(logits: torch.Tensor, rows: list[_Row], device: torch.device,
     if logits.dtype != torch.float32:
         ops = None
     if ops is not None and not any(_filters(top_k, top_p, logits.shape[-1]) for _, top_k, top_p, _ in groups):
-        # one native pass per row (native_kernels.cpp): the same draw as below -- the same uniforms
+        # one native pass per row (grpo/models/native/sample_tokens.cpp): the same draw as below -- the same uniforms
         # from the same generators, the same inverted CDF -- in about a quarter of its time on a CPU
         temperatures, uniforms = _draw_inputs(groups, rows)
         return tuple(ops.sample_tokens(logits if logits.stride(-1) == 1 else logits.contiguous(), temperatures,

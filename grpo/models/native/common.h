@@ -1,0 +1,125 @@
+// What every file of grpo's native kernels uses: float32 / bf16 conversions, the rounding to a
+// tensor's dtype, a vectorizable exp, row checks and scratch. (The kernels: ops.h.)
+#pragma once
+
+// (ATen's per-operator headers, not ATen/ATen.h: each file of the kernels compiles in half the time)
+#include <ATen/Parallel.h>
+#include <ATen/core/List.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <ATen/ops/zeros.h>
+#include <ATen/ops/zeros_like.h>
+#include <c10/util/BFloat16.h>
+
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+#include <immintrin.h>
+#endif
+
+#include <algorithm>
+#include <atomic>
+#include <bit>
+#include <cmath>
+#include <condition_variable>
+#include <cstdint>
+#include <cstring>
+#include <exception>
+#include <initializer_list>
+#include <memory>
+#include <mutex>
+#include <type_traits>
+#include <vector>
+
+
+namespace grpo_native {
+
+// float32 or bfloat16: the sampler's two precisions
+#define DISPATCH_SAMPLER_TYPES(TYPE, NAME, ...)                                                  \
+  [&] {                                                                                           \
+    if ((TYPE) == at::kFloat) {                                                                   \
+      using scalar_t = float;                                                                     \
+      return __VA_ARGS__();                                                                       \
+    }                                                                                             \
+    TORCH_CHECK((TYPE) == at::kBFloat16, NAME, ": float32 or bfloat16 tensors only, got ", TYPE); \
+    using scalar_t = c10::BFloat16;                                                               \
+    return __VA_ARGS__();                                                                         \
+  }()
+
+// n values of T as floats (bf16: the high half of a float's bits, a shift that vectorizes)
+inline void to_float(const float* src, float* dst, int64_t n) { std::memcpy(dst, src, n * sizeof(float)); }
+inline void to_float(const c10::BFloat16* src, float* dst, int64_t n) {
+  // bit_cast, not a uint32_t* over dst: stores through another type's pointer may be reordered
+  // past the float loads that follow (strict aliasing), which broke bf16 once loops were unrolled
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) dst[i] = std::bit_cast<float>(static_cast<uint32_t>(src[i].x) << 16);
+}
+// floats rounded to T, as T's own conversion rounds (to nearest even)
+inline void from_float(const float* src, float* dst, int64_t n) { std::memcpy(dst, src, n * sizeof(float)); }
+inline void from_float(const float* src, c10::BFloat16* dst, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = c10::BFloat16(src[i]);
+}
+// n values of T as floats without a copy where they are floats already (else widened into buf)
+inline const float* as_float(const float* src, float*, int64_t) { return src; }
+inline const float* as_float(const c10::BFloat16* src, float* buf, int64_t n) {
+  to_float(src, buf, n);
+  return buf;
+}
+// a float rounded to T and back: where an eager operator's result would be stored in T
+template <typename T> inline float in_dtype(float v) { return static_cast<float>(static_cast<T>(v)); }
+
+// exp(x) in a form the compiler vectorizes (libm's expf is a call per value): 2^n * exp(r) with
+// |r| <= ln(2)/2, Cephes' polynomial for exp(r), within ~2 float ulps of expf. Large arguments are
+// clamped below expf's overflow, NaN passes through.
+inline float vexp(float x) {
+  const float clamped = std::min(std::max(x, -87.0f), 88.0f);
+  // n = the nearest integer, by the 1.5 * 2^23 trick (floor would be a call per value)
+  const float n = (clamped * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
+  float r = clamped - n * 0.693359375f;
+  r = r - n * -2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  const float y = p * r * r + r + 1.0f;
+  const float scale = std::bit_cast<float>((static_cast<int32_t>(n) + 127) << 23);
+  return x != x ? x : y * scale;
+}
+
+inline void check_rows(const at::Tensor& t, int64_t rows, int64_t width, const char* what) {
+  TORCH_CHECK(t.device().is_cpu(), what, ": a CPU tensor is expected");
+  TORCH_CHECK(t.dim() == 2 && t.size(0) == rows && t.size(1) == width && t.stride(1) == 1, what,
+              ": expected [", rows, ", ", width, "] with contiguous rows, got ", t.sizes(), " strides ", t.strides());
+}
+
+// n floats of scratch, kept per thread across calls: a vocabulary's floats (196 KB for 49k tokens)
+// are past malloc's mmap threshold, and fresh pages every call cost more than a pass over them
+inline float* row_buffer(int64_t n) {
+  thread_local std::vector<float> buffer;
+  buffer.resize(n);
+  return buffer.data();
+}
+
+// the largest of n floats (a ternary: std::max in an omp simd max-reduction stays unvectorized,
+// 8x slower on a 49k row)
+inline float row_max(const float* x, int64_t n) {
+  float top = -INFINITY;
+#pragma omp simd reduction(max : top)
+  for (int64_t i = 0; i < n; ++i) top = top > x[i] ? top : x[i];
+  return top;
+}
+
+// T(T(x * cos) + T(rotate_half(x) * sin)) of one head of dim floats, each product and the sum rounded
+// to T as transformers' apply_rotary_pos_emb stores them
+template <typename T>
+inline void rotate(const float* x, const float* c, const float* s, float* y, int64_t dim) {
+  const int64_t half = dim / 2;
+#pragma omp simd
+  for (int64_t i = 0; i < half; ++i) y[i] = in_dtype<T>(in_dtype<T>(x[i] * c[i]) + in_dtype<T>(-x[i + half] * s[i]));
+#pragma omp simd
+  for (int64_t i = half; i < dim; ++i)
+    y[i] = in_dtype<T>(in_dtype<T>(x[i] * c[i]) + in_dtype<T>(x[i - half] * s[i]));
+}
+
+}  // namespace grpo_native

@@ -1,0 +1,83 @@
+// A whole decoding step's layers in one call (native_decode.py's NativeDecoder): the same calls in
+// the same order as its Python loop -- oneDNN's Linear on the sampler's packed weights (with a
+// LoRA side path's two calls where it has one), rope_attend, add_rms_norm, silu_mul -- made from
+// here, so that a step pays one call from Python instead of ~8 a layer (with the modules' own
+// calls between them: ~12% of an fp32 step at 24 rows on SmolLM2's 30 layers).
+
+#include "ops.h"
+
+#include <ATen/core/dispatch/Dispatcher.h>
+
+namespace grpo_native {
+
+// oneDNN's Linear as PyTorch registers it (mkldnn::_linear_pointwise) on oneDNN's packed weight, with
+// LoRA's side path added by oneDNN's binary post-op; or stream_linear on a weight in the streaming
+// layout, its side path (packed in it too) in the same sums: what cpu_linear.py's packed_product
+// computes from Python.
+at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias,
+                         const c10::optional<at::Tensor>& lora_a, const c10::optional<at::Tensor>& lora_b) {
+  static const auto linear =
+      c10::Dispatcher::singleton()
+          .findSchemaOrThrow("mkldnn::_linear_pointwise", "")
+          .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const c10::optional<at::Tensor>&,
+                            c10::string_view, c10::List<c10::optional<c10::Scalar>>,
+                            c10::optional<c10::string_view>)>();
+  static const auto linear_add =
+      c10::Dispatcher::singleton()
+          .findSchemaOrThrow("mkldnn::_linear_pointwise", "binary")
+          .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                            const c10::optional<at::Tensor>&, c10::string_view)>();
+  TORCH_CHECK(lora_a.has_value() == lora_b.has_value(), "decode_layers: a LoRA side path needs both A and B");
+  if (!weight.is_mkldnn()) return stream_linear(x, weight, bias, lora_a, lora_b);
+  auto out = linear.call(x, weight, bias, "none", c10::List<c10::optional<c10::Scalar>>(), "");
+  if (!lora_a.has_value()) return out;
+  auto down = linear.call(x, *lora_a, c10::nullopt, "none", c10::List<c10::optional<c10::Scalar>>(), "");
+  return linear_add.call(down, out, *lora_b, c10::nullopt, "add");
+}
+
+// Every layer of a Llama-layout decoder for one decoding step. Per layer: 4 packed weights (q/k/v
+// stacked, o, gate/up stacked, down) in `weights`, and 3 optional tensors per weight in `extras`
+// (bias, LoRA's packed A and packed B, the scale in B); `norms` holds each layer's input and
+// post-attention norm weights in turn, then the final norm's. `hidden` is the embedded tokens
+// [rows, dim]; returns the final norm's output [rows, dim]. `shared_from` and `shared`: rows that
+// share their first columns, as rope_attend takes them (every layer's caches alike).
+at::Tensor decode_layers(const at::Tensor& hidden_in, const at::Tensor& cos, const at::Tensor& sin,
+                         const at::Tensor& lengths, at::TensorList weights,
+                         const c10::List<c10::optional<at::Tensor>>& extras, at::TensorList norms,
+                         at::TensorList k_caches, at::TensorList v_caches, at::IntArrayRef qkv_sizes,
+                         int64_t heads, double scale, double eps, const c10::optional<at::Tensor>& shared_from,
+                         const c10::optional<at::Tensor>& shared) {
+  const int64_t layers = static_cast<int64_t>(k_caches.size());
+  TORCH_CHECK(layers > 0 && static_cast<int64_t>(v_caches.size()) == layers &&
+                  static_cast<int64_t>(weights.size()) == 4 * layers &&
+                  static_cast<int64_t>(extras.size()) == 12 * layers &&
+                  static_cast<int64_t>(norms.size()) == 2 * layers + 1,
+              "decode_layers: for ", layers, " layers: 4 weights, 12 extras and 2 norms a layer, one final norm; got ",
+              weights.size(), " weights, ", extras.size(), " extras, ", norms.size(), " norms, ", v_caches.size(),
+              " value caches");
+  TORCH_CHECK(qkv_sizes.size() == 3, "decode_layers: qkv_sizes must be [q, k, v] widths");
+  auto linear = [&](const at::Tensor& x, int64_t layer, int64_t which) {
+    const int64_t e = 12 * layer + 3 * which;
+    return packed_linear(x, weights[4 * layer + which], extras.get(e), extras.get(e + 1), extras.get(e + 2));
+  };
+  // the attention's scores by avx512_bf16's dot product where the products take it: the weights packed in
+  // pairs, which the sampler does only where kernel_probe.py measured that instruction the faster here
+  const bool dot = !weights[0].is_mkldnn() && weights[0].scalar_type() == at::kBFloat16 && stream_pairs(weights[0]);
+  auto state = add_rms_norm(hidden_in, c10::nullopt, norms[0], eps);  // {hidden, normed}
+  for (int64_t i = 0; i < layers; ++i) {
+    auto qkv = linear(state[1], i, 0);
+    auto q = qkv.narrow(1, 0, qkv_sizes[0]);
+    auto k = qkv.narrow(1, qkv_sizes[0], qkv_sizes[1]);
+    auto v = qkv.narrow(1, qkv_sizes[0] + qkv_sizes[1], qkv_sizes[2]);
+    at::Tensor k_cache = k_caches[i], v_cache = v_caches[i];
+    auto attended = rope_attend(q, k, v, cos, sin, k_cache, v_cache, lengths, heads, scale, shared_from, shared, dot);
+    state = add_rms_norm(state[0], linear(attended, i, 1), norms[2 * i + 1], eps);
+    auto gate_up = linear(state[1], i, 2);
+    const int64_t inter = gate_up.size(1) / 2;
+    auto act = silu_mul(gate_up.narrow(1, 0, inter), gate_up.narrow(1, inter, inter));
+    state = add_rms_norm(state[0], linear(act, i, 3), norms[i + 1 < layers ? 2 * (i + 1) : 2 * layers], eps);
+  }
+  return state[1];
+}
+
+}  // namespace grpo_native

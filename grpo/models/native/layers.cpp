@@ -1,0 +1,373 @@
+// The trainer's and the sampler's layer pieces beside the products: residual add + RMSNorm, SiLU * up,
+// their backwards, the rotary embedding (forward and backward), and the loss head's target logprobs.
+
+#include "ops.h"
+
+namespace grpo_native {
+
+// hidden = residual + x (rounded to T), then out = weight * T(hidden * rsqrt(mean(hidden^2) + eps)):
+// the residual add before transformers' LlamaRMSNorm, and the norm itself.
+template <typename T>
+void add_rms_norm_impl(const T* res, int64_t res_stride, const T* x, int64_t x_stride, const T* weight, T* hidden,
+                       T* out, int64_t rows, int64_t dim, float eps) {
+  if constexpr (std::is_same_v<T, float>) {  // in place, no copies of rows (as silu_mul's)
+    at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) {
+        const float* h = res + r * res_stride;
+        if (x != nullptr) {
+          float* sum_row = hidden + r * dim;
+          const float* xr = x + r * x_stride;
+#pragma omp simd
+          for (int64_t i = 0; i < dim; ++i) sum_row[i] = h[i] + xr[i];
+          h = sum_row;
+        }
+        float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+        for (int64_t i = 0; i < dim; ++i) sum += h[i] * h[i];
+        const float scale = 1.f / std::sqrt(sum / static_cast<float>(dim) + eps);
+        float* o = out + r * dim;
+#pragma omp simd
+        for (int64_t i = 0; i < dim; ++i) o[i] = weight[i] * (h[i] * scale);
+      }
+    });
+    return;
+  }
+  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> h(dim), w(dim), y(dim), xs(dim);
+    to_float(weight, w.data(), dim);
+    for (int64_t r = begin; r < end; ++r) {
+      to_float(res + r * res_stride, h.data(), dim);
+      if (x != nullptr) {
+        to_float(x + r * x_stride, xs.data(), dim);
+        for (int64_t i = 0; i < dim; ++i) h[i] = in_dtype<T>(h[i] + xs[i]);
+        from_float(h.data(), hidden + r * dim, dim);
+      }
+      float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+      for (int64_t i = 0; i < dim; ++i) sum += h[i] * h[i];
+      const float scale = 1.f / std::sqrt(sum / static_cast<float>(dim) + eps);
+      for (int64_t i = 0; i < dim; ++i) y[i] = w[i] * in_dtype<T>(h[i] * scale);
+      from_float(y.data(), out + r * dim, dim);
+    }
+  });
+}
+
+std::vector<at::Tensor> add_rms_norm(const at::Tensor& residual, const c10::optional<at::Tensor>& x,
+                                     const at::Tensor& weight, double eps) {
+  TORCH_CHECK(residual.dim() == 2, "add_rms_norm: residual must be [rows, dim], got ", residual.sizes());
+  const int64_t rows = residual.size(0), dim = residual.size(1);
+  check_rows(residual, rows, dim, "add_rms_norm: residual");
+  if (x.has_value()) {
+    check_rows(*x, rows, dim, "add_rms_norm: x");
+    TORCH_CHECK(x->scalar_type() == residual.scalar_type(), "add_rms_norm: x and residual differ in dtype");
+  }
+  TORCH_CHECK(weight.dim() == 1 && weight.size(0) == dim && weight.is_contiguous() &&
+                  weight.scalar_type() == residual.scalar_type(),
+              "add_rms_norm: weight must be a contiguous [", dim, "] of the residual's dtype");
+  auto out = at::empty({rows, dim}, residual.options());
+  auto hidden = x.has_value() ? at::empty({rows, dim}, residual.options()) : residual;
+  DISPATCH_SAMPLER_TYPES(residual.scalar_type(), "add_rms_norm", [&] {
+    add_rms_norm_impl<scalar_t>(residual.data_ptr<scalar_t>(), residual.stride(0),
+                                x.has_value() ? x->data_ptr<scalar_t>() : nullptr, x.has_value() ? x->stride(0) : 0,
+                                weight.data_ptr<scalar_t>(), hidden.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(),
+                                rows, dim, static_cast<float>(eps));
+  });
+  return {hidden, out};
+}
+
+// T(silu(gate)) * up, rounded to T: the Llama MLP's activation and product
+template <typename T>
+void silu_mul_impl(const T* gate, int64_t gate_stride, const T* up, int64_t up_stride, T* out, int64_t rows,
+                   int64_t width) {
+  if constexpr (std::is_same_v<T, float>) {  // one pass, no copies: 0.7x the time at [32, 1536]
+    at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) {
+        const float* gp = gate + r * gate_stride;
+        const float* upp = up + r * up_stride;
+        float* op = out + r * width;
+#pragma omp simd
+        for (int64_t i = 0; i < width; ++i) op[i] = gp[i] / (1.f + vexp(-gp[i])) * upp[i];
+      }
+    });
+    return;
+  }
+  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> g(width), u(width);
+    for (int64_t r = begin; r < end; ++r) {
+      to_float(gate + r * gate_stride, g.data(), width);
+      to_float(up + r * up_stride, u.data(), width);
+      float* gp = g.data();
+      const float* upp = u.data();
+#pragma omp simd
+      for (int64_t i = 0; i < width; ++i) gp[i] = gp[i] / (1.f + vexp(-gp[i]));
+      for (int64_t i = 0; i < width; ++i) gp[i] = in_dtype<T>(gp[i]) * upp[i];
+      from_float(gp, out + r * width, width);
+    }
+  });
+}
+
+at::Tensor silu_mul(const at::Tensor& gate, const at::Tensor& up) {
+  TORCH_CHECK(gate.dim() == 2, "silu_mul: gate must be [rows, width], got ", gate.sizes());
+  const int64_t rows = gate.size(0), width = gate.size(1);
+  check_rows(gate, rows, width, "silu_mul: gate");
+  check_rows(up, rows, width, "silu_mul: up");
+  TORCH_CHECK(gate.scalar_type() == up.scalar_type(), "silu_mul: gate and up differ in dtype");
+  auto out = at::empty({rows, width}, gate.options());
+  DISPATCH_SAMPLER_TYPES(gate.scalar_type(), "silu_mul", [&] {
+    silu_mul_impl<scalar_t>(gate.data_ptr<scalar_t>(), gate.stride(0), up.data_ptr<scalar_t>(), up.stride(0),
+                            out.data_ptr<scalar_t>(), rows, width);
+  });
+  return out;
+}
+
+// The input gradient of weight * T(x * rsqrt(mean(x^2) + eps)) with the weight frozen (LoRA
+// trains none of a model's norms): what autograd computes through transformers' RMSNorm, in one
+// pass. The product grad * weight is rounded to T where the eager backward stores it in T.
+template <typename T>
+void rms_norm_backward_impl(const T* grad, const T* x, const T* weight, T* dx, int64_t rows, int64_t dim, float eps) {
+  at::parallel_for(0, rows, 8, [&](int64_t begin, int64_t end) {
+    std::vector<float> h(dim), w(dim), g(dim);
+    to_float(weight, w.data(), dim);
+    float* hp = h.data();
+    float* gp = g.data();
+    const float* wp = w.data();
+    for (int64_t r = begin; r < end; ++r) {
+      to_float(x + r * dim, hp, dim);
+      to_float(grad + r * dim, gp, dim);
+      float sum = 0.f, dot = 0.f;
+#pragma omp simd reduction(+ : sum, dot)
+      for (int64_t i = 0; i < dim; ++i) {
+        gp[i] = in_dtype<T>(gp[i] * wp[i]);
+        sum += hp[i] * hp[i];
+        dot += gp[i] * hp[i];
+      }
+      const float scale = 1.f / std::sqrt(sum / static_cast<float>(dim) + eps);
+      const float c = scale * scale * scale * dot / static_cast<float>(dim);
+#pragma omp simd
+      for (int64_t i = 0; i < dim; ++i) gp[i] = gp[i] * scale - c * hp[i];
+      from_float(gp, dx + r * dim, dim);
+    }
+  });
+}
+
+at::Tensor rms_norm_backward(const at::Tensor& grad, const at::Tensor& x, const at::Tensor& weight, double eps) {
+  TORCH_CHECK(x.dim() == 2, "rms_norm_backward: x must be [rows, dim], got ", x.sizes());
+  const int64_t rows = x.size(0), dim = x.size(1);
+  TORCH_CHECK(x.is_contiguous() && grad.is_contiguous() && grad.sizes() == x.sizes(),
+              "rms_norm_backward: grad and x must be contiguous [", rows, ", ", dim, "], got ", grad.sizes());
+  TORCH_CHECK(weight.dim() == 1 && weight.size(0) == dim && weight.is_contiguous(),
+              "rms_norm_backward: weight must be a contiguous [", dim, "]");
+  TORCH_CHECK(grad.scalar_type() == x.scalar_type() && weight.scalar_type() == x.scalar_type(),
+              "rms_norm_backward: grad, x and weight must share one dtype");
+  auto dx = at::empty_like(x);
+  DISPATCH_SAMPLER_TYPES(x.scalar_type(), "rms_norm_backward", [&] {
+    rms_norm_backward_impl<scalar_t>(grad.data_ptr<scalar_t>(), x.data_ptr<scalar_t>(), weight.data_ptr<scalar_t>(),
+                                     dx.data_ptr<scalar_t>(), rows, dim, static_cast<float>(eps));
+  });
+  return dx;
+}
+
+// The gradients of T(silu(gate)) * up for gate and up, as autograd computes them through the Llama
+// MLP's activation and product: d_up = grad * T(silu(gate)), d_gate = silu'(gate) * T(grad * up).
+template <typename T>
+void silu_mul_backward_impl(const T* grad, const T* gate, const T* up, T* d_gate, T* d_up, int64_t rows,
+                            int64_t width) {
+  at::parallel_for(0, rows, 8, [&](int64_t begin, int64_t end) {
+    std::vector<float> g(width), a(width), u(width);
+    float* gp = g.data();
+    float* ap = a.data();
+    float* upp = u.data();
+    for (int64_t r = begin; r < end; ++r) {
+      to_float(grad + r * width, gp, width);
+      to_float(gate + r * width, ap, width);
+      to_float(up + r * width, upp, width);
+#pragma omp simd
+      for (int64_t i = 0; i < width; ++i) {
+        const float x = ap[i];
+        const float s = 1.f / (1.f + vexp(-x));
+        const float d_act = in_dtype<T>(gp[i] * upp[i]);
+        upp[i] = gp[i] * in_dtype<T>(x * s);
+        ap[i] = d_act * (s * (1.f + x * (1.f - s)));
+      }
+      from_float(ap, d_gate + r * width, width);
+      from_float(upp, d_up + r * width, width);
+    }
+  });
+}
+
+std::vector<at::Tensor> silu_mul_backward(const at::Tensor& grad, const at::Tensor& gate, const at::Tensor& up) {
+  TORCH_CHECK(gate.dim() == 2, "silu_mul_backward: gate must be [rows, width], got ", gate.sizes());
+  TORCH_CHECK(grad.is_contiguous() && gate.is_contiguous() && up.is_contiguous() && grad.sizes() == gate.sizes() &&
+                  up.sizes() == gate.sizes(),
+              "silu_mul_backward: grad, gate and up must be contiguous and of one shape, got ", grad.sizes(), ", ",
+              gate.sizes(), ", ", up.sizes());
+  TORCH_CHECK(grad.scalar_type() == gate.scalar_type() && up.scalar_type() == gate.scalar_type(),
+              "silu_mul_backward: grad, gate and up must share one dtype");
+  auto d_gate = at::empty_like(gate), d_up = at::empty_like(up);
+  DISPATCH_SAMPLER_TYPES(gate.scalar_type(), "silu_mul_backward", [&] {
+    silu_mul_backward_impl<scalar_t>(grad.data_ptr<scalar_t>(), gate.data_ptr<scalar_t>(), up.data_ptr<scalar_t>(),
+                                     d_gate.data_ptr<scalar_t>(), d_up.data_ptr<scalar_t>(), gate.size(0),
+                                     gate.size(1));
+  });
+  return {d_gate, d_up};
+}
+
+// transformers' rotary embedding (rotate_half convention) of each head of each row, and its
+// backward: forward y = T(T(x * cos) + T(rotate_half(x) * sin)), backward
+// dx = T(T(g * cos) + rotate_half^T(T(g * sin))), each product and sum rounded to T where
+// apply_rotary_pos_emb's operators and their autograd store them. x: [rows, heads * dim], cos and
+// sin: [rows, dim].
+template <typename T>
+void rope_impl(const T* x, int64_t x_stride, const T* cos, const T* sin, T* out, int64_t rows, int64_t heads,
+               int64_t dim, bool backward) {
+  const int64_t half = dim / 2;
+  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    std::vector<float> c(dim), s(dim), xf(dim), y(dim);
+    for (int64_t r = begin; r < end; ++r) {
+      to_float(cos + r * dim, c.data(), dim);
+      to_float(sin + r * dim, s.data(), dim);
+      for (int64_t h = 0; h < heads; ++h) {
+        to_float(x + r * x_stride + h * dim, xf.data(), dim);
+        if (!backward) {
+          rotate<T>(xf.data(), c.data(), s.data(), y.data(), dim);
+        } else {
+          for (int64_t i = 0; i < half; ++i)
+            y[i] = in_dtype<T>(in_dtype<T>(xf[i] * c[i]) + in_dtype<T>(xf[i + half] * s[i + half]));
+          for (int64_t i = half; i < dim; ++i)
+            y[i] = in_dtype<T>(in_dtype<T>(xf[i] * c[i]) - in_dtype<T>(xf[i - half] * s[i - half]));
+        }
+        from_float(y.data(), out + (r * heads + h) * dim, dim);
+      }
+    }
+  });
+}
+
+at::Tensor rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, int64_t heads, bool backward) {
+  TORCH_CHECK(x.dim() == 2 && heads > 0 && x.size(1) % heads == 0,
+              "rope: x must be [rows, heads * dim] for ", heads, " heads, got ", x.sizes());
+  const int64_t rows = x.size(0), dim = x.size(1) / heads;
+  TORCH_CHECK(dim % 2 == 0, "rope: an even head dim is needed, got ", dim);
+  check_rows(x, rows, heads * dim, "rope: x");
+  TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.sizes() == at::IntArrayRef({rows, dim}) &&
+                  sin.sizes() == cos.sizes(),
+              "rope: cos and sin must be contiguous [", rows, ", ", dim, "], got ", cos.sizes(), " and ", sin.sizes());
+  TORCH_CHECK(cos.scalar_type() == x.scalar_type() && sin.scalar_type() == x.scalar_type(),
+              "rope: x, cos and sin must share one dtype");
+  auto out = at::empty({rows, heads * dim}, x.options());
+  DISPATCH_SAMPLER_TYPES(x.scalar_type(), "rope", [&] {
+    rope_impl<scalar_t>(x.data_ptr<scalar_t>(), x.stride(0), cos.data_ptr<scalar_t>(), sin.data_ptr<scalar_t>(),
+                        out.data_ptr<scalar_t>(), rows, heads, dim, backward);
+  });
+  return out;
+}
+
+// Each row's next token and its logprob under the untempered policy (log_softmax at the token), in
+// one pass over the row's logits where the sampler's PyTorch operators take five (log_softmax,
+// softmax, a float64 copy, its cumsum, searchsorted). temperatures[r] == 0 takes the argmax (the
+// first of equal maxima, as torch.argmax); otherwise the token is drawn by inverting the CDF of
+// softmax(logits / temperature) at uniforms[r], as sampler._draw does: the first index whose
+// cumulative probability, summed in float64, exceeds u * total (kept below total), so that a token
+// of probability 0 is never taken.
+// The trainer's loss head, a row of logits at a time: log_softmax at each row's target, the row's
+// entropy, and (max, log of the sum of exp(logit - max)) kept for the backward. Two reads of the
+// row where autograd's float32 log_softmax, exp and entropy sweep it (and a bf16 model's float32
+// copy of it) about eight times.
+template <typename T>
+void target_logprobs_impl(const T* base, const int64_t* tp, float* lp, float* ent, float* st, int64_t rows,
+                          int64_t vocab) {
+  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+    float* x = row_buffer(vocab);
+    for (int64_t r = begin; r < end; ++r) {
+      to_float(base + r * vocab, x, vocab);
+      const float top = row_max(x, vocab);
+      // summed in float64 across blocks of 512 (float in vector lanes inside one): the backward's
+      // probabilities are exp(logit - max - log_total), and a loss whose coefficients cancel
+      // across positions (a variance, DPO's pairs) reads their last bits
+      double sum = 0.0, weighted = 0.0;
+      for (int64_t start = 0; start < vocab; start += 512) {
+        const int64_t stop = std::min(vocab, start + 512);
+        float block_sum = 0.f, block_weighted = 0.f;
+#pragma omp simd reduction(+ : block_sum, block_weighted)
+        for (int64_t i = start; i < stop; ++i) {
+          const float d = x[i] - top;
+          const float e = d < -87.f ? 0.f : vexp(d);
+          block_sum += e;
+          block_weighted += d < -87.f ? 0.f : e * d;  // (an -inf logit: 0 * -inf would be NaN)
+        }
+        sum += block_sum;
+        weighted += block_weighted;
+      }
+      const float log_total = static_cast<float>(std::log(sum));
+      lp[r] = (x[tp[r]] - top) - log_total;
+      ent[r] = static_cast<float>(std::log(sum) - weighted / sum);
+      st[2 * r] = top;
+      st[2 * r + 1] = log_total;
+    }
+  });
+}
+
+std::vector<at::Tensor> target_logprobs(const at::Tensor& logits, const at::Tensor& targets) {
+  TORCH_CHECK(logits.dim() == 2 && logits.is_contiguous() && logits.device().is_cpu() && logits.size(1) > 0,
+              "target_logprobs: logits must be a contiguous CPU [rows, vocab], got ", logits.sizes());
+  const int64_t rows = logits.size(0), vocab = logits.size(1);
+  TORCH_CHECK(targets.dim() == 1 && targets.size(0) == rows && targets.scalar_type() == at::kLong &&
+                  targets.is_contiguous(),
+              "target_logprobs: targets must be a contiguous int64 [", rows, "], got ", targets.sizes());
+  const int64_t* tp = targets.data_ptr<int64_t>();
+  for (int64_t r = 0; r < rows; ++r)
+    TORCH_CHECK(tp[r] >= 0 && tp[r] < vocab, "target_logprobs: row ", r, " targets token ", tp[r], " of ", vocab);
+  auto options = logits.options().dtype(at::kFloat);
+  auto logprobs = at::empty({rows}, options), entropy = at::empty({rows}, options);
+  auto stats = at::empty({rows, 2}, options);
+  float *lp = logprobs.data_ptr<float>(), *ent = entropy.data_ptr<float>(), *st = stats.data_ptr<float>();
+  DISPATCH_SAMPLER_TYPES(logits.scalar_type(), "target_logprobs", [&] {
+    target_logprobs_impl<scalar_t>(logits.data_ptr<scalar_t>(), tp, lp, ent, st, rows, vocab);
+  });
+  return {logprobs, entropy, stats};
+}
+
+// Its backward, written over the logits (no longer needed) in their dtype:
+// d logprob[t] / d logits = onehot(t) - softmax(logits), times each row's incoming gradient.
+template <typename T>
+void target_logprobs_backward_impl(const float* gp, T* base, const int64_t* tp, const float* st, int64_t rows,
+                                   int64_t vocab) {
+  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+    float* x = row_buffer(vocab);
+    for (int64_t r = begin; r < end; ++r) {
+      to_float(base + r * vocab, x, vocab);
+      // (logit - max) - log_total: max + log_total in one float would round at the max's scale
+      const float top = st[2 * r], log_total = st[2 * r + 1], g = gp[r];
+      const float target = x[tp[r]];
+#pragma omp simd
+      for (int64_t i = 0; i < vocab; ++i) {
+        const float d = (x[i] - top) - log_total;
+        x[i] = d < -87.f ? 0.f : -g * vexp(d);
+      }
+      // the target's own term: g * (1 - p), as one product (not -g * p + g: no cancellation)
+      const float d = (target - top) - log_total;
+      x[tp[r]] = g * (1.f - (d < -87.f ? 0.f : vexp(d)));
+      from_float(x, base + r * vocab, vocab);
+    }
+  });
+}
+
+at::Tensor target_logprobs_backward_(const at::Tensor& grad, at::Tensor& logits, const at::Tensor& targets,
+                                     const at::Tensor& stats) {
+  TORCH_CHECK(logits.dim() == 2 && logits.is_contiguous() && logits.device().is_cpu(),
+              "target_logprobs_backward_: logits must be a contiguous CPU [rows, vocab], got ", logits.sizes());
+  const int64_t rows = logits.size(0), vocab = logits.size(1);
+  TORCH_CHECK(grad.dim() == 1 && grad.size(0) == rows && grad.scalar_type() == at::kFloat && grad.is_contiguous(),
+              "target_logprobs_backward_: grad must be a contiguous float32 [", rows, "], got ", grad.sizes());
+  TORCH_CHECK(targets.dim() == 1 && targets.size(0) == rows && targets.scalar_type() == at::kLong &&
+                  targets.is_contiguous() && stats.sizes() == at::IntArrayRef({rows, 2}) &&
+                  stats.scalar_type() == at::kFloat && stats.is_contiguous(),
+              "target_logprobs_backward_: targets and stats must be target_logprobs' for these logits");
+  const float *gp = grad.data_ptr<float>(), *st = stats.data_ptr<float>();
+  const int64_t* tp = targets.data_ptr<int64_t>();
+  DISPATCH_SAMPLER_TYPES(logits.scalar_type(), "target_logprobs_backward_", [&] {
+    target_logprobs_backward_impl<scalar_t>(gp, logits.data_ptr<scalar_t>(), tp, st, rows, vocab);
+  });
+  return logits;
+}
+
+}  // namespace grpo_native

@@ -1,0 +1,83 @@
+// grpo's CPU kernels beside the matmuls (loaded by grpo/models/native_kernels.py), one file a job:
+//
+// - layers.cpp: the trainer's RMSNorms, SiLU * up and rotary embeddings, forward and backward, and its
+//   loss head (native_layers.py): one pass over memory each where autograd takes several; the
+//   sampler's residual add + RMSNorm and SiLU * up;
+// - decode_attention.cpp: a decoding step's attention, the new keys and values rotated into the
+//   caches (rope_attend);
+// - decode_layers.cpp: a decoding step's layers in one call (native_decode.py): at a decoding
+//   step's few rows each of PyTorch's small operators (an RMSNorm is eight of them, the rotary
+//   embedding ten, the KV-cache writes and grouped-query attention a dozen more) costs more in
+//   dispatch and passes over memory than in arithmetic;
+// - stream_linear.cpp: a product by a float32 or bf16 weight in a streaming layout, for the
+//   sampler's few rows; weight_pool.cpp: the memory those weights are packed in;
+// - packed_attention.cpp: the trainer's attention over packed sequences, forward and backward
+//   (packed_attention.py): each sequence's queries over its own keys, no padding, where SDPA took
+//   padded blocks gathered per call;
+// - sample_tokens.cpp: the sampler's token choice (sampler.py): one pass over a row's logits where
+//   PyTorch takes five;
+// - register.cpp: the operators' schemas, registered as torch.ops.grpo_native.
+//
+// Shared by them: common.h (conversions, rounding, a vectorizable exp, checks) and simd.h (vector
+// registers of floats). In float32 or bfloat16, rounding to the tensor's dtype wherever the eager
+// operators do, so that they compute what transformers' Llama layers compute up to the order of
+// float sums. Built once per machine by torch.utils.cpp_extension, with -ffp-contract=off: a
+// multiply and an add are never fused, so a kernel's bits do not depend on what the compiler
+// inlines where.
+#pragma once
+
+#include "common.h"
+
+namespace grpo_native {
+
+// layers.cpp
+std::vector<at::Tensor> add_rms_norm(const at::Tensor& residual, const c10::optional<at::Tensor>& x,
+                                     const at::Tensor& weight, double eps);
+at::Tensor silu_mul(const at::Tensor& gate, const at::Tensor& up);
+at::Tensor rms_norm_backward(const at::Tensor& grad, const at::Tensor& x, const at::Tensor& weight, double eps);
+std::vector<at::Tensor> silu_mul_backward(const at::Tensor& grad, const at::Tensor& gate, const at::Tensor& up);
+at::Tensor rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, int64_t heads, bool backward);
+std::vector<at::Tensor> target_logprobs(const at::Tensor& logits, const at::Tensor& targets);
+at::Tensor target_logprobs_backward_(const at::Tensor& grad, at::Tensor& logits, const at::Tensor& targets,
+                                     const at::Tensor& stats);
+
+// sample_tokens.cpp
+std::vector<at::Tensor> sample_tokens(const at::Tensor& logits, const at::Tensor& temperatures,
+                                      const at::Tensor& uniforms);
+
+// decode_attention.cpp
+at::Tensor rope_attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cos,
+                       const at::Tensor& sin, at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& lengths,
+                       int64_t heads, double scale, const c10::optional<at::Tensor>& shared_from,
+                       const c10::optional<at::Tensor>& shared, bool dot);
+
+// weight_pool.cpp: an empty tensor for a packed weight (in the 2 MiB-page chunks where they are
+// had), and the chunks kept for the next pack given back
+at::Tensor weight_empty(at::IntArrayRef sizes, const at::TensorOptions& options);
+int64_t release_kept_chunks();
+
+// stream_linear.cpp
+at::Tensor stream_pack(const at::Tensor& weight, bool pairs);
+bool stream_dot_available();
+bool stream_pairs(const at::Tensor& packed);  // a packed weight in k-pairs for the dot-product kernel
+at::Tensor stream_linear(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
+                         const c10::optional<at::Tensor>& lora_a, const c10::optional<at::Tensor>& lora_b);
+
+// decode_layers.cpp
+at::Tensor decode_layers(const at::Tensor& hidden_in, const at::Tensor& cos, const at::Tensor& sin,
+                         const at::Tensor& lengths, at::TensorList weights,
+                         const c10::List<c10::optional<at::Tensor>>& extras, at::TensorList norms,
+                         at::TensorList k_caches, at::TensorList v_caches, at::IntArrayRef qkv_sizes,
+                         int64_t heads, double scale, double eps, const c10::optional<at::Tensor>& shared_from,
+                         const c10::optional<at::Tensor>& shared);
+
+// packed_attention.cpp
+std::vector<at::Tensor> packed_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                         const at::Tensor& seqs, const at::Tensor& key_rows, int64_t heads,
+                                         int64_t kv_heads, double scale);
+std::vector<at::Tensor> packed_attention_backward(const at::Tensor& grad, const at::Tensor& q, const at::Tensor& k,
+                                                  const at::Tensor& v, const at::Tensor& out, const at::Tensor& lse,
+                                                  const at::Tensor& seqs, const at::Tensor& key_rows, int64_t heads,
+                                                  int64_t kv_heads, double scale);
+
+}  // namespace grpo_native

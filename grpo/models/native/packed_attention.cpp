@@ -1,0 +1,579 @@
+// The trainer's attention over packed sequences (packed_attention.py), forward and backward.
+//
+// A training pass holds every sequence's tokens back to back in one row; sequence s has its
+// queries at rows q_start..q_start+q_len and sees key_rows[key_offset..key_offset+prefix+q_len]
+// (the rows of the sequences it continues, then its own), query j the first prefix + j + 1 of
+// them: causal within its own tokens. PyTorch's SDPA took this as padded blocks gathered per call,
+// with an explicit mask (no block skipped), each (sequence, head) a few small GEMM calls: ~87
+// GFLOP/s padded over SmolLM2's bench pass on an AMD EPYC, 2 cores, forward + backward 0.22 s of a
+// 2.1 s training call. Here a task is up to 64 queries of one sequence through one key head: the
+// keys and values they see gathered once into float32 panels shared by the query heads reading
+// them, scores for four queries by thirty-two keys in registers (avx512), no padding and nothing
+// past a query's last key. float32 sums, q/k/v widened from bf16 as read, outputs rounded once to
+// their dtype (as SDPA over float32 copies, the path it replaces). The backward recomputes the
+// weights from the saved log-sum-exp (as flash attention does) and sums the key and value
+// gradients of the rows that several tasks see (a shared prompt, a long sequence's first tokens) in
+// one float32 buffer, each task's added in the tasks' order (the same bits every run; a buffer per
+// thread would also be threads x the keys' and values' size: gigabytes for a 16k-token pass on 16
+// cores).
+
+#include "ops.h"
+#include "simd.h"
+
+namespace grpo_native {
+
+// seqs: [S, 4] int64 rows (q_start, q_len, prefix, key_offset)
+struct PackedSeq {
+  int64_t q_start, q_len, prefix, key_offset;
+};
+
+constexpr int64_t PA_ROWS = 4;   // queries whose scores are taken together
+constexpr int64_t PA_KEYS = 16;  // keys a score block covers (one avx512 register of floats)
+
+inline int64_t pa_round(int64_t n) { return (n + PA_KEYS - 1) / PA_KEYS * PA_KEYS; }
+
+// The panels of one (sequence, key head): keys row-major [kl][dim] and transposed [dim][klp]
+// (klp: kl rounded up to PA_KEYS, zeros past kl), values the same; all float32.
+struct KeyPanels {
+  std::vector<float> keys, keys_t, values, values_t;
+};
+
+template <typename T>
+void gather_panels(const T* k, const T* v, int64_t k_stride, const int64_t* rows, int64_t kl, int64_t head,
+                   int64_t dim, bool transposed_values, bool row_keys, KeyPanels& p) {
+  const int64_t klp = pa_round(kl);
+  p.keys_t.assign(dim * klp, 0.f);
+  p.values.resize(kl * dim);
+  if (row_keys) p.keys.resize(kl * dim);
+  if (transposed_values) p.values_t.assign(dim * klp, 0.f);
+  std::vector<float> row(dim);
+  for (int64_t t = 0; t < kl; ++t) {
+    to_float(k + rows[t] * k_stride + head * dim, row.data(), dim);
+    for (int64_t d = 0; d < dim; ++d) p.keys_t[d * klp + t] = row[d];
+    if (row_keys) std::memcpy(p.keys.data() + t * dim, row.data(), dim * sizeof(float));
+    to_float(v + rows[t] * k_stride + head * dim, p.values.data() + t * dim, dim);
+    if (transposed_values)
+      for (int64_t d = 0; d < dim; ++d) p.values_t[d * klp + t] = p.values[t * dim + d];
+  }
+}
+
+#if defined(FLOAT_LANES)
+// pa_scores with a head dimension known when compiling: KEY_BLOCKS x sixteen keys by four queries
+// in registers (each query's value broadcast once for all of them), sixteen where fewer are left
+template <int64_t DIM, int BLOCKS>
+inline void pa_scores_block(const float* rows, int64_t nr, const float* bt, int64_t ldb, int64_t t0, float* out,
+                            int64_t ldo) {
+  using V = FloatLanes;
+  constexpr int R = BLOCKS * PA_KEYS / V::W;  // registers a query's sums take
+  typename V::reg acc[PA_ROWS][R];
+#pragma GCC unroll 4
+  for (int i = 0; i < PA_ROWS; ++i)
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) acc[i][r] = V::zero();
+  for (int64_t d = 0; d < DIM; ++d) {
+    typename V::reg b[R];
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) b[r] = V::load(bt + d * ldb + t0 + r * V::W);
+#pragma GCC unroll 4
+    for (int i = 0; i < PA_ROWS; ++i) {
+      const typename V::reg x = V::set1(rows[i * DIM + d]);
+#pragma GCC unroll 4
+      for (int r = 0; r < R; ++r) acc[i][r] = V::fma(x, b[r], acc[i][r]);
+    }
+  }
+  for (int64_t i = 0; i < nr; ++i)
+    for (int r = 0; r < R; ++r) V::store(out + i * ldo + t0 + r * V::W, acc[i][r]);
+}
+
+template <int64_t DIM>
+inline void pa_scores_vec(const float* a, int64_t nr, const float* bt, int64_t ldb, int64_t keys, float* out,
+                          int64_t ldo) {
+  float rows[PA_ROWS * DIM];  // (absent rows as zeros: one loop of fixed shape)
+  std::memcpy(rows, a, nr * DIM * sizeof(float));
+  std::fill(rows + nr * DIM, rows + PA_ROWS * DIM, 0.f);
+  constexpr int64_t SPAN = FloatLanes::KEY_BLOCKS * PA_KEYS;
+  int64_t t0 = 0;
+  for (; t0 + SPAN <= keys; t0 += SPAN) pa_scores_block<DIM, FloatLanes::KEY_BLOCKS>(rows, nr, bt, ldb, t0, out, ldo);
+  for (; t0 < keys; t0 += PA_KEYS) pa_scores_block<DIM, 1>(rows, nr, bt, ldb, t0, out, ldo);
+}
+
+// out[i] = scale * sum_{t < limit[i]} w[i][t] * b[t], ROW_PAIRS rows' sums in registers at a time
+// (avx512: two rows, each row of b loaded once for both; avx2: one)
+template <int64_t DIM>
+inline void pa_weighted_rows_vec(const float* w, int64_t ldw, int64_t nr, const int64_t* limit, const float* b,
+                                 float scale, float* out) {
+  using V = FloatLanes;
+  constexpr int C = V::REGS_A_PASS < DIM / V::W ? V::REGS_A_PASS : DIM / V::W;  // a row's sums a pass
+  const typename V::reg factor = V::set1(scale);
+  for (int64_t i = 0; i < nr; i += V::ROW_PAIRS) {
+    const bool pair = V::ROW_PAIRS == 2 && i + 1 < nr;
+    const float* w0 = w + i * ldw;
+    const float* w1 = pair ? w0 + ldw : w0;
+    const int64_t both = pair ? std::min(limit[i], limit[i + 1]) : 0;
+    for (int64_t h = 0; h < DIM; h += C * V::W) {  // (avx2 and 128 dims: two passes of 64)
+      typename V::reg acc0[C], acc1[C];
+#pragma GCC unroll 16
+      for (int c = 0; c < C; ++c) acc0[c] = acc1[c] = V::zero();
+      int64_t t = 0;
+      if (pair)
+        for (; t < both; ++t) {
+          const typename V::reg x0 = V::set1(w0[t]), x1 = V::set1(w1[t]);
+#pragma GCC unroll 16
+          for (int c = 0; c < C; ++c) {
+            const typename V::reg v = V::load(b + t * DIM + h + V::W * c);
+            acc0[c] = V::fma(x0, v, acc0[c]);
+            acc1[c] = V::fma(x1, v, acc1[c]);
+          }
+        }
+      for (int64_t u = t; u < limit[i]; ++u) {  // (a row's keys past the other's, or every key of one row)
+        const typename V::reg x0 = V::set1(w0[u]);
+#pragma GCC unroll 16
+        for (int c = 0; c < C; ++c) acc0[c] = V::fma(x0, V::load(b + u * DIM + h + V::W * c), acc0[c]);
+      }
+      if (pair)
+        for (int64_t u = t; u < limit[i + 1]; ++u) {
+          const typename V::reg x1 = V::set1(w1[u]);
+#pragma GCC unroll 16
+          for (int c = 0; c < C; ++c) acc1[c] = V::fma(x1, V::load(b + u * DIM + h + V::W * c), acc1[c]);
+        }
+#pragma GCC unroll 16
+      for (int c = 0; c < C; ++c) {
+        V::store(out + i * DIM + h + V::W * c, V::mul(acc0[c], factor));
+        if (pair) V::store(out + (i + 1) * DIM + h + V::W * c, V::mul(acc1[c], factor));
+      }
+    }
+  }
+}
+
+// dk[t] += sum_i scale * a[i][t] * q[i], dv[t] += sum_i b[i][t] * g[i] for t < keys: a key's sums
+// over the nr queries in registers, one add to memory each (avx2: the key's then the value's, 64
+// dims at a time, as more at once would take every register)
+template <int64_t DIM>
+inline void pa_key_grads_vec(const float* a, const float* bw, int64_t ldw, int64_t nr, int64_t keys, float scale,
+                             const float* q, const float* g, float* dk, float* dv) {
+  using V = FloatLanes;
+  constexpr int C = V::REGS_A_PASS < DIM / V::W ? V::REGS_A_PASS : DIM / V::W;
+  constexpr bool both = V::SPLIT_GRADS == 1;
+  for (int64_t t = 0; t < keys; ++t)
+    for (int part = 0; part < 2; part += both ? 2 : 1)
+      for (int64_t h = 0; h < DIM; h += C * V::W) {
+        typename V::reg ak[C], av[C];
+#pragma GCC unroll 16
+        for (int c = 0; c < C; ++c) ak[c] = av[c] = V::zero();
+        for (int64_t i = 0; i < nr; ++i) {
+          if (both || part == 0) {
+            const typename V::reg x = V::set1(a[i * ldw + t] * scale);
+#pragma GCC unroll 16
+            for (int c = 0; c < C; ++c) ak[c] = V::fma(x, V::load(q + i * DIM + h + V::W * c), ak[c]);
+          }
+          if (both || part == 1) {
+            const typename V::reg y = V::set1(bw[i * ldw + t]);
+#pragma GCC unroll 16
+            for (int c = 0; c < C; ++c) av[c] = V::fma(y, V::load(g + i * DIM + h + V::W * c), av[c]);
+          }
+        }
+#pragma GCC unroll 16
+        for (int c = 0; c < C; ++c) {
+          float* k_out = dk + t * DIM + h + V::W * c;
+          float* v_out = dv + t * DIM + h + V::W * c;
+          if (both || part == 0) V::store(k_out, V::add(V::load(k_out), ak[c]));
+          if (both || part == 1) V::store(v_out, V::add(V::load(v_out), av[c]));
+        }
+      }
+}
+#endif
+
+// out[i][t] = sum_d a[i][d] * bt[d][t] for nr <= PA_ROWS rows of a (dim floats each) and t < keys
+// (a multiple of PA_KEYS), bt [dim][ldb]: sixteen columns by PA_ROWS rows in registers
+template <int64_t DIM>
+inline void pa_scores(const float* a, int64_t nr, const float* bt, int64_t ldb, int64_t keys, int64_t dim_, float* out,
+                      int64_t ldo) {
+#if defined(FLOAT_LANES)
+  if constexpr (DIM > 0 && DIM % 16 == 0) return pa_scores_vec<DIM>(a, nr, bt, ldb, keys, out, ldo);
+#endif
+  const int64_t dim = DIM > 0 ? DIM : dim_;
+  float rows[PA_ROWS * (DIM > 0 ? DIM : 1)];
+  const float* x = a;
+  if constexpr (DIM > 0) {  // (absent rows as zeros: one loop of fixed shape)
+    std::memcpy(rows, a, nr * DIM * sizeof(float));
+    std::fill(rows + nr * DIM, rows + PA_ROWS * DIM, 0.f);
+    x = rows;
+  }
+  for (int64_t t0 = 0; t0 < keys; t0 += PA_KEYS) {
+    float acc[PA_ROWS][PA_KEYS] = {};
+    for (int64_t d = 0; d < dim; ++d) {
+      const float* b = bt + d * ldb + t0;
+#pragma GCC unroll 4
+      for (int64_t i = 0; i < PA_ROWS; ++i) {
+        const float v = (DIM > 0 || i < nr) ? x[i * dim + d] : 0.f;
+#pragma omp simd
+        for (int64_t u = 0; u < PA_KEYS; ++u) acc[i][u] = std::fma(v, b[u], acc[i][u]);
+      }
+    }
+    for (int64_t i = 0; i < nr; ++i) std::memcpy(out + i * ldo + t0, acc[i], PA_KEYS * sizeof(float));
+  }
+}
+
+// out[i][:] = scale * sum_{t < limit[i]} w[i][t] * b[t][:] for nr rows, b [*][dim] row-major
+template <int64_t DIM>
+inline void pa_weighted_rows(const float* w, int64_t ldw, int64_t nr, const int64_t* limit, const float* b,
+                             int64_t dim_, float scale, float* out) {
+#if defined(FLOAT_LANES)
+  if constexpr (DIM > 0 && DIM % 16 == 0) return pa_weighted_rows_vec<DIM>(w, ldw, nr, limit, b, scale, out);
+#endif
+  const int64_t dim = DIM > 0 ? DIM : dim_;
+  for (int64_t i = 0; i < nr; ++i) {
+    const float* wi = w + i * ldw;
+    float* __restrict o = out + i * dim;
+    if constexpr (DIM > 0) {  // the row's sums in registers
+      float acc[DIM] = {};
+      for (int64_t t = 0; t < limit[i]; ++t) {
+        const float x = wi[t];
+        const float* row = b + t * DIM;
+#pragma omp simd
+        for (int64_t d = 0; d < DIM; ++d) acc[d] = std::fma(x, row[d], acc[d]);
+      }
+#pragma omp simd
+      for (int64_t d = 0; d < DIM; ++d) o[d] = acc[d] * scale;
+    } else {
+      std::fill(o, o + dim, 0.f);
+      for (int64_t t = 0; t < limit[i]; ++t) {
+        const float x = wi[t];
+        const float* row = b + t * dim;
+#pragma omp simd
+        for (int64_t d = 0; d < dim; ++d) o[d] = std::fma(x, row[d], o[d]);
+      }
+      for (int64_t d = 0; d < dim; ++d) o[d] *= scale;
+    }
+  }
+}
+
+// dk[t] += scale * sum_i a[i][t] * q[i], dv[t] += sum_i bw[i][t] * g[i] for t < keys (a and bw zero
+// past each query's last key)
+template <int64_t DIM>
+inline void pa_key_grads(const float* a, const float* bw, int64_t ldw, int64_t nr, int64_t keys, float scale,
+                         const float* q, const float* g, int64_t dim_, float* dk, float* dv) {
+#if defined(FLOAT_LANES)
+  if constexpr (DIM > 0 && DIM % 16 == 0) return pa_key_grads_vec<DIM>(a, bw, ldw, nr, keys, scale, q, g, dk, dv);
+#endif
+  const int64_t dim = DIM > 0 ? DIM : dim_;
+  for (int64_t t = 0; t < keys; ++t)
+    for (int64_t i = 0; i < nr; ++i) {
+      const float x = a[i * ldw + t] * scale, y = bw[i * ldw + t];
+      float* __restrict k_out = dk + t * dim;
+      float* __restrict v_out = dv + t * dim;
+      const float* qi = q + i * dim;
+      const float* gi = g + i * dim;
+#pragma omp simd
+      for (int64_t d = 0; d < dim; ++d) {
+        k_out[d] = std::fma(x, qi[d], k_out[d]);
+        v_out[d] = std::fma(y, gi[d], v_out[d]);
+      }
+    }
+}
+
+// x[t] = exp(x[t] * scale - lse), the weight, and dx[t] = x[t] * (dx[t] - delta), the score's
+// gradient before the scale, for t < n; both zero for n <= t < keys
+inline void pa_weights_backward(float* x, float* dx, int64_t n, int64_t keys, float scale, float lse, float delta) {
+#if defined(FLOAT_LANES)
+  using V = FloatLanes;
+  const V::reg factor = V::set1(scale), shift = V::set1(lse), d = V::set1(delta);
+  for (int64_t t = 0; t < keys; t += V::W) {  // (keys: a multiple of sixteen, past n zero)
+    const V::reg w = V::below(vexp_lanes(V::sub(V::mul(V::load(x + t), factor), shift)), t, n);
+    V::store(x + t, w);
+    V::store(dx + t, V::mul(w, V::sub(V::load(dx + t), d)));
+  }
+  return;
+#endif
+#pragma omp simd
+  for (int64_t t = 0; t < n; ++t) {
+    x[t] = vexp(x[t] * scale - lse);
+    dx[t] = x[t] * (dx[t] - delta);
+  }
+  for (int64_t t = n; t < keys; ++t) x[t] = dx[t] = 0.f;
+}
+
+// x[t] = exp(x[t] * scale - top) for t < n, top their largest scaled value; returns their sum
+inline float pa_softmax_numerators(float* x, int64_t n, float scale, float& top) {
+#pragma omp simd
+  for (int64_t t = 0; t < n; ++t) x[t] *= scale;
+  top = row_max(x, n);
+#if defined(__AVX512F__)  // (simd.h's exp_shifted_total)
+  return exp_shifted_total(x, n, top);  // (sixteen at a time, the last sixteen masked: no scalar tail)
+#elif defined(FLOAT_LANES)
+  // a register at a time, lanes past n zero (x has room: a row's scores run to a multiple of sixteen)
+  using V = FloatLanes;
+  const V::reg shift = V::set1(top);
+  V::reg sums = V::zero();
+  for (int64_t t = 0; t < n; t += V::W) {
+    const V::reg e = V::below(vexp_lanes(V::sub(V::load(x + t), shift)), t, n);
+    V::store(x + t, e);
+    sums = V::add(sums, e);
+  }
+  float lanes[V::W];
+  V::store(lanes, sums);
+  float sum = 0.f;
+  for (float lane : lanes) sum += lane;
+  return sum;
+#endif
+  float total = 0.f;
+#pragma omp simd reduction(+ : total)
+  for (int64_t t = 0; t < n; ++t) {
+    x[t] = vexp(x[t] - top);
+    total += x[t];
+  }
+  return total;
+}
+
+// A task: PA_CHUNK queries (or fewer, a sequence's last) of one sequence through one key head, and
+// only the keys they see. A long sequence is then many tasks, not one per key head (a single
+// 2,048-token sequence of a model with one key head would otherwise keep one thread busy).
+constexpr int64_t PA_CHUNK = 64;
+
+struct PaTask {
+  int64_t seq, head, first, count;  // queries first..first+count of sequence seq, key head `head`
+};
+
+// the tasks, most work first: taken in turn by whichever thread is free
+std::vector<PaTask> pa_tasks(const std::vector<PackedSeq>& seqs, int64_t kv_heads) {
+  std::vector<PaTask> tasks;
+  for (size_t i = 0; i < seqs.size(); ++i)
+    for (int64_t first = 0; first < seqs[i].q_len; first += PA_CHUNK)
+      for (int64_t g = 0; g < kv_heads; ++g)
+        tasks.push_back({static_cast<int64_t>(i), g, first, std::min(PA_CHUNK, seqs[i].q_len - first)});
+  auto cost = [&](const PaTask& t) { return t.count * (seqs[t.seq].prefix + t.first + t.count); };
+  std::stable_sort(tasks.begin(), tasks.end(), [&](const PaTask& a, const PaTask& b) { return cost(a) > cost(b); });
+  return tasks;
+}
+
+// work(task, i) for every task (tasks[i]), each thread taking the next task not yet taken (a static
+// split of tasks of such uneven sizes left one thread idle): task i is started before task i + 1
+template <typename F>
+void pa_run(const std::vector<PaTask>& tasks, F&& work) {
+  std::atomic<int64_t> next{0};
+  const int64_t threads = std::min<int64_t>(at::get_num_threads(), static_cast<int64_t>(tasks.size()));
+  at::parallel_for(0, std::max<int64_t>(threads, 1), 1, [&](int64_t begin, int64_t end) {
+    for (int64_t slot = begin; slot < end; ++slot)
+      for (int64_t i = next++; i < static_cast<int64_t>(tasks.size()); i = next++) work(tasks[i], i);
+  });
+}
+
+std::vector<PackedSeq> pa_sequences(const at::Tensor& seqs, const at::Tensor& key_rows, int64_t rows) {
+  TORCH_CHECK(seqs.device().is_cpu() && seqs.scalar_type() == at::kLong && seqs.dim() == 2 && seqs.size(1) == 4 &&
+                  seqs.is_contiguous(),
+              "packed_attention: seqs must be a contiguous int64 [sequences, 4] CPU tensor, got ", seqs.sizes());
+  TORCH_CHECK(key_rows.device().is_cpu() && key_rows.scalar_type() == at::kLong && key_rows.dim() == 1 &&
+                  key_rows.is_contiguous(),
+              "packed_attention: key_rows must be a contiguous int64 vector");
+  std::vector<PackedSeq> out(seqs.size(0));
+  const int64_t* s = seqs.data_ptr<int64_t>();
+  const int64_t* kr = key_rows.data_ptr<int64_t>();
+  for (size_t i = 0; i < out.size(); ++i) {
+    out[i] = {s[4 * i], s[4 * i + 1], s[4 * i + 2], s[4 * i + 3]};
+    const PackedSeq& q = out[i];
+    TORCH_CHECK(q.q_start >= 0 && q.q_len >= 0 && q.q_start + q.q_len <= rows && q.prefix >= 0 && q.key_offset >= 0 &&
+                    q.key_offset + q.prefix + q.q_len <= key_rows.size(0),
+                "packed_attention: sequence ", i, " is out of range");
+    for (int64_t t = 0; t < q.prefix + q.q_len; ++t)
+      TORCH_CHECK(kr[q.key_offset + t] >= 0 && kr[q.key_offset + t] < rows, "packed_attention: key row out of range");
+  }
+  return out;
+}
+
+struct PaShape {
+  int64_t rows, heads, kv_heads, dim;
+};
+
+PaShape pa_shape(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, int64_t heads, int64_t kv_heads) {
+  TORCH_CHECK(heads > 0 && kv_heads > 0 && heads % kv_heads == 0, "packed_attention: ", heads,
+              " query heads are not a multiple of ", kv_heads, " key heads");
+  TORCH_CHECK(q.dim() == 2 && q.size(1) % heads == 0, "packed_attention: q must be [rows, heads * dim], got ",
+              q.sizes());
+  const int64_t rows = q.size(0), dim = q.size(1) / heads;
+  check_rows(q, rows, heads * dim, "packed_attention: q");
+  check_rows(k, rows, kv_heads * dim, "packed_attention: k");
+  check_rows(v, rows, kv_heads * dim, "packed_attention: v");
+  TORCH_CHECK(k.scalar_type() == q.scalar_type() && v.scalar_type() == q.scalar_type(),
+              "packed_attention: q, k and v must share one dtype");
+  return {rows, heads, kv_heads, dim};
+}
+
+template <typename T, int64_t DIM>
+void packed_attention_impl(const T* q, const T* k, const T* v, const std::vector<PackedSeq>& seqs,
+                           const int64_t* key_rows, PaShape sh, float scale, T* out, float* lse) {
+  const int64_t dim = DIM > 0 ? DIM : sh.dim, group = sh.heads / sh.kv_heads;
+  const int64_t q_stride = sh.heads * dim, k_stride = sh.kv_heads * dim;
+  pa_run(pa_tasks(seqs, sh.kv_heads), [&](const PaTask& task, int64_t) {
+    const PackedSeq& s = seqs[task.seq];
+    const int64_t g = task.head, end = task.first + task.count, kl = s.prefix + end, klp = pa_round(kl);
+    thread_local KeyPanels p;
+    thread_local std::vector<float> qf, w, o;
+    gather_panels(k, v, k_stride, key_rows + s.key_offset, kl, g, dim, false, false, p);
+    qf.resize(PA_ROWS * dim);
+    w.resize(PA_ROWS * klp);
+    o.resize(PA_ROWS * dim);
+    for (int64_t h = g * group; h < (g + 1) * group; ++h) {
+      for (int64_t r0 = task.first; r0 < end; r0 += PA_ROWS) {
+        const int64_t nr = std::min(PA_ROWS, end - r0);
+        int64_t limit[PA_ROWS];
+        for (int64_t i = 0; i < nr; ++i) {
+          limit[i] = s.prefix + r0 + i + 1;  // query r0 + i sees its prefix and its sequence up to itself
+          to_float(q + (s.q_start + r0 + i) * q_stride + h * dim, qf.data() + i * dim, dim);
+        }
+        pa_scores<DIM>(qf.data(), nr, p.keys_t.data(), klp, pa_round(limit[nr - 1]), dim, w.data(), klp);
+        for (int64_t i = 0; i < nr; ++i) {
+          float top;
+          float* x = w.data() + i * klp;
+          const float total = pa_softmax_numerators(x, limit[i], scale, top);
+          const float inverse = 1.f / total;
+#pragma omp simd
+          for (int64_t t = 0; t < limit[i]; ++t) x[t] *= inverse;
+          lse[(s.q_start + r0 + i) * sh.heads + h] = top + std::log(total);
+        }
+        pa_weighted_rows<DIM>(w.data(), klp, nr, limit, p.values.data(), dim, 1.f, o.data());
+        for (int64_t i = 0; i < nr; ++i)
+          from_float(o.data() + i * dim, out + (s.q_start + r0 + i) * q_stride + h * dim, dim);
+      }
+    }
+  });
+}
+
+std::vector<at::Tensor> packed_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                         const at::Tensor& seqs, const at::Tensor& key_rows, int64_t heads,
+                                         int64_t kv_heads, double scale) {
+  const PaShape sh = pa_shape(q, k, v, heads, kv_heads);
+  const auto list = pa_sequences(seqs, key_rows, sh.rows);
+  auto out = at::zeros_like(q, at::MemoryFormat::Contiguous);
+  auto lse = at::zeros({sh.rows, sh.heads}, q.options().dtype(at::kFloat));
+  DISPATCH_SAMPLER_TYPES(q.scalar_type(), "packed_attention", [&] {
+    auto run = [&](auto dim) {
+      packed_attention_impl<scalar_t, decltype(dim)::value>(
+          q.data_ptr<scalar_t>(), k.data_ptr<scalar_t>(), v.data_ptr<scalar_t>(), list, key_rows.data_ptr<int64_t>(),
+          sh, static_cast<float>(scale), out.data_ptr<scalar_t>(), lse.data_ptr<float>());
+    };
+    if (sh.dim == 64) return run(std::integral_constant<int64_t, 64>{});
+    if (sh.dim == 128) return run(std::integral_constant<int64_t, 128>{});
+    run(std::integral_constant<int64_t, 0>{});
+  });
+  return {out, lse};
+}
+
+template <typename T, int64_t DIM>
+void packed_attention_backward_impl(const T* grad, const T* q, const T* k, const T* v, const T* out, const float* lse,
+                                    const std::vector<PackedSeq>& seqs, const int64_t* key_rows, PaShape sh,
+                                    float scale, T* dq, float* dkv) {
+  const int64_t dim = DIM > 0 ? DIM : sh.dim, group = sh.heads / sh.kv_heads;
+  const int64_t q_stride = sh.heads * dim, k_stride = sh.kv_heads * dim;
+  // dkv: the key gradients' float32 sums [rows, k_stride], then the values'; tasks add theirs in turn
+  std::mutex turn_lock;
+  std::condition_variable turn_changed;
+  int64_t turn = 0;
+  std::exception_ptr failure;
+  pa_run(pa_tasks(seqs, sh.kv_heads), [&](const PaTask& task, int64_t index) {
+    const PackedSeq& s = seqs[task.seq];
+    const int64_t g = task.head, end = task.first + task.count, kl = s.prefix + end, klp = pa_round(kl);
+    thread_local KeyPanels p;
+    thread_local std::vector<float> qf, gf, of, w, dw, dqf, dkl, dvl;
+    bool computed = false;
+    try {  // (a task that fails, out of memory, still takes its turn below: the others wait for it)
+      gather_panels(k, v, k_stride, key_rows + s.key_offset, kl, g, dim, true, true, p);
+      qf.resize(PA_ROWS * dim);
+      gf.resize(PA_ROWS * dim);
+      of.resize(dim);
+      w.resize(PA_ROWS * klp);
+      dw.resize(PA_ROWS * klp);
+      dqf.resize(PA_ROWS * dim);
+      dkl.assign(kl * dim, 0.f);  // this task's key and value gradients, added to the shared sums at the end
+      dvl.assign(kl * dim, 0.f);
+      for (int64_t h = g * group; h < (g + 1) * group; ++h) {
+        for (int64_t r0 = task.first; r0 < end; r0 += PA_ROWS) {
+          const int64_t nr = std::min(PA_ROWS, end - r0);
+          int64_t limit[PA_ROWS];
+          float delta[PA_ROWS];  // sum_d grad * out of each query: softmax's backward
+          for (int64_t i = 0; i < nr; ++i) {
+            const int64_t row = s.q_start + r0 + i;
+            limit[i] = s.prefix + r0 + i + 1;
+            to_float(q + row * q_stride + h * dim, qf.data() + i * dim, dim);
+            to_float(grad + row * q_stride + h * dim, gf.data() + i * dim, dim);
+            to_float(out + row * q_stride + h * dim, of.data(), dim);
+            float dot = 0.f;
+#pragma omp simd reduction(+ : dot)
+            for (int64_t d = 0; d < dim; ++d) dot += gf[i * dim + d] * of[d];
+            delta[i] = dot;
+          }
+          const int64_t keys = pa_round(limit[nr - 1]);
+          pa_scores<DIM>(qf.data(), nr, p.keys_t.data(), klp, keys, dim, w.data(), klp);     // scores
+          pa_scores<DIM>(gf.data(), nr, p.values_t.data(), klp, keys, dim, dw.data(), klp);  // d weights
+          for (int64_t i = 0; i < nr; ++i) {
+            float* x = w.data() + i * klp;
+            float* dx = dw.data() + i * klp;
+            const float m = lse[(s.q_start + r0 + i) * sh.heads + h], di = delta[i];
+            pa_weights_backward(x, dx, limit[i], keys, scale, m, di);
+          }
+          pa_weighted_rows<DIM>(dw.data(), klp, nr, limit, p.keys.data(), dim, scale, dqf.data());
+          for (int64_t i = 0; i < nr; ++i)
+            from_float(dqf.data() + i * dim, dq + (s.q_start + r0 + i) * q_stride + h * dim, dim);
+          // dk[t] += scale * sum_i ds[i][t] q[i], dv[t] += sum_i w[i][t] g[i]
+          pa_key_grads<DIM>(dw.data(), w.data(), klp, nr, limit[nr - 1], scale, qf.data(), gf.data(), dim, dkl.data(),
+                            dvl.data());
+        }
+      }
+      computed = true;
+    } catch (...) {
+      std::lock_guard<std::mutex> guard(turn_lock);
+      if (!failure) failure = std::current_exception();
+    }
+    // into the shared sums in the tasks' order, whichever thread finished first: float sums in an
+    // order set by the tasks alone, so that a run's gradients are the same bits every time (runs
+    // resume and repeat bit for bit, tests/test_reproducibility.py). Task i was started before
+    // task i + 1, so the wait is for a task under way; the adds are a small part of a task.
+    std::unique_lock<std::mutex> held(turn_lock);
+    turn_changed.wait(held, [&] { return turn == index; });
+    const int64_t* rows = key_rows + s.key_offset;
+    for (int64_t t = 0; computed && t < kl; ++t) {
+      float* dk = dkv + rows[t] * k_stride + g * dim;
+      float* dv = dk + sh.rows * k_stride;
+#pragma omp simd
+      for (int64_t d = 0; d < dim; ++d) {
+        dk[d] += dkl[t * dim + d];
+        dv[d] += dvl[t * dim + d];
+      }
+    }
+    ++turn;
+    held.unlock();
+    turn_changed.notify_all();
+  });
+  if (failure) std::rethrow_exception(failure);
+}
+
+std::vector<at::Tensor> packed_attention_backward(const at::Tensor& grad, const at::Tensor& q, const at::Tensor& k,
+                                                  const at::Tensor& v, const at::Tensor& out, const at::Tensor& lse,
+                                                  const at::Tensor& seqs, const at::Tensor& key_rows, int64_t heads,
+                                                  int64_t kv_heads, double scale) {
+  const PaShape sh = pa_shape(q, k, v, heads, kv_heads);
+  check_rows(grad, sh.rows, heads * sh.dim, "packed_attention_backward: grad");
+  check_rows(out, sh.rows, heads * sh.dim, "packed_attention_backward: out");
+  TORCH_CHECK(grad.scalar_type() == q.scalar_type() && out.scalar_type() == q.scalar_type(),
+              "packed_attention_backward: grad and out must have q's dtype");
+  TORCH_CHECK(lse.scalar_type() == at::kFloat && lse.is_contiguous() &&
+                  lse.sizes() == at::IntArrayRef({sh.rows, heads}),
+              "packed_attention_backward: lse must be float32 [rows, heads]");
+  const auto list = pa_sequences(seqs, key_rows, sh.rows);
+  auto dq = at::zeros_like(q, at::MemoryFormat::Contiguous);
+  auto dkv = at::zeros({2, sh.rows, kv_heads * sh.dim}, q.options().dtype(at::kFloat));
+  DISPATCH_SAMPLER_TYPES(q.scalar_type(), "packed_attention_backward", [&] {
+    auto run = [&](auto dim) {
+      packed_attention_backward_impl<scalar_t, decltype(dim)::value>(
+          grad.data_ptr<scalar_t>(), q.data_ptr<scalar_t>(), k.data_ptr<scalar_t>(), v.data_ptr<scalar_t>(),
+          out.data_ptr<scalar_t>(), lse.data_ptr<float>(), list, key_rows.data_ptr<int64_t>(), sh,
+          static_cast<float>(scale), dq.data_ptr<scalar_t>(), dkv.data_ptr<float>());
+    };
+    if (sh.dim == 64) return run(std::integral_constant<int64_t, 64>{});
+    if (sh.dim == 128) return run(std::integral_constant<int64_t, 128>{});
+    run(std::integral_constant<int64_t, 0>{});
+  });
+  return {dq, dkv[0].to(q.scalar_type()), dkv[1].to(q.scalar_type())};
+}
+
+
+}  // namespace grpo_native

@@ -1,0 +1,51 @@
+// The operators' schemas (torch.ops.grpo_native) and their CPU kernels; what each does: ops.h.
+
+#include "ops.h"
+
+#include <torch/library.h>
+
+TORCH_LIBRARY(grpo_native, m) {
+  m.def("add_rms_norm(Tensor residual, Tensor? x, Tensor weight, float eps) -> Tensor[]");
+  m.def("silu_mul(Tensor gate, Tensor up) -> Tensor");
+  m.def("rms_norm_backward(Tensor grad, Tensor x, Tensor weight, float eps) -> Tensor");
+  m.def("silu_mul_backward(Tensor grad, Tensor gate, Tensor up) -> Tensor[]");
+  m.def("sample_tokens(Tensor logits, Tensor temperatures, Tensor uniforms) -> Tensor[]");
+  m.def("rope(Tensor x, Tensor cos, Tensor sin, int heads, bool backward) -> Tensor");
+  m.def("target_logprobs(Tensor logits, Tensor targets) -> Tensor[]");
+  m.def("target_logprobs_backward_(Tensor grad, Tensor(a!) logits, Tensor targets, Tensor stats) -> Tensor(a!)");
+  m.def("rope_attend(Tensor q, Tensor k, Tensor v, Tensor cos, Tensor sin, Tensor(a!) k_cache, Tensor(b!) v_cache, "
+        "Tensor lengths, int heads, float scale, Tensor? shared_from=None, Tensor? shared=None, bool dot=False) "
+        "-> Tensor");
+  m.def("stream_pack(Tensor weight, bool pairs=False) -> Tensor");
+  m.def("stream_dot_available() -> bool", grpo_native::stream_dot_available);
+  m.def("release_kept_chunks() -> int", grpo_native::release_kept_chunks);  // (no tensor to dispatch on: one kernel)
+  m.def("stream_linear(Tensor x, Tensor packed, Tensor? bias, Tensor? lora_a=None, Tensor? lora_b=None) -> Tensor");
+  m.def("decode_layers(Tensor hidden, Tensor cos, Tensor sin, Tensor lengths, Tensor[] weights, Tensor?[] extras, "
+        "Tensor[] norms, Tensor(a!)[] k_caches, Tensor(b!)[] v_caches, int[] qkv_sizes, int heads, float scale, "
+        "float eps, Tensor? shared_from=None, Tensor? shared=None) -> Tensor");
+  m.def("packed_attention(Tensor q, Tensor k, Tensor v, Tensor seqs, Tensor key_rows, int heads, int kv_heads, "
+        "float scale) -> Tensor[]");
+  m.def("packed_attention_backward(Tensor grad, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor seqs, "
+        "Tensor key_rows, int heads, int kv_heads, float scale) -> Tensor[]");
+}
+
+TORCH_LIBRARY_IMPL(grpo_native, CPU, m) {
+  m.impl("add_rms_norm", grpo_native::add_rms_norm);
+  m.impl("silu_mul", grpo_native::silu_mul);
+  m.impl("rms_norm_backward", grpo_native::rms_norm_backward);
+  m.impl("silu_mul_backward", grpo_native::silu_mul_backward);
+  m.impl("sample_tokens", grpo_native::sample_tokens);
+  m.impl("rope", grpo_native::rope);
+  m.impl("target_logprobs", grpo_native::target_logprobs);
+  m.impl("target_logprobs_backward_", grpo_native::target_logprobs_backward_);
+  m.impl("rope_attend", grpo_native::rope_attend);
+  m.impl("decode_layers", grpo_native::decode_layers);
+  m.impl("stream_pack", grpo_native::stream_pack);
+  m.impl("stream_linear", grpo_native::stream_linear);
+  m.impl("packed_attention", grpo_native::packed_attention);
+  m.impl("packed_attention_backward", grpo_native::packed_attention_backward);
+}
+
+// decode_layers takes oneDNN's packed weights (opaque tensors of the MkldnnCPU backend, which the
+// dispatcher then picks for the call) or streaming ones (plain CPU tensors)
+TORCH_LIBRARY_IMPL(grpo_native, MkldnnCPU, m) { m.impl("decode_layers", grpo_native::decode_layers); }

@@ -115,7 +115,7 @@ def test_help_lists_every_key_with_its_meaning():
 
 @pytest.mark.slow  # end to end, minutes on 2 cores: CI's slow stage runs it
 def test_a_wheel_installed_outside_the_checkout_ships_the_config_tree(tmp_path):
-    """`pip install .` (not editable) must carry conf/ and every module: build the wheel, install
+    """`pip install .` (not editable) must carry conf/, every module and the kernels' C++: build the wheel, install
     it into a fresh venv, and compose the config from a directory far from the checkout."""
     wheels = tmp_path / "wheels"
     subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", str(ROOT),
@@ -140,9 +140,11 @@ def test_a_wheel_installed_outside_the_checkout_ships_the_config_tree(tmp_path):
                          cwd=elsewhere, env=clean_env, timeout=120)
     assert job.returncode == 0, job.stderr[-2000:]
     assert "max_tokens: 256" in job.stdout and "_target_: adapters.code_rl.CodeAdapter" in job.stdout
-    shipped = {p.relative_to(site).as_posix() for p in site.rglob("*") if p.suffix in (".py", ".yaml")}
+    shipped = {p.relative_to(site).as_posix() for p in site.rglob("*") if p.suffix in (".py", ".yaml", ".cpp", ".h")}
     source = {p.relative_to(ROOT).as_posix() for pkg in ("grpo", "adapters") for p in (ROOT / pkg).rglob("*.py")}
     source |= {"grpo/" + p.relative_to(ROOT).as_posix() for p in (ROOT / "conf").rglob("*.yaml")}
+    # the native kernels' C++, built on first use from the installed copy (native_kernels.py)
+    source |= {p.relative_to(ROOT).as_posix() for p in (ROOT / "grpo" / "models" / "native").glob("*.[ch]*")}
     missing = sorted(source - shipped)
     assert not missing, f"the wheel lacks {missing}: list new packages in pyproject.toml's [tool.setuptools]"
 

@@ -261,13 +261,6 @@ at::Tensor rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& si
   return out;
 }
 
-// Each row's next token and its logprob under the untempered policy (log_softmax at the token), in
-// one pass over the row's logits where the sampler's PyTorch operators take five (log_softmax,
-// softmax, a float64 copy, its cumsum, searchsorted). temperatures[r] == 0 takes the argmax (the
-// first of equal maxima, as torch.argmax); otherwise the token is drawn by inverting the CDF of
-// softmax(logits / temperature) at uniforms[r], as sampler._draw does: the first index whose
-// cumulative probability, summed in float64, exceeds u * total (kept below total), so that a token
-// of probability 0 is never taken.
 // The trainer's loss head, a row of logits at a time: log_softmax at each row's target, the row's
 // entropy, and (max, log of the sum of exp(logit - max)) kept for the backward. Two reads of the
 // row where autograd's float32 log_softmax, exp and entropy sweep it (and a bf16 model's float32

@@ -21,9 +21,9 @@
 // Shared by them: common.h (conversions, rounding, a vectorizable exp, checks) and simd.h (vector
 // registers of floats). In float32 or bfloat16, rounding to the tensor's dtype wherever the eager
 // operators do, so that they compute what transformers' Llama layers compute up to the order of
-// float sums. Built once per machine by torch.utils.cpp_extension, with -ffp-contract=off: a
-// multiply and an add are never fused, so a kernel's bits do not depend on what the compiler
-// inlines where.
+// float sums. Built once per machine by torch.utils.cpp_extension, with -ffp-contract=off: the
+// compiler fuses no multiply and add of its own (the kernels' fused multiply-adds are written out),
+// so a kernel's bits do not depend on what it inlines where (within a file or across them).
 #pragma once
 
 #include "common.h"

@@ -6,6 +6,13 @@ namespace grpo_native {
 
 constexpr int64_t BLOCK = 512;  // tokens per block of sample_tokens' CDF
 
+// Each row's next token and its logprob under the untempered policy (log_softmax at the token), in
+// one pass over the row's logits where the sampler's PyTorch operators take five (log_softmax,
+// softmax, a float64 copy, its cumsum, searchsorted). temperatures[r] == 0 takes the argmax (the
+// first of equal maxima, as torch.argmax); otherwise the token is drawn by inverting the CDF of
+// softmax(logits / temperature) at uniforms[r], as sampler._draw does: the first index whose
+// cumulative probability, summed in float64, exceeds u * total (kept below total), so that a token
+// of probability 0 is never taken.
 std::vector<at::Tensor> sample_tokens(const at::Tensor& logits, const at::Tensor& temperatures,
                                       const at::Tensor& uniforms) {
   TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == at::kFloat && logits.device().is_cpu() &&

@@ -4,14 +4,16 @@ At the row counts of a decoding step, and at the widths of a small model's train
 PyTorch's small operators costs more in dispatch and passes over memory than in arithmetic: an
 RMSNorm is eight of them forward and more backward, SiLU * up three, a decoding step's attention a
 dozen. The kernels in native/ (one file a job; native/ops.h lists them) do each such piece in one
-call, rounding to the tensor's dtype wherever the eager operators do. They serve the sampler's decoding step (native_decode.py)
-and the trainer's norms, MLP activations (native_layers.py) and attention over packed sequences
-(packed_attention.py), and multiply by weights packed in the streaming layout (cpu_linear.py).
+call, rounding to the tensor's dtype wherever the eager operators do. They serve the sampler's
+decoding step (native_decode.py) and the trainer's norms, MLP activations (native_layers.py) and
+attention over packed sequences (packed_attention.py), and multiply by weights packed in the
+streaming layout (cpu_linear.py).
 
 They are C++ built on first use by ``torch.utils.cpp_extension`` into grpo's cache, once per
-machine (source, torch version and instruction sets in the folder's name), ~10-25 s on two
-cores. Where they cannot be built -- no C++ compiler, another platform -- this says so once, and
-the callers run PyTorch's operators as before. ``GRPO_NATIVE_KERNELS=off`` skips them.
+machine (sources, torch version and instruction sets in the folder's name), ~30-45 s on two
+cores (ninja compiles the files side by side). Where they cannot be built -- no C++ compiler,
+another platform -- this says so once, and the callers run PyTorch's operators as before.
+``GRPO_NATIVE_KERNELS=off`` skips them.
 """
 
 from __future__ import annotations

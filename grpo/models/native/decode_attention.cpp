@@ -7,6 +7,12 @@
 namespace grpo_native {
 
 #if defined(__AVX512F__)
+// t[col] = lanes(key col) for the block's keys col < m, zeros after
+template <int64_t DIM, typename T, typename Lanes>
+inline void each_key(const T* block, int64_t m, __m512 (&t)[16], Lanes lanes) {
+  for (int col = 0; col < 16; ++col) t[col] = col < m ? lanes(block + col * DIM) : _mm512_setzero_ps();
+}
+
 // t[col] for the block's keys col < m (zeros after): sixteen lanes whose sum is the query's dot product with key
 // col, DIM floats of the query against keys widened to float32 as loaded
 template <int64_t DIM, typename T>
@@ -14,16 +20,11 @@ inline void score_lanes(const float* query, const T* block, int64_t m, __m512 (&
   constexpr int CHUNKS = DIM / 16;
   __m512 q[CHUNKS];
   for (int c = 0; c < CHUNKS; ++c) q[c] = _mm512_loadu_ps(query + 16 * c);
-  for (int col = 0; col < 16; ++col) {
-    if (col >= m) {
-      t[col] = _mm512_setzero_ps();
-      continue;
-    }
-    const T* key = block + col * DIM;
+  each_key<DIM>(block, m, t, [&](const T* key) {
     __m512 sum = _mm512_mul_ps(q[0], load_columns(key));
     for (int c = 1; c < CHUNKS; ++c) sum = _mm512_fmadd_ps(q[c], load_columns(key + 16 * c), sum);
-    t[col] = sum;
-  }
+    return sum;
+  });
 }
 
 #if defined(__AVX512BF16__)
@@ -39,16 +40,11 @@ inline void score_lanes(const c10::BFloat16* query, const c10::BFloat16* block, 
   constexpr int CHUNKS = DIM / 32;
   __m512bh q[CHUNKS];
   for (int c = 0; c < CHUNKS; ++c) q[c] = (__m512bh)_mm512_loadu_si512(query + 32 * c);
-  for (int col = 0; col < 16; ++col) {
-    if (col >= m) {
-      t[col] = _mm512_setzero_ps();
-      continue;
-    }
-    const c10::BFloat16* key = block + col * DIM;
+  each_key<DIM>(block, m, t, [&](const c10::BFloat16* key) {
     __m512 sum = _mm512_dpbf16_ps(_mm512_setzero_ps(), q[0], (__m512bh)_mm512_loadu_si512(key));
     for (int c = 1; c < CHUNKS; ++c) sum = _mm512_dpbf16_ps(sum, q[c], (__m512bh)_mm512_loadu_si512(key + 32 * c));
-    t[col] = sum;
-  }
+    return sum;
+  });
 }
 #define ATTEND_DOT 1
 #endif
@@ -243,17 +239,7 @@ void rope_attend_impl(const T* q, int64_t q_stride, const T* k, int64_t k_stride
           const int64_t n = columns(i / group);
           float* sp = weights[i];
           const float top = row_max(sp, n);
-#if defined(ATTEND_AVX512)
-          totals[i] = exp_shifted_total(sp, n, top);  // (the loop below ran one value at a time)
-#else
-          float total = 0.f;
-#pragma omp simd reduction(+ : total)
-          for (int64_t p = 0; p < n; ++p) {
-            sp[p] = vexp(sp[p] - top);
-            total += sp[p];
-          }
-          totals[i] = total;
-#endif
+          totals[i] = exp_shifted_total(sp, n, top);
         }
       };
 #if defined(ATTEND_AVX512)

@@ -298,10 +298,9 @@ inline float pa_softmax_numerators(float* x, int64_t n, float scale, float& top)
 #pragma omp simd
   for (int64_t t = 0; t < n; ++t) x[t] *= scale;
   top = row_max(x, n);
-#if defined(__AVX512F__)  // (simd.h's exp_shifted_total)
-  return exp_shifted_total(x, n, top);  // (sixteen at a time, the last sixteen masked: no scalar tail)
-#elif defined(FLOAT_LANES)
-  // a register at a time, lanes past n zero (x has room: a row's scores run to a multiple of sixteen)
+#if defined(FLOAT_LANES) && !defined(__AVX512F__)
+  // avx2: a register at a time, lanes past n zero (x has room: a row's scores run to a multiple of
+  // sixteen), where exp_shifted_total goes a value at a time
   using V = FloatLanes;
   const V::reg shift = V::set1(top);
   V::reg sums = V::zero();
@@ -315,14 +314,9 @@ inline float pa_softmax_numerators(float* x, int64_t n, float scale, float& top)
   float sum = 0.f;
   for (float lane : lanes) sum += lane;
   return sum;
+#else
+  return exp_shifted_total(x, n, top);  // (simd.h: avx512's sixteen at a time, the last masked; else scalar)
 #endif
-  float total = 0.f;
-#pragma omp simd reduction(+ : total)
-  for (int64_t t = 0; t < n; ++t) {
-    x[t] = vexp(x[t] - top);
-    total += x[t];
-  }
-  return total;
 }
 
 // A task: PA_CHUNK queries (or fewer, a sequence's last) of one sequence through one key head, and

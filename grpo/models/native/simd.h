@@ -117,9 +117,13 @@ inline __m512 sum_lanes16(const __m512 t[16]) {
   return _mm512_add_ps(_mm512_shuffle_f32x4(c[0], c[1], 0x88), _mm512_shuffle_f32x4(c[0], c[1], 0xdd));
 }
 
-// x[p] = vexp(x[p] - top) for p < n, sixteen at a time; their total (sixteen running sums, then
-// added across): softmax's numerators and denominator for one query's scores
+#endif  // __AVX512F__
+
+// x[p] = vexp(x[p] - top) for p < n; their total: softmax's numerators and denominator for one
+// query's scores. With avx512 sixteen at a time (sixteen running sums, then added across; a loop of
+// vexp stays scalar: its NaN test keeps GCC from vectorizing it), else a value at a time.
 inline float exp_shifted_total(float* x, int64_t n, float top) {
+#if defined(__AVX512F__)
   const __m512 shift = _mm512_set1_ps(top);
   __m512 total = _mm512_setzero_ps();
   for (int64_t p = 0; p < n; p += 16) {
@@ -129,8 +133,15 @@ inline float exp_shifted_total(float* x, int64_t n, float top) {
     total = _mm512_add_ps(total, _mm512_maskz_mov_ps(m, e));
   }
   return _mm512_reduce_add_ps(total);
+#else
+  float total = 0.f;
+#pragma omp simd reduction(+ : total)
+  for (int64_t p = 0; p < n; ++p) {
+    x[p] = vexp(x[p] - top);
+    total += x[p];
+  }
+  return total;
+#endif
 }
-
-#endif  // __AVX512F__
 
 }  // namespace grpo_native

@@ -26,14 +26,15 @@ inline __m256 load_columns(const c10::BFloat16* w) {
 
 // One vector register of floats: avx512's sixteen or avx2's eight. Kernels written once over it:
 // vexp_lanes, and the packed-attention loops, whose KEY_BLOCKS (sixteen keys each), ROW_PAIRS,
-// SPLIT_GRADS and REGS_A_PASS (a row's sums over the head dimension per pass) say how many sums a
-// loop keeps in registers: avx512 has 32 of them, avx2 16.
+// REGS_A_PASS (a row's sums over the head dimension per pass) and GRAD_KEYS (keys whose gradient
+// sums, four registers each, a pass keeps) say how many sums a loop keeps in registers: avx512 has
+// 32 of them, avx2 16.
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #define FLOAT_LANES 1
 struct FloatLanes {
 #if defined(__AVX512F__)
   using reg = __m512;
-  static constexpr int W = 16, KEY_BLOCKS = 2, ROW_PAIRS = 2, SPLIT_GRADS = 1, REGS_A_PASS = 8;
+  static constexpr int W = 16, KEY_BLOCKS = 4, ROW_PAIRS = 2, REGS_A_PASS = 8, GRAD_KEYS = 4;
   static reg zero() { return _mm512_setzero_ps(); }
   static reg set1(float x) { return _mm512_set1_ps(x); }
   static reg load(const float* p) { return _mm512_loadu_ps(p); }
@@ -58,7 +59,7 @@ struct FloatLanes {
   }
 #else
   using reg = __m256;
-  static constexpr int W = 8, KEY_BLOCKS = 1, ROW_PAIRS = 1, SPLIT_GRADS = 2, REGS_A_PASS = 8;
+  static constexpr int W = 8, KEY_BLOCKS = 1, ROW_PAIRS = 1, REGS_A_PASS = 8, GRAD_KEYS = 2;
   static reg zero() { return _mm256_setzero_ps(); }
   static reg set1(float x) { return _mm256_set1_ps(x); }
   static reg load(const float* p) { return _mm256_loadu_ps(p); }
@@ -79,6 +80,14 @@ struct FloatLanes {
     return _mm256_and_ps(_mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(n)), index)), v);
   }
 #endif
+  // p's lanes loaded once into a register for the several multiply-adds that read them: left to
+  // itself GCC folds the load into each of them (a load per use, from L2 at long contexts), which
+  // made the packed attention's loops wait on loads (1.1-1.4x slower, docs/benchmark.md)
+  static reg held(const float* p) {
+    reg v = load(p);
+    asm("" : "+v"(v));  // (an opaque value: no load left to fold)
+    return v;
+  }
 };
 
 // vexp of a register's lanes at once, each lane the same steps in the same order as vexp's (no fused

@@ -28,6 +28,9 @@ struct PackedSeq {
 };
 
 constexpr int64_t PA_ROWS = 4;   // queries whose scores are taken together
+// queries whose key and value gradients are summed together (in registers) before they are added to
+// the task's: added every PA_ROWS queries, the adds to memory took a third of the gradients' time
+constexpr int64_t PA_GRAD_ROWS = 16;
 constexpr int64_t PA_KEYS = 16;  // keys a score block covers (one avx512 register of floats)
 
 inline int64_t pa_round(int64_t n) { return (n + PA_KEYS - 1) / PA_KEYS * PA_KEYS; }
@@ -283,7 +286,7 @@ inline void pa_key_grads(const float* a, const float* bw, int64_t ldw, int64_t n
 }
 
 // x[t] = exp(x[t] * scale - lse), the weight, and dx[t] = x[t] * (dx[t] - delta), the score's
-// gradient before the scale, for t < n; both zero for n <= t < keys
+// gradient before the scale, for t < n; both zero for n <= t < keys (whatever x and dx held there)
 inline void pa_weights_backward(float* x, float* dx, int64_t n, int64_t keys, float scale, float lse, float delta) {
 #if defined(FLOAT_LANES)
   using V = FloatLanes;
@@ -291,7 +294,7 @@ inline void pa_weights_backward(float* x, float* dx, int64_t n, int64_t keys, fl
   for (int64_t t = 0; t < keys; t += V::W) {  // (keys: a multiple of sixteen, past n zero)
     const V::reg w = V::below(vexp_lanes(V::sub(V::mul(V::load(x + t), factor), shift)), t, n);
     V::store(x + t, w);
-    V::store(dx + t, V::mul(w, V::sub(V::load(dx + t), d)));
+    V::store(dx + t, V::below(V::mul(w, V::sub(V::load(dx + t), d)), t, n));
   }
   return;
 #endif
@@ -481,45 +484,52 @@ void packed_attention_backward_impl(const T* grad, const T* q, const T* k, const
     bool computed = false;
     try {  // (a task that fails, out of memory, still takes its turn below: the others wait for it)
       gather_panels(k, v, k_stride, key_rows + s.key_offset, kl, g, dim, true, true, p);
-      qf.resize(PA_ROWS * dim);
-      gf.resize(PA_ROWS * dim);
+      qf.resize(PA_GRAD_ROWS * dim);
+      gf.resize(PA_GRAD_ROWS * dim);
       of.resize(dim);
-      w.resize(PA_ROWS * klp);
-      dw.resize(PA_ROWS * klp);
+      w.resize(PA_GRAD_ROWS * klp);
+      dw.resize(PA_GRAD_ROWS * klp);
       dqf.resize(PA_ROWS * dim);
       dkl.assign(kl * dim, 0.f);  // this task's key and value gradients, added to the shared sums at the end
       dvl.assign(kl * dim, 0.f);
       for (int64_t h = g * group; h < (g + 1) * group; ++h) {
-        for (int64_t r0 = task.first; r0 < end; r0 += PA_ROWS) {
-          const int64_t nr = std::min(PA_ROWS, end - r0);
-          int64_t limit[PA_ROWS];
-          float delta[PA_ROWS];  // sum_d grad * out of each query: softmax's backward
-          for (int64_t i = 0; i < nr; ++i) {
-            const int64_t row = s.q_start + r0 + i;
-            limit[i] = s.prefix + r0 + i + 1;
-            to_float(q + row * q_stride + h * dim, qf.data() + i * dim, dim);
-            to_float(grad + row * q_stride + h * dim, gf.data() + i * dim, dim);
-            to_float(out + row * q_stride + h * dim, of.data(), dim);
-            float dot = 0.f;
+        for (int64_t b0 = task.first; b0 < end; b0 += PA_GRAD_ROWS) {
+          // PA_GRAD_ROWS queries' weights and their gradients, PA_ROWS at a time, then their key and
+          // value gradients at once; every row zero past its last key up to the block's last's
+          const int64_t nb = std::min(PA_GRAD_ROWS, end - b0), block_keys = pa_round(s.prefix + b0 + nb);
+          for (int64_t r0 = b0; r0 < b0 + nb; r0 += PA_ROWS) {
+            const int64_t nr = std::min(PA_ROWS, b0 + nb - r0), j = r0 - b0;  // (j: the rows' place in the block)
+            float* qb = qf.data() + j * dim;
+            float* gb = gf.data() + j * dim;
+            float* wb = w.data() + j * klp;
+            float* dwb = dw.data() + j * klp;
+            int64_t limit[PA_ROWS];
+            float delta[PA_ROWS];  // sum_d grad * out of each query: softmax's backward
+            for (int64_t i = 0; i < nr; ++i) {
+              const int64_t row = s.q_start + r0 + i;
+              limit[i] = s.prefix + r0 + i + 1;
+              to_float(q + row * q_stride + h * dim, qb + i * dim, dim);
+              to_float(grad + row * q_stride + h * dim, gb + i * dim, dim);
+              to_float(out + row * q_stride + h * dim, of.data(), dim);
+              float dot = 0.f;
 #pragma omp simd reduction(+ : dot)
-            for (int64_t d = 0; d < dim; ++d) dot += gf[i * dim + d] * of[d];
-            delta[i] = dot;
+              for (int64_t d = 0; d < dim; ++d) dot += gb[i * dim + d] * of[d];
+              delta[i] = dot;
+            }
+            const int64_t keys = pa_round(limit[nr - 1]);
+            pa_scores<DIM>(qb, nr, p.keys_t.data(), klp, keys, dim, wb, klp);     // scores
+            pa_scores<DIM>(gb, nr, p.values_t.data(), klp, keys, dim, dwb, klp);  // d weights
+            for (int64_t i = 0; i < nr; ++i) {
+              const float m = lse[(s.q_start + r0 + i) * sh.heads + h];
+              pa_weights_backward(wb + i * klp, dwb + i * klp, limit[i], block_keys, scale, m, delta[i]);
+            }
+            pa_weighted_rows<DIM>(dwb, klp, nr, limit, p.keys.data(), dim, scale, dqf.data());
+            for (int64_t i = 0; i < nr; ++i)
+              from_float(dqf.data() + i * dim, dq + (s.q_start + r0 + i) * q_stride + h * dim, dim);
           }
-          const int64_t keys = pa_round(limit[nr - 1]);
-          pa_scores<DIM>(qf.data(), nr, p.keys_t.data(), klp, keys, dim, w.data(), klp);     // scores
-          pa_scores<DIM>(gf.data(), nr, p.values_t.data(), klp, keys, dim, dw.data(), klp);  // d weights
-          for (int64_t i = 0; i < nr; ++i) {
-            float* x = w.data() + i * klp;
-            float* dx = dw.data() + i * klp;
-            const float m = lse[(s.q_start + r0 + i) * sh.heads + h], di = delta[i];
-            pa_weights_backward(x, dx, limit[i], keys, scale, m, di);
-          }
-          pa_weighted_rows<DIM>(dw.data(), klp, nr, limit, p.keys.data(), dim, scale, dqf.data());
-          for (int64_t i = 0; i < nr; ++i)
-            from_float(dqf.data() + i * dim, dq + (s.q_start + r0 + i) * q_stride + h * dim, dim);
-          // dk[t] += scale * sum_i ds[i][t] q[i], dv[t] += sum_i w[i][t] g[i]
-          pa_key_grads<DIM>(dw.data(), w.data(), klp, nr, limit[nr - 1], scale, qf.data(), gf.data(), dim, dkl.data(),
-                            dvl.data());
+          // dk[t] += scale * sum_i ds[i][t] q[i], dv[t] += sum_i w[i][t] g[i] over the block's queries
+          pa_key_grads<DIM>(dw.data(), w.data(), klp, nb, s.prefix + b0 + nb, scale, qf.data(), gf.data(), dim,
+                            dkl.data(), dvl.data());
         }
       }
       computed = true;

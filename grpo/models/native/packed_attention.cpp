@@ -100,52 +100,57 @@ inline void pa_scores_vec(const float* a, int64_t nr, const float* bt, int64_t l
   for (; t0 < keys; t0 += PA_KEYS) pa_scores_block<DIM, 1>(rows, nr, bt, ldb, t0, out, ldo);
 }
 
-// out[i] = scale * sum_{t < limit[i]} w[i][t] * b[t], ROW_PAIRS rows' sums in registers at a time
-// (avx512: two rows, each row of b loaded once for both; avx2: one)
+// out[i] = scale * sum_{t < limit[i]} w[i][t] * b[t] for M rows (i0..i0+M): their sums over 64 of the
+// head's dimensions (avx2: 32) in registers, each of b's rows loaded once for all M; the keys past
+// the rows' common limit then row by row. Each sum runs over t in order: the same bits whatever M.
+template <int64_t DIM, int M>
+inline void pa_weighted_block(const float* w, int64_t ldw, const int64_t* limit, const float* b, float scale,
+                              float* out) {
+  using V = FloatLanes;
+  constexpr int C = DIM / V::W < 4 ? DIM / V::W : 4;
+  int64_t common = limit[0];
+  for (int r = 1; r < M; ++r) common = std::min(common, limit[r]);
+  const typename V::reg factor = V::set1(scale);
+  for (int64_t h = 0; h < DIM; h += C * V::W) {
+    typename V::reg acc[M][C];
+#pragma GCC unroll 16
+    for (int r = 0; r < M; ++r)
+#pragma GCC unroll 16
+      for (int c = 0; c < C; ++c) acc[r][c] = V::zero();
+    for (int64_t t = 0; t < common; ++t) {
+      typename V::reg v[C];
+#pragma GCC unroll 16
+      for (int c = 0; c < C; ++c) v[c] = V::held(b + t * DIM + h + V::W * c);
+#pragma GCC unroll 16
+      for (int r = 0; r < M; ++r) {
+        const typename V::reg x = V::set1(w[r * ldw + t]);
+#pragma GCC unroll 16
+        for (int c = 0; c < C; ++c) acc[r][c] = V::fma(x, v[c], acc[r][c]);
+      }
+    }
+#pragma GCC unroll 16
+    for (int r = 0; r < M; ++r) {
+      for (int64_t t = common; t < limit[r]; ++t) {
+        const typename V::reg x = V::set1(w[r * ldw + t]);
+#pragma GCC unroll 16
+        for (int c = 0; c < C; ++c) acc[r][c] = V::fma(x, V::load(b + t * DIM + h + V::W * c), acc[r][c]);
+      }
+#pragma GCC unroll 16
+      for (int c = 0; c < C; ++c) V::store(out + r * DIM + h + V::W * c, V::mul(acc[r][c], factor));
+    }
+  }
+}
+
+// out[i] = scale * sum_{t < limit[i]} w[i][t] * b[t] for nr <= PA_ROWS rows, WEIGHTED_ROWS at a time
+// (avx512: four; avx2: two)
 template <int64_t DIM>
 inline void pa_weighted_rows_vec(const float* w, int64_t ldw, int64_t nr, const int64_t* limit, const float* b,
                                  float scale, float* out) {
-  using V = FloatLanes;
-  constexpr int C = V::REGS_A_PASS < DIM / V::W ? V::REGS_A_PASS : DIM / V::W;  // a row's sums a pass
-  const typename V::reg factor = V::set1(scale);
-  for (int64_t i = 0; i < nr; i += V::ROW_PAIRS) {
-    const bool pair = V::ROW_PAIRS == 2 && i + 1 < nr;
-    const float* w0 = w + i * ldw;
-    const float* w1 = pair ? w0 + ldw : w0;
-    const int64_t both = pair ? std::min(limit[i], limit[i + 1]) : 0;
-    for (int64_t h = 0; h < DIM; h += C * V::W) {  // (avx2 and 128 dims: two passes of 64)
-      typename V::reg acc0[C], acc1[C];
-#pragma GCC unroll 16
-      for (int c = 0; c < C; ++c) acc0[c] = acc1[c] = V::zero();
-      int64_t t = 0;
-      if (pair)
-        for (; t < both; ++t) {
-          const typename V::reg x0 = V::set1(w0[t]), x1 = V::set1(w1[t]);
-#pragma GCC unroll 16
-          for (int c = 0; c < C; ++c) {
-            const typename V::reg v = V::held(b + t * DIM + h + V::W * c);
-            acc0[c] = V::fma(x0, v, acc0[c]);
-            acc1[c] = V::fma(x1, v, acc1[c]);
-          }
-        }
-      for (int64_t u = t; u < limit[i]; ++u) {  // (a row's keys past the other's, or every key of one row)
-        const typename V::reg x0 = V::set1(w0[u]);
-#pragma GCC unroll 16
-        for (int c = 0; c < C; ++c) acc0[c] = V::fma(x0, V::load(b + u * DIM + h + V::W * c), acc0[c]);
-      }
-      if (pair)
-        for (int64_t u = t; u < limit[i + 1]; ++u) {
-          const typename V::reg x1 = V::set1(w1[u]);
-#pragma GCC unroll 16
-          for (int c = 0; c < C; ++c) acc1[c] = V::fma(x1, V::load(b + u * DIM + h + V::W * c), acc1[c]);
-        }
-#pragma GCC unroll 16
-      for (int c = 0; c < C; ++c) {
-        V::store(out + i * DIM + h + V::W * c, V::mul(acc0[c], factor));
-        if (pair) V::store(out + (i + 1) * DIM + h + V::W * c, V::mul(acc1[c], factor));
-      }
-    }
-  }
+  constexpr int M = FloatLanes::WEIGHTED_ROWS;
+  int64_t i = 0;
+  for (; i + M <= nr; i += M) pa_weighted_block<DIM, M>(w + i * ldw, ldw, limit + i, b, scale, out + i * DIM);
+  for (; i + 2 <= nr; i += 2) pa_weighted_block<DIM, 2>(w + i * ldw, ldw, limit + i, b, scale, out + i * DIM);
+  for (; i < nr; ++i) pa_weighted_block<DIM, 1>(w + i * ldw, ldw, limit + i, b, scale, out + i * DIM);
 }
 
 // dk[t] += sum_i scale * a[i][t] * q[i], then dv[t] += sum_i bw[i][t] * g[i], for t < keys: GRAD_KEYS

@@ -25,16 +25,16 @@ inline __m256 load_columns(const c10::BFloat16* w) {
 #endif
 
 // One vector register of floats: avx512's sixteen or avx2's eight. Kernels written once over it:
-// vexp_lanes, and the packed-attention loops, whose KEY_BLOCKS (sixteen keys each), ROW_PAIRS,
-// REGS_A_PASS (a row's sums over the head dimension per pass) and GRAD_KEYS (keys whose gradient
-// sums, four registers each, a pass keeps) say how many sums a loop keeps in registers: avx512 has
-// 32 of them, avx2 16.
+// vexp_lanes, and the packed-attention loops, whose KEY_BLOCKS (sixteen keys each), WEIGHTED_ROWS
+// (queries whose weighted sums of values a pass keeps) and GRAD_KEYS (keys whose gradient sums a
+// pass keeps; four registers of the head dimension each, as for a weighted row) say how many sums
+// a loop keeps in registers: avx512 has 32 of them, avx2 16.
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #define FLOAT_LANES 1
 struct FloatLanes {
 #if defined(__AVX512F__)
   using reg = __m512;
-  static constexpr int W = 16, KEY_BLOCKS = 4, ROW_PAIRS = 2, REGS_A_PASS = 8, GRAD_KEYS = 4;
+  static constexpr int W = 16, KEY_BLOCKS = 4, WEIGHTED_ROWS = 4, GRAD_KEYS = 4;
   static reg zero() { return _mm512_setzero_ps(); }
   static reg set1(float x) { return _mm512_set1_ps(x); }
   static reg load(const float* p) { return _mm512_loadu_ps(p); }
@@ -59,7 +59,7 @@ struct FloatLanes {
   }
 #else
   using reg = __m256;
-  static constexpr int W = 8, KEY_BLOCKS = 1, ROW_PAIRS = 1, REGS_A_PASS = 8, GRAD_KEYS = 2;
+  static constexpr int W = 8, KEY_BLOCKS = 1, WEIGHTED_ROWS = 2, GRAD_KEYS = 2;
   static reg zero() { return _mm256_setzero_ps(); }
   static reg set1(float x) { return _mm256_set1_ps(x); }
   static reg load(const float* p) { return _mm256_loadu_ps(p); }

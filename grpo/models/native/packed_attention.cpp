@@ -41,22 +41,69 @@ struct KeyPanels {
   std::vector<float> keys, keys_t, values, values_t;
 };
 
+#if defined(__AVX512F__)
+// r[c] = column c of the 16 x 16 block whose row i is r[i] (unpacks within 128-bit lanes, then the
+// lanes themselves moved across registers)
+inline void transpose16(__m512 r[16]) {
+  __m512 t[16], u[16];
+  for (int i = 0; i < 8; ++i) {  // t[2i], t[2i+1]: rows 2i and 2i+1 interleaved
+    t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+  }
+  for (int i = 0; i < 4; ++i) {  // u[4i+e], 128-bit lane L: element 4L+e of rows 4i..4i+3
+    u[4 * i] = _mm512_shuffle_ps(t[4 * i], t[4 * i + 2], _MM_SHUFFLE(1, 0, 1, 0));
+    u[4 * i + 1] = _mm512_shuffle_ps(t[4 * i], t[4 * i + 2], _MM_SHUFFLE(3, 2, 3, 2));
+    u[4 * i + 2] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], _MM_SHUFFLE(1, 0, 1, 0));
+    u[4 * i + 3] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], _MM_SHUFFLE(3, 2, 3, 2));
+  }
+  for (int e = 0; e < 4; ++e) {  // column 4L+e: lane L of u[e], u[4+e], u[8+e], u[12+e]
+    const __m512 v0 = _mm512_shuffle_f32x4(u[e], u[4 + e], 0x44), v1 = _mm512_shuffle_f32x4(u[e], u[4 + e], 0xee);
+    const __m512 v2 = _mm512_shuffle_f32x4(u[8 + e], u[12 + e], 0x44);
+    const __m512 v3 = _mm512_shuffle_f32x4(u[8 + e], u[12 + e], 0xee);
+    r[e] = _mm512_shuffle_f32x4(v0, v2, 0x88);
+    r[4 + e] = _mm512_shuffle_f32x4(v0, v2, 0xdd);
+    r[8 + e] = _mm512_shuffle_f32x4(v1, v3, 0x88);
+    r[12 + e] = _mm512_shuffle_f32x4(v1, v3, 0xdd);
+  }
+}
+#endif
+
+// out[d][t] = rows[t][d] for t < n, zeros for n <= t < pa_round(n); rows [n][dim], out [dim][ldo]
+inline void pa_transpose(const float* rows, int64_t n, int64_t dim, float* out, int64_t ldo) {
+#if defined(__AVX512F__)
+  if (dim % 16 == 0) {  // sixteen by sixteen blocks (a value at a time wrote 16 cache lines a key)
+    __m512 r[16];
+    for (int64_t t0 = 0; t0 < n; t0 += PA_KEYS)
+      for (int64_t d0 = 0; d0 < dim; d0 += 16) {
+        for (int64_t i = 0; i < 16; ++i)
+          r[i] = t0 + i < n ? _mm512_loadu_ps(rows + (t0 + i) * dim + d0) : _mm512_setzero_ps();
+        transpose16(r);
+        for (int64_t j = 0; j < 16; ++j) _mm512_storeu_ps(out + (d0 + j) * ldo + t0, r[j]);
+      }
+    return;
+  }
+#endif
+  for (int64_t d = 0; d < dim; ++d) {
+    for (int64_t t = 0; t < n; ++t) out[d * ldo + t] = rows[t * dim + d];
+    std::fill(out + d * ldo + n, out + d * ldo + pa_round(n), 0.f);
+  }
+}
+
 template <typename T>
 void gather_panels(const T* k, const T* v, int64_t k_stride, const int64_t* rows, int64_t kl, int64_t head,
-                   int64_t dim, bool transposed_values, bool row_keys, KeyPanels& p) {
+                   int64_t dim, bool transposed_values, KeyPanels& p) {
   const int64_t klp = pa_round(kl);
-  p.keys_t.assign(dim * klp, 0.f);
+  p.keys.resize(kl * dim);  // (row-major keys: the backward's, and what the transposed are made from)
+  p.keys_t.resize(dim * klp);
   p.values.resize(kl * dim);
-  if (row_keys) p.keys.resize(kl * dim);
-  if (transposed_values) p.values_t.assign(dim * klp, 0.f);
-  std::vector<float> row(dim);
   for (int64_t t = 0; t < kl; ++t) {
-    to_float(k + rows[t] * k_stride + head * dim, row.data(), dim);
-    for (int64_t d = 0; d < dim; ++d) p.keys_t[d * klp + t] = row[d];
-    if (row_keys) std::memcpy(p.keys.data() + t * dim, row.data(), dim * sizeof(float));
+    to_float(k + rows[t] * k_stride + head * dim, p.keys.data() + t * dim, dim);
     to_float(v + rows[t] * k_stride + head * dim, p.values.data() + t * dim, dim);
-    if (transposed_values)
-      for (int64_t d = 0; d < dim; ++d) p.values_t[d * klp + t] = p.values[t * dim + d];
+  }
+  pa_transpose(p.keys.data(), kl, dim, p.keys_t.data(), klp);
+  if (transposed_values) {
+    p.values_t.resize(dim * klp);
+    pa_transpose(p.values.data(), kl, dim, p.values_t.data(), klp);
   }
 }
 
@@ -420,7 +467,7 @@ void packed_attention_impl(const T* q, const T* k, const T* v, const std::vector
     const int64_t g = task.head, end = task.first + task.count, kl = s.prefix + end, klp = pa_round(kl);
     thread_local KeyPanels p;
     thread_local std::vector<float> qf, w, o;
-    gather_panels(k, v, k_stride, key_rows + s.key_offset, kl, g, dim, false, false, p);
+    gather_panels(k, v, k_stride, key_rows + s.key_offset, kl, g, dim, false, p);
     qf.resize(PA_ROWS * dim);
     w.resize(PA_ROWS * klp);
     o.resize(PA_ROWS * dim);
@@ -488,7 +535,7 @@ void packed_attention_backward_impl(const T* grad, const T* q, const T* k, const
     thread_local std::vector<float> qf, gf, of, w, dw, dqf, dkl, dvl;
     bool computed = false;
     try {  // (a task that fails, out of memory, still takes its turn below: the others wait for it)
-      gather_panels(k, v, k_stride, key_rows + s.key_offset, kl, g, dim, true, true, p);
+      gather_panels(k, v, k_stride, key_rows + s.key_offset, kl, g, dim, true, p);
       qf.resize(PA_GRAD_ROWS * dim);
       gf.resize(PA_GRAD_ROWS * dim);
       of.resize(dim);

@@ -1,0 +1,107 @@
+"""The trainer's attention over packed sequences alone: time and rate of grpo's kernel, forward and backward.
+
+Usage (from the repository root):
+
+    .venv/bin/python scripts/attention_rate.py                  # every shape, bf16
+    .venv/bin/python scripts/attention_rate.py --dtype fp32 --shapes long
+
+A GRPO micro-batch as the trainer packs it (grpo/backends/local/packed_attention.py): each prompt
+once, then its group's answers, each continuing the prompt (its queries see the prompt's keys and
+its own). Shapes: ``bench`` is scripts/bench.py's pass (8 prompts of 47 tokens, 4 answers of 13
+each; SmolLM2-135M's 9 query and 3 key heads of 64), ``long`` the same prompts with answers of
+256-512 tokens, ``mha`` SmolLM2-1.7B's 32 heads of 64 (one key head each) over 2 prompts x 4
+answers of 16. The rate counts the useful work only: two products a (query, key) pair forward
+(scores, weighted values), five backward (scores again, the weights' gradient, the query, key and
+value gradients), ``2 x head dim`` FLOPs each -- nothing past a query's last key. A multiply-add
+core's float32 peak is the rate to hold it against (the kernel sums in float32): on the AMD EPYC
+(Zen 4) of docs/benchmark.md, 235 GFLOP/s on 2 cores.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+# name: (prompts, prompt tokens, answers per prompt, answer lengths (cycled), query heads, key heads, head dim)
+SHAPES = {
+    "bench": (8, 47, 4, [13], 9, 3, 64),
+    "long": (8, 100, 4, [256, 512, 384, 512], 9, 3, 64),
+    "mha": (2, 47, 4, [16], 32, 32, 64),
+}
+
+
+def plan(prompts: int, prompt_len: int, group: int, answers: list[int]):
+    """The kernel's ``seqs`` ([q_start, q_len, prefix, key_offset] rows) and ``key_rows`` for
+    prompts each followed by ``group`` answers; the rows of the pass; its (query, key) pairs."""
+    seqs, key_rows, start = [], [], 0
+    for p in range(prompts):
+        prompt = list(range(start, start + prompt_len))
+        seqs.append((start, prompt_len, 0, len(key_rows)))
+        key_rows += prompt
+        start += prompt_len
+        for g in range(group):
+            n = answers[(p * group + g) % len(answers)]
+            seqs.append((start, n, prompt_len, len(key_rows)))
+            key_rows += prompt + list(range(start, start + n))
+            start += n
+    pairs = sum(q * (prefix + (q + 1) / 2) for _, q, prefix, _ in seqs)
+    return torch.tensor(seqs).reshape(-1, 4), torch.tensor(key_rows), start, pairs
+
+
+def measure(ops, shape, dtype: torch.dtype, repeats: int) -> dict[str, tuple[float, float]]:
+    """``{"forward" | "backward": (seconds a call, GFLOP/s)}``, the median of five timings."""
+    prompts, prompt_len, group, answers, heads, kv_heads, dim = shape
+    seqs, key_rows, rows, pairs = plan(prompts, prompt_len, group, answers)
+    gen = torch.Generator().manual_seed(0)
+    q, grad = (torch.randn(rows, heads * dim, generator=gen).to(dtype) for _ in range(2))
+    k, v = (torch.randn(rows, kv_heads * dim, generator=gen).to(dtype) for _ in range(2))
+    scale = dim ** -0.5
+    out, lse = ops.packed_attention(q, k, v, seqs, key_rows, heads, kv_heads, scale)
+    calls = {
+        "forward": (2, lambda: ops.packed_attention(q, k, v, seqs, key_rows, heads, kv_heads, scale)),
+        "backward": (5, lambda: ops.packed_attention_backward(grad, q, k, v, out, lse, seqs, key_rows, heads,
+                                                              kv_heads, scale)),
+    }
+    result = {}
+    for name, (products, call) in calls.items():
+        call()  # (first touch of the kernel's buffers)
+        times = []
+        for _ in range(5):
+            start = time.perf_counter()
+            for _ in range(repeats):
+                call()
+            times.append((time.perf_counter() - start) / repeats)
+        seconds = statistics.median(times)
+        result[name] = (seconds, pairs * heads * products * 2 * dim / seconds / 1e9)
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16")
+    parser.add_argument("--shapes", nargs="+", choices=sorted(SHAPES), default=list(SHAPES))
+    args = parser.parse_args()
+
+    from grpo.models import native_kernels
+
+    ops = native_kernels.kernels()
+    if ops is None:
+        raise SystemExit("grpo's native kernels are not available here (switched off, or the build failed: said above)")
+    dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype]
+    print(f"# packed attention, {args.dtype}, {torch.get_num_threads()} threads, torch {torch.__version__}, "
+          f"CPU capability {torch.backends.cpu.get_cpu_capability()}")
+    print("| shape | rows | forward ms | forward GFLOP/s | backward ms | backward GFLOP/s |")
+    print("| --- | --- | --- | --- | --- | --- |")
+    for name in args.shapes:
+        shape = SHAPES[name]
+        result = measure(ops, shape, dtype, repeats=2 if name == "long" else 20)
+        rows = plan(*shape[:4])[2]
+        (fs, fr), (bs, br) = result["forward"], result["backward"]
+        print(f"| {name} | {rows} | {fs * 1e3:.2f} | {fr:.0f} | {bs * 1e3:.2f} | {br:.0f} |")
+
+
+if __name__ == "__main__":
+    main()

@@ -31,6 +31,8 @@ constexpr int64_t PA_ROWS = 4;   // queries whose scores are taken together
 // queries whose key and value gradients are summed together (in registers) before they are added to
 // the task's: added every PA_ROWS queries, the adds to memory took a third of the gradients' time
 constexpr int64_t PA_GRAD_ROWS = 16;
+// finished tasks' key/value sums the backward keeps while they wait for their turn (then they wait)
+constexpr int64_t PA_KEPT_BYTES = int64_t{256} << 20;
 constexpr int64_t PA_KEYS = 16;  // keys a score block covers (one avx512 register of floats)
 
 inline int64_t pa_round(int64_t n) { return (n + PA_KEYS - 1) / PA_KEYS * PA_KEYS; }
@@ -528,7 +530,29 @@ void packed_attention_backward_impl(const T* grad, const T* q, const T* k, const
   std::condition_variable turn_changed;
   int64_t turn = 0;
   std::exception_ptr failure;
-  pa_run(pa_tasks(seqs, sh.kv_heads), [&](const PaTask& task, int64_t index) {
+  const std::vector<PaTask> tasks = pa_tasks(seqs, sh.kv_heads);
+  // a finished task's sums, kept until its turn: (computed, key sums, value sums)
+  struct Finished {
+    bool ready = false, computed = false;
+    std::vector<float> dk, dv;
+  };
+  std::vector<Finished> finished(tasks.size());
+  std::vector<std::vector<float>> spare;  // buffers of sums already added, for the next to keep theirs
+  int64_t kept_bytes = 0;
+  auto add_sums = [&](const PaTask& task, const float* dkl, const float* dvl) {
+    const PackedSeq& s = seqs[task.seq];
+    const int64_t* rows = key_rows + s.key_offset;
+    for (int64_t t = 0; t < s.prefix + task.first + task.count; ++t) {
+      float* dk = dkv + rows[t] * k_stride + task.head * dim;
+      float* dv = dk + sh.rows * k_stride;
+#pragma omp simd
+      for (int64_t d = 0; d < dim; ++d) {
+        dk[d] += dkl[t * dim + d];
+        dv[d] += dvl[t * dim + d];
+      }
+    }
+  };
+  pa_run(tasks, [&](const PaTask& task, int64_t index) {
     const PackedSeq& s = seqs[task.seq];
     const int64_t g = task.head, end = task.first + task.count, kl = s.prefix + end, klp = pa_round(kl);
     thread_local KeyPanels p;
@@ -591,21 +615,41 @@ void packed_attention_backward_impl(const T* grad, const T* q, const T* k, const
     }
     // into the shared sums in the tasks' order, whichever thread finished first: float sums in an
     // order set by the tasks alone, so that a run's gradients are the same bits every time (runs
-    // resume and repeat bit for bit, tests/test_reproducibility.py). Task i was started before
-    // task i + 1, so the wait is for a task under way; the adds are a small part of a task.
+    // resume and repeat bit for bit, tests/test_reproducibility.py). A task finished before its turn
+    // leaves its sums for the task before it to add after its own, and goes on to the next task:
+    // waiting instead cost ~20% of the backward where tasks are many and small (a key head per query
+    // head, short answers). Past PA_KEPT_BYTES of such sums it waits (task i was started before task
+    // i + 1: the wait is for a task under way).
     std::unique_lock<std::mutex> held(turn_lock);
-    turn_changed.wait(held, [&] { return turn == index; });
-    const int64_t* rows = key_rows + s.key_offset;
-    for (int64_t t = 0; computed && t < kl; ++t) {
-      float* dk = dkv + rows[t] * k_stride + g * dim;
-      float* dv = dk + sh.rows * k_stride;
-#pragma omp simd
-      for (int64_t d = 0; d < dim; ++d) {
-        dk[d] += dkl[t * dim + d];
-        dv[d] += dvl[t * dim + d];
+    const int64_t bytes = computed ? 2 * kl * dim * static_cast<int64_t>(sizeof(float)) : 0;
+    if (turn != index && kept_bytes + bytes <= PA_KEPT_BYTES) {
+      Finished& f = finished[index];
+      f.computed = computed;
+      if (computed) {  // (the thread's buffers go with them; it takes spare ones, else allocates)
+        f.dk.swap(dkl);
+        f.dv.swap(dvl);
+        for (std::vector<float>* mine : {&dkl, &dvl})
+          if (!spare.empty()) {
+            mine->swap(spare.back());
+            spare.pop_back();
+          }
       }
+      kept_bytes += bytes;
+      f.ready = true;
+      return;
     }
-    ++turn;
+    turn_changed.wait(held, [&] { return turn == index; });
+    if (computed) add_sums(task, dkl.data(), dvl.data());
+    for (++turn; turn < static_cast<int64_t>(tasks.size()) && finished[turn].ready; ++turn) {
+      Finished& f = finished[turn];
+      if (f.computed) {
+        add_sums(tasks[turn], f.dk.data(), f.dv.data());
+        kept_bytes -= 2 * static_cast<int64_t>(f.dk.size() * sizeof(float));
+        spare.push_back(std::move(f.dk));
+        spare.push_back(std::move(f.dv));
+      }
+      f.ready = false;
+    }
     held.unlock();
     turn_changed.notify_all();
   });

@@ -208,7 +208,8 @@ class PackedPass:
         float32 sums; None where it does not apply (off the CPU, another dtype, dropout, a sliding
         window, kernels not built). SmolLM2's 30 layers over the bench's packed pass, forward and
         backward: 0.17 against 0.44 s for the gathered blocks through SDPA in bf16, 0.19 against 0.44
-        in float32 (AMD EPYC Zen 4, 2 cores; docs/benchmark.md)."""
+        in float32, when it came (AMD EPYC Zen 4, 2 cores); its kernel alone now ~0.08 s there, 1.5x
+        faster again at 512-token answers (docs/benchmark.md, scripts/attention_rate.py)."""
         if not (NATIVE_ATTENTION_ON_CPU and query.device.type == "cpu" and query.dtype in (torch.float32, torch.bfloat16)
                 and key.dtype == value.dtype == query.dtype and dropout == 0.0 and sliding_window is None
                 and query.shape[1] % key.shape[1] == 0):

@@ -206,7 +206,7 @@ inline void pa_weighted_rows_vec(const float* w, int64_t ldw, int64_t nr, const 
 // dk[t] += sum_i scale * a[i][t] * q[i], then dv[t] += sum_i bw[i][t] * g[i], for t < keys: GRAD_KEYS
 // keys' sums over the nr queries in registers (four registers of the head dimension each), each
 // query's row loaded once for all of them, one add to memory a key. (A key at a time, keys' and
-// values' together, loaded the rows once per key: 1.2-1.4x slower.) Each key's sums run over the
+// values' together, loaded the rows once per key: the backward 1.1-1.25x slower.) Each key's sums run over the
 // queries in order, as before: the same bits. Reads a and bw up to t0 + GRAD_KEYS past keys: the
 // callers' rows run zeros to a multiple of sixteen.
 template <int64_t DIM>
@@ -539,6 +539,7 @@ void packed_attention_backward_impl(const T* grad, const T* q, const T* k, const
   };
   std::vector<Finished> finished(tasks.size());
   std::vector<std::vector<float>> spare;  // buffers of sums already added, for the next to keep theirs
+  spare.reserve(2 * tasks.size());        // (no allocation while a turn is taken: nothing to throw there)
   int64_t kept_bytes = 0;
   auto add_sums = [&](const PaTask& task, const float* dkl, const float* dvl) {
     const PackedSeq& s = seqs[task.seq];

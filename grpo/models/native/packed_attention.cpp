@@ -150,6 +150,28 @@ inline void pa_scores_vec(const float* a, int64_t nr, const float* bt, int64_t l
   for (; t0 < keys; t0 += PA_KEYS) pa_scores_block<DIM, 1>(rows, nr, bt, ldb, t0, out, ldo);
 }
 
+// acc[m][c] += s[m * s_m + k * s_k] (times factor where SCALED) * x[k][c] for k0 <= k < k1: M sums of
+// C registers each, built a row of x at a time, the row loaded once for all M (x: rows of DIM
+// floats, the registers' columns from x[k]). The loop of the weighted sums and of the key/value
+// gradients; each sum runs over k in order.
+template <int64_t DIM, int M, int C, bool SCALED>
+inline void pa_outer_sums(typename FloatLanes::reg (&acc)[M][C], const float* s, int64_t s_m, int64_t s_k,
+                          float factor, const float* x, int64_t k0, int64_t k1) {
+  using V = FloatLanes;
+  for (int64_t k = k0; k < k1; ++k) {
+    typename V::reg row[C];
+#pragma GCC unroll 16
+    for (int c = 0; c < C; ++c) row[c] = V::held(x + k * DIM + V::W * c);
+#pragma GCC unroll 16
+    for (int m = 0; m < M; ++m) {
+      const float w = s[m * s_m + k * s_k];
+      const typename V::reg y = V::set1(SCALED ? w * factor : w);
+#pragma GCC unroll 16
+      for (int c = 0; c < C; ++c) acc[m][c] = V::fma(y, row[c], acc[m][c]);
+    }
+  }
+}
+
 // out[i] = scale * sum_{t < limit[i]} w[i][t] * b[t] for M rows (i0..i0+M): their sums over 64 of the
 // head's dimensions (avx2: 32) in registers, each of b's rows loaded once for all M; the keys past
 // the rows' common limit then row by row. Each sum runs over t in order: the same bits whatever M.
@@ -167,17 +189,7 @@ inline void pa_weighted_block(const float* w, int64_t ldw, const int64_t* limit,
     for (int r = 0; r < M; ++r)
 #pragma GCC unroll 16
       for (int c = 0; c < C; ++c) acc[r][c] = V::zero();
-    for (int64_t t = 0; t < common; ++t) {
-      typename V::reg v[C];
-#pragma GCC unroll 16
-      for (int c = 0; c < C; ++c) v[c] = V::held(b + t * DIM + h + V::W * c);
-#pragma GCC unroll 16
-      for (int r = 0; r < M; ++r) {
-        const typename V::reg x = V::set1(w[r * ldw + t]);
-#pragma GCC unroll 16
-        for (int c = 0; c < C; ++c) acc[r][c] = V::fma(x, v[c], acc[r][c]);
-      }
-    }
+    pa_outer_sums<DIM, M, C, false>(acc, w, ldw, 1, 1.f, b + h, 0, common);
 #pragma GCC unroll 16
     for (int r = 0; r < M; ++r) {
       for (int64_t t = common; t < limit[r]; ++t) {
@@ -226,18 +238,10 @@ inline void pa_key_grads_vec(const float* a, const float* bw, int64_t ldw, int64
         for (int u = 0; u < KB; ++u)
 #pragma GCC unroll 16
           for (int c = 0; c < C; ++c) acc[u][c] = V::zero();
-        for (int64_t i = 0; i < nr; ++i) {
-          typename V::reg x[C];
-#pragma GCC unroll 16
-          for (int c = 0; c < C; ++c) x[c] = V::held(rows + i * DIM + h + V::W * c);
-#pragma GCC unroll 16
-          for (int u = 0; u < KB; ++u) {
-            const float w = weights[i * ldw + t0 + u];
-            const typename V::reg y = V::set1(part ? w : w * scale);
-#pragma GCC unroll 16
-            for (int c = 0; c < C; ++c) acc[u][c] = V::fma(y, x[c], acc[u][c]);
-          }
-        }
+        if (part)  // (the keys' weights scaled, the values' not)
+          pa_outer_sums<DIM, KB, C, false>(acc, weights + t0, 1, ldw, 1.f, rows + h, 0, nr);
+        else
+          pa_outer_sums<DIM, KB, C, true>(acc, weights + t0, 1, ldw, scale, rows + h, 0, nr);
 #pragma GCC unroll 16
         for (int u = 0; u < KB; ++u)  // (u a constant in each copy: the sums stay in registers)
           if (t0 + u < keys)

@@ -325,3 +325,51 @@ def test_native_attention_gradients_are_the_same_bits_every_call(native_ops) -> 
                 assert torch.equal(a, b)
     finally:
         torch.set_num_threads(threads)
+
+
+def _needs_dot(ops) -> None:
+    if not ops.stream_dot_available():
+        pytest.skip("grpo's kernels are not built with avx512_bf16 here: no dot product to take the scores by")
+
+
+def test_native_bf16_scores_by_the_dot_product_are_within_a_rounding_of_multiply_adds(native_ops, monkeypatch) -> None:
+    """Where the engine chose it (kernel_probe.training_attention), bf16 scores -- queries by keys,
+    output gradients by values -- are avx512_bf16's dot products: the same exact products, float32
+    sums in another order. Outputs are the multiply-adds' or one bf16 step from them; gradients
+    within bf16's rounding of the float32 attention's, as the multiply-adds' are."""
+    _needs_dot(native_ops)
+    packed = _chained_pass()
+    gen = torch.Generator().manual_seed(8)
+    q, k, v = (torch.randn((1, h, packed.tokens, 64), generator=gen).to(torch.bfloat16) for h in (9, 3, 3))
+    fma = _attend_with_grads(packed, q, k, v)
+    want = _attend_with_grads(packed, q.float(), k.float(), v.float())
+    monkeypatch.setattr(packed_attention, "_DOT_SCORES", {(9, 3, 64)})
+    dot = _attend_with_grads(packed, q, k, v)
+    assert not all(torch.equal(a, b) for a, b in zip(dot, fma, strict=True))  # (the dot products ran)
+    torch.testing.assert_close(dot[0].float(), fma[0].float(), atol=1e-6, rtol=2**-7)
+    for g, w in zip(dot[1:], want[1:], strict=True):
+        assert g.dtype == torch.bfloat16
+        torch.testing.assert_close(g.float(), w, atol=2**-8 * float(w.abs().max()), rtol=2**-7)
+    for _ in range(3):  # the key and value gradients still summed in the tasks' order: the same bits
+        assert all(torch.equal(a, b) for a, b in zip(_attend_with_grads(packed, q, k, v), dot, strict=True))
+
+
+def test_the_dot_product_leaves_float32_and_other_shapes_to_multiply_adds(native_ops, monkeypatch) -> None:
+    """Only bf16 of a head dimension the kernel knows when compiling (64, 128) takes it: float32
+    asked for it computes as before, bit for bit, as does a head shape the engine did not choose."""
+    _needs_dot(native_ops)
+    ops = native_ops
+    packed = _chained_pass()
+    seqs, rows = (torch.tensor(x) for x in ([[0, packed.tokens, 0, 0]], list(range(packed.tokens))))
+    gen = torch.Generator().manual_seed(3)
+    q, k, v, grad = (torch.randn(packed.tokens, h * 64, generator=gen) for h in (4, 2, 2, 4))
+    plain = ops.packed_attention(q, k, v, seqs, rows, 4, 2, 0.125)
+    asked = ops.packed_attention(q, k, v, seqs, rows, 4, 2, 0.125, True)
+    assert all(torch.equal(a, b) for a, b in zip(plain, asked, strict=True))
+    grads = [ops.packed_attention_backward(grad, q, k, v, *plain, seqs, rows, 4, 2, 0.125, dot) for dot in (False, True)]
+    assert all(torch.equal(a, b) for a, b in zip(*grads, strict=True))
+    monkeypatch.setattr(packed_attention, "_DOT_SCORES", {(4, 2, 64)})  # another model's heads
+    q, k, v = (torch.randn((1, h, packed.tokens, 64), generator=gen).to(torch.bfloat16) for h in (9, 3, 3))
+    fma = _attend_with_grads(packed, q, k, v)
+    monkeypatch.setattr(packed_attention, "_DOT_SCORES", set())
+    assert all(torch.equal(a, b) for a, b in zip(_attend_with_grads(packed, q, k, v), fma, strict=True))

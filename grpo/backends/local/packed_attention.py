@@ -44,6 +44,16 @@ FP32_ATTENTION_ON_CPU = True
 # On a CPU, float32 and bf16 attention through grpo's native kernel (``_NativeAttention``) where it
 # is built; False takes SDPA over gathered blocks, as before (for measuring one against the other).
 NATIVE_ATTENTION_ON_CPU = True
+# Attention shapes (heads, key heads, head dim) whose bf16 scores the native kernel takes by
+# avx512_bf16's dot product: set by the engine where kernel_probe.py measured that faster here than
+# float32's multiply-adds (the products are exact either way; the sums differ in their order).
+_DOT_SCORES: set[tuple[int, int, int]] = set()
+
+
+def use_dot_scores(heads: int, kv_heads: int, head_dim: int, dot: bool) -> None:
+    """Whether bf16 attention of this shape takes its scores by avx512_bf16's dot product
+    (``dot``) or by float32's multiply-adds, in this process (kernel_probe.training_attention)."""
+    (_DOT_SCORES.add if dot else _DOT_SCORES.discard)((heads, kv_heads, head_dim))
 
 
 def supports(config) -> bool:
@@ -209,7 +219,8 @@ class PackedPass:
         window, kernels not built). SmolLM2's 30 layers over the bench's packed pass, forward and
         backward: 0.17 against 0.44 s for the gathered blocks through SDPA in bf16, 0.19 against 0.44
         in float32, when it came (AMD EPYC Zen 4, 2 cores); its kernel alone now ~0.08 s there, 1.5x
-        faster again at 512-token answers (docs/benchmark.md, scripts/attention_rate.py)."""
+        faster again at 512-token answers (docs/benchmark.md, scripts/attention_rate.py). bf16 of a
+        shape in ``_DOT_SCORES`` takes its scores by avx512_bf16's dot product (``use_dot_scores``)."""
         if not (NATIVE_ATTENTION_ON_CPU and query.device.type == "cpu" and query.dtype in (torch.float32, torch.bfloat16)
                 and key.dtype == value.dtype == query.dtype and dropout == 0.0 and sliding_window is None
                 and query.shape[1] % key.shape[1] == 0):
@@ -228,7 +239,8 @@ class PackedPass:
         heads, kv_heads, n, dim = query.shape[1], key.shape[1], query.shape[2], query.shape[3]
         scale = float(scaling) if scaling is not None else dim ** -0.5
         flat = [t[0].transpose(0, 1).reshape(n, -1) for t in (query, key, value)]  # (n, heads * dim) rows
-        out = _NativeAttention.apply(*flat, *self._native_plan, heads, kv_heads, scale, ops)
+        dot = query.dtype == torch.bfloat16 and (heads, kv_heads, dim) in _DOT_SCORES
+        out = _NativeAttention.apply(*flat, *self._native_plan, heads, kv_heads, scale, dot, ops)
         return out.view(1, n, heads, dim)
 
     @contextmanager
@@ -261,10 +273,10 @@ class _NativeAttention(torch.autograd.Function):
     the weights from the saved log-sum-exp, as flash attention does)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, seqs, key_rows, heads, kv_heads, scale, ops):
-        out, lse = ops.packed_attention(q, k, v, seqs, key_rows, heads, kv_heads, scale)
+    def forward(ctx, q, k, v, seqs, key_rows, heads, kv_heads, scale, dot, ops):
+        out, lse = ops.packed_attention(q, k, v, seqs, key_rows, heads, kv_heads, scale, dot)
         ctx.save_for_backward(q, k, v, out, lse, seqs, key_rows)
-        ctx.heads, ctx.kv_heads, ctx.scale, ctx.ops = heads, kv_heads, scale, ops
+        ctx.heads, ctx.kv_heads, ctx.scale, ctx.dot, ctx.ops = heads, kv_heads, scale, dot, ops
         return out
 
     @staticmethod
@@ -272,8 +284,8 @@ class _NativeAttention(torch.autograd.Function):
     def backward(ctx, grad):
         q, k, v, out, lse, seqs, key_rows = ctx.saved_tensors
         dq, dk, dv = ctx.ops.packed_attention_backward(grad.contiguous(), q, k, v, out, lse, seqs, key_rows, ctx.heads,
-                                                       ctx.kv_heads, ctx.scale)
-        return dq, dk, dv, None, None, None, None, None, None
+                                                       ctx.kv_heads, ctx.scale, ctx.dot)
+        return dq, dk, dv, None, None, None, None, None, None, None
 
 
 def _split(order: list[int], key_lengths: list[int]) -> list[list[int]]:

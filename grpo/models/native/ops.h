@@ -74,10 +74,10 @@ at::Tensor decode_layers(const at::Tensor& hidden_in, const at::Tensor& cos, con
 // packed_attention.cpp
 std::vector<at::Tensor> packed_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                          const at::Tensor& seqs, const at::Tensor& key_rows, int64_t heads,
-                                         int64_t kv_heads, double scale);
+                                         int64_t kv_heads, double scale, bool dot);
 std::vector<at::Tensor> packed_attention_backward(const at::Tensor& grad, const at::Tensor& q, const at::Tensor& k,
                                                   const at::Tensor& v, const at::Tensor& out, const at::Tensor& lse,
                                                   const at::Tensor& seqs, const at::Tensor& key_rows, int64_t heads,
-                                                  int64_t kv_heads, double scale);
+                                                  int64_t kv_heads, double scale, bool dot);
 
 }  // namespace grpo_native

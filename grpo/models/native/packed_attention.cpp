@@ -17,6 +17,11 @@
 // thread would also be threads x the keys' and values' size: gigabytes for a 16k-token pass on 16
 // cores). On the AMD EPYC (2 cores, bf16) it runs at 85-110 GFLOP/s of useful work over the bench's
 // pass and 145-165 at 512-token answers, against float32 multiply-adds' 235 (scripts/attention_rate.py).
+// With `dot` (bf16, a head dimension of 64 or 128, a build with avx512_bf16) the scores -- queries by keys,
+// forward and backward, and output gradients by values -- are that instruction's dot products over
+// pairs of dims from bf16 panels, the other four products as before: 1.09-1.24x the kernel's speed
+// there (176 / 187 GFLOP/s at 512-token answers); the trainer passes it where kernel_probe.py measured
+// it faster.
 
 #include "ops.h"
 #include "simd.h"
@@ -39,9 +44,12 @@ constexpr int64_t PA_KEYS = 16;  // keys a score block covers (one avx512 regist
 inline int64_t pa_round(int64_t n) { return (n + PA_KEYS - 1) / PA_KEYS * PA_KEYS; }
 
 // The panels of one (sequence, key head): keys row-major [kl][dim] and transposed [dim][klp]
-// (klp: kl rounded up to PA_KEYS, zeros past kl), values the same; all float32.
+// (klp: kl rounded up to PA_KEYS, zeros past kl), values the same; all float32. For the scores by
+// avx512_bf16's dot product (pa_dot_scores), bf16 keys and values also in pairs of dims: word
+// [j][t] the two bf16 values of dims 2j, 2j + 1 of key t ([dim / 2][klp], zeros past kl).
 struct KeyPanels {
   std::vector<float> keys, keys_t, values, values_t;
+  std::vector<uint32_t> key_pairs, value_pairs, rows;  // (rows: the pairs gathered, before transposing)
 };
 
 #if defined(__AVX512F__)
@@ -92,19 +100,44 @@ inline void pa_transpose(const float* rows, int64_t n, int64_t dim, float* out, 
   }
 }
 
+// x's rows (key_rows of the task) as bf16 pairs of dims, transposed: out[j][t] (32-bit words) for
+// t < kl, zeros to klp
+template <typename T>
+void gather_pairs(const T* x, int64_t k_stride, const int64_t* rows, int64_t kl, int64_t head, int64_t dim,
+                  KeyPanels& p, std::vector<uint32_t>& out) {
+  static_assert(sizeof(T) == 2, "pairs of bf16 values");
+  const int64_t words = dim / 2, klp = pa_round(kl);
+  p.rows.resize(kl * words);
+  for (int64_t t = 0; t < kl; ++t) std::memcpy(p.rows.data() + t * words, x + rows[t] * k_stride + head * dim, dim * 2);
+  out.resize(words * klp);
+  // (a transpose of 32-bit words: moved as floats, never computed with, so the bits are kept)
+  pa_transpose(reinterpret_cast<const float*>(p.rows.data()), kl, words, reinterpret_cast<float*>(out.data()), klp);
+}
+
+// The panels a task reads: forward (backward = false) the keys transposed (or in pairs, where `pairs`)
+// and the values row-major; backward the keys row-major and transposed (or in pairs), the values
+// transposed (or in pairs).
 template <typename T>
 void gather_panels(const T* k, const T* v, int64_t k_stride, const int64_t* rows, int64_t kl, int64_t head,
-                   int64_t dim, bool transposed_values, KeyPanels& p) {
+                   int64_t dim, bool backward, bool pairs, KeyPanels& p) {
   const int64_t klp = pa_round(kl);
-  p.keys.resize(kl * dim);  // (row-major keys: the backward's, and what the transposed are made from)
-  p.keys_t.resize(dim * klp);
-  p.values.resize(kl * dim);
+  const bool keys_rows = backward || !pairs, values_rows = !backward || !pairs;
+  p.keys.resize(keys_rows ? kl * dim : 0);  // (row-major: the backward's, and what the transposed are made from)
+  p.values.resize(values_rows ? kl * dim : 0);
   for (int64_t t = 0; t < kl; ++t) {
-    to_float(k + rows[t] * k_stride + head * dim, p.keys.data() + t * dim, dim);
-    to_float(v + rows[t] * k_stride + head * dim, p.values.data() + t * dim, dim);
+    if (keys_rows) to_float(k + rows[t] * k_stride + head * dim, p.keys.data() + t * dim, dim);
+    if (values_rows) to_float(v + rows[t] * k_stride + head * dim, p.values.data() + t * dim, dim);
   }
+  if constexpr (sizeof(T) == 2) {
+    if (pairs) {
+      gather_pairs(k, k_stride, rows, kl, head, dim, p, p.key_pairs);
+      if (backward) gather_pairs(v, k_stride, rows, kl, head, dim, p, p.value_pairs);
+      return;
+    }
+  }
+  p.keys_t.resize(dim * klp);
   pa_transpose(p.keys.data(), kl, dim, p.keys_t.data(), klp);
-  if (transposed_values) {
+  if (backward) {
     p.values_t.resize(dim * klp);
     pa_transpose(p.values.data(), kl, dim, p.values_t.data(), klp);
   }
@@ -149,6 +182,54 @@ inline void pa_scores_vec(const float* a, int64_t nr, const float* bt, int64_t l
   for (; t0 + SPAN <= keys; t0 += SPAN) pa_scores_block<DIM, FloatLanes::KEY_BLOCKS>(rows, nr, bt, ldb, t0, out, ldo);
   for (; t0 < keys; t0 += PA_KEYS) pa_scores_block<DIM, 1>(rows, nr, bt, ldb, t0, out, ldo);
 }
+
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+#define PA_DOT 1
+// pa_scores_block by avx512_bf16's dot product: rows and keys bf16 in pairs of dims (rows [PA_ROWS][DIM / 2]
+// words, bt [DIM / 2][ldb] words), a register sixteen keys by one pair, so half the instructions of
+// float32's multiply-adds for the same scores. The products are exact either way (two bf16 values'
+// product is exact in float32); the sums differ in their order (a pair of dims at a time), and the
+// instruction takes denormal inputs as zero.
+template <int64_t DIM, int BLOCKS>
+inline void pa_dot_scores_block(const uint32_t* rows, int64_t nr, const uint32_t* bt, int64_t ldb, int64_t t0,
+                                float* out, int64_t ldo) {
+  __m512 acc[PA_ROWS][BLOCKS];
+#pragma GCC unroll 4
+  for (int i = 0; i < PA_ROWS; ++i)
+#pragma GCC unroll 4
+    for (int r = 0; r < BLOCKS; ++r) acc[i][r] = _mm512_setzero_ps();
+  for (int64_t j = 0; j < DIM / 2; ++j) {
+    __m512i b[BLOCKS];
+#pragma GCC unroll 4
+    for (int r = 0; r < BLOCKS; ++r) {
+      b[r] = _mm512_loadu_si512(bt + j * ldb + t0 + r * PA_KEYS);
+      asm("" : "+v"(b[r]));  // (loaded once for the four rows: FloatLanes::held's reason)
+    }
+#pragma GCC unroll 4
+    for (int i = 0; i < PA_ROWS; ++i) {
+      const __m512bh x = (__m512bh)_mm512_set1_epi32(static_cast<int>(rows[i * (DIM / 2) + j]));
+#pragma GCC unroll 4
+      for (int r = 0; r < BLOCKS; ++r) acc[i][r] = _mm512_dpbf16_ps(acc[i][r], x, (__m512bh)b[r]);
+    }
+  }
+  for (int64_t i = 0; i < nr; ++i)
+    for (int r = 0; r < BLOCKS; ++r) _mm512_storeu_ps(out + i * ldo + t0 + r * PA_KEYS, acc[i][r]);
+}
+
+// out[i][t] = sum_d a[i][d] * b[t][d] for nr <= PA_ROWS bf16 rows a (DIM values each, row i at a[i *
+// a_stride]) and t < keys (a multiple of PA_KEYS), b's keys in pairs (bt [DIM / 2][ldb] words)
+template <int64_t DIM>
+inline void pa_dot_scores(const c10::BFloat16* a, int64_t a_stride, int64_t nr, const uint32_t* bt, int64_t ldb,
+                          int64_t keys, float* out, int64_t ldo) {
+  static_assert(DIM % 2 == 0, "pairs of dims");
+  uint32_t rows[PA_ROWS * (DIM / 2)] = {};  // (absent rows as zeros: one loop of fixed shape)
+  for (int64_t i = 0; i < nr; ++i) std::memcpy(rows + i * (DIM / 2), a + i * a_stride, DIM * 2);
+  constexpr int64_t SPAN = FloatLanes::KEY_BLOCKS * PA_KEYS;
+  int64_t t0 = 0;
+  for (; t0 + SPAN <= keys; t0 += SPAN) pa_dot_scores_block<DIM, FloatLanes::KEY_BLOCKS>(rows, nr, bt, ldb, t0, out, ldo);
+  for (; t0 < keys; t0 += PA_KEYS) pa_dot_scores_block<DIM, 1>(rows, nr, bt, ldb, t0, out, ldo);
+}
+#endif
 
 // acc[m][c] += s[m * s_m + k * s_k] (times factor where SCALED) * x[k][c] for k0 <= k < k1: M sums of
 // C registers each, built a row of x at a time, the row loaded once for all M (x: rows of DIM
@@ -464,17 +545,43 @@ PaShape pa_shape(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, 
   return {rows, heads, kv_heads, dim};
 }
 
+// Whether the scores of T and DIM can be taken by avx512_bf16's dot product here: bf16, a head
+// dimension known when compiling, a build with the instruction.
+template <typename T, int64_t DIM>
+constexpr bool pa_dot_built() {
+#if defined(PA_DOT)
+  return std::is_same_v<T, c10::BFloat16> && DIM > 0 && DIM % 32 == 0;
+#else
+  return false;
+#endif
+}
+
+// scores[i][t] for nr rows of x (row i at x[i * x_stride], T) against the panels' keys (or, where
+// `values`, the values): by the dot product over pairs where `pairs` (pa_dot_built), else from the
+// rows as float32 (xf) by multiply-adds
+template <typename T, int64_t DIM>
+inline void pa_scores_of(bool pairs, const T* x, int64_t x_stride, const float* xf, int64_t nr, const KeyPanels& p,
+                         bool values, int64_t klp, int64_t keys, int64_t dim, float* out) {
+#if defined(PA_DOT)
+  if constexpr (pa_dot_built<T, DIM>()) {
+    if (pairs) return pa_dot_scores<DIM>(x, x_stride, nr, (values ? p.value_pairs : p.key_pairs).data(), klp, keys, out, klp);
+  }
+#endif
+  pa_scores<DIM>(xf, nr, (values ? p.values_t : p.keys_t).data(), klp, keys, dim, out, klp);
+}
+
 template <typename T, int64_t DIM>
 void packed_attention_impl(const T* q, const T* k, const T* v, const std::vector<PackedSeq>& seqs,
-                           const int64_t* key_rows, PaShape sh, float scale, T* out, float* lse) {
+                           const int64_t* key_rows, PaShape sh, float scale, bool dot, T* out, float* lse) {
   const int64_t dim = DIM > 0 ? DIM : sh.dim, group = sh.heads / sh.kv_heads;
   const int64_t q_stride = sh.heads * dim, k_stride = sh.kv_heads * dim;
+  const bool pairs = dot && pa_dot_built<T, DIM>();
   pa_run(pa_tasks(seqs, sh.kv_heads), [&](const PaTask& task, int64_t) {
     const PackedSeq& s = seqs[task.seq];
     const int64_t g = task.head, end = task.first + task.count, kl = s.prefix + end, klp = pa_round(kl);
     thread_local KeyPanels p;
     thread_local std::vector<float> qf, w, o;
-    gather_panels(k, v, k_stride, key_rows + s.key_offset, kl, g, dim, false, p);
+    gather_panels(k, v, k_stride, key_rows + s.key_offset, kl, g, dim, false, pairs, p);
     qf.resize(PA_ROWS * dim);
     w.resize(PA_ROWS * klp);
     o.resize(PA_ROWS * dim);
@@ -484,9 +591,10 @@ void packed_attention_impl(const T* q, const T* k, const T* v, const std::vector
         int64_t limit[PA_ROWS];
         for (int64_t i = 0; i < nr; ++i) {
           limit[i] = s.prefix + r0 + i + 1;  // query r0 + i sees its prefix and its sequence up to itself
-          to_float(q + (s.q_start + r0 + i) * q_stride + h * dim, qf.data() + i * dim, dim);
+          if (!pairs) to_float(q + (s.q_start + r0 + i) * q_stride + h * dim, qf.data() + i * dim, dim);
         }
-        pa_scores<DIM>(qf.data(), nr, p.keys_t.data(), klp, pa_round(limit[nr - 1]), dim, w.data(), klp);
+        pa_scores_of<T, DIM>(pairs, q + (s.q_start + r0) * q_stride + h * dim, q_stride, qf.data(), nr, p, false, klp,
+                             pa_round(limit[nr - 1]), dim, w.data());
         for (int64_t i = 0; i < nr; ++i) {
           float top;
           float* x = w.data() + i * klp;
@@ -506,7 +614,7 @@ void packed_attention_impl(const T* q, const T* k, const T* v, const std::vector
 
 std::vector<at::Tensor> packed_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                          const at::Tensor& seqs, const at::Tensor& key_rows, int64_t heads,
-                                         int64_t kv_heads, double scale) {
+                                         int64_t kv_heads, double scale, bool dot) {
   const PaShape sh = pa_shape(q, k, v, heads, kv_heads);
   const auto list = pa_sequences(seqs, key_rows, sh.rows);
   auto out = at::zeros_like(q, at::MemoryFormat::Contiguous);
@@ -515,7 +623,7 @@ std::vector<at::Tensor> packed_attention(const at::Tensor& q, const at::Tensor& 
     auto run = [&](auto dim) {
       packed_attention_impl<scalar_t, decltype(dim)::value>(
           q.data_ptr<scalar_t>(), k.data_ptr<scalar_t>(), v.data_ptr<scalar_t>(), list, key_rows.data_ptr<int64_t>(),
-          sh, static_cast<float>(scale), out.data_ptr<scalar_t>(), lse.data_ptr<float>());
+          sh, static_cast<float>(scale), dot, out.data_ptr<scalar_t>(), lse.data_ptr<float>());
     };
     if (sh.dim == 64) return run(std::integral_constant<int64_t, 64>{});
     if (sh.dim == 128) return run(std::integral_constant<int64_t, 128>{});
@@ -527,8 +635,9 @@ std::vector<at::Tensor> packed_attention(const at::Tensor& q, const at::Tensor& 
 template <typename T, int64_t DIM>
 void packed_attention_backward_impl(const T* grad, const T* q, const T* k, const T* v, const T* out, const float* lse,
                                     const std::vector<PackedSeq>& seqs, const int64_t* key_rows, PaShape sh,
-                                    float scale, T* dq, float* dkv) {
+                                    float scale, bool dot, T* dq, float* dkv) {
   const int64_t dim = DIM > 0 ? DIM : sh.dim, group = sh.heads / sh.kv_heads;
+  const bool pairs = dot && pa_dot_built<T, DIM>();
   const int64_t q_stride = sh.heads * dim, k_stride = sh.kv_heads * dim;
   // dkv: the key gradients' float32 sums [rows, k_stride], then the values'; tasks add theirs in turn
   std::mutex turn_lock;
@@ -565,7 +674,7 @@ void packed_attention_backward_impl(const T* grad, const T* q, const T* k, const
     thread_local std::vector<float> qf, gf, of, w, dw, dqf, dkl, dvl;
     bool computed = false;
     try {  // (a task that fails, out of memory, still takes its turn below: the others wait for it)
-      gather_panels(k, v, k_stride, key_rows + s.key_offset, kl, g, dim, true, p);
+      gather_panels(k, v, k_stride, key_rows + s.key_offset, kl, g, dim, true, pairs, p);
       qf.resize(PA_GRAD_ROWS * dim);
       gf.resize(PA_GRAD_ROWS * dim);
       of.resize(dim);
@@ -599,8 +708,9 @@ void packed_attention_backward_impl(const T* grad, const T* q, const T* k, const
               delta[i] = dot;
             }
             const int64_t keys = pa_round(limit[nr - 1]);
-            pa_scores<DIM>(qb, nr, p.keys_t.data(), klp, keys, dim, wb, klp);     // scores
-            pa_scores<DIM>(gb, nr, p.values_t.data(), klp, keys, dim, dwb, klp);  // d weights
+            const int64_t first_row = (s.q_start + r0) * q_stride + h * dim;
+            pa_scores_of<T, DIM>(pairs, q + first_row, q_stride, qb, nr, p, false, klp, keys, dim, wb);      // scores
+            pa_scores_of<T, DIM>(pairs, grad + first_row, q_stride, gb, nr, p, true, klp, keys, dim, dwb);  // d weights
             for (int64_t i = 0; i < nr; ++i) {
               const float m = lse[(s.q_start + r0 + i) * sh.heads + h];
               pa_weights_backward(wb + i * klp, dwb + i * klp, limit[i], block_keys, scale, m, delta[i]);
@@ -665,7 +775,7 @@ void packed_attention_backward_impl(const T* grad, const T* q, const T* k, const
 std::vector<at::Tensor> packed_attention_backward(const at::Tensor& grad, const at::Tensor& q, const at::Tensor& k,
                                                   const at::Tensor& v, const at::Tensor& out, const at::Tensor& lse,
                                                   const at::Tensor& seqs, const at::Tensor& key_rows, int64_t heads,
-                                                  int64_t kv_heads, double scale) {
+                                                  int64_t kv_heads, double scale, bool dot) {
   const PaShape sh = pa_shape(q, k, v, heads, kv_heads);
   check_rows(grad, sh.rows, heads * sh.dim, "packed_attention_backward: grad");
   check_rows(out, sh.rows, heads * sh.dim, "packed_attention_backward: out");
@@ -682,7 +792,7 @@ std::vector<at::Tensor> packed_attention_backward(const at::Tensor& grad, const 
       packed_attention_backward_impl<scalar_t, decltype(dim)::value>(
           grad.data_ptr<scalar_t>(), q.data_ptr<scalar_t>(), k.data_ptr<scalar_t>(), v.data_ptr<scalar_t>(),
           out.data_ptr<scalar_t>(), lse.data_ptr<float>(), list, key_rows.data_ptr<int64_t>(), sh,
-          static_cast<float>(scale), dq.data_ptr<scalar_t>(), dkv.data_ptr<float>());
+          static_cast<float>(scale), dot, dq.data_ptr<scalar_t>(), dkv.data_ptr<float>());
     };
     if (sh.dim == 64) return run(std::integral_constant<int64_t, 64>{});
     if (sh.dim == 128) return run(std::integral_constant<int64_t, 128>{});

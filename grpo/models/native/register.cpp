@@ -24,9 +24,9 @@ TORCH_LIBRARY(grpo_native, m) {
         "Tensor[] norms, Tensor(a!)[] k_caches, Tensor(b!)[] v_caches, int[] qkv_sizes, int heads, float scale, "
         "float eps, Tensor? shared_from=None, Tensor? shared=None) -> Tensor");
   m.def("packed_attention(Tensor q, Tensor k, Tensor v, Tensor seqs, Tensor key_rows, int heads, int kv_heads, "
-        "float scale) -> Tensor[]");
+        "float scale, bool dot=False) -> Tensor[]");
   m.def("packed_attention_backward(Tensor grad, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor seqs, "
-        "Tensor key_rows, int heads, int kv_heads, float scale) -> Tensor[]");
+        "Tensor key_rows, int heads, int kv_heads, float scale, bool dot=False) -> Tensor[]");
 }
 
 TORCH_LIBRARY_IMPL(grpo_native, CPU, m) {

@@ -348,3 +348,75 @@ def test_the_precision_probes_three_bf16_times_answer_both_questions_untimed(pro
                                   "products 27.0 ms, bf16 dot products 1.97x faster, as the precision probe timed them)")
     stored = json.loads((tmp_path / "precision.json").read_text())
     assert stored[kernel_probe.BF16_STREAM_KERNEL.key_prefix + key] == {"stream_s": 0.0531, "stream_dot_s": 0.027}
+
+
+SMOL_HEADS = kernel_probe.AttentionShapes(heads=9, kv_heads=3, head_dim=64)
+
+
+def test_attention_shapes_are_read_from_a_config() -> None:
+    assert kernel_probe.AttentionShapes.from_config(models.load_config("smollm2")) == SMOL_HEADS
+    assert kernel_probe.AttentionShapes.from_config(models.load_config("tiny")) == kernel_probe.AttentionShapes(4, 2, 16)
+    assert kernel_probe.AttentionShapes.from_config(object()) is None
+
+
+@pytest.mark.parametrize(("fma_s", "dot_s", "expected"), [
+    (0.0086, 0.0075, "dot"),  # an AMD EPYC (Zen 4), SmolLM2's heads: the dot products 1.16x faster
+    (0.0086, 0.0084, "fma"),  # inside the margin: the multiply-adds, the ones used so far, stay
+    (0.0086, 0.0150, "fma"),  # a CPU whose dot product runs at half float32's rate
+])
+def test_bf16_attention_scores_by_the_dot_product_only_where_it_measured_faster(probe, monkeypatch, tmp_path, capsys,
+                                                                               fma_s, dot_s, expected) -> None:
+    monkeypatch.setattr(cpu_linear, "stream_dot_available", lambda: True)
+    timer = FakeTimer(fma_s, dot_s)
+    assert kernel_probe.training_attention(SMOL_HEADS, timer=timer) == expected
+    assert kernel_probe.training_attention(SMOL_HEADS, timer=timer) == expected and timer.calls == 1
+    assert "bf16 training attention on" in capsys.readouterr().err
+    kernel_probe._memo.clear()  # a later process: from the cache file, untimed
+    assert kernel_probe.training_attention(SMOL_HEADS, timer=timer) == expected and timer.calls == 1
+    assert "attention-h9-kv3-d64" in (tmp_path / "precision.json").read_text()
+
+
+def test_no_attention_kernel_is_weighed_without_the_instruction_a_fit_or_the_probe(probe, monkeypatch) -> None:
+    """Kernels built without avx512_bf16, a head dimension not a multiple of 32 (the kernel's pairs
+    of dims, its fixed-width loops), or the probe off: the multiply-adds, untimed."""
+    timer = FakeTimer(0.0086, 0.0040)
+    monkeypatch.setattr(cpu_linear, "stream_dot_available", lambda: False)
+    assert kernel_probe.training_attention(SMOL_HEADS, timer=timer) == "fma"
+    monkeypatch.setattr(cpu_linear, "stream_dot_available", lambda: True)
+    assert kernel_probe.training_attention(kernel_probe.AttentionShapes(4, 2, 16), timer=timer) == "fma"
+    assert kernel_probe.training_attention(None, timer=timer) == "fma"
+    monkeypatch.setenv(dtype_probe.ENV_SWITCH, "off")
+    assert kernel_probe.training_attention(SMOL_HEADS, timer=timer) == "fma"
+    assert timer.calls == 0
+
+
+@pytest.mark.skipif(not cpu_linear.stream_dot_available(), reason="grpo's kernels are not built with avx512_bf16 here")
+def test_the_real_attention_probe_times_both_kernels(tmp_path, monkeypatch) -> None:
+    """Only that measuring works and is reused: which kernel wins is this machine's."""
+    monkeypatch.setattr(kernel_probe, "_memo", {})
+    monkeypatch.setattr(dtype_probe, "machine_busy", lambda: None)
+    heads = kernel_probe.AttentionShapes(4, 2, 64)
+    question = kernel_probe.TRAINING_ATTENTION
+    first = question.timings(heads, timer=lambda s: kernel_probe.measure_attention_kernels(s, budget_s=0.2),
+                             cache=tmp_path / "p.json")
+    assert first.first_s > 0 and first.second_s > 0 and first.choice in question.options
+    kernel_probe._memo.clear()
+
+    def no_timing(shapes):
+        raise AssertionError("measured again")
+
+    assert question.timings(heads, timer=no_timing, cache=tmp_path / "p.json") == first
+
+
+@pytest.mark.parametrize("answer", ["dot", "fma"])
+def test_a_bf16_engine_attends_as_the_probe_answered(probe, monkeypatch, answer) -> None:
+    """The engine asks once for its model's heads and the packed passes of its training take the answer."""
+    from grpo.backends.local import packed_attention
+
+    asked = []
+    monkeypatch.setattr(packed_attention, "_DOT_SCORES", set())
+    monkeypatch.setattr(kernel_probe, "training_attention", lambda shapes: asked.append(shapes) or answer)
+    probe(FakeTimer(0.4, 0.4))
+    ServiceClient(device="cpu", train_dtype="bf16", sample_dtype="fp32").create_lora_training_client("tiny", rank=4)
+    assert asked == [kernel_probe.AttentionShapes(4, 2, 16)]
+    assert packed_attention._DOT_SCORES == ({(4, 2, 16)} if answer == "dot" else set())

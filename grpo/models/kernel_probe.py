@@ -35,6 +35,14 @@ without AMX the instruction ran at half float32's rate of multiply-adds (docs/be
 the kernels were built with it, ``bf16_stream_kernel`` asks which is faster, and the bf16 layout
 question weighs oneDNN's layout against the streaming one in that kernel.
 
+The trainer's bf16 attention (native/packed_attention.cpp) takes its scores -- three of its seven
+products, forward and backward: queries by keys, output gradients by values -- by float32's
+multiply-adds (bf16 widened) or, where the kernels are built with avx512_bf16 and the head dimension is a
+multiple of 32, by that instruction over pairs of dims. On an AMD EPYC (Zen 4) the kernel ran
+1.17-1.21x faster forward and 1.05-1.16x backward that way (docs/benchmark.md); where the
+instruction runs at half float32's rate it would be slower. ``training_attention`` times the
+kernel both ways on a GRPO micro-batch of the model's heads.
+
 These are the same question -- which of two ways of computing the same thing runs faster here --
 asked by a ``Question``: its answer is cached beside the precision probe's (``$GRPO_CACHE/precision.json``) under the same
 machine key (CPU and its instruction sets, torch, threads, shapes, probe version), printed once
@@ -170,6 +178,38 @@ BF16_STREAM_KERNEL = Question("bf16 streaming kernel", "decoding step", ("stream
 DECODING_LAYOUT["bf16"] = dataclasses.replace(DECODING_LAYOUT["bf16"], borrowed=_bf16_layouts_timed)
 
 
+@dataclass(frozen=True)
+class AttentionShapes:
+    """A decoder's attention heads: what the training attention question times."""
+
+    heads: int
+    kv_heads: int
+    head_dim: int
+
+    @classmethod
+    def from_config(cls, config) -> AttentionShapes | None:
+        """The heads of a transformers config; None where it does not name them."""
+        config = config.get_text_config() if hasattr(config, "get_text_config") else config
+        try:
+            heads = int(config.num_attention_heads)
+            kv_heads = int(getattr(config, "num_key_value_heads", None) or heads)
+            head_dim = int(getattr(config, "head_dim", None) or int(config.hidden_size) // heads)
+        except (AttributeError, TypeError, ValueError, ZeroDivisionError):
+            return None
+        return cls(heads, kv_heads, head_dim)
+
+    def signature(self) -> str:
+        return f"attention-h{self.heads}-kv{self.kv_heads}-d{self.head_dim}"
+
+
+# the trainer's bf16 attention's scores: float32 multiply-adds (the one used so far) or, where built,
+# avx512_bf16's dot product over pairs of dims
+TRAINING_ATTENTION = Question("bf16 training attention", "micro-batch's attention", ("fma", "dot"),
+                              ("float32 multiply-adds", "bf16 dot products"),
+                              ("float32 multiply-adds (bf16 widened)", "avx512_bf16 dot products"),
+                              lambda shapes, cache: None, "measure_attention_kernels")
+
+
 def _probed(shapes: Shapes | None) -> bool:
     """Whether there is anything to measure: shapes, the probe on, oneDNN's Linears in use."""
     from grpo.models import cpu_linear
@@ -216,6 +256,18 @@ def bf16_stream_kernel(shapes: Shapes, timer: Timer | None = None, cache: Path |
     return BF16_STREAM_KERNEL.answer(shapes, timer, cache)
 
 
+def training_attention(shapes: AttentionShapes | None, timer: Timer | None = None, cache: Path | None = None) -> str:
+    """How the trainer's bf16 attention of ``shapes`` takes its scores on this machine: "dot"
+    (avx512_bf16's dot product) where grpo's kernels are built with it, the head dimension is a
+    multiple of 32 and it measured ``MARGIN`` faster; else "fma" (float32 multiply-adds), without
+    measuring where there is nothing to measure or the machine is too busy to."""
+    from grpo.models import cpu_linear
+
+    if shapes is None or shapes.head_dim % 32 or not (dtype_probe.enabled() and cpu_linear.stream_dot_available()):
+        return "fma"
+    return TRAINING_ATTENTION.answer(shapes, timer, cache)
+
+
 def measure(shapes: Shapes, budget_s: float = BUDGET_S) -> tuple[float, float]:
     """Seconds per training pass through oneDNN and through PyTorch's kernel (dtype_probe's
     training ops, scaled to the whole model)."""
@@ -257,6 +309,40 @@ def measure_bf16_stream_kernels(shapes: Shapes, budget_s: float = BUDGET_S) -> t
     return _time_layouts(shapes, torch.bfloat16, ("stream", "stream_dot"), budget_s)
 
 
+def measure_attention_kernels(shapes: AttentionShapes, budget_s: float = BUDGET_S) -> tuple[float, float]:
+    """Seconds of the native attention's forward and backward over a GRPO micro-batch of
+    ``shapes``' heads (two prompts of 64 tokens, each continued by four answers of 128), bf16, its
+    scores by float32 multiply-adds and by the dot product, alternating."""
+    import torch
+
+    from grpo.models import native_kernels
+
+    ops = native_kernels.kernels()
+    seqs, key_rows, start = [], [], 0
+    for _ in range(2):
+        prompt = list(range(start, start + 64))
+        seqs.append((start, 64, 0, len(key_rows)))
+        key_rows += prompt
+        start += 64
+        for _ in range(4):
+            seqs.append((start, 128, 64, len(key_rows)))
+            key_rows += prompt + list(range(start, start + 128))
+            start += 128
+    plan = torch.tensor(seqs, dtype=torch.long), torch.tensor(key_rows, dtype=torch.long)
+    heads, kv_heads, dim = shapes.heads, shapes.kv_heads, shapes.head_dim
+    with _seeded_rng():
+        q, grad = (torch.randn(start, heads * dim).to(torch.bfloat16) for _ in range(2))
+        k, v = (torch.randn(start, kv_heads * dim).to(torch.bfloat16) for _ in range(2))
+
+    def attention(dot: bool):
+        def step():
+            out, lse = ops.packed_attention(q, k, v, *plan, heads, kv_heads, dim ** -0.5, dot)
+            ops.packed_attention_backward(grad, q, k, v, out, lse, *plan, heads, kv_heads, dim ** -0.5, dot)
+        return [step]
+
+    return tuple(dtype_probe._fastest_of([attention(False), attention(True)], [1.0], budget_s))
+
+
 def _time_layouts(shapes: Shapes, dtype, layouts: tuple[str, ...], budget_s: float) -> tuple[float, ...]:
     """Seconds of dtype_probe's decoding step packed in each of ``layouts``, alternating."""
     with _seeded_rng():
@@ -294,6 +380,12 @@ def main(argv: list[str] | None = None) -> None:
         else:
             print(f"{precision} decoding layout: oneDNN's (grpo's native kernels are not built here: nothing to weigh "
                   f"it against)")
+    attention = AttentionShapes.from_config(models.load_config(name))
+    if attention is not None and attention.head_dim % 32 == 0 and cpu_linear.stream_dot_available():
+        print(Timing(TRAINING_ATTENTION, *measure_attention_kernels(attention)).summary(attention))
+    else:
+        print("bf16 training attention: float32 multiply-adds (no avx512_bf16 build of grpo's kernels, or a head "
+              "dimension not a multiple of 32: nothing to weigh them against)")
 
 
 if __name__ == "__main__":

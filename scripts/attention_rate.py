@@ -51,31 +51,38 @@ def plan(prompts: int, prompt_len: int, group: int, answers: list[int]):
     return torch.tensor(seqs).reshape(-1, 4), torch.tensor(key_rows), start, pairs
 
 
-def measure(ops, shape, dtype: torch.dtype, repeats: int) -> dict[str, tuple[float, float]]:
-    """``{"forward" | "backward": (seconds a call, GFLOP/s)}``, the median of five timings."""
+def measure(ops, shape, dtype: torch.dtype, repeats: int,
+            kernels: tuple[bool, ...] = (False,)) -> dict[bool, dict[str, tuple[float, float]]]:
+    """``{dot: {"forward" | "backward": (seconds a call, GFLOP/s)}}`` for each of ``kernels`` (the
+    scores by float32 multiply-adds, False, or by avx512_bf16's dot product, True): the median of
+    five timings, the kernels taking turns within each so that the machine's moods fall on both."""
     prompts, prompt_len, group, answers, heads, kv_heads, dim = shape
     seqs, key_rows, rows, pairs = plan(prompts, prompt_len, group, answers)
     gen = torch.Generator().manual_seed(0)
     q, grad = (torch.randn(rows, heads * dim, generator=gen).to(dtype) for _ in range(2))
     k, v = (torch.randn(rows, kv_heads * dim, generator=gen).to(dtype) for _ in range(2))
     scale = dim ** -0.5
-    out, lse = ops.packed_attention(q, k, v, seqs, key_rows, heads, kv_heads, scale)
-    calls = {
-        "forward": (2, lambda: ops.packed_attention(q, k, v, seqs, key_rows, heads, kv_heads, scale)),
-        "backward": (5, lambda: ops.packed_attention_backward(grad, q, k, v, out, lse, seqs, key_rows, heads,
-                                                              kv_heads, scale)),
-    }
     result = {}
-    for name, (products, call) in calls.items():
-        call()  # (first touch of the kernel's buffers)
-        times = []
+    for name, products in (("forward", 2), ("backward", 5)):
+        calls = {}
+        for dot in kernels:
+            out, lse = ops.packed_attention(q, k, v, seqs, key_rows, heads, kv_heads, scale, dot)
+            if name == "forward":
+                calls[dot] = lambda dot=dot: ops.packed_attention(q, k, v, seqs, key_rows, heads, kv_heads, scale, dot)
+            else:
+                calls[dot] = lambda dot=dot, out=out, lse=lse: ops.packed_attention_backward(
+                    grad, q, k, v, out, lse, seqs, key_rows, heads, kv_heads, scale, dot)
+            calls[dot]()  # (first touch of the kernel's buffers)
+        times = {dot: [] for dot in kernels}
         for _ in range(5):
-            start = time.perf_counter()
-            for _ in range(repeats):
-                call()
-            times.append((time.perf_counter() - start) / repeats)
-        seconds = statistics.median(times)
-        result[name] = (seconds, pairs * heads * products * 2 * dim / seconds / 1e9)
+            for dot, call in calls.items():
+                start = time.perf_counter()
+                for _ in range(repeats):
+                    call()
+                times[dot].append((time.perf_counter() - start) / repeats)
+        for dot in kernels:
+            seconds = statistics.median(times[dot])
+            result.setdefault(dot, {})[name] = (seconds, pairs * heads * products * 2 * dim / seconds / 1e9)
     return result
 
 
@@ -91,16 +98,25 @@ def main() -> None:
     if ops is None:
         raise SystemExit("grpo's native kernels are not available here (switched off, or the build failed: said above)")
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype]
+    # bf16's scores by avx512_bf16's dot product too, where the kernels are built with it (the trainer
+    # takes that where kernel_probe.py measured it faster)
+    kernels = (False, True) if dtype == torch.bfloat16 and ops.stream_dot_available() else (False,)
     print(f"# packed attention, {args.dtype}, {torch.get_num_threads()} threads, torch {torch.__version__}, "
           f"CPU capability {torch.backends.cpu.get_cpu_capability()}")
-    print("| shape | rows | forward ms | forward GFLOP/s | backward ms | backward GFLOP/s |")
-    print("| --- | --- | --- | --- | --- | --- |")
+    print("| shape | rows | scores by | forward ms | forward GFLOP/s | backward ms | backward GFLOP/s |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
     for name in args.shapes:
         shape = SHAPES[name]
-        result = measure(ops, shape, dtype, repeats=2 if name == "long" else 20)
+        result = measure(ops, shape, dtype, repeats=2 if name == "long" else 20, kernels=kernels)
         rows = plan(*shape[:4])[2]
-        (fs, fr), (bs, br) = result["forward"], result["backward"]
-        print(f"| {name} | {rows} | {fs * 1e3:.2f} | {fr:.0f} | {bs * 1e3:.2f} | {br:.0f} |")
+        for dot in kernels:
+            (fs, fr), (bs, br) = result[dot]["forward"], result[dot]["backward"]
+            print(f"| {name} | {rows} | {'dot products' if dot else 'multiply-adds'} | {fs * 1e3:.2f} | {fr:.0f} | "
+                  f"{bs * 1e3:.2f} | {br:.0f} |")
+        if len(kernels) == 2:
+            (f0, _), (b0, _) = result[False]["forward"], result[False]["backward"]
+            (f1, _), (b1, _) = result[True]["forward"], result[True]["backward"]
+            print(f"| {name} | {rows} | dot / multiply-adds speed | {f0 / f1:.2f}x | | {b0 / b1:.2f}x | |")
 
 
 if __name__ == "__main__":

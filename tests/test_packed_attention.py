@@ -237,7 +237,7 @@ def test_half_precision_attention_runs_in_float32_on_a_cpu(monkeypatch) -> None:
 def _chained_pass() -> packed_attention.PackedPass:
     """A GRPO micro-batch's shape: a system prompt, two prompts continuing it, each prompt's answers
     continuing the prompt (the system prompt's keys then get gradients from seven sequences); two
-    answers longer than the kernel's 64-query tasks."""
+    answers longer than the kernel's 64-query tasks (few tasks in all: it cuts no longer ones)."""
     lengths = [6, 9, 5, 4, 140, 1, 7, 3, 70]
     return packed_attention.PackedPass(lengths, CPU, continues=[None, 0, 0, 1, 1, 1, 2, 2, 2])
 
@@ -373,3 +373,27 @@ def test_the_dot_product_leaves_float32_and_other_shapes_to_multiply_adds(native
     fma = _attend_with_grads(packed, q, k, v)
     monkeypatch.setattr(packed_attention, "_DOT_SCORES", set())
     assert all(torch.equal(a, b) for a, b in zip(_attend_with_grads(packed, q, k, v), fma, strict=True))
+
+
+def test_native_attention_cuts_long_sequences_into_longer_tasks_where_there_are_many(native_ops) -> None:
+    """A pass of many sequences takes a long one in tasks of up to 256 queries (fewer gathers and
+    gradient sums per query); its attention is still SDPA's, and the same bits on any number of
+    threads (the tasks are chosen from the pass alone)."""
+    lengths = [20, *[3] * 70, 600]  # a prompt, 70 short answers and a long one continuing it
+    packed = packed_attention.PackedPass(lengths, CPU, continues=[None, *[0] * 71])
+    gen = torch.Generator().manual_seed(4)
+    q, k, v = (torch.randn((1, h, packed.tokens, 64), generator=gen) for h in (2, 1, 1))
+    want = _attend_with_grads(packed, q, k, v)
+    assert packed._native_plan is not None
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(packed_attention, "NATIVE_ATTENTION_ON_CPU", False)
+        reference = _attend_with_grads(packed_attention.PackedPass(lengths, CPU, continues=[None, *[0] * 71]), q, k, v)
+    for g, w in zip(want, reference, strict=True):
+        torch.testing.assert_close(g, w, atol=2e-6 * float(w.detach().abs().max()), rtol=1e-5)
+    threads = torch.get_num_threads()
+    try:
+        for n in (1, 3):
+            torch.set_num_threads(n)
+            assert all(torch.equal(a, b) for a, b in zip(_attend_with_grads(packed, q, k, v), want, strict=True))
+    finally:
+        torch.set_num_threads(threads)

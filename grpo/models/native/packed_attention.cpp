@@ -472,10 +472,16 @@ inline float pa_softmax_numerators(float* x, int64_t n, float scale, float& top)
 #endif
 }
 
-// A task: PA_CHUNK queries (or fewer, a sequence's last) of one sequence through one key head, and
-// only the keys they see. A long sequence is then many tasks, not one per key head (a single
-// 2,048-token sequence of a model with one key head would otherwise keep one thread busy).
-constexpr int64_t PA_CHUNK = 64;
+// A task: up to `chunk` queries of one sequence through one key head, and only the keys they see.
+// A long sequence is then many tasks, not one per key head (a single 2,048-token sequence of a model
+// with one key head would otherwise keep one thread busy). Each task gathers the keys it sees and
+// adds its key and value gradients for all of them, so the longer its chunk the less of that per
+// query: up to 256 queries took 0.91-0.94x the time of 64 at 2,048-token answers, 0.96-0.97x at 512
+// (bf16, AMD EPYC, 2 cores; docs/benchmark.md). The longest of PA_CHUNKS that still makes
+// PA_MIN_TASKS tasks, from the plan alone: never from the number of threads, so that the tasks, and
+// the order of the gradients' sums, are the same on any machine's threads.
+constexpr int64_t PA_CHUNKS[] = {256, 128, 64};
+constexpr size_t PA_MIN_TASKS = 64;
 
 struct PaTask {
   int64_t seq, head, first, count;  // queries first..first+count of sequence seq, key head `head`
@@ -484,10 +490,14 @@ struct PaTask {
 // the tasks, most work first: taken in turn by whichever thread is free
 std::vector<PaTask> pa_tasks(const std::vector<PackedSeq>& seqs, int64_t kv_heads) {
   std::vector<PaTask> tasks;
-  for (size_t i = 0; i < seqs.size(); ++i)
-    for (int64_t first = 0; first < seqs[i].q_len; first += PA_CHUNK)
-      for (int64_t g = 0; g < kv_heads; ++g)
-        tasks.push_back({static_cast<int64_t>(i), g, first, std::min(PA_CHUNK, seqs[i].q_len - first)});
+  for (const int64_t chunk : PA_CHUNKS) {
+    tasks.clear();
+    for (size_t i = 0; i < seqs.size(); ++i)
+      for (int64_t first = 0; first < seqs[i].q_len; first += chunk)
+        for (int64_t g = 0; g < kv_heads; ++g)
+          tasks.push_back({static_cast<int64_t>(i), g, first, std::min(chunk, seqs[i].q_len - first)});
+    if (tasks.size() >= PA_MIN_TASKS) break;  // (else shorter chunks, down to the last's)
+  }
   auto cost = [&](const PaTask& t) { return t.count * (seqs[t.seq].prefix + t.first + t.count); };
   std::stable_sort(tasks.begin(), tasks.end(), [&](const PaTask& a, const PaTask& b) { return cost(a) > cost(b); });
   return tasks;

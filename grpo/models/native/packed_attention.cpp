@@ -1,27 +1,26 @@
 // The trainer's attention over packed sequences (packed_attention.py), forward and backward.
 //
-// A training pass holds every sequence's tokens back to back in one row; sequence s has its
-// queries at rows q_start..q_start+q_len and sees key_rows[key_offset..key_offset+prefix+q_len]
-// (the rows of the sequences it continues, then its own), query j the first prefix + j + 1 of
-// them: causal within its own tokens. PyTorch's SDPA took this as padded blocks gathered per call,
-// with an explicit mask (no block skipped), each (sequence, head) a few small GEMM calls: ~87
-// GFLOP/s padded over SmolLM2's bench pass on an AMD EPYC, 2 cores, forward + backward 0.22 s of a
-// 2.1 s training call. Here a task is up to 64 queries of one sequence through one key head: the
-// keys and values they see gathered once into float32 panels shared by the query heads reading
-// them, scores for four queries by sixty-four keys in registers (avx512), no padding and nothing
-// past a query's last key. float32 sums, q/k/v widened from bf16 as read, outputs rounded once to
-// their dtype (as SDPA over float32 copies, the path it replaces). The backward recomputes the
-// weights from the saved log-sum-exp (as flash attention does) and sums the key and value
-// gradients of the rows that several tasks see (a shared prompt, a long sequence's first tokens) in
-// one float32 buffer, each task's added in the tasks' order (the same bits every run; a buffer per
-// thread would also be threads x the keys' and values' size: gigabytes for a 16k-token pass on 16
-// cores). On the AMD EPYC (2 cores, bf16) it runs at 85-110 GFLOP/s of useful work over the bench's
-// pass and 145-165 at 512-token answers, against float32 multiply-adds' 235 (scripts/attention_rate.py).
+// A training pass holds every sequence's tokens back to back in one row; sequence s has its queries at rows
+// q_start..q_start+q_len and sees key_rows[key_offset..key_offset+prefix+q_len] (the rows of the sequences it
+// continues, then its own), query j the first prefix + j + 1 of them: causal within its own tokens. PyTorch's
+// SDPA took this as padded blocks gathered per call, with an explicit mask (no block skipped), each
+// (sequence, head) a few small GEMM calls: ~87 GFLOP/s padded over SmolLM2's bench pass on an AMD EPYC, 2
+// cores, forward + backward 0.22 s of a 2.1 s training call. Here a task is up to 64-256 queries of one
+// sequence through one key head: the keys and values they see gathered once into float32 panels shared by the
+// query heads reading them, scores for four queries by sixty-four keys in registers (avx512), no padding and
+// nothing past a query's last key. float32 sums, q/k/v widened from bf16 as read, outputs rounded once to
+// their dtype (as SDPA over float32 copies, the path it replaces; with `dot`, below, the scores' sums in
+// another order). The backward recomputes the weights from the saved log-sum-exp (as flash attention does)
+// and sums the key and value gradients of the rows that several tasks see (a shared prompt, a long sequence's
+// first tokens) in one float32 buffer, each task's added in the tasks' order (the same bits every run; a
+// buffer per thread would also be threads x the keys' and values' size: gigabytes for a 16k-token pass on 16
+// cores). On the AMD EPYC (2 cores, bf16) it runs at 85-110 GFLOP/s of useful work over the bench's pass and
+// 145-165 at 512-token answers, against float32 multiply-adds' 235 (scripts/attention_rate.py).
+//
 // With `dot` (bf16, a head dimension of 64 or 128, a build with avx512_bf16) the scores -- queries by keys,
-// forward and backward, and output gradients by values -- are that instruction's dot products over
-// pairs of dims from bf16 panels, the other four products as before: 1.09-1.24x the kernel's speed
-// there (176 / 187 GFLOP/s at 512-token answers); the trainer passes it where kernel_probe.py measured
-// it faster.
+// forward and backward, and output gradients by values -- are that instruction's dot products over pairs of
+// dims from bf16 panels, the other four products as before: 1.09-1.24x the kernel's speed there (176 / 187
+// GFLOP/s at 512-token answers); the trainer passes it where kernel_probe.py measured it faster.
 
 #include "ops.h"
 #include "simd.h"

@@ -1,7 +1,7 @@
-"""The float32 training kernel and the sampler's packed layout (grpo/models/kernel_probe.py):
-measured once per machine and model shape, the other kernel (layout) only where it measured faster
-by the margin, and a model that trains through either computes the same gradients. Timings are
-faked: this machine's decide nothing here."""
+"""The float32 training kernel, the sampler's packed layout and the bf16 training attention's scores
+(grpo/models/kernel_probe.py): measured once per machine and model shape, the other kernel (layout)
+only where it measured faster by the margin, and a model that trains through either computes the
+same gradients. Timings are faked: this machine's decide nothing here."""
 
 from __future__ import annotations
 

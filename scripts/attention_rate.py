@@ -35,20 +35,22 @@ SHAPES = {
 
 def plan(prompts: int, prompt_len: int, group: int, answers: list[int]):
     """The kernel's ``seqs`` ([q_start, q_len, prefix, key_offset] rows) and ``key_rows`` for
-    prompts each followed by ``group`` answers; the rows of the pass; its (query, key) pairs."""
-    seqs, key_rows, start = [], [], 0
+    prompts each followed by ``group`` answers, as the trainer's ``PackedPass`` makes them; the rows
+    of the pass; its (query, key) pairs."""
+    from grpo.backends.local.packed_attention import PackedPass
+
+    lengths, continues = [], []
     for p in range(prompts):
-        prompt = list(range(start, start + prompt_len))
-        seqs.append((start, prompt_len, 0, len(key_rows)))
-        key_rows += prompt
-        start += prompt_len
+        first = len(lengths)
+        lengths.append(prompt_len)
+        continues.append(None)
         for g in range(group):
-            n = answers[(p * group + g) % len(answers)]
-            seqs.append((start, n, prompt_len, len(key_rows)))
-            key_rows += prompt + list(range(start, start + n))
-            start += n
-    pairs = sum(q * (prefix + (q + 1) / 2) for _, q, prefix, _ in seqs)
-    return torch.tensor(seqs).reshape(-1, 4), torch.tensor(key_rows), start, pairs
+            lengths.append(answers[(p * group + g) % len(answers)])
+            continues.append(first)
+    packed = PackedPass(lengths, torch.device("cpu"), continues=continues)
+    seqs, key_rows = packed.native_plan()
+    pairs = sum(q * (prefix + (q + 1) / 2) for _, q, prefix, _ in seqs.tolist())
+    return seqs, key_rows, packed.tokens, pairs
 
 
 def measure(ops, shape, dtype: torch.dtype, repeats: int,

@@ -230,18 +230,23 @@ class PackedPass:
         ops = native_kernels.kernels()
         if ops is None or not hasattr(ops, "packed_attention"):
             return None
+        heads, kv_heads, n, dim = query.shape[1], key.shape[1], query.shape[2], query.shape[3]
+        scale = float(scaling) if scaling is not None else dim ** -0.5
+        flat = [t[0].transpose(0, 1).reshape(n, -1) for t in (query, key, value)]  # (n, heads * dim) rows
+        dot = query.dtype == torch.bfloat16 and (heads, kv_heads, dim) in _DOT_SCORES
+        out = _NativeAttention.apply(*flat, *self.native_plan(), heads, kv_heads, scale, dot, ops)
+        return out.view(1, n, heads, dim)
+
+    def native_plan(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The pass as grpo's kernel takes it: ``seqs``, a ``[q_start, q_len, prefix, key_offset]`` row
+        per sequence, and ``key_rows``, every sequence's key rows back to back; made on first use."""
         if self._native_plan is None:
             seqs, rows = [], []
             for i, (start, length) in enumerate(zip(self.starts, self.lengths, strict=True)):
                 seqs.append((start, length, len(self.key_rows[i]) - length, len(rows)))
                 rows += self.key_rows[i]
             self._native_plan = (torch.tensor(seqs, dtype=torch.long).reshape(-1, 4), torch.tensor(rows, dtype=torch.long))
-        heads, kv_heads, n, dim = query.shape[1], key.shape[1], query.shape[2], query.shape[3]
-        scale = float(scaling) if scaling is not None else dim ** -0.5
-        flat = [t[0].transpose(0, 1).reshape(n, -1) for t in (query, key, value)]  # (n, heads * dim) rows
-        dot = query.dtype == torch.bfloat16 and (heads, kv_heads, dim) in _DOT_SCORES
-        out = _NativeAttention.apply(*flat, *self._native_plan, heads, kv_heads, scale, dot, ops)
-        return out.view(1, n, heads, dim)
+        return self._native_plan
 
     @contextmanager
     def running(self, decoder) -> Iterator[None]:

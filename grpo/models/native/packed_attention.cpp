@@ -198,17 +198,15 @@ inline void pa_dot_scores_block(const uint32_t* rows, int64_t nr, const uint32_t
 #pragma GCC unroll 4
     for (int r = 0; r < BLOCKS; ++r) acc[i][r] = _mm512_setzero_ps();
   for (int64_t j = 0; j < DIM / 2; ++j) {
-    __m512i b[BLOCKS];
+    __m512bh b[BLOCKS];  // (loaded once for the four rows, as float lanes: the pairs' bits moved, not computed with)
 #pragma GCC unroll 4
-    for (int r = 0; r < BLOCKS; ++r) {
-      b[r] = _mm512_loadu_si512(bt + j * ldb + t0 + r * PA_KEYS);
-      asm("" : "+v"(b[r]));  // (loaded once for the four rows: FloatLanes::held's reason)
-    }
+    for (int r = 0; r < BLOCKS; ++r)
+      b[r] = (__m512bh)FloatLanes::held(reinterpret_cast<const float*>(bt + j * ldb + t0 + r * PA_KEYS));
 #pragma GCC unroll 4
     for (int i = 0; i < PA_ROWS; ++i) {
       const __m512bh x = (__m512bh)_mm512_set1_epi32(static_cast<int>(rows[i * (DIM / 2) + j]));
 #pragma GCC unroll 4
-      for (int r = 0; r < BLOCKS; ++r) acc[i][r] = _mm512_dpbf16_ps(acc[i][r], x, (__m512bh)b[r]);
+      for (int r = 0; r < BLOCKS; ++r) acc[i][r] = _mm512_dpbf16_ps(acc[i][r], x, b[r]);
     }
   }
   for (int64_t i = 0; i < nr; ++i)

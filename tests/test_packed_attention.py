@@ -317,11 +317,17 @@ def test_native_attention_gradients_are_the_same_bits_every_call(native_ops) -> 
     for _ in range(10):
         for a, b in zip(_attend_with_grads(packed, q, k, v), first, strict=True):
             assert torch.equal(a, b)
+    _same_bits_on_other_thread_counts(packed, q, k, v, first)
+
+
+def _same_bits_on_other_thread_counts(packed, q, k, v, want) -> None:
+    """The attention and its gradients on 1 and 3 threads are ``want``, bit for bit: the order of the
+    key and value gradients' sums is the tasks', not the threads'."""
     threads = torch.get_num_threads()
-    try:  # (and whatever the number of threads: the order is the tasks', not the threads')
+    try:
         for n in (1, 3):
             torch.set_num_threads(n)
-            for a, b in zip(_attend_with_grads(packed, q, k, v), first, strict=True):
+            for a, b in zip(_attend_with_grads(packed, q, k, v), want, strict=True):
                 assert torch.equal(a, b)
     finally:
         torch.set_num_threads(threads)
@@ -375,7 +381,7 @@ def test_the_dot_product_leaves_float32_and_other_shapes_to_multiply_adds(native
     assert all(torch.equal(a, b) for a, b in zip(_attend_with_grads(packed, q, k, v), fma, strict=True))
 
 
-def test_native_attention_cuts_long_sequences_into_longer_tasks_where_there_are_many(native_ops) -> None:
+def test_native_attention_cuts_long_sequences_into_longer_tasks_where_there_are_many(native_ops, monkeypatch) -> None:
     """A pass of many sequences takes a long one in tasks of up to 256 queries (fewer gathers and
     gradient sums per query); its attention is still SDPA's, and the same bits on any number of
     threads (the tasks are chosen from the pass alone)."""
@@ -385,15 +391,9 @@ def test_native_attention_cuts_long_sequences_into_longer_tasks_where_there_are_
     q, k, v = (torch.randn((1, h, packed.tokens, 64), generator=gen) for h in (2, 1, 1))
     want = _attend_with_grads(packed, q, k, v)
     assert packed._native_plan is not None
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(packed_attention, "NATIVE_ATTENTION_ON_CPU", False)
-        reference = _attend_with_grads(packed_attention.PackedPass(lengths, CPU, continues=[None, *[0] * 71]), q, k, v)
+    monkeypatch.setattr(packed_attention, "NATIVE_ATTENTION_ON_CPU", False)
+    reference = _attend_with_grads(packed_attention.PackedPass(lengths, CPU, continues=[None, *[0] * 71]), q, k, v)
     for g, w in zip(want, reference, strict=True):
         torch.testing.assert_close(g, w, atol=2e-6 * float(w.detach().abs().max()), rtol=1e-5)
-    threads = torch.get_num_threads()
-    try:
-        for n in (1, 3):
-            torch.set_num_threads(n)
-            assert all(torch.equal(a, b) for a, b in zip(_attend_with_grads(packed, q, k, v), want, strict=True))
-    finally:
-        torch.set_num_threads(threads)
+    monkeypatch.setattr(packed_attention, "NATIVE_ATTENTION_ON_CPU", True)
+    _same_bits_on_other_thread_counts(packed, q, k, v, want)

@@ -316,13 +316,22 @@ def measure_attention_kernels(shapes: AttentionShapes, budget_s: float = BUDGET_
     scores by float32 multiply-adds and by the dot product, alternating."""
     import torch
 
-    from grpo.backends.local.packed_attention import PackedPass
     from grpo.models import native_kernels
 
     ops = native_kernels.kernels()
-    lengths = [64, 128, 128, 128, 128] * 2  # each prompt, then its four answers continuing it
-    packed = PackedPass(lengths, torch.device("cpu"), continues=[None, 0, 0, 0, 0, None, 5, 5, 5, 5])
-    plan, rows = packed.native_plan(), packed.tokens
+    # the plan PackedPass.native_plan makes for these sequences (built here: models/ sits below the
+    # backends in the package's layers, tests/test_layout.py)
+    seqs, key_rows, rows = [], [], 0
+    for _ in range(2):
+        prompt = list(range(rows, rows + 64))
+        seqs.append((rows, 64, 0, len(key_rows)))
+        key_rows += prompt
+        rows += 64
+        for _ in range(4):
+            seqs.append((rows, 128, 64, len(key_rows)))
+            key_rows += prompt + list(range(rows, rows + 128))
+            rows += 128
+    plan = torch.tensor(seqs, dtype=torch.long), torch.tensor(key_rows, dtype=torch.long)
     heads, kv_heads, dim = shapes.heads, shapes.kv_heads, shapes.head_dim
     with _seeded_rng():
         q, grad = (torch.randn(rows, heads * dim).to(torch.bfloat16) for _ in range(2))

@@ -56,7 +56,7 @@ def plan(prompts: int, prompt_len: int, group: int, answers: list[int]):
 def measure(ops, shape, dtype: torch.dtype, repeats: int,
             kernels: tuple[bool, ...] = (False,)) -> dict[bool, dict[str, tuple[float, float]]]:
     """``{dot: {"forward" | "backward": (seconds a call, GFLOP/s)}}`` for each of ``kernels`` (the
-    scores by float32 multiply-adds, False, or by avx512_bf16's dot product, True): the median of
+    products by float32 multiply-adds, False, or by avx512_bf16's dot product, True): the median of
     five timings, the kernels taking turns within each so that the machine's moods fall on both."""
     prompts, prompt_len, group, answers, heads, kv_heads, dim = shape
     seqs, key_rows, rows, pairs = plan(prompts, prompt_len, group, answers)
@@ -100,12 +100,12 @@ def main() -> None:
     if ops is None:
         raise SystemExit("grpo's native kernels are not available here (switched off, or the build failed: said above)")
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype]
-    # bf16's scores by avx512_bf16's dot product too, where the kernels are built with it (the trainer
+    # bf16's products by avx512_bf16's dot product too, where the kernels are built with it (the trainer
     # takes that where kernel_probe.py measured it faster)
     kernels = (False, True) if dtype == torch.bfloat16 and ops.stream_dot_available() else (False,)
     print(f"# packed attention, {args.dtype}, {torch.get_num_threads()} threads, torch {torch.__version__}, "
           f"CPU capability {torch.backends.cpu.get_cpu_capability()}")
-    print("| shape | rows | scores by | forward ms | forward GFLOP/s | backward ms | backward GFLOP/s |")
+    print("| shape | rows | products by | forward ms | forward GFLOP/s | backward ms | backward GFLOP/s |")
     print("| --- | --- | --- | --- | --- | --- | --- |")
     for name in args.shapes:
         shape = SHAPES[name]

@@ -36,13 +36,14 @@ without AMX the instruction ran at half float32's rate of multiply-adds (docs/be
 the kernels were built with it, ``bf16_stream_kernel`` asks which is faster, and the bf16 layout
 question weighs oneDNN's layout against the streaming one in that kernel.
 
-The trainer's bf16 attention (native/packed_attention.cpp) takes its scores -- three of its seven
-products, forward and backward: queries by keys, output gradients by values -- by float32's
-multiply-adds (bf16 widened) or, where the kernels are built with avx512_bf16 and the head dimension is a
-multiple of 32, by that instruction over pairs of dims. On an AMD EPYC (Zen 4) the kernel ran
-1.17-1.21x faster forward and 1.05-1.16x backward that way (docs/benchmark.md); where the
-instruction runs at half float32's rate it would be slower. ``training_attention`` times the
-kernel both ways on a GRPO micro-batch of the model's heads.
+The trainer's bf16 attention (native/packed_attention.cpp) takes its seven products -- the scores,
+the weighted sums, the key and value gradients -- by float32's multiply-adds (bf16 widened, the
+softmax's weights float32) or, where the kernels are built with avx512_bf16 and the head dimension is
+a multiple of 32, by that instruction: the scores over pairs of dims, the rest over pairs of keys or
+queries with the weights rounded to bf16 (as PyTorch's CPU flash attention does). On an AMD EPYC
+(Zen 4) the kernel ran ~1.5x faster that way (docs/benchmark.md); where the instruction runs at half
+float32's rate it would be slower. ``training_attention`` times the kernel both ways on a GRPO
+micro-batch of the model's heads.
 
 These are the same question -- which of two ways of computing the same thing runs faster here --
 asked by a ``Question``: its answer is cached beside the precision probe's (``$GRPO_CACHE/precision.json``) under the same
@@ -203,8 +204,8 @@ class AttentionShapes:
         return f"attention-h{self.heads}-kv{self.kv_heads}-d{self.head_dim}"
 
 
-# the trainer's bf16 attention's scores: float32 multiply-adds (the one used so far) or, where built,
-# avx512_bf16's dot product over pairs of dims
+# the trainer's bf16 attention's products: float32 multiply-adds (the one used so far) or, where built,
+# avx512_bf16's dot product
 TRAINING_ATTENTION = Question("bf16 training attention", "micro-batch's attention", ("fma", "dot"),
                               ("float32 multiply-adds", "bf16 dot products"),
                               ("float32 multiply-adds (bf16 widened)", "avx512_bf16 dot products"),
@@ -258,7 +259,7 @@ def bf16_stream_kernel(shapes: Shapes, timer: Timer | None = None, cache: Path |
 
 
 def training_attention(shapes: AttentionShapes | None, timer: Timer | None = None, cache: Path | None = None) -> str:
-    """How the trainer's bf16 attention of ``shapes`` takes its scores on this machine: "dot"
+    """How the trainer's bf16 attention of ``shapes`` takes its products on this machine: "dot"
     (avx512_bf16's dot product) where grpo's kernels are built with it, the head dimension is a
     multiple of 32 and it measured ``MARGIN`` faster; else "fma" (float32 multiply-adds), without
     measuring where there is nothing to measure or the machine is too busy to."""
@@ -313,7 +314,7 @@ def measure_bf16_stream_kernels(shapes: Shapes, budget_s: float = BUDGET_S) -> t
 def measure_attention_kernels(shapes: AttentionShapes, budget_s: float = BUDGET_S) -> tuple[float, float]:
     """Seconds of the native attention's forward and backward over a GRPO micro-batch of
     ``shapes``' heads (two prompts of 64 tokens, each continued by four answers of 128), bf16, its
-    scores by float32 multiply-adds and by the dot product, alternating."""
+    products by float32 multiply-adds and by the dot product, alternating."""
     import torch
 
     from grpo.models import native_kernels

@@ -139,12 +139,12 @@ class Engine:
             # from these modules and keeps them.
             native_layers.install(self.model)
         if shapes is not None and self.dtype == torch.bfloat16:
-            # the trainer's bf16 attention takes its scores by avx512_bf16's dot product where that
+            # the trainer's bf16 attention takes its products by avx512_bf16's dot product where that
             # measured faster here than float32's multiply-adds (kernel_probe.py)
             heads = kernel_probe.AttentionShapes.from_config(self.model.config)
             if heads is not None:
-                packed_attention.use_dot_scores(heads.heads, heads.kv_heads, heads.head_dim,
-                                                kernel_probe.training_attention(heads) == "dot")
+                packed_attention.use_dot_products(heads.heads, heads.kv_heads, heads.head_dim,
+                                                  kernel_probe.training_attention(heads) == "dot")
         # bf16 sampling on a CPU runs its own packed copy (sampler_precision.py) even beside a bf16
         # trainer: sibling projections stacked, LoRA side paths made once per set of weights. A
         # sampling call of the bench (8 x 4 x 32 tokens) took 3.2 s against 4.4 s through peft's

@@ -44,16 +44,18 @@ FP32_ATTENTION_ON_CPU = True
 # On a CPU, float32 and bf16 attention through grpo's native kernel (``_NativeAttention``) where it
 # is built; False takes SDPA over gathered blocks, as before (for measuring one against the other).
 NATIVE_ATTENTION_ON_CPU = True
-# Attention shapes (heads, key heads, head dim) whose bf16 scores the native kernel takes by
+# Attention shapes (heads, key heads, head dim) whose bf16 attention the native kernel takes by
 # avx512_bf16's dot product: set by the engine where kernel_probe.py measured that faster here than
-# float32's multiply-adds (the products are exact either way; the sums differ in their order).
-_DOT_SCORES: set[tuple[int, int, int]] = set()
+# float32's multiply-adds. The scores' products are exact either way (their sums in another order);
+# the weighted sums and key/value gradients then multiply the softmax's weights and their gradients
+# rounded to bf16, as PyTorch's CPU flash attention does for bf16, not float32's.
+_DOT_PRODUCTS: set[tuple[int, int, int]] = set()
 
 
-def use_dot_scores(heads: int, kv_heads: int, head_dim: int, dot: bool) -> None:
-    """Whether bf16 attention of this shape takes its scores by avx512_bf16's dot product
+def use_dot_products(heads: int, kv_heads: int, head_dim: int, dot: bool) -> None:
+    """Whether bf16 attention of this shape takes its products by avx512_bf16's dot product
     (``dot``) or by float32's multiply-adds, in this process (kernel_probe.training_attention)."""
-    (_DOT_SCORES.add if dot else _DOT_SCORES.discard)((heads, kv_heads, head_dim))
+    (_DOT_PRODUCTS.add if dot else _DOT_PRODUCTS.discard)((heads, kv_heads, head_dim))
 
 
 def supports(config) -> bool:
@@ -220,7 +222,7 @@ class PackedPass:
         backward: 0.17 against 0.44 s for the gathered blocks through SDPA in bf16, 0.19 against 0.44
         in float32, when it came (AMD EPYC Zen 4, 2 cores); its kernel alone now ~0.08 s there, 1.5x
         faster again at 512-token answers (docs/benchmark.md, scripts/attention_rate.py). bf16 of a
-        shape in ``_DOT_SCORES`` takes its scores by avx512_bf16's dot product (``use_dot_scores``)."""
+        shape in ``_DOT_PRODUCTS`` takes its products by avx512_bf16's dot product (``use_dot_products``)."""
         if not (NATIVE_ATTENTION_ON_CPU and query.device.type == "cpu" and query.dtype in (torch.float32, torch.bfloat16)
                 and key.dtype == value.dtype == query.dtype and dropout == 0.0 and sliding_window is None
                 and query.shape[1] % key.shape[1] == 0):
@@ -233,7 +235,7 @@ class PackedPass:
         heads, kv_heads, n, dim = query.shape[1], key.shape[1], query.shape[2], query.shape[3]
         scale = float(scaling) if scaling is not None else dim ** -0.5
         flat = [t[0].transpose(0, 1).reshape(n, -1) for t in (query, key, value)]  # (n, heads * dim) rows
-        dot = query.dtype == torch.bfloat16 and (heads, kv_heads, dim) in _DOT_SCORES
+        dot = query.dtype == torch.bfloat16 and (heads, kv_heads, dim) in _DOT_PRODUCTS
         out = _NativeAttention.apply(*flat, *self.native_plan(), heads, kv_heads, scale, dot, ops)
         return out.view(1, n, heads, dim)
 

@@ -9,18 +9,22 @@
 // sequence through one key head: the keys and values they see gathered once into float32 panels shared by the
 // query heads reading them, scores for four queries by sixty-four keys in registers (avx512), no padding and
 // nothing past a query's last key. float32 sums, q/k/v widened from bf16 as read, outputs rounded once to
-// their dtype (as SDPA over float32 copies, the path it replaces; with `dot`, below, the scores' sums in
-// another order). The backward recomputes the weights from the saved log-sum-exp (as flash attention does)
-// and sums the key and value gradients of the rows that several tasks see (a shared prompt, a long sequence's
-// first tokens) in one float32 buffer, each task's added in the tasks' order (the same bits every run; a
-// buffer per thread would also be threads x the keys' and values' size: gigabytes for a 16k-token pass on 16
-// cores). On the AMD EPYC (2 cores, bf16) it runs at 85-110 GFLOP/s of useful work over the bench's pass and
-// 145-165 at 512-token answers, against float32 multiply-adds' 235 (scripts/attention_rate.py).
+// their dtype (as SDPA over float32 copies, the path it replaces; with `dot`, below, bf16 weights). The
+// backward recomputes the weights from the saved log-sum-exp (as flash attention does) and sums the key and
+// value gradients of the rows that several tasks see (a shared prompt, a long sequence's first tokens) in
+// one float32 buffer, each task's added in the tasks' order (the same bits every run; a buffer per thread
+// would also be threads x the keys' and values' size: gigabytes for a 16k-token pass on 16 cores). On the
+// AMD EPYC (2 cores, bf16) it runs at 85-110 GFLOP/s of useful work over the bench's pass and 145-165 at
+// 512-token answers, against float32 multiply-adds' 235 (scripts/attention_rate.py).
 //
-// With `dot` (bf16, a head dimension of 64 or 128, a build with avx512_bf16) the scores -- queries by keys,
-// forward and backward, and output gradients by values -- are that instruction's dot products over pairs of
-// dims from bf16 panels, the other four products as before: 1.09-1.24x the kernel's speed there (176 / 187
-// GFLOP/s at 512-token answers); the trainer passes it where kernel_probe.py measured it faster.
+// With `dot` (bf16, a head dimension of 64 or 128, a build with avx512_bf16) all seven products are that
+// instruction's dot products, two values a multiply-add: the scores -- queries by keys, forward and
+// backward, and output gradients by values -- over pairs of dims from bf16 panels (exact products, sums in
+// another order); the weighted sums (outputs, query gradients) over pairs of keys and the key and value
+// gradients over pairs of queries, from the softmax's weights and their gradients rounded to bf16, as
+// PyTorch's CPU flash attention does for bf16 (no longer float32 attention rounded once: outputs and
+// gradients within bf16's rounding of it, tests/test_packed_attention.py). The trainer passes it where
+// kernel_probe.py measured it faster.
 
 #include "ops.h"
 #include "simd.h"
@@ -46,9 +50,12 @@ inline int64_t pa_round(int64_t n) { return (n + PA_KEYS - 1) / PA_KEYS * PA_KEY
 // (klp: kl rounded up to PA_KEYS, zeros past kl), values the same; all float32. For the scores by
 // avx512_bf16's dot product (pa_dot_scores), bf16 keys and values also in pairs of dims: word
 // [j][t] the two bf16 values of dims 2j, 2j + 1 of key t ([dim / 2][klp], zeros past kl).
+// With `dot` the weighted sums also take that instruction, over pairs of keys: word [u][d] the two
+// bf16 values of dim d of keys 2u, 2u + 1 (keys_in_twos, values_in_twos: [klp / 2][dim], zeros past kl).
 struct KeyPanels {
   std::vector<float> keys, keys_t, values, values_t;
   std::vector<uint32_t> key_pairs, value_pairs, rows;  // (rows: the pairs gathered, before transposing)
+  std::vector<uint32_t> keys_in_twos, values_in_twos;
 };
 
 #if defined(__AVX512F__)
@@ -113,26 +120,56 @@ void gather_pairs(const T* x, int64_t k_stride, const int64_t* rows, int64_t kl,
   pa_transpose(reinterpret_cast<const float*>(p.rows.data()), kl, words, reinterpret_cast<float*>(out.data()), klp);
 }
 
-// The panels a task reads: forward (backward = false) the keys transposed (or in pairs, where `pairs`)
-// and the values row-major; backward the keys row-major and transposed (or in pairs), the values
-// transposed (or in pairs).
+// out[t / 2][d] = (dim d of row t, dim d of row t + 1) for even t < n, row t at x + rows[t] * stride, the
+// high half zero past an odd n's last row (bf16 bits side by side: moved, never computed with)
+template <typename T>
+void pa_twos(const T* x, int64_t stride, const int64_t* rows, int64_t n, int64_t dim, uint32_t* out) {
+  static_assert(sizeof(T) == 2, "pairs of bf16 values");
+  for (int64_t t = 0; t < n; t += 2) {
+    const uint16_t* a = reinterpret_cast<const uint16_t*>(x + rows[t] * stride);
+    const uint16_t* b = t + 1 < n ? reinterpret_cast<const uint16_t*>(x + rows[t + 1] * stride) : nullptr;
+    uint32_t* o = out + t / 2 * dim;
+    if (b) {
+#pragma omp simd
+      for (int64_t d = 0; d < dim; ++d) o[d] = uint32_t{a[d]} | uint32_t{b[d]} << 16;
+    } else {
+#pragma omp simd
+      for (int64_t d = 0; d < dim; ++d) o[d] = a[d];
+    }
+  }
+}
+
+// x's rows (key_rows of the task) two keys a word (KeyPanels' keys_in_twos): [klp / 2][dim], zeros past kl
+template <typename T>
+void gather_twos(const T* x, int64_t k_stride, const int64_t* rows, int64_t kl, int64_t head, int64_t dim,
+                 std::vector<uint32_t>& out) {
+  const int64_t klp = pa_round(kl);
+  out.resize(klp / 2 * dim);
+  pa_twos(x + head * dim, k_stride, rows, kl, dim, out.data());
+  std::fill(out.begin() + (kl + 1) / 2 * dim, out.end(), 0u);
+}
+
+// The panels a task reads: forward (backward = false) the keys transposed and the values row-major;
+// backward the keys row-major and transposed, the values transposed. Where `pairs`, bf16 only: the
+// keys (forward and backward) and values (backward) in pairs of dims for the scores, the values
+// (forward) and keys (backward) in twos for the weighted sums.
 template <typename T>
 void gather_panels(const T* k, const T* v, int64_t k_stride, const int64_t* rows, int64_t kl, int64_t head,
                    int64_t dim, bool backward, bool pairs, KeyPanels& p) {
-  const int64_t klp = pa_round(kl);
-  const bool keys_rows = backward || !pairs, values_rows = !backward || !pairs;
-  p.keys.resize(keys_rows ? kl * dim : 0);  // (row-major: the backward's, and what the transposed are made from)
-  p.values.resize(values_rows ? kl * dim : 0);
-  for (int64_t t = 0; t < kl; ++t) {
-    if (keys_rows) to_float(k + rows[t] * k_stride + head * dim, p.keys.data() + t * dim, dim);
-    if (values_rows) to_float(v + rows[t] * k_stride + head * dim, p.values.data() + t * dim, dim);
-  }
   if constexpr (sizeof(T) == 2) {
     if (pairs) {
       gather_pairs(k, k_stride, rows, kl, head, dim, p, p.key_pairs);
       if (backward) gather_pairs(v, k_stride, rows, kl, head, dim, p, p.value_pairs);
+      gather_twos(backward ? k : v, k_stride, rows, kl, head, dim, backward ? p.keys_in_twos : p.values_in_twos);
       return;
     }
+  }
+  const int64_t klp = pa_round(kl);
+  p.keys.resize(kl * dim);  // (row-major: the backward's, and what the transposed are made from)
+  p.values.resize(kl * dim);
+  for (int64_t t = 0; t < kl; ++t) {
+    to_float(k + rows[t] * k_stride + head * dim, p.keys.data() + t * dim, dim);
+    to_float(v + rows[t] * k_stride + head * dim, p.values.data() + t * dim, dim);
   }
   p.keys_t.resize(dim * klp);
   pa_transpose(p.keys.data(), kl, dim, p.keys_t.data(), klp);
@@ -225,6 +262,109 @@ inline void pa_dot_scores(const c10::BFloat16* a, int64_t a_stride, int64_t nr, 
   int64_t t0 = 0;
   for (; t0 + SPAN <= keys; t0 += SPAN) pa_dot_scores_block<DIM, FloatLanes::KEY_BLOCKS>(rows, nr, bt, ldb, t0, out, ldo);
   for (; t0 < keys; t0 += PA_KEYS) pa_dot_scores_block<DIM, 1>(rows, nr, bt, ldb, t0, out, ldo);
+}
+
+// The weighted sums and the key/value gradients by the dot product, over pairs of the summed index (keys
+// for a query's weighted sums, queries for a key's gradients): the weights -- the softmax's and their
+// gradients -- rounded to bf16 first, as PyTorch's CPU flash attention does for bf16 (its attn_reduced
+// and grad_attn_reduced); sums in float32.
+
+// acc[m][c] += the dot product of s's word for (m, u) (s[m * s_m + u * s_k]: the weights of 2u and 2u + 1)
+// with x's words [u][16c .. 16c + 15] (x: rows of DIM words, each two values of one dim) for u0 <= u < u1:
+// pa_outer_sums two at a time
+template <int64_t DIM, int M, int C>
+inline void pa_dot_outer_sums(__m512 (&acc)[M][C], const uint32_t* s, int64_t s_m, int64_t s_k, const uint32_t* x,
+                              int64_t u0, int64_t u1) {
+  for (int64_t u = u0; u < u1; ++u) {
+    __m512bh row[C];
+#pragma GCC unroll 16
+    for (int c = 0; c < C; ++c)
+      row[c] = (__m512bh)FloatLanes::held(reinterpret_cast<const float*>(x + u * DIM + 16 * c));
+#pragma GCC unroll 16
+    for (int m = 0; m < M; ++m) {
+      const __m512bh y = (__m512bh)_mm512_set1_epi32(static_cast<int>(s[m * s_m + u * s_k]));
+#pragma GCC unroll 16
+      for (int c = 0; c < C; ++c) acc[m][c] = _mm512_dpbf16_ps(acc[m][c], y, row[c]);
+    }
+  }
+}
+
+// out[i][t] = bf16(x[i][t]) for t < limit[i], zeros to keys (a multiple of sixteen), for nr rows of x
+// (ldx apart) and zero rows to PA_ROWS: the rows' weights for pa_dot_weighted_rows, two keys a word
+inline void pa_round_rows(const float* x, int64_t ldx, int64_t nr, const int64_t* limit, int64_t keys,
+                          c10::BFloat16* out) {
+  for (int64_t i = 0; i < PA_ROWS; ++i)
+    for (int64_t t = 0; t < keys; t += 16) {
+      const __m512 w = i < nr ? FloatLanes::below(_mm512_loadu_ps(x + i * ldx + t), t, limit[i]) : _mm512_setzero_ps();
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i * keys + t), (__m256i)_mm512_cvtneps_pbh(w));
+    }
+}
+
+// out[i] = scale * sum_t w[i][t] * b[t] for nr <= PA_ROWS rows of bf16 weights (w: [PA_ROWS][keys], zero
+// past each row's last key), b two keys a word (bt [keys / 2][DIM]); keys a multiple of sixteen
+template <int64_t DIM>
+inline void pa_dot_weighted_rows(const c10::BFloat16* w, int64_t nr, int64_t keys, const uint32_t* bt, float scale,
+                                 float* out) {
+  constexpr int C = DIM / 16 < 4 ? DIM / 16 : 4;
+  const uint32_t* words = reinterpret_cast<const uint32_t*>(w);
+  const __m512 factor = _mm512_set1_ps(scale);
+  for (int64_t h = 0; h < DIM; h += C * 16) {
+    __m512 acc[PA_ROWS][C];
+#pragma GCC unroll 16
+    for (int i = 0; i < PA_ROWS; ++i)
+#pragma GCC unroll 16
+      for (int c = 0; c < C; ++c) acc[i][c] = _mm512_setzero_ps();
+    pa_dot_outer_sums<DIM, PA_ROWS, C>(acc, words, keys / 2, 1, bt + h, 0, keys / 2);
+    for (int64_t i = 0; i < nr; ++i)
+#pragma GCC unroll 16
+      for (int c = 0; c < C; ++c) _mm512_storeu_ps(out + i * DIM + h + 16 * c, _mm512_mul_ps(acc[i][c], factor));
+  }
+}
+
+// out[u][t] = (bf16(x[2u][t]), bf16(x[2u + 1][t])) for t < keys (a multiple of sixteen) and u < (nr + 1) / 2,
+// an absent row 2u + 1 zeros: nr rows' weights (ldx apart, zero past each row's last key) two queries a word
+inline void pa_round_twos(const float* x, int64_t ldx, int64_t nr, int64_t keys, uint32_t* out) {
+  auto rounded = [&](int64_t i, int64_t t) {  // (sixteen values of row i as bf16 bits, each in a word's low half)
+    return i < nr ? _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(x + i * ldx + t)))
+                  : _mm512_setzero_si512();
+  };
+  for (int64_t u = 0; u < (nr + 1) / 2; ++u)
+    for (int64_t t = 0; t < keys; t += 16)
+      _mm512_storeu_si512(out + u * keys + t,
+                          _mm512_or_si512(rounded(2 * u, t), _mm512_slli_epi32(rounded(2 * u + 1, t), 16)));
+}
+
+// dk[t] += scale * sum_i a[i][t] * q[i], dv[t] += sum_i bw[i][t] * g[i] for t < keys over `twos` pairs of
+// queries: a, bw two queries a word ([twos][ldw]), q, g two queries a word ([twos][DIM]); pa_key_grads_vec's
+// blocks of keys
+template <int64_t DIM>
+inline void pa_dot_key_grads(const uint32_t* a, const uint32_t* bw, int64_t ldw, int64_t twos, int64_t keys,
+                             float scale, const uint32_t* q, const uint32_t* g, float* dk, float* dv) {
+  constexpr int C = DIM / 16 < 4 ? DIM / 16 : 4, KB = FloatLanes::GRAD_KEYS;
+  static_assert(PA_KEYS % KB == 0, "a block of keys must not run past a row's zeros");
+  for (int part = 0; part < 2; ++part) {
+    const uint32_t* weights = part ? bw : a;
+    const uint32_t* rows = part ? g : q;
+    float* sums = part ? dv : dk;
+    const __m512 factor = _mm512_set1_ps(part ? 1.f : scale);
+    for (int64_t t0 = 0; t0 < keys; t0 += KB)
+      for (int64_t h = 0; h < DIM; h += C * 16) {
+        __m512 acc[KB][C];
+#pragma GCC unroll 16
+        for (int u = 0; u < KB; ++u)
+#pragma GCC unroll 16
+          for (int c = 0; c < C; ++c) acc[u][c] = _mm512_setzero_ps();
+        pa_dot_outer_sums<DIM, KB, C>(acc, weights + t0, 1, ldw, rows + h, 0, twos);
+#pragma GCC unroll 16
+        for (int u = 0; u < KB; ++u)
+          if (t0 + u < keys)
+#pragma GCC unroll 16
+            for (int c = 0; c < C; ++c) {
+              float* out = sums + (t0 + u) * DIM + h + 16 * c;
+              _mm512_storeu_ps(out, _mm512_add_ps(_mm512_loadu_ps(out), _mm512_mul_ps(acc[u][c], factor)));
+            }
+      }
+  }
 }
 #endif
 
@@ -577,6 +717,55 @@ inline void pa_scores_of(bool pairs, const T* x, int64_t x_stride, const float* 
   pa_scores<DIM>(xf, nr, (values ? p.values_t : p.keys_t).data(), klp, keys, dim, out, klp);
 }
 
+// out[i] = scale * sum_{t < limit[i]} w[i][t] * b[t] for nr rows of float32 weights (klp apart): by the
+// dot product over the weights rounded to bf16 where `pairs` (b two keys a word: twos), else by
+// multiply-adds over b's float32 rows (b_rows)
+template <typename T, int64_t DIM>
+inline void pa_weighted_of(bool pairs, const float* w, int64_t klp, int64_t nr, const int64_t* limit,
+                           const float* b_rows, const std::vector<uint32_t>& twos, int64_t dim, float scale,
+                           float* out) {
+#if defined(PA_DOT)
+  if constexpr (pa_dot_built<T, DIM>()) {
+    if (pairs) {
+      thread_local std::vector<c10::BFloat16> rounded;
+      const int64_t keys = pa_round(limit[nr - 1]);  // (the rows' limits rise: the last sees the most)
+      rounded.resize(PA_ROWS * keys);
+      pa_round_rows(w, klp, nr, limit, keys, rounded.data());
+      return pa_dot_weighted_rows<DIM>(rounded.data(), nr, keys, twos.data(), scale, out);
+    }
+  }
+#endif
+  pa_weighted_rows<DIM>(w, klp, nr, limit, b_rows, dim, scale, out);
+}
+
+// dk[t] += scale * sum_i a[i][t] * q[i], dv[t] += sum_i bw[i][t] * g[i] for t < keys over nr queries (a
+// and bw float32, ldw apart, zero past each query's last key to a multiple of sixteen): by the dot
+// product where `pairs` (a and bw rounded to bf16, q and g read from the bf16 rows x + rows[i] * stride),
+// else by multiply-adds over qf and gf, the same rows as float32
+template <typename T, int64_t DIM>
+inline void pa_key_grads_of(bool pairs, const float* a, const float* bw, int64_t ldw, int64_t nr, int64_t keys,
+                            float scale, const float* qf, const float* gf, const T* q, const T* g,
+                            const int64_t* rows, int64_t stride, int64_t dim, float* dk, float* dv) {
+#if defined(PA_DOT)
+  if constexpr (pa_dot_built<T, DIM>()) {
+    if (pairs) {
+      thread_local std::vector<uint32_t> a2, bw2, q2, g2;  // (two queries a word)
+      const int64_t twos = (nr + 1) / 2, width = pa_round(keys);
+      a2.resize(twos * width);
+      bw2.resize(twos * width);
+      q2.resize(twos * DIM);
+      g2.resize(twos * DIM);
+      pa_round_twos(a, ldw, nr, width, a2.data());
+      pa_round_twos(bw, ldw, nr, width, bw2.data());
+      pa_twos(q, stride, rows, nr, DIM, q2.data());
+      pa_twos(g, stride, rows, nr, DIM, g2.data());
+      return pa_dot_key_grads<DIM>(a2.data(), bw2.data(), width, twos, keys, scale, q2.data(), g2.data(), dk, dv);
+    }
+  }
+#endif
+  pa_key_grads<DIM>(a, bw, ldw, nr, keys, scale, qf, gf, dim, dk, dv);
+}
+
 template <typename T, int64_t DIM>
 void packed_attention_impl(const T* q, const T* k, const T* v, const std::vector<PackedSeq>& seqs,
                            const int64_t* key_rows, PaShape sh, float scale, bool dot, T* out, float* lse) {
@@ -611,7 +800,7 @@ void packed_attention_impl(const T* q, const T* k, const T* v, const std::vector
           for (int64_t t = 0; t < limit[i]; ++t) x[t] *= inverse;
           lse[(s.q_start + r0 + i) * sh.heads + h] = top + std::log(total);
         }
-        pa_weighted_rows<DIM>(w.data(), klp, nr, limit, p.values.data(), dim, 1.f, o.data());
+        pa_weighted_of<T, DIM>(pairs, w.data(), klp, nr, limit, p.values.data(), p.values_in_twos, dim, 1.f, o.data());
         for (int64_t i = 0; i < nr; ++i)
           from_float(o.data() + i * dim, out + (s.q_start + r0 + i) * q_stride + h * dim, dim);
       }
@@ -706,7 +895,7 @@ void packed_attention_backward_impl(const T* grad, const T* q, const T* k, const
             for (int64_t i = 0; i < nr; ++i) {
               const int64_t row = s.q_start + r0 + i;
               limit[i] = s.prefix + r0 + i + 1;
-              to_float(q + row * q_stride + h * dim, qb + i * dim, dim);
+              if (!pairs) to_float(q + row * q_stride + h * dim, qb + i * dim, dim);  // (pairs: read as bf16)
               to_float(grad + row * q_stride + h * dim, gb + i * dim, dim);
               to_float(out + row * q_stride + h * dim, of.data(), dim);
               float dot = 0.f;
@@ -722,13 +911,15 @@ void packed_attention_backward_impl(const T* grad, const T* q, const T* k, const
               const float m = lse[(s.q_start + r0 + i) * sh.heads + h];
               pa_weights_backward(wb + i * klp, dwb + i * klp, limit[i], block_keys, scale, m, delta[i]);
             }
-            pa_weighted_rows<DIM>(dwb, klp, nr, limit, p.keys.data(), dim, scale, dqf.data());
+            pa_weighted_of<T, DIM>(pairs, dwb, klp, nr, limit, p.keys.data(), p.keys_in_twos, dim, scale, dqf.data());
             for (int64_t i = 0; i < nr; ++i)
               from_float(dqf.data() + i * dim, dq + (s.q_start + r0 + i) * q_stride + h * dim, dim);
           }
           // dk[t] += scale * sum_i ds[i][t] q[i], dv[t] += sum_i w[i][t] g[i] over the block's queries
-          pa_key_grads<DIM>(dw.data(), w.data(), klp, nb, s.prefix + b0 + nb, scale, qf.data(), gf.data(), dim,
-                            dkl.data(), dvl.data());
+          int64_t block_rows[PA_GRAD_ROWS];
+          for (int64_t i = 0; i < nb; ++i) block_rows[i] = s.q_start + b0 + i;
+          pa_key_grads_of<T, DIM>(pairs, dw.data(), w.data(), klp, nb, s.prefix + b0 + nb, scale, qf.data(), gf.data(),
+                                  q + h * dim, grad + h * dim, block_rows, q_stride, dim, dkl.data(), dvl.data());
         }
       }
       computed = true;

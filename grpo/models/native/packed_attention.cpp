@@ -221,6 +221,15 @@ inline void pa_scores_vec(const float* a, int64_t nr, const float* bt, int64_t l
 
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
 #define PA_DOT 1
+// every sum of acc zero
+template <int M, int C>
+inline void pa_zero(__m512 (&acc)[M][C]) {
+#pragma GCC unroll 16
+  for (int m = 0; m < M; ++m)
+#pragma GCC unroll 16
+    for (int c = 0; c < C; ++c) acc[m][c] = _mm512_setzero_ps();
+}
+
 // pa_scores_block by avx512_bf16's dot product: rows and keys bf16 in pairs of dims (rows [PA_ROWS][DIM / 2]
 // words, bt [DIM / 2][ldb] words), a register sixteen keys by one pair, so half the instructions of
 // float32's multiply-adds for the same scores. The products are exact either way (two bf16 values'
@@ -230,10 +239,7 @@ template <int64_t DIM, int BLOCKS>
 inline void pa_dot_scores_block(const uint32_t* rows, int64_t nr, const uint32_t* bt, int64_t ldb, int64_t t0,
                                 float* out, int64_t ldo) {
   __m512 acc[PA_ROWS][BLOCKS];
-#pragma GCC unroll 4
-  for (int i = 0; i < PA_ROWS; ++i)
-#pragma GCC unroll 4
-    for (int r = 0; r < BLOCKS; ++r) acc[i][r] = _mm512_setzero_ps();
+  pa_zero(acc);
   for (int64_t j = 0; j < DIM / 2; ++j) {
     __m512bh b[BLOCKS];  // (loaded once for the four rows, as float lanes: the pairs' bits moved, not computed with)
 #pragma GCC unroll 4
@@ -310,10 +316,7 @@ inline void pa_dot_weighted_rows(const c10::BFloat16* w, int64_t nr, int64_t key
   const __m512 factor = _mm512_set1_ps(scale);
   for (int64_t h = 0; h < DIM; h += C * 16) {
     __m512 acc[PA_ROWS][C];
-#pragma GCC unroll 16
-    for (int i = 0; i < PA_ROWS; ++i)
-#pragma GCC unroll 16
-      for (int c = 0; c < C; ++c) acc[i][c] = _mm512_setzero_ps();
+    pa_zero(acc);
     pa_dot_outer_sums<DIM, PA_ROWS, C>(acc, words, keys / 2, 1, bt + h, 0, keys / 2);
     for (int64_t i = 0; i < nr; ++i)
 #pragma GCC unroll 16
@@ -350,10 +353,7 @@ inline void pa_dot_key_grads(const uint32_t* a, const uint32_t* bw, int64_t ldw,
     for (int64_t t0 = 0; t0 < keys; t0 += KB)
       for (int64_t h = 0; h < DIM; h += C * 16) {
         __m512 acc[KB][C];
-#pragma GCC unroll 16
-        for (int u = 0; u < KB; ++u)
-#pragma GCC unroll 16
-          for (int c = 0; c < C; ++c) acc[u][c] = _mm512_setzero_ps();
+        pa_zero(acc);
         pa_dot_outer_sums<DIM, KB, C>(acc, weights + t0, 1, ldw, rows + h, 0, twos);
 #pragma GCC unroll 16
         for (int u = 0; u < KB; ++u)

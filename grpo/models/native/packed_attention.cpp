@@ -230,6 +230,28 @@ inline void pa_zero(__m512 (&acc)[M][C]) {
     for (int c = 0; c < C; ++c) acc[m][c] = _mm512_setzero_ps();
 }
 
+// acc[m][c] += the dot product of s's word for (m, u) (s[m * s_m + u * s_k]: two values of the summed
+// index) with x's words [u][16c .. 16c + 15] (x: rows of ldx words, each two values side by side) for
+// u0 <= u < u1: pa_outer_sums two at a time. The loop of every dot-product block: the scores (u a pair of
+// dims, m a query, c sixteen keys), the weighted sums (u a pair of keys, m a query, c sixteen dims) and the
+// key and value gradients (u a pair of queries, m a key, c sixteen dims).
+template <int M, int C>
+inline void pa_dot_outer_sums(__m512 (&acc)[M][C], const uint32_t* s, int64_t s_m, int64_t s_k, const uint32_t* x,
+                              int64_t ldx, int64_t u0, int64_t u1) {
+  for (int64_t u = u0; u < u1; ++u) {
+    __m512bh row[C];  // (loaded once for all M, as float lanes: the pairs' bits moved, not computed with)
+#pragma GCC unroll 16
+    for (int c = 0; c < C; ++c)
+      row[c] = (__m512bh)FloatLanes::held(reinterpret_cast<const float*>(x + u * ldx + 16 * c));
+#pragma GCC unroll 16
+    for (int m = 0; m < M; ++m) {
+      const __m512bh y = (__m512bh)_mm512_set1_epi32(static_cast<int>(s[m * s_m + u * s_k]));
+#pragma GCC unroll 16
+      for (int c = 0; c < C; ++c) acc[m][c] = _mm512_dpbf16_ps(acc[m][c], y, row[c]);
+    }
+  }
+}
+
 // pa_scores_block by avx512_bf16's dot product: rows and keys bf16 in pairs of dims (rows [PA_ROWS][DIM / 2]
 // words, bt [DIM / 2][ldb] words), a register sixteen keys by one pair, so half the instructions of
 // float32's multiply-adds for the same scores. The products are exact either way (two bf16 values'
@@ -240,18 +262,7 @@ inline void pa_dot_scores_block(const uint32_t* rows, int64_t nr, const uint32_t
                                 float* out, int64_t ldo) {
   __m512 acc[PA_ROWS][BLOCKS];
   pa_zero(acc);
-  for (int64_t j = 0; j < DIM / 2; ++j) {
-    __m512bh b[BLOCKS];  // (loaded once for the four rows, as float lanes: the pairs' bits moved, not computed with)
-#pragma GCC unroll 4
-    for (int r = 0; r < BLOCKS; ++r)
-      b[r] = (__m512bh)FloatLanes::held(reinterpret_cast<const float*>(bt + j * ldb + t0 + r * PA_KEYS));
-#pragma GCC unroll 4
-    for (int i = 0; i < PA_ROWS; ++i) {
-      const __m512bh x = (__m512bh)_mm512_set1_epi32(static_cast<int>(rows[i * (DIM / 2) + j]));
-#pragma GCC unroll 4
-      for (int r = 0; r < BLOCKS; ++r) acc[i][r] = _mm512_dpbf16_ps(acc[i][r], x, b[r]);
-    }
-  }
+  pa_dot_outer_sums(acc, rows, DIM / 2, 1, bt + t0, ldb, 0, DIM / 2);
   for (int64_t i = 0; i < nr; ++i)
     for (int r = 0; r < BLOCKS; ++r) _mm512_storeu_ps(out + i * ldo + t0 + r * PA_KEYS, acc[i][r]);
 }
@@ -275,26 +286,6 @@ inline void pa_dot_scores(const c10::BFloat16* a, int64_t a_stride, int64_t nr, 
 // gradients -- rounded to bf16 first, as PyTorch's CPU flash attention does for bf16 (its attn_reduced
 // and grad_attn_reduced); sums in float32.
 
-// acc[m][c] += the dot product of s's word for (m, u) (s[m * s_m + u * s_k]: the weights of 2u and 2u + 1)
-// with x's words [u][16c .. 16c + 15] (x: rows of DIM words, each two values of one dim) for u0 <= u < u1:
-// pa_outer_sums two at a time
-template <int64_t DIM, int M, int C>
-inline void pa_dot_outer_sums(__m512 (&acc)[M][C], const uint32_t* s, int64_t s_m, int64_t s_k, const uint32_t* x,
-                              int64_t u0, int64_t u1) {
-  for (int64_t u = u0; u < u1; ++u) {
-    __m512bh row[C];
-#pragma GCC unroll 16
-    for (int c = 0; c < C; ++c)
-      row[c] = (__m512bh)FloatLanes::held(reinterpret_cast<const float*>(x + u * DIM + 16 * c));
-#pragma GCC unroll 16
-    for (int m = 0; m < M; ++m) {
-      const __m512bh y = (__m512bh)_mm512_set1_epi32(static_cast<int>(s[m * s_m + u * s_k]));
-#pragma GCC unroll 16
-      for (int c = 0; c < C; ++c) acc[m][c] = _mm512_dpbf16_ps(acc[m][c], y, row[c]);
-    }
-  }
-}
-
 // out[i][t] = bf16(x[i][t]) for t < limit[i], zeros to keys (a multiple of sixteen), for nr rows of x
 // (ldx apart) and zero rows to PA_ROWS: the rows' weights for pa_dot_weighted_rows, two keys a word
 inline void pa_round_rows(const float* x, int64_t ldx, int64_t nr, const int64_t* limit, int64_t keys,
@@ -317,7 +308,7 @@ inline void pa_dot_weighted_rows(const c10::BFloat16* w, int64_t nr, int64_t key
   for (int64_t h = 0; h < DIM; h += C * 16) {
     __m512 acc[PA_ROWS][C];
     pa_zero(acc);
-    pa_dot_outer_sums<DIM, PA_ROWS, C>(acc, words, keys / 2, 1, bt + h, 0, keys / 2);
+    pa_dot_outer_sums(acc, words, keys / 2, 1, bt + h, DIM, 0, keys / 2);
     for (int64_t i = 0; i < nr; ++i)
 #pragma GCC unroll 16
       for (int c = 0; c < C; ++c) _mm512_storeu_ps(out + i * DIM + h + 16 * c, _mm512_mul_ps(acc[i][c], factor));
@@ -354,7 +345,7 @@ inline void pa_dot_key_grads(const uint32_t* a, const uint32_t* bw, int64_t ldw,
       for (int64_t h = 0; h < DIM; h += C * 16) {
         __m512 acc[KB][C];
         pa_zero(acc);
-        pa_dot_outer_sums<DIM, KB, C>(acc, weights + t0, 1, ldw, rows + h, 0, twos);
+        pa_dot_outer_sums(acc, weights + t0, 1, ldw, rows + h, DIM, 0, twos);
 #pragma GCC unroll 16
         for (int u = 0; u < KB; ++u)
           if (t0 + u < keys)

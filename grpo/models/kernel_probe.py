@@ -1,6 +1,6 @@
 """Which float32 kernel trains faster on this CPU: oneDNN's Linear or PyTorch's own (MKL's sgemm);
 which packed layout samples faster: oneDNN's or grpo's streaming one; and whether the bf16 training
-attention's scores run faster by avx512_bf16's dot product than by float32's multiply-adds.
+attention's products run faster by avx512_bf16's dot product than by float32's multiply-adds.
 
 cpu_linear.py sends float32 Linears to oneDNN because MKL ran them 2.2x slower on the AMD EPYC
 where that was measured. On an Intel Xeon with AMX the order turns round for training: the input

@@ -89,3 +89,37 @@ def worst_relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
     got, want = got.float(), want.float()
     scale = want.abs().clamp_min(want.abs().mean())
     return ((got - want).abs() / scale).max().item()
+
+
+# The decoder families the sampler's lean and native decoding steps take (lean_decode.py), as
+# transformers' (config, causal LM) classes: Qwen2 is Llama with biases on q/k/v, Qwen3 normalises
+# each head of q and k (and here has heads wider than hidden / heads, as Qwen3-0.6B's 128 of 1024 / 16).
+def _families() -> dict[str, tuple[type, type, dict]]:
+    from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+    return {"qwen2": (Qwen2Config, Qwen2ForCausalLM, {}), "qwen3": (Qwen3Config, Qwen3ForCausalLM, {"head_dim": 32})}
+
+
+def save_tiny_model(directory, family: str, seed: int = 0) -> str:
+    """A tiny random ``family`` model ("qwen2", "qwen3") of the tiny Llama's sizes and the SmolLM2
+    tokenizer, saved in ``directory`` for ``create_lora_training_client(directory)``. Every norm's
+    weight and every bias is drawn away from its initial value (ones, zeros), so that a step that
+    skipped one would compute something else."""
+    from grpo import models
+
+    config_class, model_class, extra = _families()[family]
+    tokenizer = models.load_tokenizer("tiny")
+    config = config_class(vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id,
+                          eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+                          **models.TINY_CONFIG, **extra)
+    torch.manual_seed(seed)
+    model = model_class(config)
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if name.endswith("norm.weight"):
+                parameter.uniform_(0.5, 1.5)
+            elif name.endswith(".bias"):
+                parameter.normal_(0.0, 0.1)
+    model.save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    return str(directory)

@@ -34,6 +34,23 @@ def tokenizer():
     return models.load_tokenizer("tiny")
 
 
+@pytest.fixture(scope="session")
+def tiny_of(tmp_path_factory):
+    """``tiny_of(family)``: a base model name for the tiny model of a decoder family the sampler's
+    lean and native steps take -- "llama" (the packaged tiny model), "qwen2", "qwen3" (saved once a
+    session by backend_helpers.save_tiny_model)."""
+    from backend_helpers import save_tiny_model
+
+    saved = {"llama": "tiny"}
+
+    def tiny_of(family: str) -> str:
+        if family not in saved:
+            saved[family] = save_tiny_model(tmp_path_factory.mktemp(f"tiny-{family}"), family)
+        return saved[family]
+
+    return tiny_of
+
+
 @pytest.fixture
 def service(tmp_path):
     """A fresh local ServiceClient writing checkpoints under the test's tmp dir."""

@@ -10,21 +10,33 @@ from __future__ import annotations
 import pytest
 import torch
 from backend_helpers import perturb_adapter, sample_each
-from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+from transformers import (
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
 
 from grpo.backends.local import ServiceClient, lean_decode, sampler
 from grpo.models import native_kernels
 
 
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
 @pytest.mark.parametrize(("train_dtype", "sample_dtype"), [("fp32", "fp32"), ("fp32", "bf16")])
-def test_lean_decoding_steps_sample_what_the_models_forward_samples(tmp_path, monkeypatch, train_dtype, sample_dtype):
+def test_lean_decoding_steps_sample_what_the_models_forward_samples(tmp_path, monkeypatch, tiny_of, train_dtype,
+                                                                    sample_dtype, family):
     """fp32: the trainer's model with LoRA folded (under peft); bf16: the sampler's own copy with
-    stacked projections and LoRA side paths."""
+    stacked projections and LoRA side paths. Each family the lean step takes: Llama, Qwen2 (biases
+    on q/k/v), Qwen3 (each head of q and k normalised)."""
     # the eager lean step (the native one: test_native_decode.py), and the model's own modules
     # (switched on, its norms and MLPs would compute through native_layers.py)
     monkeypatch.setenv(native_kernels.ENV_SWITCH, "off")
     service = ServiceClient(checkpoint_dir=tmp_path, device="cpu", train_dtype=train_dtype, sample_dtype=sample_dtype)
-    tc = service.create_lora_training_client("tiny", rank=4, seed=0)
+    tc = service.create_lora_training_client(tiny_of(family), rank=4, seed=0)
     perturb_adapter(tc, seed=3)
     used = []
 
@@ -49,9 +61,14 @@ def _tiny(config_class, model_class, **overrides):
     return model_class(config)
 
 
-def test_only_the_architecture_it_was_written_for_takes_the_lean_step():
+def test_only_the_architectures_it_was_written_for_take_the_lean_step():
     assert lean_decode.lean_decoder(_tiny(LlamaConfig, LlamaForCausalLM)) is not None
-    assert lean_decode.lean_decoder(_tiny(Qwen2Config, Qwen2ForCausalLM)) is None  # another family
+    assert lean_decode.lean_decoder(_tiny(Qwen2Config, Qwen2ForCausalLM)) is not None
+    assert lean_decode.lean_decoder(_tiny(Qwen3Config, Qwen3ForCausalLM)) is not None
+    assert lean_decode.lean_decoder(_tiny(MistralConfig, MistralForCausalLM)) is None  # another family
+    windowed = _tiny(Qwen2Config, Qwen2ForCausalLM, use_sliding_window=True, sliding_window=4, max_window_layers=1)
+    assert windowed.config.layer_types == ["full_attention", "sliding_attention"]
+    assert lean_decode.lean_decoder(windowed) is None  # a layer attending to its last keys only
     eager = _tiny(LlamaConfig, LlamaForCausalLM)
     eager.config._attn_implementation = "eager"
     assert lean_decode.lean_decoder(eager) is None

@@ -203,19 +203,24 @@ def test_kernels_refuse_bad_input_with_what_was_expected(ops) -> None:
         ops.add_rms_norm(torch.zeros(2, 3), torch.zeros(2, 4), torch.ones(3), 1e-5)
     with pytest.raises(RuntimeError, match="decode_layers: for 1 layers: 4 weights, 12 extras and 2 norms a layer"):
         ops.decode_layers(q, cs, cs, torch.tensor([0, 0]), [q] * 4, [None] * 12, [cs] * 2, [keys], [keys], [8, 8, 8],
-                          1, 1.0, 1e-5)
+                          1, 1.0, 1e-5, [])
     weight = torch.ops.mkldnn._reorder_linear_weight(torch.zeros(24, 8), 2)
     with pytest.raises(RuntimeError, match="a LoRA side path needs both A and B"):
         ops.decode_layers(q, cs, cs, torch.tensor([0, 0]), [weight] * 4, [None, weight, None] + [None] * 9,
-                          [torch.ones(8)] * 3, [keys], [keys.clone()], [8, 8, 8], 1, 1.0, 1e-5)
+                          [torch.ones(8)] * 3, [keys], [keys.clone()], [8, 8, 8], 1, 1.0, 1e-5, [])
+    with pytest.raises(RuntimeError, match=r"head_norms must be empty or 2 a layer \(q's, k's\) for 1 layers, got 1"):
+        ops.decode_layers(q, cs, cs, torch.tensor([0, 0]), [weight] * 4, [None] * 12, [torch.ones(8)] * 3, [keys],
+                          [keys.clone()], [8, 8, 8], 1, 1.0, 1e-5, [torch.ones(8)])
 
 
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
 @pytest.mark.parametrize(("train_dtype", "sample_dtype"), [("fp32", "fp32"), ("fp32", "bf16")])
-def test_the_sampler_decodes_through_the_kernels_as_it_does_without_them(tmp_path, monkeypatch, ops, train_dtype,
-                                                                         sample_dtype):
+def test_the_sampler_decodes_through_the_kernels_as_it_does_without_them(tmp_path, monkeypatch, ops, tiny_of,
+                                                                         train_dtype, sample_dtype, family):
     """fp32: the trainer's model with LoRA folded; bf16: the sampler's copy with stacked projections
-    and LoRA side paths. Greedy tokens equal; logprobs within float (fp32) or bf16 rounding."""
-    tc, decoders = _client_whose_decoders_are_kept(tmp_path, monkeypatch, train_dtype, sample_dtype)
+    and LoRA side paths. Greedy tokens equal; logprobs within float (fp32) or bf16 rounding. Each
+    family the kernels take: Llama, Qwen2 (biases on q/k/v), Qwen3 (q's and k's heads normalised)."""
+    tc, decoders = _client_whose_decoders_are_kept(tmp_path, monkeypatch, train_dtype, sample_dtype, tiny_of(family))
     native = sample_each(tc, temperature=0.0)
     assert decoders and all(type(d) is native_decode.NativeDecoder for d in decoders)
     monkeypatch.setenv(native_kernels.ENV_SWITCH, "off")
@@ -227,16 +232,21 @@ def test_the_sampler_decodes_through_the_kernels_as_it_does_without_them(tmp_pat
         assert max(abs(a - b) for a, b in zip(logprobs, want_logprobs, strict=True)) < bound
 
 
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
 @pytest.mark.parametrize(("train_dtype", "sample_dtype"), [("fp32", "fp32"), pytest.param("fp32", "bf16", marks=(
     pytest.mark.skipif(not packing_works(torch.bfloat16), reason="this CPU packs no bf16 weights: no packed layout")))])
 def test_the_layers_in_one_native_call_sample_bit_for_bit_what_the_per_layer_loop_samples(
-        tmp_path, monkeypatch, ops, train_dtype, sample_dtype):
+        tmp_path, monkeypatch, ops, tiny_of, train_dtype, sample_dtype, family):
     """``decode_layers`` makes the Python loop's kernel calls in its order, from C++: the same
     tokens and the same logprobs, to the bit, at temperature 1 (fp32: LoRA folded into packed
-    weights; bf16: the sampler's copy with packed LoRA side paths)."""
-    tc, decoders = _client_whose_decoders_are_kept(tmp_path, monkeypatch, train_dtype, sample_dtype)
+    weights; bf16: the sampler's copy with packed LoRA side paths), Qwen3's norms of q's and k's
+    heads and Qwen2's biases included."""
+    tc, decoders = _client_whose_decoders_are_kept(tmp_path, monkeypatch, train_dtype, sample_dtype, tiny_of(family))
     one_call = sample_each(tc, temperature=1.0, seed=11)
     assert decoders and all(d.plan is not None for d in decoders)
+    assert len(decoders[-1].plan.head_norms) == (4 if family == "qwen3" else 0)  # (2 layers, q's and k's)
+    if family == "qwen2":
+        assert decoders[-1].plan.extras[0] is not None  # q/k/v's stacked biases travel in the plan
     if sample_dtype == "bf16":  # the side paths travel in the plan
         assert any(e is not None for e in decoders[-1].plan.extras)
     monkeypatch.setattr(native_decode, "ONE_CALL", False)
@@ -295,11 +305,11 @@ def test_rotary_rows_from_the_table_are_the_rotary_embeddings_own(tmp_path, monk
     assert sample_each(tc, temperature=1.0, seed=5) == from_table
 
 
-def _client_whose_decoders_are_kept(tmp_path, monkeypatch, train_dtype: str, sample_dtype: str):
-    """A training client of the tiny model with a nonzero adapter, and the list every sampling
-    call's decoding step (as ``native_decoder`` returns it) is appended to."""
+def _client_whose_decoders_are_kept(tmp_path, monkeypatch, train_dtype: str, sample_dtype: str, model: str = "tiny"):
+    """A training client of the tiny model (or ``model``) with a nonzero adapter, and the list every
+    sampling call's decoding step (as ``native_decoder`` returns it) is appended to."""
     service = ServiceClient(checkpoint_dir=tmp_path, device="cpu", train_dtype=train_dtype, sample_dtype=sample_dtype)
-    tc = service.create_lora_training_client("tiny", rank=4, seed=0)
+    tc = service.create_lora_training_client(model, rank=4, seed=0)
     perturb_adapter(tc, seed=3)
     decoders, real = [], native_decode.native_decoder
 
@@ -348,19 +358,29 @@ def test_layers_the_one_call_does_not_compute_keep_the_per_layer_loop(ops) -> No
     assert plan(model) is None
 
 
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_a_model_with_smollm2s_head_shapes_samples_alike_with_and_without_the_kernels(tokenizer, monkeypatch, ops,
-                                                                                       dtype):
+                                                                                       dtype, family):
     """Head dim 64, 9 query heads over 3 key heads, as SmolLM2 (the tiny model's heads are 8 wide,
-    which the kernels take on their general path): random weights, greedy (a bf16 draw at
-    temperature 1 may land on a neighbouring token), rows stopping at different steps."""
-    from transformers import LlamaForCausalLM
+    which the kernels take on their general path), and a Qwen3 of 128-wide heads (as Qwen3-0.6B's:
+    q wider than the hidden state) whose norms of q's and k's heads are not ones: random weights,
+    greedy (a bf16 draw at temperature 1 may land on a neighbouring token), rows stopping at
+    different steps."""
+    from transformers import LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
-    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=576, intermediate_size=256, num_hidden_layers=2,
-                         num_attention_heads=9, num_key_value_heads=3, tie_word_embeddings=True)
+    config_class, model_class, extra = {"llama": (LlamaConfig, LlamaForCausalLM, {}),
+                                        "qwen3": (Qwen3Config, Qwen3ForCausalLM, {"head_dim": 128})}[family]
+    config = config_class(vocab_size=len(tokenizer), hidden_size=576, intermediate_size=256, num_hidden_layers=2,
+                          num_attention_heads=9, num_key_value_heads=3, tie_word_embeddings=True, **extra)
     config._attn_implementation = "sdpa"
     torch.manual_seed(0)
-    model = LlamaForCausalLM(config).to(dtype).eval()
+    model = model_class(config)
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if name.endswith("norm.weight"):
+                parameter.uniform_(0.5, 1.5)
+    model = model.to(dtype).eval()
     prompts = DECODE_PROMPTS
     stop = frozenset(range(0, len(tokenizer), 7))  # a seventh of the vocabulary ends a row
 

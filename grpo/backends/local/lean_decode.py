@@ -1,4 +1,5 @@
-"""The sampler's decoding step for Llama-shaped decoders, without transformers' per-call machinery.
+"""The sampler's decoding step for Llama-shaped decoders (Llama, Qwen2, Qwen3), without transformers'
+per-call machinery.
 
 A decoding step of SmolLM2-135M in bf16 on a 2-core CPU costs ~62 ms, of which the matmuls and
 attention are about half; the rest is ~60 small operators per layer and the Python around them.
@@ -11,10 +12,12 @@ Where the sampler stacked q/k/v and gate/up (fused_projections.py), it takes the
 outputs from one call rather than one member lookup each.
 
 It takes a model only when every part is what it was written against -- transformers'
-``LlamaForCausalLM`` (as such or under peft) with SDPA attention, full-attention layers and SiLU
-MLPs, on a CPU or a CUDA GPU -- and returns None otherwise: the sampler then calls the model's own
-forward. On CUDA the sampler takes it only to capture it in CUDA graphs (graph_decode.py: it makes
-no host synchronisation and no decision on a tensor's value); run eagerly there it saved nothing.
+``LlamaForCausalLM``, ``Qwen2ForCausalLM`` or ``Qwen3ForCausalLM`` (as such or under peft) with SDPA
+attention, full-attention layers and SiLU MLPs, on a CPU or a CUDA GPU -- and returns None otherwise:
+the sampler then calls the model's own forward (for a Qwen model on a CPU, before it was taken here,
+decoding steps ~1.6x the Llama ones of the same size: docs/benchmark.md). On CUDA the sampler takes
+it only to capture it in CUDA graphs (graph_decode.py: it makes no host synchronisation and no
+decision on a tensor's value); run eagerly there it saved nothing.
 """
 
 from __future__ import annotations
@@ -56,8 +59,11 @@ class LeanDecoder:
             residual = hidden
             x = layer.input_layernorm.forward(hidden)
             q, k, v = qkv.full(x) if qkv is not None else (attn.q_proj(x), attn.k_proj(x), attn.v_proj(x))
-            q = q.view(rows, 1, -1, dim).transpose(1, 2)
-            k = k.view(rows, 1, -1, dim).transpose(1, 2)
+            q, k = q.view(rows, 1, -1, dim), k.view(rows, 1, -1, dim)
+            norms = head_norms(attn)
+            if norms:  # (Qwen3: each head of q and k normalised, before the rotary embedding)
+                q, k = norms[0].forward(q), norms[1].forward(k)
+            q, k = q.transpose(1, 2), k.transpose(1, 2)
             v = v.view(rows, 1, -1, dim).transpose(1, 2)
             q, k = self.rotary(q, k, cos, sin)
             k, v = cache.layers[index].update(k, v)
@@ -81,19 +87,41 @@ def _stacked(*members: nn.Module) -> FusedProjections | None:
     return None
 
 
+def _families() -> dict[type, tuple[type, ...]]:
+    """The causal LMs whose decoding step ``LeanDecoder`` computes, each with the classes its parts
+    must be: (decoder, layer, attention, MLP, RMSNorm). Qwen2's layer is Llama's with biases on q/k/v
+    (the Linears carry them); Qwen3's attention normalises each head of q and k before the rotary
+    embedding (``q_norm`` / ``k_norm``, applied as its forward does)."""
+    from transformers.models.llama import modeling_llama as llama
+    from transformers.models.qwen2 import modeling_qwen2 as qwen2
+    from transformers.models.qwen3 import modeling_qwen3 as qwen3
+
+    return {
+        llama.LlamaForCausalLM: (llama.LlamaModel, llama.LlamaDecoderLayer, llama.LlamaAttention, llama.LlamaMLP,
+                                 llama.LlamaRMSNorm),
+        qwen2.Qwen2ForCausalLM: (qwen2.Qwen2Model, qwen2.Qwen2DecoderLayer, qwen2.Qwen2Attention, qwen2.Qwen2MLP,
+                                 qwen2.Qwen2RMSNorm),
+        qwen3.Qwen3ForCausalLM: (qwen3.Qwen3Model, qwen3.Qwen3DecoderLayer, qwen3.Qwen3Attention, qwen3.Qwen3MLP,
+                                 qwen3.Qwen3RMSNorm),
+    }
+
+
 def lean_decoder(model: nn.Module) -> LeanDecoder | None:
     """A ``LeanDecoder`` for ``model`` (a causal LM, or a peft model around one) where it computes
     exactly what the model's own forward does, else None."""
     try:
         from transformers.activations import SiLUActivation
-        from transformers.models.llama import modeling_llama as llama
+
+        families = _families()
     except ImportError:
         return None
     causal_lm = model.get_base_model() if hasattr(model, "get_base_model") else model
-    if type(causal_lm) is not llama.LlamaForCausalLM or causal_lm.config._attn_implementation != "sdpa":
+    parts = families.get(type(causal_lm))
+    if parts is None or causal_lm.config._attn_implementation != "sdpa":
         return None
+    model_class, layer_class, attention_class, mlp_class, norm_class = parts
     decoder = causal_lm.model
-    if type(decoder) is not llama.LlamaModel or type(decoder.norm) is not llama.LlamaRMSNorm:
+    if type(decoder) is not model_class or type(decoder.norm) is not norm_class:
         return None
     if decoder.embed_tokens.weight.device.type not in ("cpu", "cuda"):
         return None
@@ -102,9 +130,17 @@ def lean_decoder(model: nn.Module) -> LeanDecoder | None:
         return None
     for layer in decoder.layers:
         attn, mlp = layer.self_attn, layer.mlp
-        if not (type(layer) is llama.LlamaDecoderLayer and type(attn) is llama.LlamaAttention
-                and type(mlp) is llama.LlamaMLP and type(mlp.act_fn) in (SiLUActivation, nn.SiLU)
-                and type(layer.input_layernorm) is llama.LlamaRMSNorm
-                and type(layer.post_attention_layernorm) is llama.LlamaRMSNorm):
+        if not (type(layer) is layer_class and type(attn) is attention_class
+                and type(mlp) is mlp_class and type(mlp.act_fn) in (SiLUActivation, nn.SiLU)
+                and type(layer.input_layernorm) is norm_class
+                and type(layer.post_attention_layernorm) is norm_class
+                and all(type(n) is norm_class for n in head_norms(attn))
+                and getattr(attn, "sliding_window", None) is None):
             return None
     return LeanDecoder(causal_lm)
+
+
+def head_norms(attention: nn.Module) -> tuple[nn.Module, ...]:
+    """An attention's norms of each head of q and k (Qwen3's ``q_norm``, ``k_norm``), or none."""
+    q_norm, k_norm = getattr(attention, "q_norm", None), getattr(attention, "k_norm", None)
+    return (q_norm, k_norm) if q_norm is not None and k_norm is not None else ()

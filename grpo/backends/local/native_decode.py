@@ -4,9 +4,10 @@ A bf16 decoding step of SmolLM2-135M at ~24 rows took ~54 ms on a 2-core Xeon wh
 alone take ~21 ms: the rest was ~60 small PyTorch operators per layer (RMSNorms, the rotary
 embedding, KV-cache writes, grouped-query attention, SiLU), each costing more in dispatch and
 passes over memory than in arithmetic (docs/benchmark.md). ``NativeDecoder`` runs a Llama layer
-as its Linears (the modules themselves, LoRA side paths included) plus four native calls: the
-residual add with the next RMSNorm, rotary + cache write + attention, SiLU * up, and the next
-add + RMSNorm. They round to the model's dtype wherever the eager operators do, so they compute
+(or Qwen2's, Qwen3's: lean_decode.py) as its Linears (the modules themselves, LoRA side paths
+included) plus four native calls: the residual add with the next RMSNorm, rotary + cache write +
+attention, SiLU * up, and the next add + RMSNorm (and, for Qwen3, one more for each of q's and k's
+norms of their heads). They round to the model's dtype wherever the eager operators do, so they compute
 what the model's own forward computes up to the order of float sums (tests/test_native_decode.py).
 Where every layer has the sampler's packed layout (q/k/v and gate/up stacked, each Linear a packed
 weight in oneDNN's layout or the streaming one, LoRA -- if any -- as a side path packed with it),
@@ -23,7 +24,7 @@ from __future__ import annotations
 import torch
 
 from grpo.backends.local.kv_cache import SlotCache
-from grpo.backends.local.lean_decode import LeanDecoder
+from grpo.backends.local.lean_decode import LeanDecoder, head_norms
 from grpo.models import native_kernels
 from grpo.models.cpu_linear import PackedLinear
 from grpo.models.fused_projections import FusedProjections
@@ -55,14 +56,18 @@ class NativeDecoder(LeanDecoder):
             plan = self.plan
             x = ops.decode_layers(hidden[:, 0], cos, sin, lengths, plan.weights, plan.extras, plan.norms,
                                   [slot._keys for slot in cache.layers], [slot._values for slot in cache.layers],
-                                  plan.qkv_sizes, self.heads, plan.scale, plan.eps, cache.step.shared_from,
-                                  cache.step.shared)
+                                  plan.qkv_sizes, self.heads, plan.scale, plan.eps, plan.head_norms,
+                                  cache.step.shared_from, cache.step.shared)
             return self.causal_lm.lm_head(x).float()
         norm = layers[0].input_layernorm
         hidden, x = ops.add_rms_norm(hidden[:, 0], None, norm.weight, norm.variance_epsilon)
         for index, (layer, (qkv, gate_up)) in enumerate(zip(layers, self.groups, strict=True)):
             attn, mlp = layer.self_attn, layer.mlp
             q, k, v = qkv.full(x) if qkv is not None else (attn.q_proj(x), attn.k_proj(x), attn.v_proj(x))
+            norms = head_norms(attn)
+            if norms:  # (Qwen3: each head of q and k normalised, as decode_layers does)
+                q, k = (ops.add_rms_norm(t.reshape(-1, self.head_dim), None, n.weight, n.variance_epsilon)[1]
+                        .view(t.shape[0], -1) for t, n in zip((q, k), norms, strict=True))
             slot = cache.layers[index]
             # (scores by the dot product where the weights stream in pairs for it, as decode_layers decides)
             out = ops.rope_attend(q, k, v, cos, sin, slot._keys, slot._values, lengths, self.heads, attn.scaling,
@@ -99,13 +104,14 @@ class NativeDecoder(LeanDecoder):
 
 class _Plan:
     """What ``decode_layers`` takes: per layer 4 packed weights (q/k/v, o, gate/up, down), 3 optional
-    tensors a weight (bias, LoRA's packed A and B), the norms' weights in order, and the constants
-    every layer shares."""
+    tensors a weight (bias, LoRA's packed A and B), the norms' weights in order, each layer's norms of
+    q's and k's heads where it has them (Qwen3), and the constants every layer shares."""
 
     def __init__(self):
         self.weights: list[torch.Tensor] = []
         self.extras: list[torch.Tensor | None] = []
         self.norms: list[torch.Tensor] = []
+        self.head_norms: list[torch.Tensor] = []
         self.qkv_sizes: list[int] = []
         self.scale = self.eps = 0.0
 
@@ -143,12 +149,16 @@ def _one_call_plan(step: NativeDecoder) -> _Plan | None:
     # each layer's input and post-attention norms in turn, then the final one
     norms = [n for layer in decoder.layers for n in (layer.input_layernorm, layer.post_attention_layernorm)]
     norms.append(decoder.norm)
+    per_head = [head_norms(layer.self_attn) for layer in decoder.layers]
+    if len({len(pair) for pair in per_head}) != 1:
+        return None  # (every layer normalises q's and k's heads, or none does)
     shared = ({tuple(qkv.sizes) for qkv, _ in step.groups}, {float(layer.self_attn.scaling) for layer in decoder.layers},
-              {float(n.variance_epsilon) for n in norms})
+              {float(n.variance_epsilon) for n in [*norms, *(n for pair in per_head for n in pair)]})
     if any(len(values) != 1 for values in shared):
         return None
     (qkv_sizes,), (plan.scale,), (plan.eps,) = shared
     plan.qkv_sizes, plan.norms = list(qkv_sizes), [n.weight for n in norms]
+    plan.head_norms = [n.weight for pair in per_head for n in pair]
     return plan
 
 
@@ -159,7 +169,8 @@ def native_decoder(lean: LeanDecoder | None, device: torch.device) -> LeanDecode
         return lean
     dtype = lean.decoder.embed_tokens.weight.dtype
     norms = [lean.decoder.norm] + [n for layer in lean.decoder.layers
-                                   for n in (layer.input_layernorm, layer.post_attention_layernorm)]
+                                   for n in (layer.input_layernorm, layer.post_attention_layernorm,
+                                             *head_norms(layer.self_attn))]
     if dtype not in DTYPES or any(n.weight.dtype != dtype for n in norms):
         return lean  # (a model keeping its norms in float32 beside bf16 weights: the eager step)
     ops = native_kernels.kernels()  # None where switched off or not built

@@ -68,8 +68,8 @@ at::Tensor decode_layers(const at::Tensor& hidden_in, const at::Tensor& cos, con
                          const at::Tensor& lengths, at::TensorList weights,
                          const c10::List<c10::optional<at::Tensor>>& extras, at::TensorList norms,
                          at::TensorList k_caches, at::TensorList v_caches, at::IntArrayRef qkv_sizes,
-                         int64_t heads, double scale, double eps, const c10::optional<at::Tensor>& shared_from,
-                         const c10::optional<at::Tensor>& shared);
+                         int64_t heads, double scale, double eps, at::TensorList head_norms,
+                         const c10::optional<at::Tensor>& shared_from, const c10::optional<at::Tensor>& shared);
 
 // packed_attention.cpp
 std::vector<at::Tensor> packed_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,

@@ -22,7 +22,7 @@ TORCH_LIBRARY(grpo_native, m) {
   m.def("stream_linear(Tensor x, Tensor packed, Tensor? bias, Tensor? lora_a=None, Tensor? lora_b=None) -> Tensor");
   m.def("decode_layers(Tensor hidden, Tensor cos, Tensor sin, Tensor lengths, Tensor[] weights, Tensor?[] extras, "
         "Tensor[] norms, Tensor(a!)[] k_caches, Tensor(b!)[] v_caches, int[] qkv_sizes, int heads, float scale, "
-        "float eps, Tensor? shared_from=None, Tensor? shared=None) -> Tensor");
+        "float eps, Tensor[] head_norms, Tensor? shared_from=None, Tensor? shared=None) -> Tensor");
   m.def("packed_attention(Tensor q, Tensor k, Tensor v, Tensor seqs, Tensor key_rows, int heads, int kv_heads, "
         "float scale, bool dot=False) -> Tensor[]");
   m.def("packed_attention_backward(Tensor grad, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor seqs, "

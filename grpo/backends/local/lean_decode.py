@@ -14,8 +14,8 @@ outputs from one call rather than one member lookup each.
 It takes a model only when every part is what it was written against -- transformers'
 ``LlamaForCausalLM``, ``Qwen2ForCausalLM`` or ``Qwen3ForCausalLM`` (as such or under peft) with SDPA
 attention, full-attention layers and SiLU MLPs, on a CPU or a CUDA GPU -- and returns None otherwise:
-the sampler then calls the model's own forward (for a Qwen model on a CPU, before it was taken here,
-decoding steps ~1.6x the Llama ones of the same size: docs/benchmark.md). On CUDA the sampler takes
+the sampler then calls the model's own forward (a Qwen model's, on a CPU before Qwen was taken here:
+1.5-2.2x the time of the native step built on this one, docs/benchmark.md). On CUDA the sampler takes
 it only to capture it in CUDA graphs (graph_decode.py: it makes no host synchronisation and no
 decision on a tensor's value); run eagerly there it saved nothing.
 """

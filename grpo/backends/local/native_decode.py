@@ -7,8 +7,9 @@ passes over memory than in arithmetic (docs/benchmark.md). ``NativeDecoder`` run
 (or Qwen2's, Qwen3's: lean_decode.py) as its Linears (the modules themselves, LoRA side paths
 included) plus four native calls: the residual add with the next RMSNorm, rotary + cache write +
 attention, SiLU * up, and the next add + RMSNorm (and, for Qwen3, one more for each of q's and k's
-norms of their heads). They round to the model's dtype wherever the eager operators do, so they compute
-what the model's own forward computes up to the order of float sums (tests/test_native_decode.py).
+norms of their heads). They round to the model's dtype wherever the eager operators do, so they
+compute what the model's own forward computes up to the order of float sums
+(tests/test_native_decode.py).
 Where every layer has the sampler's packed layout (q/k/v and gate/up stacked, each Linear a packed
 weight in oneDNN's layout or the streaming one, LoRA -- if any -- as a side path packed with it),
 the whole loop over layers is one native

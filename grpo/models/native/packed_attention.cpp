@@ -180,6 +180,38 @@ void gather_panels(const T* k, const T* v, int64_t k_stride, const int64_t* rows
 }
 
 #if defined(FLOAT_LANES)
+// every sum of acc zero
+template <int M, int C>
+inline void pa_zero(typename FloatLanes::reg (&acc)[M][C]) {
+#pragma GCC unroll 16
+  for (int m = 0; m < M; ++m)
+#pragma GCC unroll 16
+    for (int c = 0; c < C; ++c) acc[m][c] = FloatLanes::zero();
+}
+
+// acc[m][c] += s[m * s_m + k * s_k] (times factor where SCALED) * x[k][c] for k0 <= k < k1: M sums of
+// C registers each, built a row of x at a time, the row loaded once for all M (x: rows of ldx
+// floats, the registers' columns from x[k]). The loop of every float32 block: the scores (k a dim,
+// m a query, c sixteen keys), the weighted sums (k a key, m a query, c sixteen dims) and the key
+// and value gradients (k a query, m a key, c sixteen dims); each sum runs over k in order.
+template <int M, int C, bool SCALED>
+inline void pa_outer_sums(typename FloatLanes::reg (&acc)[M][C], const float* s, int64_t s_m, int64_t s_k,
+                          float factor, const float* x, int64_t ldx, int64_t k0, int64_t k1) {
+  using V = FloatLanes;
+  for (int64_t k = k0; k < k1; ++k) {
+    typename V::reg row[C];
+#pragma GCC unroll 16
+    for (int c = 0; c < C; ++c) row[c] = V::held(x + k * ldx + V::W * c);
+#pragma GCC unroll 16
+    for (int m = 0; m < M; ++m) {
+      const float w = s[m * s_m + k * s_k];
+      const typename V::reg y = V::set1(SCALED ? w * factor : w);
+#pragma GCC unroll 16
+      for (int c = 0; c < C; ++c) acc[m][c] = V::fma(y, row[c], acc[m][c]);
+    }
+  }
+}
+
 // pa_scores with a head dimension known when compiling: KEY_BLOCKS x sixteen keys by four queries
 // in registers (each query's value broadcast once for all of them), sixteen where fewer are left
 template <int64_t DIM, int BLOCKS>
@@ -188,21 +220,8 @@ inline void pa_scores_block(const float* rows, int64_t nr, const float* bt, int6
   using V = FloatLanes;
   constexpr int R = BLOCKS * PA_KEYS / V::W;  // registers a query's sums take
   typename V::reg acc[PA_ROWS][R];
-#pragma GCC unroll 4
-  for (int i = 0; i < PA_ROWS; ++i)
-#pragma GCC unroll 4
-    for (int r = 0; r < R; ++r) acc[i][r] = V::zero();
-  for (int64_t d = 0; d < DIM; ++d) {
-    typename V::reg b[R];
-#pragma GCC unroll 4
-    for (int r = 0; r < R; ++r) b[r] = V::held(bt + d * ldb + t0 + r * V::W);
-#pragma GCC unroll 4
-    for (int i = 0; i < PA_ROWS; ++i) {
-      const typename V::reg x = V::set1(rows[i * DIM + d]);
-#pragma GCC unroll 4
-      for (int r = 0; r < R; ++r) acc[i][r] = V::fma(x, b[r], acc[i][r]);
-    }
-  }
+  pa_zero(acc);
+  pa_outer_sums<PA_ROWS, R, false>(acc, rows, DIM, 1, 1.f, bt + t0, ldb, 0, DIM);
   for (int64_t i = 0; i < nr; ++i)
     for (int r = 0; r < R; ++r) V::store(out + i * ldo + t0 + r * V::W, acc[i][r]);
 }
@@ -221,15 +240,6 @@ inline void pa_scores_vec(const float* a, int64_t nr, const float* bt, int64_t l
 
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
 #define PA_DOT 1
-// every sum of acc zero
-template <int M, int C>
-inline void pa_zero(__m512 (&acc)[M][C]) {
-#pragma GCC unroll 16
-  for (int m = 0; m < M; ++m)
-#pragma GCC unroll 16
-    for (int c = 0; c < C; ++c) acc[m][c] = _mm512_setzero_ps();
-}
-
 // acc[m][c] += the dot product of s's word for (m, u) (s[m * s_m + u * s_k]: two values of the summed
 // index) with x's words [u][16c .. 16c + 15] (x: rows of ldx words, each two values side by side) for
 // u0 <= u < u1: pa_outer_sums two at a time. The loop of every dot-product block: the scores (u a pair of
@@ -359,28 +369,6 @@ inline void pa_dot_key_grads(const uint32_t* a, const uint32_t* bw, int64_t ldw,
 }
 #endif
 
-// acc[m][c] += s[m * s_m + k * s_k] (times factor where SCALED) * x[k][c] for k0 <= k < k1: M sums of
-// C registers each, built a row of x at a time, the row loaded once for all M (x: rows of DIM
-// floats, the registers' columns from x[k]). The loop of the weighted sums and of the key/value
-// gradients; each sum runs over k in order.
-template <int64_t DIM, int M, int C, bool SCALED>
-inline void pa_outer_sums(typename FloatLanes::reg (&acc)[M][C], const float* s, int64_t s_m, int64_t s_k,
-                          float factor, const float* x, int64_t k0, int64_t k1) {
-  using V = FloatLanes;
-  for (int64_t k = k0; k < k1; ++k) {
-    typename V::reg row[C];
-#pragma GCC unroll 16
-    for (int c = 0; c < C; ++c) row[c] = V::held(x + k * DIM + V::W * c);
-#pragma GCC unroll 16
-    for (int m = 0; m < M; ++m) {
-      const float w = s[m * s_m + k * s_k];
-      const typename V::reg y = V::set1(SCALED ? w * factor : w);
-#pragma GCC unroll 16
-      for (int c = 0; c < C; ++c) acc[m][c] = V::fma(y, row[c], acc[m][c]);
-    }
-  }
-}
-
 // out[i] = scale * sum_{t < limit[i]} w[i][t] * b[t] for M rows (i0..i0+M): their sums over 64 of the
 // head's dimensions (avx2: 32) in registers, each of b's rows loaded once for all M; the keys past
 // the rows' common limit then row by row. Each sum runs over t in order: the same bits whatever M.
@@ -394,11 +382,8 @@ inline void pa_weighted_block(const float* w, int64_t ldw, const int64_t* limit,
   const typename V::reg factor = V::set1(scale);
   for (int64_t h = 0; h < DIM; h += C * V::W) {
     typename V::reg acc[M][C];
-#pragma GCC unroll 16
-    for (int r = 0; r < M; ++r)
-#pragma GCC unroll 16
-      for (int c = 0; c < C; ++c) acc[r][c] = V::zero();
-    pa_outer_sums<DIM, M, C, false>(acc, w, ldw, 1, 1.f, b + h, 0, common);
+    pa_zero(acc);
+    pa_outer_sums<M, C, false>(acc, w, ldw, 1, 1.f, b + h, DIM, 0, common);
 #pragma GCC unroll 16
     for (int r = 0; r < M; ++r) {
       for (int64_t t = common; t < limit[r]; ++t) {
@@ -443,14 +428,11 @@ inline void pa_key_grads_vec(const float* a, const float* bw, int64_t ldw, int64
     for (int64_t t0 = 0; t0 < keys; t0 += KB)
       for (int64_t h = 0; h < DIM; h += C * V::W) {
         typename V::reg acc[KB][C];
-#pragma GCC unroll 16
-        for (int u = 0; u < KB; ++u)
-#pragma GCC unroll 16
-          for (int c = 0; c < C; ++c) acc[u][c] = V::zero();
+        pa_zero(acc);
         if (part)  // (the keys' weights scaled, the values' not)
-          pa_outer_sums<DIM, KB, C, false>(acc, weights + t0, 1, ldw, 1.f, rows + h, 0, nr);
+          pa_outer_sums<KB, C, false>(acc, weights + t0, 1, ldw, 1.f, rows + h, DIM, 0, nr);
         else
-          pa_outer_sums<DIM, KB, C, true>(acc, weights + t0, 1, ldw, scale, rows + h, 0, nr);
+          pa_outer_sums<KB, C, true>(acc, weights + t0, 1, ldw, scale, rows + h, DIM, 0, nr);
 #pragma GCC unroll 16
         for (int u = 0; u < KB; ++u)  // (u a constant in each copy: the sums stay in registers)
           if (t0 + u < keys)

@@ -107,6 +107,16 @@ def test_rerunning_a_finished_run_changes_nothing(tmp_path):
     assert (tmp_path / "metrics.jsonl").read_text() == before
 
 
+def test_a_qwen3_model_trains_end_to_end(tmp_path, tiny_of):
+    """The family of MinT's default model (Qwen3: each head of q and k normalised) through the whole
+    loop -- sampling through the native step, training, checkpoints -- on a tiny saved one."""
+    args = [a for a in TOY if not a.startswith("base_model=")]
+    result = grpo(*args, f"base_model={tiny_of('qwen3')}", "steps=2", f"hydra.run.dir={tmp_path}")
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert [r["step"] for r in read_jsonl(tmp_path / "metrics.jsonl") if "reward/mean" in r] == [0, 1]
+    assert final_adapter(tmp_path)
+
+
 def test_a_run_ends_by_naming_its_directory_and_its_report(tmp_path):
     """What a user opens next is the last thing printed: the run directory, then report.html."""
     result = grpo(*TOY, "steps=1", "eval_size=0", "report=true", f"hydra.run.dir={tmp_path}")

@@ -107,6 +107,45 @@ def test_rope_attend_is_rotary_cache_write_and_grouped_query_attention(ops, dtyp
     _within(got, want, dtype, ulps=2 if dtype == torch.bfloat16 else 64)
 
 
+@pytest.mark.parametrize("dim", [40, 128])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rope_attend_normalises_each_head_of_q_and_k_as_qwen3s_norms_do(ops, dtype, dim) -> None:
+    """Qwen3's attention normalises each head of q and k (an RMSNorm over the head, its own weight)
+    before the rotary embedding: rope_attend given those weights writes the same keys, to the bit, as
+    transformers' Qwen3RMSNorm followed by the step without them, and attends alike."""
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
+
+    torch.manual_seed(3)
+    rows, heads, kv_heads, capacity = 3, 6, 2, 24
+    lengths = torch.tensor([5, 0, 23])
+    q = torch.randn(rows, heads * dim, dtype=dtype) * 3
+    k, v = torch.randn(rows, kv_heads * dim, dtype=dtype) * 3, torch.randn(rows, kv_heads * dim, dtype=dtype)
+    angle = lengths[:, None].float() * torch.linspace(0.1, 1.0, dim // 2)[None]
+    cos, sin = torch.cat([angle, angle], -1).cos().to(dtype), torch.cat([angle, angle], -1).sin().to(dtype)
+    q_norm, k_norm = Qwen3RMSNorm(dim, eps=1e-6).to(dtype), Qwen3RMSNorm(dim, eps=1e-6).to(dtype)
+    with torch.no_grad():
+        q_norm.weight.uniform_(0.5, 1.5)
+        k_norm.weight.uniform_(0.5, 1.5)
+        normed_q = q_norm(q.view(rows, heads, dim)).reshape(rows, -1)
+        normed_k = k_norm(k.view(rows, kv_heads, dim)).reshape(rows, -1)
+    keys = torch.randn(rows, kv_heads, capacity, dim, dtype=dtype)
+    values = torch.randn(rows, kv_heads, capacity, dim, dtype=dtype)
+    theirs_k, theirs_v, ours_k, ours_v = keys.clone(), values.clone(), keys.clone(), values.clone()
+    want = ops.rope_attend(normed_q, normed_k, v, cos, sin, theirs_k, theirs_v, lengths, heads, dim**-0.5)
+    got = ops.rope_attend(q, k, v, cos, sin, ours_k, ours_v, lengths, heads, dim**-0.5, q_norm=q_norm.weight.detach(),
+                          k_norm=k_norm.weight.detach(), norm_eps=1e-6)
+    assert torch.equal(ours_v, theirs_v) and not torch.equal(ours_k, keys)  # (the rows' new columns written)
+    # the kernel's sum of squares in another order than PyTorch's mean, and 1 / sqrt for rsqrt: float32's
+    # last bits move, and now and then a bf16 rounding lands the other way
+    _within(ours_k, theirs_k, dtype, ulps=ROUNDING_ULPS[dtype])
+    _within(got, want, dtype, ulps=2 if dtype == torch.bfloat16 else 64)
+    with pytest.raises(RuntimeError, match="q_norm and k_norm go together"):
+        ops.rope_attend(q, k, v, cos, sin, ours_k, ours_v, lengths, heads, 1.0, q_norm=q_norm.weight.detach())
+    with pytest.raises(RuntimeError, match=rf"q_norm and k_norm must be contiguous CPU \[{dim}\] tensors"):
+        ops.rope_attend(q, k, v, cos, sin, ours_k, ours_v, lengths, heads, 1.0, q_norm=torch.ones(dim + 1, dtype=dtype),
+                        k_norm=torch.ones(dim + 1, dtype=dtype))
+
+
 @pytest.mark.parametrize("dot", [False, True])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_rows_sharing_their_first_columns_attend_bit_for_bit_as_each_alone(ops, dtype, dot) -> None:

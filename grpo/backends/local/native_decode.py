@@ -6,10 +6,9 @@ embedding, KV-cache writes, grouped-query attention, SiLU), each costing more in
 passes over memory than in arithmetic (docs/benchmark.md). ``NativeDecoder`` runs a Llama layer
 (or Qwen2's, Qwen3's: lean_decode.py) as its Linears (the modules themselves, LoRA side paths
 included) plus four native calls: the residual add with the next RMSNorm, rotary + cache write +
-attention, SiLU * up, and the next add + RMSNorm (and, for Qwen3, one more for each of q's and k's
-norms of their heads). They round to the model's dtype wherever the eager operators do, so they
-compute what the model's own forward computes up to the order of float sums
-(tests/test_native_decode.py).
+attention (for Qwen3 with each head of q and k normalised first), SiLU * up, and the next add +
+RMSNorm. They round to the model's dtype wherever the eager operators do, so they compute what the
+model's own forward computes up to the order of float sums (tests/test_native_decode.py).
 Where every layer has the sampler's packed layout (q/k/v and gate/up stacked, each Linear a packed
 weight in oneDNN's layout or the streaming one, LoRA -- if any -- as a side path packed with it),
 the whole loop over layers is one native
@@ -65,15 +64,13 @@ class NativeDecoder(LeanDecoder):
         for index, (layer, (qkv, gate_up)) in enumerate(zip(layers, self.groups, strict=True)):
             attn, mlp = layer.self_attn, layer.mlp
             q, k, v = qkv.full(x) if qkv is not None else (attn.q_proj(x), attn.k_proj(x), attn.v_proj(x))
-            norms = head_norms(attn)
-            if norms:  # (Qwen3: each head of q and k normalised, as decode_layers does)
-                q, k = (ops.add_rms_norm(t.reshape(-1, self.head_dim), None, n.weight, n.variance_epsilon)[1]
-                        .view(t.shape[0], -1) for t, n in zip((q, k), norms, strict=True))
+            norms = head_norms(attn)  # (Qwen3: each head of q and k normalised as rope_attend rotates it)
             slot = cache.layers[index]
             # (scores by the dot product where the weights stream in pairs for it, as decode_layers decides)
             out = ops.rope_attend(q, k, v, cos, sin, slot._keys, slot._values, lengths, self.heads, attn.scaling,
                                   cache.step.shared_from, cache.step.shared,
-                                  qkv is not None and qkv.layout == "stream_dot")
+                                  qkv is not None and qkv.layout == "stream_dot",
+                                  *((norms[0].weight, norms[1].weight, norms[0].variance_epsilon) if norms else ()))
             norm = layer.post_attention_layernorm
             hidden, x = ops.add_rms_norm(hidden, attn.o_proj(out), norm.weight, norm.variance_epsilon)
             gate, up = gate_up.full(x) if gate_up is not None else (mlp.gate_proj(x), mlp.up_proj(x))
@@ -174,5 +171,7 @@ def native_decoder(lean: LeanDecoder | None, device: torch.device) -> LeanDecode
                                              *head_norms(layer.self_attn))]
     if dtype not in DTYPES or any(n.weight.dtype != dtype for n in norms):
         return lean  # (a model keeping its norms in float32 beside bf16 weights: the eager step)
+    if any(len({n.variance_epsilon for n in head_norms(layer.self_attn)}) > 1 for layer in lean.decoder.layers):
+        return lean  # (rope_attend normalises q's and k's heads with one epsilon)
     ops = native_kernels.kernels()  # None where switched off or not built
     return lean if ops is None else NativeDecoder(lean.causal_lm, ops)

@@ -67,6 +67,18 @@ inline const float* as_float(const c10::BFloat16* src, float* buf, int64_t n) {
 // a float rounded to T and back: where an eager operator's result would be stored in T
 template <typename T> inline float in_dtype(float v) { return static_cast<float>(static_cast<T>(v)); }
 
+// y = an RMSNorm of the row h by the weight w (both T's values as floats; y may be h), rounded where
+// transformers' RMSNorm stores T: T(w * T(h * rsqrt(mean(h^2) + eps))) (float32: no rounding). The one
+// place both add_rms_norm and rope_attend's norms of q's and k's heads (Qwen3's) compute it: the same bits.
+template <typename T>
+inline void rms_norm_row(const float* h, const float* w, float* y, int64_t dim, float eps) {
+  float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+  for (int64_t i = 0; i < dim; ++i) sum += h[i] * h[i];
+  const float scale = 1.f / std::sqrt(sum / static_cast<float>(dim) + eps);
+  for (int64_t i = 0; i < dim; ++i) y[i] = in_dtype<T>(w[i] * in_dtype<T>(h[i] * scale));
+}
+
 // exp(x) in a form the compiler vectorizes (libm's expf is a call per value): 2^n * exp(r) with
 // |r| <= ln(2)/2, Cephes' polynomial for exp(r), within ~2 float ulps of expf. Large arguments are
 // clamped below expf's overflow, NaN passes through.

@@ -169,7 +169,7 @@ void rope_attend_impl(const T* q, int64_t q_stride, const T* k, int64_t k_stride
                       const T* cos, int64_t cos_stride, const T* sin, int64_t sin_stride, T* k_cache, T* v_cache,
                       int64_t slot_stride, int64_t head_stride, const int64_t* lengths, const int64_t* from,
                       const int64_t* shared, T* out, int64_t rows, int64_t heads, int64_t kv_heads, int64_t head_dim,
-                      float scale, bool dot) {
+                      float scale, bool dot, const T* q_norm, const T* k_norm, float norm_eps) {
   const int64_t dim = HEAD_DIM > 0 ? HEAD_DIM : head_dim;
   const int64_t group = heads / kv_heads;
   // the rows in sets that read one row's shared columns (that row first), and the work: a run of
@@ -191,8 +191,11 @@ void rope_attend_impl(const T* q, int64_t q_stride, const T* k, int64_t k_stride
       }
   }
   const int64_t tasks = static_cast<int64_t>(runs.size() / 2) * kv_heads;
-  auto rotate_row = [&](const T* x, const float* c, const float* s, float* xf, float* y) {
+  // a head of q or k widened, normalised where the model normalises it (Qwen3's q_norm / k_norm:
+  // `norm` its weight as floats, else null), rotated
+  auto rotate_row = [&](const T* x, const float* norm, const float* c, const float* s, float* xf, float* y) {
     to_float(x, xf, dim);
+    if (norm != nullptr) rms_norm_row<T>(xf, norm, xf, dim, norm_eps);
     rotate<T>(xf, c, s, y, dim);
   };
   at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
@@ -201,6 +204,11 @@ void rope_attend_impl(const T* q, int64_t q_stride, const T* k, int64_t k_stride
     std::vector<c10::BFloat16> query_pairs(dot && std::is_same_v<T, c10::BFloat16> ? ROPE_SHARERS * group * dim : 0);
     std::vector<float*> weights(ROPE_SHARERS * group);  // (query i's scores, then softmax numerators)
     std::vector<T*> outs(ROPE_SHARERS * group);
+    std::vector<float> qn(q_norm != nullptr ? dim : 0), kn(k_norm != nullptr ? dim : 0);  // the heads' norms
+    if (q_norm != nullptr) to_float(q_norm, qn.data(), dim);
+    if (k_norm != nullptr) to_float(k_norm, kn.data(), dim);
+    const float* qn_p = q_norm != nullptr ? qn.data() : nullptr;
+    const float* kn_p = k_norm != nullptr ? kn.data() : nullptr;
     for (int64_t task = begin; task < end; ++task) {
       const int64_t run = task / kv_heads, g = task % kv_heads;
       const int64_t* members = order.data() + runs[2 * run];
@@ -218,11 +226,11 @@ void rope_attend_impl(const T* q, int64_t q_stride, const T* k, int64_t k_stride
         to_float(sin + r * sin_stride, s.data(), dim);
         T* row_keys = k_cache + r * slot_stride + g * head_stride;
         T* row_values = v_cache + r * slot_stride + g * head_stride;
-        rotate_row(k + r * k_stride + g * dim, c.data(), s.data(), xf.data(), rotated.data());
+        rotate_row(k + r * k_stride + g * dim, kn_p, c.data(), s.data(), xf.data(), rotated.data());
         from_float(rotated.data(), row_keys + lengths[r] * dim, dim);
         std::memcpy(row_values + lengths[r] * dim, v + r * v_stride + g * dim, dim * sizeof(T));
         for (int64_t j = 0; j < group; ++j)
-          rotate_row(q + r * q_stride + (g * group + j) * dim, c.data(), s.data(), xf.data(),
+          rotate_row(q + r * q_stride + (g * group + j) * dim, qn_p, c.data(), s.data(), xf.data(),
                      queries.data() + (u * group + j) * dim);
       }
       // query i (row i / group's head g * group + i % group): its scores, by column, and its output
@@ -325,7 +333,8 @@ void rope_attend_impl(const T* q, int64_t q_stride, const T* k, int64_t k_stride
 at::Tensor rope_attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cos,
                        const at::Tensor& sin, at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& lengths,
                        int64_t heads, double scale, const c10::optional<at::Tensor>& shared_from,
-                       const c10::optional<at::Tensor>& shared, bool dot) {
+                       const c10::optional<at::Tensor>& shared, bool dot, const c10::optional<at::Tensor>& q_norm,
+                       const c10::optional<at::Tensor>& k_norm, double norm_eps) {
   TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous() &&
                   v_cache.sizes() == k_cache.sizes() && k_cache.device().is_cpu(),
               "rope_attend: the caches must be contiguous CPU [slots, kv_heads, capacity, head_dim] tensors of one "
@@ -346,6 +355,12 @@ at::Tensor rope_attend(const at::Tensor& q, const at::Tensor& k, const at::Tenso
   const auto dtype = k_cache.scalar_type();
   for (const at::Tensor* t : std::initializer_list<const at::Tensor*>{&q, &k, &v, &cos, &sin, &v_cache})
     TORCH_CHECK(t->scalar_type() == dtype, "rope_attend: every tensor must have the caches' dtype ", dtype);
+  TORCH_CHECK(q_norm.has_value() == k_norm.has_value(), "rope_attend: q_norm and k_norm go together");
+  for (const auto* norm : {&q_norm, &k_norm})
+    TORCH_CHECK(!norm->has_value() || ((*norm)->dim() == 1 && (*norm)->size(0) == dim && (*norm)->is_contiguous() &&
+                                       (*norm)->scalar_type() == dtype && (*norm)->device().is_cpu()),
+                "rope_attend: q_norm and k_norm must be contiguous CPU [", dim, "] tensors of the caches' dtype ", dtype,
+                ", got ", (*norm)->scalar_type(), " ", (*norm)->sizes());
   auto lens = lengths.contiguous();
   const int64_t* lp = lens.data_ptr<int64_t>();
   for (int64_t r = 0; r < rows; ++r)
@@ -377,7 +392,9 @@ at::Tensor rope_attend(const at::Tensor& q, const at::Tensor& k, const at::Tenso
       impl(q.data_ptr<scalar_t>(), q.stride(0), k.data_ptr<scalar_t>(), k.stride(0), v.data_ptr<scalar_t>(),
            v.stride(0), cos.data_ptr<scalar_t>(), cos.stride(0), sin.data_ptr<scalar_t>(), sin.stride(0),
            k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(), k_cache.stride(0), k_cache.stride(1), lp, fp,
-           sp, out.data_ptr<scalar_t>(), rows, heads, kv_heads, dim, static_cast<float>(scale), dot);
+           sp, out.data_ptr<scalar_t>(), rows, heads, kv_heads, dim, static_cast<float>(scale), dot,
+           q_norm.has_value() ? q_norm->data_ptr<scalar_t>() : nullptr,
+           k_norm.has_value() ? k_norm->data_ptr<scalar_t>() : nullptr, static_cast<float>(norm_eps));
     };
     if (dim == 64) run(rope_attend_impl<scalar_t, 64>);
     else if (dim == 128) run(rope_attend_impl<scalar_t, 128>);

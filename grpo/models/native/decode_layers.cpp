@@ -41,8 +41,8 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& weight, const c1
 // post-attention norm weights in turn, then the final norm's. `hidden` is the embedded tokens
 // [rows, dim]; returns the final norm's output [rows, dim]. `shared_from` and `shared`: rows that
 // share their first columns, as rope_attend takes them (every layer's caches alike). `head_norms`:
-// none, or each layer's norms of every head of q and of k (Qwen3's q_norm, k_norm), applied before
-// the rotary embedding, as that attention's forward does.
+// none, or each layer's norms of every head of q and of k (Qwen3's q_norm, k_norm), which rope_attend
+// applies before the rotary embedding, as that attention's forward does.
 at::Tensor decode_layers(const at::Tensor& hidden_in, const at::Tensor& cos, const at::Tensor& sin,
                          const at::Tensor& lengths, at::TensorList weights,
                          const c10::List<c10::optional<at::Tensor>>& extras, at::TensorList norms,
@@ -61,13 +61,6 @@ at::Tensor decode_layers(const at::Tensor& hidden_in, const at::Tensor& cos, con
   TORCH_CHECK(head_norms.empty() || static_cast<int64_t>(head_norms.size()) == 2 * layers,
               "decode_layers: head_norms must be empty or 2 a layer (q's, k's) for ", layers, " layers, got ",
               head_norms.size());
-  // each head of x [rows, width] normalised by `weight` [head_dim] (RMSNorm over a head, as the
-  // model's own norm module computes it)
-  auto norm_heads = [&](const at::Tensor& x, const at::Tensor& weight) {
-    const int64_t rows = x.size(0), width = x.size(1), dim = weight.size(0);
-    TORCH_CHECK(dim > 0 && width % dim == 0, "decode_layers: a head norm of ", dim, " for a width of ", width);
-    return add_rms_norm(x.reshape({rows * (width / dim), dim}), c10::nullopt, weight, eps)[1].view({rows, width});
-  };
   auto linear = [&](const at::Tensor& x, int64_t layer, int64_t which) {
     const int64_t e = 12 * layer + 3 * which;
     return packed_linear(x, weights[4 * layer + which], extras.get(e), extras.get(e + 1), extras.get(e + 2));
@@ -80,13 +73,12 @@ at::Tensor decode_layers(const at::Tensor& hidden_in, const at::Tensor& cos, con
     auto qkv = linear(state[1], i, 0);
     auto q = qkv.narrow(1, 0, qkv_sizes[0]);
     auto k = qkv.narrow(1, qkv_sizes[0], qkv_sizes[1]);
-    if (!head_norms.empty()) {
-      q = norm_heads(q, head_norms[2 * i]);
-      k = norm_heads(k, head_norms[2 * i + 1]);
-    }
     auto v = qkv.narrow(1, qkv_sizes[0] + qkv_sizes[1], qkv_sizes[2]);
     at::Tensor k_cache = k_caches[i], v_cache = v_caches[i];
-    auto attended = rope_attend(q, k, v, cos, sin, k_cache, v_cache, lengths, heads, scale, shared_from, shared, dot);
+    const bool normed = !head_norms.empty();  // (Qwen3: each head of q and k normalised as rope_attend rotates it)
+    auto attended = rope_attend(q, k, v, cos, sin, k_cache, v_cache, lengths, heads, scale, shared_from, shared, dot,
+                                normed ? c10::optional<at::Tensor>(head_norms[2 * i]) : c10::nullopt,
+                                normed ? c10::optional<at::Tensor>(head_norms[2 * i + 1]) : c10::nullopt, eps);
     state = add_rms_norm(state[0], linear(attended, i, 1), norms[2 * i + 1], eps);
     auto gate_up = linear(state[1], i, 2);
     const int64_t inter = gate_up.size(1) / 2;

@@ -42,11 +42,7 @@ void add_rms_norm_impl(const T* res, int64_t res_stride, const T* x, int64_t x_s
         for (int64_t i = 0; i < dim; ++i) h[i] = in_dtype<T>(h[i] + xs[i]);
         from_float(h.data(), hidden + r * dim, dim);
       }
-      float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-      for (int64_t i = 0; i < dim; ++i) sum += h[i] * h[i];
-      const float scale = 1.f / std::sqrt(sum / static_cast<float>(dim) + eps);
-      for (int64_t i = 0; i < dim; ++i) y[i] = w[i] * in_dtype<T>(h[i] * scale);
+      rms_norm_row<T>(h.data(), w.data(), y.data(), dim, eps);
       from_float(y.data(), out + r * dim, dim);
     }
   });

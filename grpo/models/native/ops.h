@@ -49,7 +49,8 @@ std::vector<at::Tensor> sample_tokens(const at::Tensor& logits, const at::Tensor
 at::Tensor rope_attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cos,
                        const at::Tensor& sin, at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& lengths,
                        int64_t heads, double scale, const c10::optional<at::Tensor>& shared_from,
-                       const c10::optional<at::Tensor>& shared, bool dot);
+                       const c10::optional<at::Tensor>& shared, bool dot, const c10::optional<at::Tensor>& q_norm,
+                       const c10::optional<at::Tensor>& k_norm, double norm_eps);
 
 // weight_pool.cpp: an empty tensor for a packed weight (in the 2 MiB-page chunks where they are
 // had), and the chunks kept for the next pack given back

@@ -14,8 +14,8 @@ TORCH_LIBRARY(grpo_native, m) {
   m.def("target_logprobs(Tensor logits, Tensor targets) -> Tensor[]");
   m.def("target_logprobs_backward_(Tensor grad, Tensor(a!) logits, Tensor targets, Tensor stats) -> Tensor(a!)");
   m.def("rope_attend(Tensor q, Tensor k, Tensor v, Tensor cos, Tensor sin, Tensor(a!) k_cache, Tensor(b!) v_cache, "
-        "Tensor lengths, int heads, float scale, Tensor? shared_from=None, Tensor? shared=None, bool dot=False) "
-        "-> Tensor");
+        "Tensor lengths, int heads, float scale, Tensor? shared_from=None, Tensor? shared=None, bool dot=False, "
+        "Tensor? q_norm=None, Tensor? k_norm=None, float norm_eps=0.0) -> Tensor");
   m.def("stream_pack(Tensor weight, bool pairs=False) -> Tensor");
   m.def("stream_dot_available() -> bool", grpo_native::stream_dot_available);
   m.def("release_kept_chunks() -> int", grpo_native::release_kept_chunks);  // (no tensor to dispatch on: one kernel)

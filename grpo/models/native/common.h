@@ -76,6 +76,7 @@ inline void rms_norm_row(const float* h, const float* w, float* y, int64_t dim, 
 #pragma omp simd reduction(+ : sum)
   for (int64_t i = 0; i < dim; ++i) sum += h[i] * h[i];
   const float scale = 1.f / std::sqrt(sum / static_cast<float>(dim) + eps);
+#pragma omp simd
   for (int64_t i = 0; i < dim; ++i) y[i] = in_dtype<T>(w[i] * in_dtype<T>(h[i] * scale));
 }
 

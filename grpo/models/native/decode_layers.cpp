@@ -61,6 +61,7 @@ at::Tensor decode_layers(const at::Tensor& hidden_in, const at::Tensor& cos, con
   TORCH_CHECK(head_norms.empty() || static_cast<int64_t>(head_norms.size()) == 2 * layers,
               "decode_layers: head_norms must be empty or 2 a layer (q's, k's) for ", layers, " layers, got ",
               head_norms.size());
+  const bool normed = !head_norms.empty();  // (Qwen3: each head of q and k normalised as rope_attend rotates it)
   auto linear = [&](const at::Tensor& x, int64_t layer, int64_t which) {
     const int64_t e = 12 * layer + 3 * which;
     return packed_linear(x, weights[4 * layer + which], extras.get(e), extras.get(e + 1), extras.get(e + 2));
@@ -75,7 +76,6 @@ at::Tensor decode_layers(const at::Tensor& hidden_in, const at::Tensor& cos, con
     auto k = qkv.narrow(1, qkv_sizes[0], qkv_sizes[1]);
     auto v = qkv.narrow(1, qkv_sizes[0] + qkv_sizes[1], qkv_sizes[2]);
     at::Tensor k_cache = k_caches[i], v_cache = v_caches[i];
-    const bool normed = !head_norms.empty();  // (Qwen3: each head of q and k normalised as rope_attend rotates it)
     auto attended = rope_attend(q, k, v, cos, sin, k_cache, v_cache, lengths, heads, scale, shared_from, shared, dot,
                                 normed ? c10::optional<at::Tensor>(head_norms[2 * i]) : c10::nullopt,
                                 normed ? c10::optional<at::Tensor>(head_norms[2 * i + 1]) : c10::nullopt, eps);

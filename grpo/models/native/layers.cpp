@@ -21,13 +21,7 @@ void add_rms_norm_impl(const T* res, int64_t res_stride, const T* x, int64_t x_s
           for (int64_t i = 0; i < dim; ++i) sum_row[i] = h[i] + xr[i];
           h = sum_row;
         }
-        float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-        for (int64_t i = 0; i < dim; ++i) sum += h[i] * h[i];
-        const float scale = 1.f / std::sqrt(sum / static_cast<float>(dim) + eps);
-        float* o = out + r * dim;
-#pragma omp simd
-        for (int64_t i = 0; i < dim; ++i) o[i] = weight[i] * (h[i] * scale);
+        rms_norm_row<float>(h, weight, out + r * dim, dim, eps);
       }
     });
     return;

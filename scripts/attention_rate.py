@@ -10,11 +10,12 @@ once, then its group's answers, each continuing the prompt (its queries see the 
 its own). Shapes: ``bench`` is scripts/bench.py's pass (8 prompts of 47 tokens, 4 answers of 13
 each; SmolLM2-135M's 9 query and 3 key heads of 64), ``long`` the same prompts with answers of
 256-512 tokens, ``mha`` SmolLM2-1.7B's 32 heads of 64 (one key head each) over 2 prompts x 4
-answers of 16, ``qwen3`` the long shape with Qwen3-0.6B's 16 query and 8 key heads of 128. The rate counts the useful work only: two products a (query, key) pair forward
-(scores, weighted values), five backward (scores again, the weights' gradient, the query, key and
-value gradients), ``2 x head dim`` FLOPs each -- nothing past a query's last key. A multiply-add
-core's float32 peak is the rate to hold it against (the kernel sums in float32): on the AMD EPYC
-(Zen 4) of docs/benchmark.md, 235 GFLOP/s on 2 cores.
+answers of 16, ``qwen3`` the long shape with Qwen3-0.6B's 16 query and 8 key heads of 128. The rate
+counts the useful work only: two products a (query, key) pair forward (scores, weighted values), five
+backward (scores again, the weights' gradient, the query, key and value gradients), ``2 x head dim``
+FLOPs each -- nothing past a query's last key. A multiply-add core's float32 peak is the rate to
+hold it against (the kernel sums in float32): on the AMD EPYC (Zen 4) of docs/benchmark.md, 235
+GFLOP/s on 2 cores.
 """
 
 from __future__ import annotations

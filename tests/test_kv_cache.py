@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, DynamicCache, LlamaConfig, Qwen2Config
+from transformers import AutoModelForCausalLM, DynamicCache, LlamaConfig, MistralConfig, Qwen2Config
 
 from grpo import models
 from grpo.backends.local import sampler
@@ -115,6 +115,11 @@ def test_decode_mask_shows_each_row_its_own_columns_and_only_the_window_where_sl
     _, mask = cache.set_step()
     assert mask["full_attention"][:, 0, 0].tolist() == [[True] * 6, [True] * 3 + [False] * 3]
     assert mask["sliding_attention"][:, 0, 0].tolist() == [[False] * 3 + [True] * 3, [True] * 3 + [False] * 3]
+    every_layer_windowed = SlotCache(MistralConfig(sliding_window=3, **SIZES), slots=2, capacity=8,
+                                     device=torch.device("cpu"))
+    every_layer_windowed.lengths = [5, 2]
+    _, mask = every_layer_windowed.set_step()
+    assert mask[:, 0, 0].tolist() == [[False] * 3 + [True] * 3, [True] * 3 + [False] * 3]  # one mask, no mapping
 
 
 def test_models_with_other_layer_kinds_are_refused():
@@ -190,13 +195,20 @@ def test_prompts_under_one_trunk_prefill_it_once_and_draw_what_each_draws_alone(
     assert_logprobs_of_a_plain_forward(model, batched)
 
 
-@pytest.mark.parametrize("layer_types", [["full_attention"] * 2, ["sliding_attention", "full_attention"]])
+SIZES = dict(num_hidden_layers=2, hidden_size=32, num_attention_heads=4, num_key_value_heads=2, intermediate_size=64)
+
+
+@pytest.mark.parametrize("layer_types", [["full_attention"] * 2, ["sliding_attention", "full_attention"], "mistral"])
 def test_sampled_logprobs_equal_a_plain_forward(tokenizer, layer_types):
     """Rows of different prompt lengths admitted at different times, decoding past a 3-token
-    sliding window: each sampled token's logprob equals the model's own full forward pass."""
-    config = Qwen2Config(num_hidden_layers=2, hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
-                         intermediate_size=64, vocab_size=tokenizer.vocab_size, sliding_window=3, use_sliding_window=True,
-                         layer_types=layer_types, max_window_layers=0)
+    sliding window: each sampled token's logprob equals the model's own full forward pass. A
+    Qwen2 of full layers, of a windowed and a full one (a mask per kind), a Mistral of windowed
+    layers only (one mask: its forward takes no mapping; Mistral-7B-v0.1 windows 4096 tokens)."""
+    if layer_types == "mistral":
+        config = MistralConfig(vocab_size=tokenizer.vocab_size, sliding_window=3, **SIZES)
+    else:
+        config = Qwen2Config(vocab_size=tokenizer.vocab_size, sliding_window=3, use_sliding_window=True,
+                             layer_types=layer_types, max_window_layers=0, **SIZES)
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval()
     prompts = [[1, 504, 3458, 314, 253, 1345, 28], [1, 9906], [1, *range(42, 52)]]

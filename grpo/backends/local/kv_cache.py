@@ -200,11 +200,15 @@ class SlotCache(Cache):
     def decode_mask(self) -> torch.Tensor | dict[str, torch.Tensor]:
         """``[rows, 1, 1, width]`` booleans: row r's query (at column ``lengths[r]``) sees columns
         ``0 .. lengths[r]``, and a sliding-window layer only the last ``window`` of them. Models
-        with both kinds of layer take a mask per kind (transformers' ``causal_mask_mapping``)."""
+        with both kinds of layer take a mask per kind (transformers' ``causal_mask_mapping``); a
+        model of one kind takes its one mask: Mistral's forward, every layer windowed, reads a
+        tensor, not a mapping (and a mapping model takes a ready 4D mask as it is)."""
         columns = self._columns[None, : self.step.width]
         at = self.step.lengths_tensor[:, None]
         full = (columns <= at)[:, None, None, :]
         if "sliding_attention" not in self.kinds:
             return full
         sliding = ((columns <= at) & (columns > at - self.window))[:, None, None, :]
+        if "full_attention" not in self.kinds:
+            return sliding
         return {"full_attention": full, "sliding_attention": sliding}

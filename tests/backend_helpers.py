@@ -80,6 +80,28 @@ def sample_each(client, temperature: float, seed: int = 0, prompts=DECODE_PROMPT
     return [(list(s.tokens), list(s.logprobs)) for f in futures for s in f.result().sequences]
 
 
+def assert_greedy_alike(got: list[tuple], want: list[tuple], bound: float, min_compared: float = 0.5) -> None:
+    """Greedy samples of two computations of one model that round differently (``(tokens,
+    logprobs, ...)`` each): token for token the same, each logprob within ``bound``, up to where a
+    pair parts -- and there only at a near-tie: each path took the top of its distribution, so the
+    two tokens' logprobs are within ``bound`` of each other. (A random model's next-token
+    distribution is nearly flat: two bf16 roundings of it can order its top two either way.) At
+    least ``min_compared`` of the tokens are compared, so a near-tie early on cannot hide the rest."""
+    compared = total = 0
+    for got_row, want_row in zip(got, want, strict=True):
+        (tokens, logprobs, *rest), (want_tokens, want_logprobs, *want_rest) = got_row, want_row
+        total += len(want_tokens)
+        steps = zip(tokens, logprobs, want_tokens, want_logprobs, strict=False)  # (rows apart: else below)
+        for token, logprob, want_token, want_logprob in steps:
+            assert abs(logprob - want_logprob) < bound, (token, want_token, logprob, want_logprob)
+            if token != want_token:
+                break
+            compared += 1
+        else:
+            assert (tokens, rest) == (want_tokens, want_rest)
+    assert compared >= min_compared * total, f"only {compared} of {total} tokens compared before near-ties"
+
+
 # one unit in the last place at 1.0, for comparisons in units of a dtype's rounding
 ULP = {torch.float32: 2.0**-23, torch.bfloat16: 2.0**-7}
 
@@ -92,16 +114,26 @@ def worst_relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
 
 
 # The decoder families the sampler's lean and native decoding steps take (lean_decode.py), as
-# transformers' (config, causal LM) classes: Qwen2 is Llama with biases on q/k/v, Qwen3 normalises
-# each head of q and k (and here has heads wider than hidden / heads, as Qwen3-0.6B's 128 of 1024 / 16).
+# transformers' (config, causal LM) classes: Mistral is Llama with every layer windowed (here
+# MistralConfig's default 4,096 tokens, Mistral-7B-v0.1's: longer than any test's rows), Qwen2 is
+# Llama with biases on q/k/v, Qwen3 normalises each head of q and k (and here has heads wider than
+# hidden / heads, as Qwen3-0.6B's 128 of 1024 / 16).
 def _families() -> dict[str, tuple[type, type, dict]]:
-    from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
+    from transformers import (
+        MistralConfig,
+        MistralForCausalLM,
+        Qwen2Config,
+        Qwen2ForCausalLM,
+        Qwen3Config,
+        Qwen3ForCausalLM,
+    )
 
-    return {"qwen2": (Qwen2Config, Qwen2ForCausalLM, {}), "qwen3": (Qwen3Config, Qwen3ForCausalLM, {"head_dim": 32})}
+    return {"mistral": (MistralConfig, MistralForCausalLM, {}), "qwen2": (Qwen2Config, Qwen2ForCausalLM, {}),
+            "qwen3": (Qwen3Config, Qwen3ForCausalLM, {"head_dim": 32})}
 
 
 def save_tiny_model(directory, family: str, seed: int = 0) -> str:
-    """A tiny random ``family`` model ("qwen2", "qwen3") of the tiny Llama's sizes and the SmolLM2
+    """A tiny random ``family`` model ("mistral", "qwen2", "qwen3") of the tiny Llama's sizes and the SmolLM2
     tokenizer, saved in ``directory`` for ``create_lora_training_client(directory)``. Every norm's
     weight and every bias is drawn away from its initial value (ones, zeros), so that a step that
     skipped one would compute something else."""

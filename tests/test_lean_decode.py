@@ -15,6 +15,8 @@ from transformers import (
     LlamaForCausalLM,
     MistralConfig,
     MistralForCausalLM,
+    MixtralConfig,
+    MixtralForCausalLM,
     Qwen2Config,
     Qwen2ForCausalLM,
     Qwen3Config,
@@ -25,13 +27,14 @@ from grpo.backends.local import ServiceClient, lean_decode, sampler
 from grpo.models import native_kernels
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3"])
 @pytest.mark.parametrize(("train_dtype", "sample_dtype"), [("fp32", "fp32"), ("fp32", "bf16")])
 def test_lean_decoding_steps_sample_what_the_models_forward_samples(tmp_path, monkeypatch, tiny_of, train_dtype,
                                                                     sample_dtype, family):
     """fp32: the trainer's model with LoRA folded (under peft); bf16: the sampler's own copy with
-    stacked projections and LoRA side paths. Each family the lean step takes: Llama, Qwen2 (biases
-    on q/k/v), Qwen3 (each head of q and k normalised)."""
+    stacked projections and LoRA side paths. Each family the lean step takes: Llama, Mistral (its
+    layers windowed, the window longer than the rows), Qwen2 (biases on q/k/v), Qwen3 (each head of
+    q and k normalised)."""
     # the eager lean step (the native one: test_native_decode.py), and the model's own modules
     # (switched on, its norms and MLPs would compute through native_layers.py)
     monkeypatch.setenv(native_kernels.ENV_SWITCH, "off")
@@ -40,14 +43,14 @@ def test_lean_decoding_steps_sample_what_the_models_forward_samples(tmp_path, mo
     perturb_adapter(tc, seed=3)
     used = []
 
-    def spied(model):
-        lean = lean_decode.lean_decoder(model)
+    def spied(model, capacity=None):
+        lean = lean_decode.lean_decoder(model, capacity)
         used.append(lean is not None)
         return lean
 
     monkeypatch.setattr(sampler, "lean_decoder", spied)
     lean = sample_each(tc, temperature=1.0, seed=7)
-    monkeypatch.setattr(sampler, "lean_decoder", lambda model: None)
+    monkeypatch.setattr(sampler, "lean_decoder", lambda model, capacity=None: None)
     plain = sample_each(tc, temperature=1.0, seed=7)
     assert used and all(used)
     assert lean == plain
@@ -65,10 +68,17 @@ def test_only_the_architectures_it_was_written_for_take_the_lean_step():
     assert lean_decode.lean_decoder(_tiny(LlamaConfig, LlamaForCausalLM)) is not None
     assert lean_decode.lean_decoder(_tiny(Qwen2Config, Qwen2ForCausalLM)) is not None
     assert lean_decode.lean_decoder(_tiny(Qwen3Config, Qwen3ForCausalLM)) is not None
-    assert lean_decode.lean_decoder(_tiny(MistralConfig, MistralForCausalLM)) is None  # another family
-    windowed = _tiny(Qwen2Config, Qwen2ForCausalLM, use_sliding_window=True, sliding_window=4, max_window_layers=1)
-    assert windowed.config.layer_types == ["full_attention", "sliding_attention"]
-    assert lean_decode.lean_decoder(windowed) is None  # a layer attending to its last keys only
+    assert lean_decode.lean_decoder(_tiny(MistralConfig, MistralForCausalLM, sliding_window=None)) is not None
+    # A layer attending to its last keys only: taken where no row holds more keys than its window
+    # (the native step attends to all of a row's keys), the rows' capacity said by the sampler.
+    for windowed in (_tiny(Qwen2Config, Qwen2ForCausalLM, use_sliding_window=True, sliding_window=4, max_window_layers=1),
+                     _tiny(MistralConfig, MistralForCausalLM, sliding_window=4)):
+        assert "sliding_attention" in lean_decode.attention_layers(windowed.config)[0]
+        assert lean_decode.lean_decoder(windowed) is None
+        assert lean_decode.lean_decoder(windowed, capacity=5) is None
+        assert lean_decode.lean_decoder(windowed, capacity=4) is not None
+    assert lean_decode.lean_decoder(_tiny(Qwen2Config, Qwen2ForCausalLM, layer_types=["full_attention", "linear_attention"])) is None
+    assert lean_decode.lean_decoder(_tiny(MixtralConfig, MixtralForCausalLM, sliding_window=None)) is None  # another family
     eager = _tiny(LlamaConfig, LlamaForCausalLM)
     eager.config._attn_implementation = "eager"
     assert lean_decode.lean_decoder(eager) is None

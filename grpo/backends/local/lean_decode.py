@@ -1,5 +1,5 @@
-"""The sampler's decoding step for Llama-shaped decoders (Llama, Qwen2, Qwen3), without transformers'
-per-call machinery.
+"""The sampler's decoding step for Llama-shaped decoders (Llama, Mistral, Qwen2, Qwen3), without
+transformers' per-call machinery.
 
 A decoding step of SmolLM2-135M in bf16 on a 2-core CPU costs ~62 ms, of which the matmuls and
 attention are about half; the rest is ~60 small operators per layer and the Python around them.
@@ -12,8 +12,10 @@ Where the sampler stacked q/k/v and gate/up (fused_projections.py), it takes the
 outputs from one call rather than one member lookup each.
 
 It takes a model only when every part is what it was written against -- transformers'
-``LlamaForCausalLM``, ``Qwen2ForCausalLM`` or ``Qwen3ForCausalLM`` (as such or under peft) with SDPA
-attention, full-attention layers and SiLU MLPs, on a CPU or a CUDA GPU -- and returns None otherwise:
+``LlamaForCausalLM``, ``MistralForCausalLM``, ``Qwen2ForCausalLM`` or ``Qwen3ForCausalLM`` (as such or
+under peft) with SDPA attention and SiLU MLPs, on a CPU or a CUDA GPU, its sliding windows (Mistral-7B-v0.1's
+4,096 tokens, a Qwen2's upper layers) no shorter than the sampling call's slots, so that no query has a
+key outside its window -- and returns None otherwise:
 the sampler then calls the model's own forward (a Qwen model's, on a CPU before Qwen was taken here:
 1.5-2.2x the time of the native step built on this one, docs/benchmark.md). On CUDA the sampler takes
 it only to capture it in CUDA graphs (graph_decode.py: it makes no host synchronisation and no
@@ -25,7 +27,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from grpo.backends.local.kv_cache import SlotCache
+from grpo.backends.local.kv_cache import SlotCache, attention_layers
 from grpo.models.fused_projections import FusedMember, FusedProjections
 
 
@@ -42,6 +44,8 @@ class LeanDecoder:
         self.causal_lm = causal_lm
         self.decoder = causal_lm.model
         self.head_dim = self.decoder.layers[0].self_attn.head_dim
+        # each layer's kind, to read its mask where the cache hands one per kind
+        self.kinds = attention_layers(causal_lm.config)[0]
         # each layer's stacked q/k/v and gate/up groups (None: its own Linears), fixed for the
         # sampling call this decoder is made for
         self.groups = [(_stacked(layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj),
@@ -56,6 +60,7 @@ class LeanDecoder:
         rows, dim = hidden.shape[0], self.head_dim
         for index, (layer, (qkv, gate_up)) in enumerate(zip(decoder.layers, self.groups, strict=True)):
             attn, mlp = layer.self_attn, layer.mlp
+            layer_mask = mask[self.kinds[index]] if isinstance(mask, dict) else mask
             residual = hidden
             x = layer.input_layernorm.forward(hidden)
             q, k, v = qkv.full(x) if qkv is not None else (attn.q_proj(x), attn.k_proj(x), attn.v_proj(x))
@@ -68,7 +73,7 @@ class LeanDecoder:
             q, k = self.rotary(q, k, cos, sin)
             k, v = cache.layers[index].update(k, v)
             dropout = attn.attention_dropout if attn.training else 0.0  # as LlamaAttention.forward
-            out, _ = self.sdpa(attn, q, k, v, mask, dropout=dropout, scaling=attn.scaling)
+            out, _ = self.sdpa(attn, q, k, v, layer_mask, dropout=dropout, scaling=attn.scaling)
             hidden = residual + attn.o_proj(out.reshape(rows, 1, -1).contiguous())
             residual = hidden
             x = layer.post_attention_layernorm.forward(hidden)
@@ -89,16 +94,20 @@ def _stacked(*members: nn.Module) -> FusedProjections | None:
 
 def _families() -> dict[type, tuple[type, ...]]:
     """The causal LMs whose decoding step ``LeanDecoder`` computes, each with the classes its parts
-    must be: (decoder, layer, attention, MLP, RMSNorm). Qwen2's layer is Llama's with biases on q/k/v
-    (the Linears carry them); Qwen3's attention normalises each head of q and k before the rotary
-    embedding (``q_norm`` / ``k_norm``, applied as its forward does)."""
+    must be: (decoder, layer, attention, MLP, RMSNorm). Mistral's layer is Llama's, windowed or not;
+    Qwen2's is Llama's with biases on q/k/v (the Linears carry them); Qwen3's attention normalises
+    each head of q and k before the rotary embedding (``q_norm`` / ``k_norm``, applied as its
+    forward does)."""
     from transformers.models.llama import modeling_llama as llama
+    from transformers.models.mistral import modeling_mistral as mistral
     from transformers.models.qwen2 import modeling_qwen2 as qwen2
     from transformers.models.qwen3 import modeling_qwen3 as qwen3
 
     return {
         llama.LlamaForCausalLM: (llama.LlamaModel, llama.LlamaDecoderLayer, llama.LlamaAttention, llama.LlamaMLP,
                                  llama.LlamaRMSNorm),
+        mistral.MistralForCausalLM: (mistral.MistralModel, mistral.MistralDecoderLayer, mistral.MistralAttention,
+                                     mistral.MistralMLP, mistral.MistralRMSNorm),
         qwen2.Qwen2ForCausalLM: (qwen2.Qwen2Model, qwen2.Qwen2DecoderLayer, qwen2.Qwen2Attention, qwen2.Qwen2MLP,
                                  qwen2.Qwen2RMSNorm),
         qwen3.Qwen3ForCausalLM: (qwen3.Qwen3Model, qwen3.Qwen3DecoderLayer, qwen3.Qwen3Attention, qwen3.Qwen3MLP,
@@ -106,9 +115,11 @@ def _families() -> dict[type, tuple[type, ...]]:
     }
 
 
-def lean_decoder(model: nn.Module) -> LeanDecoder | None:
+def lean_decoder(model: nn.Module, capacity: int | None = None) -> LeanDecoder | None:
     """A ``LeanDecoder`` for ``model`` (a causal LM, or a peft model around one) where it computes
-    exactly what the model's own forward does, else None."""
+    exactly what the model's own forward does, else None. ``capacity``: the most positions a row
+    of the sampling call holds; a model with sliding-window layers is taken only where their window
+    is at least that (None: not taken), since the native step attends to every key of a row."""
     try:
         from transformers.activations import SiLUActivation
 
@@ -125,8 +136,11 @@ def lean_decoder(model: nn.Module) -> LeanDecoder | None:
         return None
     if decoder.embed_tokens.weight.device.type not in ("cpu", "cuda"):
         return None
-    kinds = getattr(causal_lm.config, "layer_types", None) or ["full_attention"] * len(decoder.layers)
-    if any(kind != "full_attention" for kind in kinds):
+    try:
+        kinds, window = attention_layers(causal_lm.config)
+    except ValueError:  # (layers a slot cannot hold)
+        return None
+    if len(kinds) != len(decoder.layers) or (window is not None and (capacity is None or capacity > window)):
         return None
     for layer in decoder.layers:
         attn, mlp = layer.self_attn, layer.mlp
@@ -134,8 +148,7 @@ def lean_decoder(model: nn.Module) -> LeanDecoder | None:
                 and type(mlp) is mlp_class and type(mlp.act_fn) in (SiLUActivation, nn.SiLU)
                 and type(layer.input_layernorm) is norm_class
                 and type(layer.post_attention_layernorm) is norm_class
-                and all(type(n) is norm_class for n in head_norms(attn))
-                and getattr(attn, "sliding_window", None) is None):
+                and all(type(n) is norm_class for n in head_norms(attn))):
             return None
     return LeanDecoder(causal_lm)
 

@@ -153,7 +153,7 @@ def generate(model, requests: list[GenerationRequest], tokenizer, device: torch.
     batch: list[_Row] = []  # rows in slot order
     logits = None  # next-token logits of the batch's rows
     before = prefix_cache.stats.snapshot() if prefix_cache is not None else None
-    lean = lean_decoder(model)  # the decoding step without transformers' wrappers, where it applies
+    lean = lean_decoder(model, cache.step.capacity)  # the decoding step without transformers' wrappers, where it applies
     graphed = None
     if lean is not None and (graph_decode.enabled(device) if cuda_graphs is None else cuda_graphs):
         graphed = graph_decode.StaticDecodeStep(lean, cache, _pad_id(tokenizer), capture=device.type == "cuda")

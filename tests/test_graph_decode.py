@@ -25,10 +25,10 @@ def _sample_all(tc) -> list[tuple[list[int], list[float]]]:
     return [(list(s.tokens), list(s.logprobs)) for f in futures for s in f.result().sequences]
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3"])
+@pytest.mark.parametrize("family", ["llama", "mistral", "qwen3"])
 def test_static_decoding_steps_sample_what_the_lean_step_samples(tmp_path, monkeypatch, tiny_of, family):
-    """(Qwen3: the step CUDA would capture holds its norms of q's and k's heads; a CPU runs the
-    same bucketed static step uncaptured.)"""
+    """(Qwen3: the step CUDA would capture holds its norms of q's and k's heads; Mistral: its layers
+    windowed, one mask for all; a CPU runs the same bucketed static step uncaptured.)"""
     service = ServiceClient(checkpoint_dir=tmp_path, device="cpu", train_dtype="fp32", sample_dtype="fp32")
     tc = service.create_lora_training_client(tiny_of(family), rank=4, seed=0)
     perturb_adapter(tc, seed=3)

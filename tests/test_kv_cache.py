@@ -6,7 +6,15 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, DynamicCache, LlamaConfig, MistralConfig, Qwen2Config
+from transformers import (
+    AutoModelForCausalLM,
+    DynamicCache,
+    Gemma2Config,
+    GptOssConfig,
+    LlamaConfig,
+    MistralConfig,
+    Qwen2Config,
+)
 
 from grpo import models
 from grpo.backends.local import sampler
@@ -198,19 +206,30 @@ def test_prompts_under_one_trunk_prefill_it_once_and_draw_what_each_draws_alone(
 SIZES = dict(num_hidden_layers=2, hidden_size=32, num_attention_heads=4, num_key_value_heads=2, intermediate_size=64)
 
 
-@pytest.mark.parametrize("layer_types", [["full_attention"] * 2, ["sliding_attention", "full_attention"], "mistral"])
+@pytest.mark.parametrize("layer_types", [["full_attention"] * 2, ["sliding_attention", "full_attention"], "mistral",
+                                         "gemma2", "gpt_oss"])
 def test_sampled_logprobs_equal_a_plain_forward(tokenizer, layer_types):
     """Rows of different prompt lengths admitted at different times, decoding past a 3-token
     sliding window: each sampled token's logprob equals the model's own full forward pass. A
     Qwen2 of full layers, of a windowed and a full one (a mask per kind), a Mistral of windowed
-    layers only (one mask: its forward takes no mapping; Mistral-7B-v0.1 windows 4096 tokens)."""
+    layers only (one mask: its forward takes no mapping; Mistral-7B-v0.1 windows 4096 tokens),
+    and two models whose attention is eager, which adds its mask to the scores: Gemma 2 (its
+    scores soft-capped) and GPT-OSS (its softmax with a sink per head)."""
+    attention = "sdpa"
     if layer_types == "mistral":
         config = MistralConfig(vocab_size=tokenizer.vocab_size, sliding_window=3, **SIZES)
+    elif layer_types == "gemma2":
+        config, attention = Gemma2Config(vocab_size=tokenizer.vocab_size, sliding_window=3, head_dim=8, **SIZES), "eager"
+    elif layer_types == "gpt_oss":
+        config, attention = GptOssConfig(vocab_size=tokenizer.vocab_size, sliding_window=3, head_dim=8,
+                                         num_local_experts=2, num_experts_per_tok=1, **SIZES), "eager"
     else:
         config = Qwen2Config(vocab_size=tokenizer.vocab_size, sliding_window=3, use_sliding_window=True,
                              layer_types=layer_types, max_window_layers=0, **SIZES)
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval()
+    model = AutoModelForCausalLM.from_config(config, attn_implementation=attention).eval()
+    if attention == "eager":
+        assert "sliding_attention" in SlotCache(config, 1, 4, torch.device("cpu")).kinds
     prompts = [[1, 504, 3458, 314, 253, 1345, 28], [1, 9906], [1, *range(42, 52)]]
     batched = requests(prompts)
     stats = sampler.generate(model, batched, tokenizer, torch.device("cpu"), row_bytes=lambda n: 1, budget=6)

@@ -125,6 +125,9 @@ class SlotCache(Cache):
 
     def __init__(self, config, slots: int, capacity: int, device: torch.device):
         self.kinds, self.window = attention_layers(config)
+        # eager attention adds its mask to the scores (0 or the dtype's lowest value), as
+        # transformers' eager masks do; SDPA takes booleans
+        self.additive_mask = getattr(config.get_text_config(decoder=True), "_attn_implementation", None) == "eager"
         self.device = device
         self.step = StepState(slots, capacity, device)
         super().__init__(layers=[SlotLayer(self.step) for _ in self.kinds])
@@ -199,16 +202,22 @@ class SlotCache(Cache):
 
     def decode_mask(self) -> torch.Tensor | dict[str, torch.Tensor]:
         """``[rows, 1, 1, width]`` booleans: row r's query (at column ``lengths[r]``) sees columns
-        ``0 .. lengths[r]``, and a sliding-window layer only the last ``window`` of them. Models
+        ``0 .. lengths[r]``, and a sliding-window layer only the last ``window`` of them (for eager
+        attention as 0 and the dtype's lowest value, which it adds to the scores). Models
         with both kinds of layer take a mask per kind (transformers' ``causal_mask_mapping``); a
         model of one kind takes its one mask: Mistral's forward, every layer windowed, reads a
         tensor, not a mapping (and a mapping model takes a ready 4D mask as it is)."""
         columns = self._columns[None, : self.step.width]
         at = self.step.lengths_tensor[:, None]
-        full = (columns <= at)[:, None, None, :]
+        masks = {"full_attention": (columns <= at)[:, None, None, :]}
+        if "sliding_attention" in self.kinds:
+            masks["sliding_attention"] = ((columns <= at) & (columns > at - self.window))[:, None, None, :]
+        if self.additive_mask:
+            dtype = self.layers[0]._keys.dtype
+            masks = {kind: torch.zeros((), dtype=dtype, device=self.device).masked_fill(~seen, torch.finfo(dtype).min)
+                     for kind, seen in masks.items()}
         if "sliding_attention" not in self.kinds:
-            return full
-        sliding = ((columns <= at) & (columns > at - self.window))[:, None, None, :]
+            return masks["full_attention"]
         if "full_attention" not in self.kinds:
-            return sliding
-        return {"full_attention": full, "sliding_attention": sliding}
+            return masks["sliding_attention"]
+        return masks

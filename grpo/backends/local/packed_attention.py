@@ -234,7 +234,9 @@ class PackedPass:
             return None
         heads, kv_heads, n, dim = query.shape[1], key.shape[1], query.shape[2], query.shape[3]
         scale = float(scaling) if scaling is not None else dim ** -0.5
-        flat = [t[0].transpose(0, 1).reshape(n, -1) for t in (query, key, value)]  # (n, heads * dim) rows
+        # (n, heads * dim) rows back to back: a model that slices q, k and v out of one fused
+        # projection (Phi-3's qkv_proj) hands views whose rows are the fused row's width apart
+        flat = [t[0].transpose(0, 1).reshape(n, -1).contiguous() for t in (query, key, value)]
         dot = query.dtype == torch.bfloat16 and (heads, kv_heads, dim) in _DOT_PRODUCTS
         out = _NativeAttention.apply(*flat, *self.native_plan(), heads, kv_heads, scale, dot, ops)
         return out.view(1, n, heads, dim)

@@ -106,6 +106,13 @@ inline void check_rows(const at::Tensor& t, int64_t rows, int64_t width, const c
               ": expected [", rows, ", ", width, "] with contiguous rows, got ", t.sizes(), " strides ", t.strides());
 }
 
+// check_rows, for a kernel that steps from row to row by the width: the rows back to back
+inline void check_dense_rows(const at::Tensor& t, int64_t rows, int64_t width, const char* what) {
+  check_rows(t, rows, width, what);
+  TORCH_CHECK(rows < 2 || t.stride(0) == width, what, ": expected rows back to back (row stride ", width,
+              "), got strides ", t.strides());
+}
+
 // n floats of scratch, kept per thread across calls: a vocabulary's floats (196 KB for 49k tokens)
 // are past malloc's mmap threshold, and fresh pages every call cost more than a pass over them
 inline float* row_buffer(int64_t n) {

@@ -657,9 +657,9 @@ PaShape pa_shape(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, 
   TORCH_CHECK(q.dim() == 2 && q.size(1) % heads == 0, "packed_attention: q must be [rows, heads * dim], got ",
               q.sizes());
   const int64_t rows = q.size(0), dim = q.size(1) / heads;
-  check_rows(q, rows, heads * dim, "packed_attention: q");
-  check_rows(k, rows, kv_heads * dim, "packed_attention: k");
-  check_rows(v, rows, kv_heads * dim, "packed_attention: v");
+  check_dense_rows(q, rows, heads * dim, "packed_attention: q");
+  check_dense_rows(k, rows, kv_heads * dim, "packed_attention: k");
+  check_dense_rows(v, rows, kv_heads * dim, "packed_attention: v");
   TORCH_CHECK(k.scalar_type() == q.scalar_type() && v.scalar_type() == q.scalar_type(),
               "packed_attention: q, k and v must share one dtype");
   return {rows, heads, kv_heads, dim};
@@ -948,8 +948,8 @@ std::vector<at::Tensor> packed_attention_backward(const at::Tensor& grad, const 
                                                   const at::Tensor& seqs, const at::Tensor& key_rows, int64_t heads,
                                                   int64_t kv_heads, double scale, bool dot) {
   const PaShape sh = pa_shape(q, k, v, heads, kv_heads);
-  check_rows(grad, sh.rows, heads * sh.dim, "packed_attention_backward: grad");
-  check_rows(out, sh.rows, heads * sh.dim, "packed_attention_backward: out");
+  check_dense_rows(grad, sh.rows, heads * sh.dim, "packed_attention_backward: grad");
+  check_dense_rows(out, sh.rows, heads * sh.dim, "packed_attention_backward: out");
   TORCH_CHECK(grad.scalar_type() == q.scalar_type() && out.scalar_type() == q.scalar_type(),
               "packed_attention_backward: grad and out must have q's dtype");
   TORCH_CHECK(lse.scalar_type() == at::kFloat && lse.is_contiguous() &&

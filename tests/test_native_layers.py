@@ -228,6 +228,37 @@ def test_qwen2s_modules_with_their_biases_are_taken_and_compute_the_same(native_
     _assert_as_exact_as_its_own_forward(reference, eager, _forward_backward(model, tokens))
 
 
+@pytest.mark.parametrize("family", ["mistral", "qwen2"])
+def test_a_windowed_attention_is_routed_with_the_window_its_own_forward_passes(native_ops, family) -> None:
+    """Mistral's window (read from its config) and a Qwen2's windowed upper layer's (its own) reach
+    the attention the routed forward calls, as the interface arguments its own forward passes:
+    a packed pass of sequences longer than the window computes through the kernels what it
+    computes without (the window dropped, as before: every key attended, logits ~0.2 apart)."""
+    from transformers import MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    from grpo.backends.local.packed_attention import PackedPass
+
+    sizes = dict(vocab_size=97, hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, sliding_window=3)
+    if family == "mistral":
+        model, windows = MistralForCausalLM(MistralConfig(**sizes)), [3, 3]
+    else:
+        model = Qwen2ForCausalLM(Qwen2Config(use_sliding_window=True, max_window_layers=1, **sizes))
+        windows = [None, 3]
+    model.config._attn_implementation = "sdpa"
+    lengths = [9, 6]
+    ids = torch.randint(0, 97, (sum(lengths),), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        want = PackedPass(lengths, torch.device("cpu")).run(model.model, ids)
+        assert native_layers.install(model) == 2 * 2 + 1 + 2 + 2
+        recorded = [vars(layer.self_attn)[native_layers.INTERFACE_KWARGS] for layer in model.model.layers]
+        assert [r.get("sliding_window") for r in recorded] == windows
+        got = PackedPass(lengths, torch.device("cpu")).run(model.model, ids)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    native_layers.uninstall(model)
+    assert not any(native_layers.INTERFACE_KWARGS in vars(m) for m in model.modules())
+
+
 def test_a_norm_whose_weight_trains_or_whose_input_is_another_dtype_runs_its_own_forward(native_ops) -> None:
     model = _llama(torch.float32)
     native_layers.install(model)

@@ -18,7 +18,9 @@ A module class is taken only after its first instance computed the same as the k
 input (a norm that scales by ``1 + weight``, as Gemma's, an MLP with another activation, an
 attention that normalises q and k, as Qwen3's, keep their own forward), and each call falls back
 to the module's own forward where the kernel does not apply: a norm whose weight is trained, mixed
-dtypes, a tensor off the CPU, an attention call with a KV cache (the sampler's prefill).
+dtypes, a tensor off the CPU, an attention call with a KV cache (the sampler's prefill). A routed
+attention hands transformers' attention interface what its own forward hands it (its sliding
+window, a soft-cap, sinks: ``interface_kwargs``, recorded per layer at ``install``).
 """
 
 from __future__ import annotations
@@ -191,10 +193,48 @@ def _native_rotary_attention(self: nn.Module, hidden_states: torch.Tensor, posit
     query, key = rotated
     eager = sys.modules[type(self).__module__].eager_attention_forward
     attention = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, eager)
+    own = vars(self).get(INTERFACE_KWARGS, {})  # (its sliding window, soft-cap, sinks: as its forward passes them)
     out, weights = attention(self, query, key, value, attention_mask,
                              dropout=0.0 if not self.training else self.attention_dropout, scaling=self.scaling,
-                             **kwargs)
+                             **{**own, **kwargs})
     return self.o_proj(out.reshape(*input_shape, -1).contiguous()), weights
+
+
+# The attention implementation ``interface_kwargs`` records calls with, and the attribute where
+# ``install`` keeps each routed attention's record.
+_RECORDER = "grpo_record_kwargs"
+INTERFACE_KWARGS = "_grpo_interface_kwargs"
+
+
+def interface_kwargs(module: nn.Module, inputs: tuple) -> dict | None:
+    """The keyword arguments ``module``'s own forward hands transformers' attention interface
+    besides dropout and scaling -- a sliding window (Mistral's read from its config, Qwen2's per
+    layer), Gemma 2's soft-cap, GPT-OSS's sinks -- recorded from one call on ``inputs``; None
+    where it makes no such call, or more than one. The routed forward hands the same, so that a
+    window the trial's few positions cannot show is not dropped (Mistral's, Mixtral's and
+    Starcoder2's windows were, in training, before)."""
+    from transformers import AttentionInterface
+
+    calls: list[dict] = []
+
+    def record(_module, query, key, value, attention_mask, **kwargs):
+        calls.append(kwargs)
+        return query.new_zeros(query.shape[0], query.shape[2], query.shape[1], value.shape[-1]), None
+
+    AttentionInterface.register(_RECORDER, record)
+    config = module.config
+    before = config._attn_implementation
+    config._attn_implementation = _RECORDER
+    try:
+        with torch.no_grad():
+            type(module).forward(module, *inputs)
+    except (RuntimeError, TypeError, ValueError, AttributeError):
+        return None
+    finally:
+        config._attn_implementation = before
+    if len(calls) != 1:
+        return None
+    return {name: value for name, value in calls[0].items() if name not in ("dropout", "scaling")}
 
 
 def _is_rotary_attention(module: nn.Module) -> bool:
@@ -257,11 +297,14 @@ _KERNEL_PATH = {rms_norm_forward: _native_rms_norm, silu_mlp_forward: _native_si
 
 def _computes_the_same(module: nn.Module, forward) -> bool:
     """Whether ``forward``'s kernel path gives what the module's own forward gives on a random
-    input (``_trial``), within ``TOLERANCE`` of the module's dtype."""
+    input (``_trial``), within ``TOLERANCE`` of the module's dtype (an attention's interface
+    arguments recorded first: ``interface_kwargs``)."""
     parameter = next(module.parameters())
     if parameter.dtype not in DTYPES or parameter.device.type != "cpu":
         return False
     inputs = _trial(module, forward, parameter.dtype)
+    if forward is rotary_attention_forward and not _record_interface_kwargs(module):
+        return False
     try:  # a module that only looks like one (its forward wants more, or other shapes) keeps its own
         with torch.no_grad():
             want = type(module).forward(module, *inputs)
@@ -278,6 +321,17 @@ def _computes_the_same(module: nn.Module, forward) -> bool:
     if forward is rotary_attention_forward and parameter.dtype != torch.float32:
         tolerance *= 4  # bf16: a flipped rounding of q or k moves the scores, so a few bf16 steps of the output
     return bool((((got - want).abs() / scale) <= tolerance).all())
+
+
+def _record_interface_kwargs(module: nn.Module) -> bool:
+    """Keep on ``module`` what its forward hands the attention interface (``interface_kwargs``);
+    False where that could not be recorded (the module keeps its own forward)."""
+    parameter = next(module.parameters())
+    recorded = interface_kwargs(module, _trial(module, rotary_attention_forward, parameter.dtype))
+    if recorded is None:
+        return False
+    setattr(module, INTERFACE_KWARGS, recorded)
+    return True
 
 
 def install(model: nn.Module) -> int:
@@ -301,7 +355,8 @@ def install(model: nn.Module) -> int:
         key = (type(module), forward)
         if key not in verdicts:
             verdicts[key] = _computes_the_same(module, forward)
-        if verdicts[key]:
+        if verdicts[key] and (forward is not rotary_attention_forward or INTERFACE_KWARGS in vars(module)
+                              or _record_interface_kwargs(module)):  # (each layer's own: windows differ by layer)
             module.forward = types.MethodType(forward, module)
             count += 1
     return count
@@ -313,3 +368,4 @@ def uninstall(model: nn.Module) -> None:
         bound = vars(module).get("forward")
         if isinstance(bound, types.MethodType) and bound.__func__ in FORWARDS:
             del module.forward
+            vars(module).pop(INTERFACE_KWARGS, None)

@@ -126,7 +126,7 @@ def test_sliding_window_attention_is_windowed_as_transformers_does() -> None:
                            attn_implementation="sdpa")
     torch.manual_seed(0)
     model = MistralForCausalLM(config).eval()
-    assert packed_attention.supports(model.config)
+    assert packed_attention.supports(model)
     decoder = model.get_decoder()
     gen = torch.Generator().manual_seed(3)
     lengths = [12, 3, 20]  # longer than the window

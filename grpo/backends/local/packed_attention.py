@@ -58,13 +58,17 @@ def use_dot_products(heads: int, kv_heads: int, head_dim: int, dot: bool) -> Non
     (_DOT_PRODUCTS.add if dot else _DOT_PRODUCTS.discard)((heads, kv_heads, head_dim))
 
 
-def supports(config) -> bool:
-    """Whether packing serves this model: attention-only decoders without logit soft-capping
-    (its kernels are not reimplemented here). Others train on padded micro-batches."""
+def supports(model) -> bool:
+    """Whether packing serves this model: attention-only decoders without logit soft-capping or
+    attention sinks (GPT-OSS's per-head extra softmax term): their kernels are not reimplemented
+    here. Others train on padded micro-batches."""
     from grpo.backends.local.kv_cache import attention_layers
 
+    config = model.config
     text = config.get_text_config(decoder=True)
     if getattr(text, "attn_logit_softcapping", None):
+        return False
+    if any(isinstance(getattr(module, "sinks", None), torch.Tensor) for module in model.modules()):
         return False
     try:
         attention_layers(config)
@@ -315,6 +319,8 @@ def packed_attention(module, query, key, value, attention_mask, dropout: float =
         raise RuntimeError(f"the {IMPLEMENTATION!r} attention runs only inside PackedPass.run")
     if kwargs.get("softcap") is not None:
         raise ValueError("packed attention does not implement logit soft-capping")
+    if kwargs.get("s_aux") is not None:
+        raise ValueError("packed attention does not implement attention sinks")
     return grpo_packed.attend(module, query, key, value, scaling, dropout, sliding_window), None
 
 

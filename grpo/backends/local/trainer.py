@@ -578,7 +578,7 @@ def run(model, data: list[PreparedDatum], loss_fn: str, loss_fn_config: Mapping[
     """
     params = losses.resolve_config(loss_fn, loss_fn_config)
     if packed is None:
-        packed = packed_attention.supports(model.config)
+        packed = packed_attention.supports(model)
     groups, alone = plan_sharing(data) if share_prefixes else ([], list(data))
     work: list[tuple[list[PreparedDatum], list[SharedGroup] | None]] = [
         (batch, None) for batch in micro_batches(alone, max_tokens, packed)]

@@ -23,6 +23,7 @@ from torch import nn
 from grpo import models
 from grpo.backends.local import long_lived, native_layers, packed_attention
 from grpo.backends.local.folded_lora import FoldedAdapter, can_fold
+from grpo.backends.local.logit_head import check_logit_head
 from grpo.backends.local.sampler_precision import SamplerCopy
 from grpo.backends.local.sections import section
 from grpo.checks import check_lora_targets
@@ -119,6 +120,7 @@ class Engine:
         self.sample_dtype = precision.resolve("sample_dtype", sample_dtype, self.device, shapes)
         self.tokenizer = models.load_tokenizer(base_model)
         self.model = models.load_model(base_model, device=self.device, dtype=train_dtype)
+        check_logit_head(self.model)  # (the trainer unembeds as the model's forward does, or refuses it)
         self.dtype = next(self.model.parameters()).dtype
         # a float32 CPU model (oneDNN Linears) trains through the kernel measured faster here
         has_onednn = any(type(m) is OneDNNLinear for m in self.model.modules())

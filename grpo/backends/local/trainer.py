@@ -30,6 +30,7 @@ from transformers import DynamicCache
 
 from grpo.api import losses
 from grpo.backends.local import native_layers, packed_attention
+from grpo.backends.local.logit_head import logit_head
 from grpo.backends.local.sections import section
 from grpo.backends.local.trunk import common_trunk
 from grpo.types import Datum, ForwardBackwardOutput, TensorData, text_tokens
@@ -272,7 +273,7 @@ def run_decoder(model, batch: list[PreparedDatum], device: torch.device, counted
     valid = mask.bool()
     flat_hidden = hidden[valid]
     n = flat_hidden.shape[0]
-    return _split_counted(model.get_output_embeddings(), flat_hidden, targets[valid],
+    return _split_counted(logit_head(model), flat_hidden, targets[valid],
                           _counted_positions(counted_mask, n, grad, device), torch.arange(n, device=device), n,
                           mask.sum(-1))
 
@@ -285,7 +286,7 @@ def run_decoder_packed(model, batch: list[PreparedDatum], device: torch.device, 
     flat_targets = torch.tensor([t for d in batch for t in d.targets], dtype=torch.long, device=device)
     flat_hidden = packed_attention.PackedPass(lengths, device).run(model.get_decoder(), ids)
     n = flat_hidden.shape[0]
-    return _split_counted(model.get_output_embeddings(), flat_hidden, flat_targets,
+    return _split_counted(logit_head(model), flat_hidden, flat_targets,
                           _counted_positions(counted_mask, n, grad, device), torch.arange(n, device=device), n,
                           torch.tensor(lengths))
 
@@ -480,7 +481,7 @@ def run_decoder_shared(model, units: list[SharedGroup], device: torch.device) ->
     into the one prefix pass.
     """
     decoder = model.get_decoder()
-    lm_head = model.get_output_embeddings()
+    lm_head = logit_head(model)
     members = [d for u in units for d in u.members]
     owner = torch.tensor([k for k, u in enumerate(units) for _ in u.members], device=device)
     plens = torch.tensor([len(u.prefix) for u in units], device=device)
@@ -537,7 +538,7 @@ def run_decoder_shared_packed(model, units: list[SharedGroup], device: torch.dev
     once per group. One call instead of a pass per level (trunk, prefixes, suffixes): a pass
     costs ~0.17 s of fixed forward + backward on SmolLM2 whatever its rows (docs/benchmark.md)."""
     decoder = model.get_decoder()
-    lm_head = model.get_output_embeddings()
+    lm_head = logit_head(model)
     members = [d for u in units for d in u.members]
     owner = [k for k, u in enumerate(units) for _ in u.members]
     trunk = common_trunk([u.prefix for u in units])
@@ -587,7 +588,7 @@ def run(model, data: list[PreparedDatum], loss_fn: str, loss_fn_config: Mapping[
     decode_shared = run_decoder_shared_packed if packed else run_decoder_shared
     decode = run_decoder_packed if packed else run_decoder
     outputs: list[dict[str, TensorData] | None] = [None] * len(data)
-    lm_head = model.get_output_embeddings()
+    lm_head = logit_head(model)
     total_loss = 0.0
     entropy_sum = 0.0
     entropy_weight = 0.0

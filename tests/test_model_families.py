@@ -1,0 +1,104 @@
+"""Model families beyond the Llama shape, through the local backend: what the sampler draws, the
+logprobs the sampling client computes and the ones the trainer computes agree on the same tokens.
+
+Each family here once disagreed (sampled logprobs against the trainer's, tiny random models,
+fp32): Gemma 2's eager attention read a boolean decode mask as an additive one (0.23 apart),
+GPT-OSS's too, and its sinks were dropped by packed attention (0.13); Phi-4-mini's q, k and v,
+sliced from one fused projection, were read as contiguous by the packed-attention kernel (0.35);
+Mixtral's window was dropped by the routed training attention (0.20); Granite's and Cohere's
+logits are scaled after the unembedding, which the trainer skipped (0.34, 0.41).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from grpo import models
+from grpo.backends.local import ServiceClient
+from grpo.backends.local.logit_head import ScaledLogits, check_logit_head, logit_head
+from grpo.types import Datum, ModelInput, SamplingParams
+
+SIZES = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+PROMPT = [1, 504, 3458, 314, 253, 1345, 28, 9906]  # 8 tokens: the 10 sampled after it run past every window of 4
+
+FAMILIES = {  # name: (config class, causal LM class, config arguments)
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", dict(head_dim=16, sliding_window=4)),
+    "gpt_oss": ("GptOssConfig", "GptOssForCausalLM", dict(num_local_experts=4, num_experts_per_tok=2, head_dim=16,
+                                                          sliding_window=4)),
+    "phi4_mini": ("Phi3Config", "Phi3ForCausalLM", dict(partial_rotary_factor=0.75, sliding_window=None)),
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(sliding_window=4, num_local_experts=4,
+                                                            num_experts_per_tok=2)),
+    "granite": ("GraniteConfig", "GraniteForCausalLM", dict(embedding_multiplier=12.0, residual_multiplier=0.22,
+                                                            attention_multiplier=0.015625, logits_scaling=8.0)),
+    "cohere": ("CohereConfig", "CohereForCausalLM", {}),
+}
+
+
+def _save(directory, family: str) -> str:
+    import transformers
+
+    config_name, model_name, extra = FAMILIES[family]
+    tokenizer = models.load_tokenizer("tiny")
+    config = getattr(transformers, config_name)(vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id,
+                                                eos_token_id=tokenizer.eos_token_id,
+                                                pad_token_id=tokenizer.pad_token_id, **SIZES, **extra)
+    torch.manual_seed(0)
+    model = getattr(transformers, model_name)(config)
+    if family == "gemma2":  # logits past Gemma 2's soft-cap of 30, where leaving it out would show
+        with torch.no_grad():
+            model.get_output_embeddings().weight.mul_(40.0)
+    model.save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    return str(directory)
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_the_sampler_the_sampling_client_and_the_trainer_agree_on_the_logprobs(tmp_path, family) -> None:
+    service = ServiceClient(checkpoint_dir=tmp_path / "checkpoints", device="cpu", dtype="fp32")
+    tc = service.create_lora_training_client(_save(tmp_path / family, family), rank=4, seed=0)
+    sampler = tc.save_weights_and_get_sampling_client("weights")
+    result = sampler.sample(ModelInput.from_ints(PROMPT), num_samples=3,
+                            sampling_params=SamplingParams(max_tokens=10, temperature=1.0, seed=1)).result()
+    data, sampled = [], []
+    for sequence in result.sequences:
+        tokens = PROMPT + list(sequence.tokens)
+        computed = sampler.compute_logprobs(ModelInput.from_ints(tokens)).result()[len(PROMPT):]
+        assert computed == pytest.approx(sequence.logprobs, abs=1e-5)
+        data.append(Datum(model_input=ModelInput.from_ints(tokens[:-1]),
+                          loss_fn_inputs={"target_tokens": torch.tensor(tokens[1:]),
+                                          "weights": torch.ones(len(tokens) - 1)}))
+        sampled.append(sequence.logprobs)
+    assert len({tuple(s.tokens) for s in result.sequences}) > 1
+    out = tc.forward(data, "cross_entropy").result()
+    for output, logprobs in zip(out.loss_fn_outputs, sampled, strict=True):
+        trained = output["logprobs"].to_torch()[len(PROMPT) - 1:]
+        assert trained.tolist() == pytest.approx(logprobs, abs=1e-5)
+
+
+def test_the_logit_head_takes_each_familys_step_after_the_unembedding() -> None:
+    from transformers import CohereConfig, CohereForCausalLM, Gemma2Config, Gemma2ForCausalLM
+
+    llama = LlamaForCausalLM(LlamaConfig(vocab_size=50, **SIZES))
+    assert logit_head(llama) is llama.lm_head
+    cohere = logit_head(CohereForCausalLM(CohereConfig(vocab_size=50, logit_scale=0.0625, **SIZES)))
+    assert isinstance(cohere, ScaledLogits) and cohere.multiply == 0.0625 and cohere.out_features == 50
+    gemma = logit_head(Gemma2ForCausalLM(Gemma2Config(vocab_size=50, head_dim=16, final_logit_softcapping=30.0,
+                                                      **SIZES)))
+    assert gemma.softcap == 30.0 and gemma.divide is None
+
+
+def test_a_model_whose_logits_are_computed_otherwise_is_refused_at_load() -> None:
+    class DoubledLogits(LlamaForCausalLM):
+        def forward(self, *args, **kwargs):
+            out = super().forward(*args, **kwargs)
+            out.logits = out.logits * 2
+            return out
+
+    model = DoubledLogits(LlamaConfig(vocab_size=50, **SIZES))
+    with pytest.raises(ValueError, match=r"DoubledLogits's forward computes its logits otherwise than grpo's trainer"):
+        check_logit_head(model)
+    check_logit_head(LlamaForCausalLM(LlamaConfig(vocab_size=50, **SIZES)))  # (its own: accepted)
+    assert isinstance(model.lm_head, nn.Linear)

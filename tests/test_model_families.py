@@ -6,7 +6,9 @@ fp32): Gemma 2's eager attention read a boolean decode mask as an additive one (
 GPT-OSS's too, and its sinks were dropped by packed attention (0.13); Phi-4-mini's q, k and v,
 sliced from one fused projection, were read as contiguous by the packed-attention kernel (0.35);
 Mixtral's window was dropped by the routed training attention (0.20); Granite's and Cohere's
-logits are scaled after the unembedding, which the trainer skipped (0.34, 0.41).
+logits are scaled after the unembedding, which the trainer skipped (0.34, 0.41). StableLM's and
+Falcon's decoders do not pack sequences (the first keeps the attention interface's arguments
+from its layers, the second attends by its own code): training failed; they now train padded.
 """
 
 from __future__ import annotations
@@ -34,6 +36,8 @@ FAMILIES = {  # name: (config class, causal LM class, config arguments)
     "granite": ("GraniteConfig", "GraniteForCausalLM", dict(embedding_multiplier=12.0, residual_multiplier=0.22,
                                                             attention_multiplier=0.015625, logits_scaling=8.0)),
     "cohere": ("CohereConfig", "CohereForCausalLM", {}),
+    "stablelm": ("StableLmConfig", "StableLmForCausalLM", {}),
+    "falcon": ("FalconConfig", "FalconForCausalLM", dict(num_kv_heads=2, new_decoder_architecture=True)),
 }
 
 
@@ -42,9 +46,10 @@ def _save(directory, family: str) -> str:
 
     config_name, model_name, extra = FAMILIES[family]
     tokenizer = models.load_tokenizer("tiny")
+    sizes = SIZES if family != "falcon" else dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4)
     config = getattr(transformers, config_name)(vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id,
                                                 eos_token_id=tokenizer.eos_token_id,
-                                                pad_token_id=tokenizer.pad_token_id, **SIZES, **extra)
+                                                pad_token_id=tokenizer.pad_token_id, **sizes, **extra)
     torch.manual_seed(0)
     model = getattr(transformers, model_name)(config)
     if family == "gemma2":  # logits past Gemma 2's soft-cap of 30, where leaving it out would show
@@ -76,6 +81,19 @@ def test_the_sampler_the_sampling_client_and_the_trainer_agree_on_the_logprobs(t
     for output, logprobs in zip(out.loss_fn_outputs, sampled, strict=True):
         trained = output["logprobs"].to_torch()[len(PROMPT) - 1:]
         assert trained.tolist() == pytest.approx(logprobs, abs=1e-5)
+
+
+def test_a_decoder_that_does_not_pack_is_found_by_one_try(tmp_path, capsys) -> None:
+    from transformers import AutoModelForCausalLM
+
+    from grpo.backends.local import packed_attention
+
+    assert packed_attention.packs_as_alone(LlamaForCausalLM(LlamaConfig(vocab_size=50, **SIZES)))
+    for family in ("stablelm", "falcon"):
+        model = AutoModelForCausalLM.from_pretrained(_save(tmp_path / family, family))
+        assert not packed_attention.packs_as_alone(model)
+        assert not packed_attention.supports(model)
+        assert "decoder does not pack sequences in one row (tried once): training on padded" in capsys.readouterr().err
 
 
 def test_the_logit_head_takes_each_familys_step_after_the_unembedding() -> None:

@@ -21,6 +21,8 @@ whole shared micro-batch is one decoder call with every prompt token in it once.
 
 from __future__ import annotations
 
+import sys
+import weakref
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -61,7 +63,8 @@ def use_dot_products(heads: int, kv_heads: int, head_dim: int, dot: bool) -> Non
 def supports(model) -> bool:
     """Whether packing serves this model: attention-only decoders without logit soft-capping or
     attention sinks (GPT-OSS's per-head extra softmax term): their kernels are not reimplemented
-    here. Others train on padded micro-batches."""
+    here. Others train on padded micro-batches, as does a model whose decoder, tried once, does
+    not pack (``packs_as_alone``)."""
     from grpo.backends.local.kv_cache import attention_layers
 
     config = model.config
@@ -74,7 +77,45 @@ def supports(model) -> bool:
         attention_layers(config)
     except ValueError:
         return False
-    return True
+    if model not in _PACKS:
+        _PACKS[model] = packs_as_alone(model)
+        if not _PACKS[model]:
+            causal_lm = model.get_base_model() if hasattr(model, "get_base_model") else model
+            print(f"grpo: {type(causal_lm).__name__}'s decoder does not pack sequences in one row (tried once): "
+                  "training on padded micro-batches", file=sys.stderr, flush=True)
+    return _PACKS[model]
+
+
+_PACKS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> packs_as_alone(model)
+
+
+def packs_as_alone(model, lengths: tuple[int, ...] = (5, 3)) -> bool:
+    """Whether short random sequences packed in one row come out of ``model``'s decoder as each
+    does in a packed pass of its own (the same attention path: bit-equal on SmolLM2 in float32
+    and bf16, where against the decoder's own SDPA a bf16 pass is up to 23% off, its attention
+    being float32 here). Decoders that keep the attention interface's keyword arguments from
+    their layers (StableLM's), or attend by code of their own once the implementation is not one
+    they know (Falcon's), fail in a packed pass or mix its sequences; they train padded."""
+    decoder = model.get_decoder()
+    parameter = next(model.parameters())
+    vocab = model.get_input_embeddings().weight.shape[0]
+    ids = torch.randint(0, vocab, (sum(lengths),), generator=torch.Generator().manual_seed(0)).to(parameter.device)
+    was_training = model.training
+    model.eval()  # (no dropout: the two passes must compute the same thing)
+    try:
+        with torch.no_grad():
+            packed = PackedPass(list(lengths), parameter.device).run(decoder, ids)
+            alone = torch.cat([PackedPass([len(seq)], parameter.device).run(decoder, seq)
+                               for seq in torch.split(ids, list(lengths))])
+    except (RuntimeError, TypeError, ValueError, AttributeError, IndexError):
+        return False
+    finally:
+        model.train(was_training)
+    # (room for a matmul that rounds differently at another row count; mixed sequences are ~100% off)
+    tolerance = 1e-3 if parameter.dtype == torch.float32 else 0.05
+    packed, alone = packed.float(), alone.float()
+    scale = torch.maximum(alone.abs(), alone.abs().mean())
+    return packed.shape == alone.shape and bool(((packed - alone).abs() <= tolerance * scale).all())
 
 
 @dataclass

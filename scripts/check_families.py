@@ -26,7 +26,7 @@ import traceback
 from pathlib import Path
 
 SIZES = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
-PROMPT = [1, 504, 3458, 314, 253, 1345, 28, 9906]
+PROMPT = [1, 504, 3458, 314, 253, 1345, 28, 9906, 42, 43, 44, 45, 46, 47, 48, 49]  # (16: a prefix the trainer shares)
 
 # name: (config class, causal LM class, config arguments, whether SIZES come first)
 FAMILIES: dict[str, tuple[str, str, dict, bool]] = {
@@ -70,6 +70,14 @@ FAMILIES: dict[str, tuple[str, str, dict, bool]] = {
 }
 
 
+def _answer_weights(length: int):
+    """The loss counts the answer only, as GRPO's datums do: the group's prompt is a prefix the
+    trainer runs once for its rows (trainer.plan_sharing)."""
+    import torch
+
+    return torch.cat([torch.zeros(len(PROMPT) - 1), torch.ones(length - len(PROMPT))])
+
+
 def check(family: str, directory: Path, dtype: str) -> str:
     """One family's row: the largest gaps between the three logprobs of the same tokens."""
     import torch
@@ -99,7 +107,7 @@ def check(family: str, directory: Path, dtype: str) -> str:
         computed_gap = max(computed_gap, max(abs(a - b) for a, b in zip(computed, sequence.logprobs, strict=True)))
         data.append(types.Datum(model_input=types.ModelInput.from_ints(tokens[:-1]),
                                 loss_fn_inputs={"target_tokens": torch.tensor(tokens[1:]),
-                                                "weights": torch.ones(len(tokens) - 1)}))
+                                                "weights": _answer_weights(len(tokens))}))
     out = tc.forward(data, "cross_entropy").result()
     trained_gap = max(float((o["logprobs"].to_torch()[len(PROMPT) - 1:] - torch.tensor(s.logprobs)).abs().max())
                       for o, s in zip(out.loss_fn_outputs, result.sequences, strict=True))

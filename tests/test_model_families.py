@@ -24,7 +24,9 @@ from grpo.backends.local.logit_head import ScaledLogits, check_logit_head, logit
 from grpo.types import Datum, ModelInput, SamplingParams
 
 SIZES = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
-PROMPT = [1, 504, 3458, 314, 253, 1345, 28, 9906]  # 8 tokens: the 10 sampled after it run past every window of 4
+# 16 tokens: a prefix the trainer shares among a group's rows; the 10 sampled after it run past
+# every window of 4
+PROMPT = [1, 504, 3458, 314, 253, 1345, 28, 9906, 42, 43, 44, 45, 46, 47, 48, 49]
 
 FAMILIES = {  # name: (config class, causal LM class, config arguments)
     "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", dict(head_dim=16, sliding_window=4)),
@@ -39,6 +41,12 @@ FAMILIES = {  # name: (config class, causal LM class, config arguments)
     "stablelm": ("StableLmConfig", "StableLmForCausalLM", {}),
     "falcon": ("FalconConfig", "FalconForCausalLM", dict(num_kv_heads=2, new_decoder_architecture=True)),
 }
+
+
+def _answer_weights(length: int) -> torch.Tensor:
+    """The loss counts the answer only, as GRPO's datums do: the group's prompt is a prefix the
+    trainer runs once for its rows (trainer.plan_sharing)."""
+    return torch.cat([torch.zeros(len(PROMPT) - 1), torch.ones(length - len(PROMPT))])
 
 
 def _save(directory, family: str) -> str:
@@ -74,7 +82,7 @@ def test_the_sampler_the_sampling_client_and_the_trainer_agree_on_the_logprobs(t
         assert computed == pytest.approx(sequence.logprobs, abs=1e-5)
         data.append(Datum(model_input=ModelInput.from_ints(tokens[:-1]),
                           loss_fn_inputs={"target_tokens": torch.tensor(tokens[1:]),
-                                          "weights": torch.ones(len(tokens) - 1)}))
+                                          "weights": _answer_weights(len(tokens))}))
         sampled.append(sequence.logprobs)
     assert len({tuple(s.tokens) for s in result.sequences}) > 1
     out = tc.forward(data, "cross_entropy").result()

@@ -238,6 +238,31 @@ inline void pa_scores_vec(const float* a, int64_t nr, const float* bt, int64_t l
   for (; t0 < keys; t0 += PA_KEYS) pa_scores_block<DIM, 1>(rows, nr, bt, ldb, t0, out, ldo);
 }
 
+// The loop frame of the key and value gradients (pa_key_grads_vec, pa_dot_key_grads): for each block of
+// GRAD_KEYS keys and each stretch of C registers of the head dimension, `block_sums(part, acc, t0, h)` sums
+// the queries' contributions to those keys in registers (part 0 the keys' gradients, 1 the values'), and
+// `add(part, out, sums)` adds a register of them to memory: one add to memory a key and stretch.
+template <int64_t DIM, class BlockSums, class Add>
+inline void pa_key_grad_blocks(int64_t keys, float* dk, float* dv, BlockSums block_sums, Add add) {
+  using V = FloatLanes;
+  constexpr int C = DIM / V::W < 4 ? DIM / V::W : 4, KB = V::GRAD_KEYS;
+  static_assert(PA_KEYS % KB == 0, "a block of keys must not run past a row's zeros");
+  for (int part = 0; part < 2; ++part) {
+    float* sums = part ? dv : dk;
+    for (int64_t t0 = 0; t0 < keys; t0 += KB)
+      for (int64_t h = 0; h < DIM; h += C * V::W) {
+        typename V::reg acc[KB][C];
+        pa_zero(acc);
+        block_sums(part, acc, t0, h);
+#pragma GCC unroll 16
+        for (int u = 0; u < KB; ++u)  // (u a constant in each copy: the sums stay in registers)
+          if (t0 + u < keys)
+#pragma GCC unroll 16
+            for (int c = 0; c < C; ++c) add(part, sums + (t0 + u) * DIM + h + V::W * c, acc[u][c]);
+      }
+  }
+}
+
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
 #define PA_DOT 1
 // acc[m][c] += the dot product of s's word for (m, u) (s[m * s_m + u * s_k]: two values of the summed
@@ -344,28 +369,15 @@ inline void pa_round_twos(const float* x, int64_t ldx, int64_t nr, int64_t keys,
 template <int64_t DIM>
 inline void pa_dot_key_grads(const uint32_t* a, const uint32_t* bw, int64_t ldw, int64_t twos, int64_t keys,
                              float scale, const uint32_t* q, const uint32_t* g, float* dk, float* dv) {
-  constexpr int C = DIM / 16 < 4 ? DIM / 16 : 4, KB = FloatLanes::GRAD_KEYS;
-  static_assert(PA_KEYS % KB == 0, "a block of keys must not run past a row's zeros");
-  for (int part = 0; part < 2; ++part) {
-    const uint32_t* weights = part ? bw : a;
-    const uint32_t* rows = part ? g : q;
-    float* sums = part ? dv : dk;
-    const __m512 factor = _mm512_set1_ps(part ? 1.f : scale);
-    for (int64_t t0 = 0; t0 < keys; t0 += KB)
-      for (int64_t h = 0; h < DIM; h += C * 16) {
-        __m512 acc[KB][C];
-        pa_zero(acc);
-        pa_dot_outer_sums(acc, weights + t0, 1, ldw, rows + h, DIM, 0, twos);
-#pragma GCC unroll 16
-        for (int u = 0; u < KB; ++u)
-          if (t0 + u < keys)
-#pragma GCC unroll 16
-            for (int c = 0; c < C; ++c) {
-              float* out = sums + (t0 + u) * DIM + h + 16 * c;
-              _mm512_storeu_ps(out, _mm512_add_ps(_mm512_loadu_ps(out), _mm512_mul_ps(acc[u][c], factor)));
-            }
-      }
-  }
+  const __m512 key_scale = _mm512_set1_ps(scale);  // (after the sums: the weights are bf16 words already)
+  pa_key_grad_blocks<DIM>(
+      keys, dk, dv,
+      [&](int part, auto& acc, int64_t t0, int64_t h) {
+        pa_dot_outer_sums(acc, (part ? bw : a) + t0, 1, ldw, (part ? g : q) + h, DIM, 0, twos);
+      },
+      [&](int part, float* out, __m512 sums) {
+        _mm512_storeu_ps(out, _mm512_add_ps(_mm512_loadu_ps(out), part ? sums : _mm512_mul_ps(sums, key_scale)));
+      });
 }
 #endif
 
@@ -420,29 +432,15 @@ inline void pa_key_grads_vec(const float* a, const float* bw, int64_t ldw, int64
                              const float* q, const float* g, float* dk, float* dv) {
   using V = FloatLanes;
   constexpr int C = DIM / V::W < 4 ? DIM / V::W : 4, KB = V::GRAD_KEYS;
-  static_assert(PA_KEYS % KB == 0, "a block of keys must not run past a row's zeros");
-  for (int part = 0; part < 2; ++part) {
-    const float* weights = part ? bw : a;
-    const float* rows = part ? g : q;
-    float* sums = part ? dv : dk;
-    for (int64_t t0 = 0; t0 < keys; t0 += KB)
-      for (int64_t h = 0; h < DIM; h += C * V::W) {
-        typename V::reg acc[KB][C];
-        pa_zero(acc);
-        if (part)  // (the keys' weights scaled, the values' not)
-          pa_outer_sums<KB, C, false>(acc, weights + t0, 1, ldw, 1.f, rows + h, DIM, 0, nr);
+  pa_key_grad_blocks<DIM>(
+      keys, dk, dv,
+      [&](int part, auto& acc, int64_t t0, int64_t h) {
+        if (part)  // (the keys' weights scaled before the sums, the values' not)
+          pa_outer_sums<KB, C, false>(acc, bw + t0, 1, ldw, 1.f, g + h, DIM, 0, nr);
         else
-          pa_outer_sums<KB, C, true>(acc, weights + t0, 1, ldw, scale, rows + h, DIM, 0, nr);
-#pragma GCC unroll 16
-        for (int u = 0; u < KB; ++u)  // (u a constant in each copy: the sums stay in registers)
-          if (t0 + u < keys)
-#pragma GCC unroll 16
-            for (int c = 0; c < C; ++c) {
-              float* out = sums + (t0 + u) * DIM + h + V::W * c;
-              V::store(out, V::add(V::load(out), acc[u][c]));
-            }
-      }
-  }
+          pa_outer_sums<KB, C, true>(acc, a + t0, 1, ldw, scale, q + h, DIM, 0, nr);
+      },
+      [](int, float* out, typename V::reg sums) { V::store(out, V::add(V::load(out), sums)); });
 }
 #endif
 

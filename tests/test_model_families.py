@@ -116,6 +116,18 @@ def test_the_logit_head_takes_each_familys_step_after_the_unembedding() -> None:
     assert gemma.softcap == 30.0 and gemma.divide is None
 
 
+def test_the_load_checks_leave_every_modules_mode_as_it_was() -> None:
+    from grpo.backends.local import packed_attention
+
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=50, attention_dropout=0.5, **SIZES))
+    model.train()
+    model.model.layers[0].eval()  # a mix of modes, as a caller may leave it
+    before = [m.training for m in model.modules()]
+    check_logit_head(model)  # (with dropout on, the two passes would differ: run in eval mode)
+    assert packed_attention.packs_as_alone(model)
+    assert [m.training for m in model.modules()] == before
+
+
 def test_a_model_whose_logits_are_computed_otherwise_is_refused_at_load() -> None:
     class DoubledLogits(LlamaForCausalLM):
         def forward(self, *args, **kwargs):

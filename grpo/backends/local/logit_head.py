@@ -15,6 +15,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from grpo.backends.local.trial import trial_run
+
 
 class ScaledLogits:
     """``lm_head(hidden)``, then the family's step: ``/ divide``, ``* multiply``, or a soft-cap."""
@@ -58,19 +60,14 @@ def check_logit_head(model: nn.Module, tokens: int = 6) -> None:
     vocab = model.get_output_embeddings().weight.shape[0]
     ids = torch.randint(0, vocab, (1, tokens), generator=torch.Generator().manual_seed(0)).to(parameter.device)
     causal_lm = model.get_base_model() if hasattr(model, "get_base_model") else model
-    was_training = model.training
-    model.eval()  # (no dropout: both passes must compute the same thing)
-    try:
-        with torch.no_grad():
-            want = model(input_ids=ids, use_cache=False).logits.float()
-            hidden = getattr(model.get_decoder()(input_ids=ids, use_cache=False), "last_hidden_state", None)
-            if hidden is None:
-                raise ValueError(f"{type(causal_lm).__name__}.get_decoder() gives no decoder (no last_hidden_state): "
-                                 "grpo's trainer runs the decoder and unembeds its output; this architecture is not "
-                                 "supported for training here")
-            got = logit_head(model)(hidden).float()
-    finally:
-        model.train(was_training)
+    with trial_run(model):
+        want = model(input_ids=ids, use_cache=False).logits.float()
+        hidden = getattr(model.get_decoder()(input_ids=ids, use_cache=False), "last_hidden_state", None)
+        if hidden is None:
+            raise ValueError(f"{type(causal_lm).__name__}.get_decoder() gives no decoder (no last_hidden_state): "
+                             "grpo's trainer runs the decoder and unembeds its output; this architecture is not "
+                             "supported for training here")
+        got = logit_head(model)(hidden).float()
     scale = want.abs().mean().item() + 1e-12
     worst = (got - want).abs().max().item()
     if got.shape != want.shape or worst > 1e-3 * scale:

@@ -33,6 +33,8 @@ import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 from transformers import AttentionInterface
 
+from grpo.backends.local.trial import trial_run
+
 IMPLEMENTATION = "grpo_packed"
 # A block of sequences pads each to the block's longest; a new block starts once a sequence's
 # keys are this many times the block's first's, so a long answer is not padded onto short ones.
@@ -100,17 +102,13 @@ def packs_as_alone(model, lengths: tuple[int, ...] = (5, 3)) -> bool:
     parameter = next(model.parameters())
     vocab = model.get_input_embeddings().weight.shape[0]
     ids = torch.randint(0, vocab, (sum(lengths),), generator=torch.Generator().manual_seed(0)).to(parameter.device)
-    was_training = model.training
-    model.eval()  # (no dropout: the two passes must compute the same thing)
     try:
-        with torch.no_grad():
+        with trial_run(model):
             packed = PackedPass(list(lengths), parameter.device).run(decoder, ids)
             alone = torch.cat([PackedPass([len(seq)], parameter.device).run(decoder, seq)
                                for seq in torch.split(ids, list(lengths))])
     except (RuntimeError, TypeError, ValueError, AttributeError, IndexError):
         return False
-    finally:
-        model.train(was_training)
     # (room for a matmul that rounds differently at another row count; mixed sequences are ~100% off)
     tolerance = 1e-3 if parameter.dtype == torch.float32 else 0.05
     packed, alone = packed.float(), alone.float()

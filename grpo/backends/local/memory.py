@@ -73,7 +73,14 @@ def megabytes_from_text(text: str) -> float | str:
         return text
 
 
+def _text(config: Any) -> Any:
+    """The decoder's own config: a multimodal checkpoint's (Gemma 3 from 4B on, as
+    AutoModelForCausalLM loads it) nests it, the sizes not on the top level."""
+    return config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+
+
 def _dims(config: Any) -> tuple[int, int, int, int, int]:
+    config = _text(config)
     hidden = int(config.hidden_size)
     heads = int(config.num_attention_heads)
     head_dim = int(getattr(config, "head_dim", None) or hidden // heads)
@@ -103,7 +110,7 @@ def sample_bytes_per_row(config: Any, dtype: torch.dtype, length: int) -> int:
     hidden, _, q_dim, kv_dim, layers = _dims(config)
     kv = 2 * kv_dim * layers * length * dtype.itemsize
     expanded = 2 * q_dim * length * dtype.itemsize
-    vocab = int(config.vocab_size)
+    vocab = int(_text(config).vocab_size)
     return kv + expanded + vocab * (4 + 4 + 4 + 8)
 
 

@@ -28,7 +28,7 @@ from pathlib import Path
 SIZES = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
 PROMPT = [1, 504, 3458, 314, 253, 1345, 28, 9906, 42, 43, 44, 45, 46, 47, 48, 49]  # (16: a prefix the trainer shares)
 
-# name: (config class, causal LM class, config arguments, whether SIZES come first)
+# name: (config class, model class, config arguments, whether SIZES come first)
 FAMILIES: dict[str, tuple[str, str, dict, bool]] = {
     "llama": ("LlamaConfig", "LlamaForCausalLM", {}, True),
     "mistral": ("MistralConfig", "MistralForCausalLM", dict(sliding_window=4), True),
@@ -67,6 +67,12 @@ FAMILIES: dict[str, tuple[str, str, dict, bool]] = {
                                                           sliding_window=4), True),
     "llama4": ("Llama4TextConfig", "Llama4ForCausalLM", dict(num_local_experts=2, head_dim=16,
                                                              intermediate_size_mlp=128), True),
+    # Gemma 3 from 4B on: a multimodal checkpoint, loaded whole, its decoder's sizes in a nested config
+    "gemma3_multimodal": ("Gemma3Config", "Gemma3ForConditionalGeneration", dict(
+        text_config=dict(head_dim=16, sliding_window=4, **SIZES),
+        vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                           image_size=32, patch_size=8),
+        mm_tokens_per_image=4, boi_token_index=5, eoi_token_index=6, image_token_index=7), False),
 }
 
 
@@ -88,10 +94,13 @@ def check(family: str, directory: Path, dtype: str) -> str:
 
     config_name, model_name, extra, with_sizes = FAMILIES[family]
     tokenizer = models.load_tokenizer("tiny")
-    config = getattr(transformers, config_name)(vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id,
+    if "text_config" in extra:  # (the vocabulary goes where the decoder's sizes are)
+        extra = {**extra, "text_config": {**extra["text_config"], "vocab_size": len(tokenizer)}}
+    else:
+        extra = {"vocab_size": len(tokenizer), **({**SIZES, **extra} if with_sizes else extra)}
+    config = getattr(transformers, config_name)(bos_token_id=tokenizer.bos_token_id,
                                                 eos_token_id=tokenizer.eos_token_id,
-                                                pad_token_id=tokenizer.pad_token_id,
-                                                **({**SIZES, **extra} if with_sizes else extra))
+                                                pad_token_id=tokenizer.pad_token_id, **extra)
     torch.manual_seed(0)
     getattr(transformers, model_name)(config).save_pretrained(directory)
     tokenizer.save_pretrained(directory)

@@ -61,15 +61,20 @@ def lora_target_modules(model: nn.Module, spec: LoraSpec) -> list[str]:
     """Full names of the Linear layers the train_* flags select.
 
     Classified by the name of the parent block (``self_attn``/``mlp``) rather than by a per-arch
-    list of projection names, so any decoder with the usual layout works.
+    list of projection names, so any decoder with the usual layout works. Only the decoder's
+    Linears (and the unembedding): a multimodal checkpoint's vision tower has blocks of those
+    names too, which text-only training never runs.
     """
     output = model.get_output_embeddings()
     # Once a first adapter is injected, every adapted Linear sits at ``<name>.base_layer`` next to
     # its ``lora_A``/``lora_B`` Linears; a later adapter must target ``<name>`` again, never those.
     output = getattr(output, "base_layer", output)
+    decoder = {id(m) for m in model.get_decoder().modules()} if hasattr(model, "get_decoder") else None
     targets: list[str] = []
     for name, module in model.named_modules():
         if not isinstance(module, nn.Linear):
+            continue
+        if decoder is not None and id(module) not in decoder and module is not output:
             continue
         parts = name.split(".")
         if any(p.startswith("lora_") for p in parts):

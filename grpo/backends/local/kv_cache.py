@@ -43,6 +43,16 @@ def attention_layers(config) -> tuple[list[str], int | None]:
     return list(kinds), next(iter(windows), None)
 
 
+def attention_only(config) -> bool:
+    """Whether every decoder layer is one a slot holds (``attention_layers`` takes the config):
+    a hybrid's linear-attention or state-space layers keep a recurrent state instead."""
+    try:
+        attention_layers(config)
+    except ValueError:
+        return False
+    return True
+
+
 class StepState:
     """What every layer of one cache reads during a decode step, set by ``SlotCache.set_step``.
 

@@ -22,7 +22,7 @@ import torch
 from transformers import DynamicCache
 
 from grpo.backends.local import graph_decode, native_decode
-from grpo.backends.local.kv_cache import SlotCache, attention_layers
+from grpo.backends.local.kv_cache import SlotCache, attention_layers, attention_only
 from grpo.backends.local.lean_decode import lean_decoder
 from grpo.backends.local.prefix_cache import PrefixCache
 from grpo.backends.local.sections import section
@@ -144,6 +144,10 @@ def generate(model, requests: list[GenerationRequest], tokenizer, device: torch.
         if req.include_prompt_logprobs:
             req.prompt_logprobs = prompt_logprobs(model, [req.prompt], device)[0]
         req.sequences = []
+    if not attention_only(model.config):  # (linear-attention or state-space layers: recurrent_sampler.py)
+        from grpo.backends.local import recurrent_sampler
+
+        return recurrent_sampler.generate_each(model, requests, tokenizer, device, max_context)
     limit = batch_rows(requests, row_bytes, budget, max_context)
     slots = max(limit, max(req.num_samples for req in requests))  # an over-budget request, alone
     cache = SlotCache(model.config, slots, row_capacity(requests, max_context), device)

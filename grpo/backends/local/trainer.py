@@ -30,6 +30,7 @@ from transformers import DynamicCache
 
 from grpo.api import losses
 from grpo.backends.local import native_layers, packed_attention
+from grpo.backends.local.kv_cache import attention_only
 from grpo.backends.local.logit_head import logit_head
 from grpo.backends.local.sections import section
 from grpo.backends.local.trunk import common_trunk
@@ -580,6 +581,8 @@ def run(model, data: list[PreparedDatum], loss_fn: str, loss_fn_config: Mapping[
     params = losses.resolve_config(loss_fn, loss_fn_config)
     if packed is None:
         packed = packed_attention.supports(model)
+    # (a prefix's cache fans out to its group's rows as keys and values: attention layers only)
+    share_prefixes = share_prefixes and attention_only(model.config)
     groups, alone = plan_sharing(data) if share_prefixes else ([], list(data))
     work: list[tuple[list[PreparedDatum], list[SharedGroup] | None]] = [
         (batch, None) for batch in micro_batches(alone, max_tokens, packed)]

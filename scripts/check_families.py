@@ -9,7 +9,8 @@ For each family: a tiny random model of transformers' class (SmolLM2's tokenizer
 layers, windows of 4 tokens where the family has windows, so that 10 sampled tokens after an
 8-token prompt run past them) is saved, loaded as a LoRA training client, sampled (3 rows), and
 the same tokens' logprobs are computed by the sampling client (``compute_logprobs``: the model's
-own forward) and by the trainer (``forward``). All three are the same numbers up to the
+own forward) and by the trainer (``forward``), after one training step (so that the adapter is
+not the no-op peft starts it as). All three are the same numbers up to the
 precision's rounding when the family is supported; a gap of 0.1 or more is a bug (each row below
 once had one: tests/test_model_families.py). A family that grpo refuses says why.
 
@@ -67,6 +68,13 @@ FAMILIES: dict[str, tuple[str, str, dict, bool]] = {
                                                           sliding_window=4), True),
     "llama4": ("Llama4TextConfig", "Llama4ForCausalLM", dict(num_local_experts=2, head_dim=16,
                                                              intermediate_size_mlp=128), True),
+    # hybrids: linear-attention layers beside attention ones (recurrent_sampler.py samples them)
+    "qwen3_5": ("Qwen3_5TextConfig", "Qwen3_5ForCausalLM", dict(layer_types=["linear_attention", "full_attention"]),
+                True),
+    "qwen3_next": ("Qwen3NextConfig", "Qwen3NextForCausalLM", dict(layer_types=["linear_attention", "full_attention"],
+                                                                   num_experts=4, num_experts_per_tok=2,
+                                                                   moe_intermediate_size=32,
+                                                                   shared_expert_intermediate_size=32), True),
     # Gemma 3 from 4B on: a multimodal checkpoint, loaded whole, its decoder's sizes in a nested config
     "gemma3_multimodal": ("Gemma3Config", "Gemma3ForConditionalGeneration", dict(
         text_config=dict(head_dim=16, sliding_window=4, **SIZES),
@@ -82,6 +90,20 @@ def _answer_weights(length: int):
     import torch
 
     return torch.cat([torch.zeros(len(PROMPT) - 1), torch.ones(length - len(PROMPT))])
+
+
+def train_one_step(tc) -> None:
+    """One cross-entropy step at a large learning rate: peft starts LoRA's B at zero, where the
+    adapter is a no-op and a sampler that applied it wrongly would still agree."""
+    import torch
+
+    from grpo import types
+
+    tokens = PROMPT * 2
+    datum = types.Datum(model_input=types.ModelInput.from_ints(tokens[:-1]),
+                        loss_fn_inputs={"target_tokens": torch.tensor(tokens[1:]), "weights": torch.ones(len(tokens) - 1)})
+    tc.forward_backward([datum], "cross_entropy").result()
+    tc.optim_step(types.AdamParams(learning_rate=0.05)).result()
 
 
 def check(family: str, directory: Path, dtype: str) -> str:
@@ -106,6 +128,7 @@ def check(family: str, directory: Path, dtype: str) -> str:
     tokenizer.save_pretrained(directory)
     service = ServiceClient(checkpoint_dir=directory / "checkpoints", device="cpu", dtype=dtype)
     tc = service.create_lora_training_client(str(directory), rank=4, seed=0)
+    train_one_step(tc)
     sampler = tc.save_weights_and_get_sampling_client("weights")
     result = sampler.sample(types.ModelInput.from_ints(PROMPT), num_samples=3,
                             sampling_params=types.SamplingParams(max_tokens=10, temperature=1.0, seed=1)).result()

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from backend_helpers import perturb_adapter
 from torch import nn
 from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -44,6 +45,9 @@ FAMILIES = {  # name: (config class, causal LM class, config arguments)
     # Gemma 3 from 4B on is a multimodal checkpoint, which AutoModelForCausalLM loads whole: its
     # sizes sit in a nested text config (the memory budget read them from the top level: loading raised)
     "gemma3_multimodal": ("Gemma3Config", "Gemma3ForConditionalGeneration", {}),
+    # a hybrid: Qwen3.5's gated-delta-rule layers keep a recurrent state no slot holds (sampling
+    # raised; recurrent_sampler.py samples it), and a prefix cannot be fanned out to a group
+    "qwen3_5": ("Qwen3_5TextConfig", "Qwen3_5ForCausalLM", dict(layer_types=["linear_attention", "full_attention"])),
 }
 
 
@@ -83,6 +87,7 @@ def _save(directory, family: str) -> str:
 def test_the_sampler_the_sampling_client_and_the_trainer_agree_on_the_logprobs(tmp_path, family) -> None:
     service = ServiceClient(checkpoint_dir=tmp_path / "checkpoints", device="cpu", dtype="fp32")
     tc = service.create_lora_training_client(_save(tmp_path / family, family), rank=4, seed=0)
+    perturb_adapter(tc, seed=3)  # (peft starts LoRA as a no-op, which every path would agree on)
     sampler = tc.save_weights_and_get_sampling_client("weights")
     result = sampler.sample(ModelInput.from_ints(PROMPT), num_samples=3,
                             sampling_params=SamplingParams(max_tokens=10, temperature=1.0, seed=1)).result()
@@ -111,6 +116,36 @@ def test_a_multimodal_checkpoints_adapter_covers_its_decoder_not_its_vision_towe
     assert any(".vision_tower." in name for name, _ in model.named_modules())
     targets = lora_target_modules(model, LoraSpec(rank=4))
     assert len(targets) == 2 * 7 + 1 and all(".language_model." in t or t == "lm_head" for t in targets)
+
+
+def test_an_adapter_the_bf16_copy_does_not_take_samples_through_the_trainers_model(tmp_path, capsys) -> None:
+    """peft puts LoRA on Qwen3-Next's fused expert weights (3D parameters), which the bf16
+    sampler's side paths cannot compute (sampling raised): that adapter samples through the
+    trainer's model, said once, and its logprobs are the trainer's."""
+    import transformers
+
+    tokenizer = models.load_tokenizer("tiny")
+    config = transformers.Qwen3NextConfig(vocab_size=len(tokenizer), layer_types=["linear_attention", "full_attention"],
+                                          num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                                          shared_expert_intermediate_size=32, **SIZES)
+    torch.manual_seed(0)
+    transformers.Qwen3NextForCausalLM(config).save_pretrained(tmp_path / "qwen3_next")
+    tokenizer.save_pretrained(tmp_path / "qwen3_next")
+    service = ServiceClient(checkpoint_dir=tmp_path / "checkpoints", device="cpu", train_dtype="fp32",
+                            sample_dtype="bf16")
+    tc = service.create_lora_training_client(str(tmp_path / "qwen3_next"), rank=4, seed=0)
+    perturb_adapter(tc, seed=3)
+    sampler = tc.save_weights_and_get_sampling_client("weights")
+    params = SamplingParams(max_tokens=6, temperature=1.0, seed=1)
+    for _ in range(2):
+        sequence = sampler.sample(ModelInput.from_ints(PROMPT), num_samples=1, sampling_params=params).result().sequences[0]
+    assert capsys.readouterr().err.count("sampler copy does not take") == 1
+    tokens = PROMPT + list(sequence.tokens)
+    out = tc.forward([Datum(model_input=ModelInput.from_ints(tokens[:-1]),
+                            loss_fn_inputs={"target_tokens": torch.tensor(tokens[1:]),
+                                            "weights": _answer_weights(len(tokens))})], "cross_entropy").result()
+    trained = out.loss_fn_outputs[0]["logprobs"].to_torch()[len(PROMPT) - 1:]
+    assert trained.tolist() == pytest.approx(sequence.logprobs, abs=1e-5)
 
 
 def test_a_decoder_that_does_not_pack_is_found_by_one_try(tmp_path, capsys) -> None:

@@ -12,6 +12,7 @@ sampling on a CPU, the sampler runs its own packed copy of the base weights in t
 from __future__ import annotations
 
 import contextlib
+import sys
 import threading
 import warnings
 from collections.abc import Iterator
@@ -24,7 +25,7 @@ from grpo import models
 from grpo.backends.local import long_lived, native_layers, packed_attention
 from grpo.backends.local.folded_lora import FoldedAdapter, can_fold
 from grpo.backends.local.logit_head import check_logit_head
-from grpo.backends.local.sampler_precision import SamplerCopy
+from grpo.backends.local.sampler_precision import SamplerCopy, takes_adapter
 from grpo.backends.local.sections import section
 from grpo.checks import check_lora_targets
 from grpo.models import dtype_probe, kernel_probe, precision
@@ -165,6 +166,7 @@ class Engine:
             self.device.type == "cpu" and self.sample_dtype == torch.bfloat16
             and (packing_works(torch.bfloat16) or self.sample_layout in STREAMING))
         self._sampler_copy = SamplerCopy(self.model, self.sample_dtype, self.sample_layout) if own_copy else None
+        self._copy_refused: set[str] = set()  # adapters whose LoRA the copy does not take (said once each)
         self.vocab_size = int(self.model.get_input_embeddings().weight.shape[0])
         self.lock = threading.RLock()
         self.peft_model = None
@@ -305,6 +307,17 @@ class Engine:
                 if live is not None:
                     self.load_adapter_state(adapter, live)
 
+    def _copy_takes(self, adapter: str) -> bool:
+        """Whether the sampler's own copy computes ``adapter``'s LoRA; said once where it does not."""
+        if takes_adapter(self.peft_model, adapter):
+            return True
+        if adapter not in self._copy_refused:
+            self._copy_refused.add(adapter)
+            print(f"grpo: adapter {adapter!r} has LoRA layers the {str(self.sample_dtype)[6:]} sampler copy does not take "
+                  f"(on fused expert weights, or DoRA): sampling through the trainer's model, in its precision",
+                  file=sys.stderr, flush=True)
+        return False
+
     def sampling_weights_key(self, adapter: str | None, snapshot: tuple[int, dict[str, torch.Tensor]] | None
                              ) -> tuple:
         """The weights a sampling call runs, as a key for what is built from them (the folded or
@@ -330,7 +343,8 @@ class Engine:
         with self.lock:
             weights = snapshot[1] if snapshot is not None else None
             key = self.sampling_weights_key(adapter, snapshot)
-            if self._sampler_copy is not None:  # its own copy (sampler_precision.py)
+            if self._sampler_copy is not None and (adapter is None or self._copy_takes(adapter)):
+                # its own copy (sampler_precision.py)
                 with section("grpo.sample.install_lora"):
                     model = self._sampler_copy.install(self.causal_lm(), adapter, weights, key)
                 yield model

@@ -97,6 +97,16 @@ class SamplerCopy:
         self._installed = {}
 
 
+def takes_adapter(peft_model: nn.Module, adapter: str) -> bool:
+    """Whether every LoRA layer of ``adapter`` is one a side path computes: peft's LoRA on a Linear,
+    without DoRA. LoRA on an MoE's fused expert weights (peft's ParamWrapper, which peft adds for
+    Qwen3-Next's experts) is not; such an adapter samples through the trainer's model."""
+    from peft.tuners.lora import Linear as LoraLinear
+
+    return all(type(m) is LoraLinear and isinstance(m.base_layer, nn.Linear) and not m.use_dora.get(adapter, False)
+               for _, m in lora_layers(peft_model, adapter))
+
+
 def _no_lora(member: nn.Module) -> tuple[torch.Tensor, torch.Tensor, float]:
     return torch.zeros(0, member.in_features), torch.zeros(member.out_features, 0), 1.0
 

@@ -1,11 +1,12 @@
 """Helpers shared by the local-backend tests: references computed outside the code under test.
 
-Not a test module (no ``test_`` prefix); imported by test_local_backend, test_sampling,
-test_checkpoints, test_lean_decode, test_native_decode and test_native_layers.
+Not a test module (no ``test_`` prefix); imported by the backend's tests (sampling, decoding,
+checkpoints, the native layers, the model families).
 """
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from grpo import types
@@ -100,6 +101,18 @@ def assert_greedy_alike(got: list[tuple], want: list[tuple], bound: float, min_c
         else:
             assert (tokens, rest) == (want_tokens, want_rest)
     assert compared >= min_compared * total, f"only {compared} of {total} tokens compared before near-ties"
+
+
+def assert_logprobs_of_a_plain_forward(model, requests_done) -> None:
+    """Every sampled token's logprob (``sampler.GenerationRequest``s after ``generate``) equals the
+    model's own forward pass over the whole sequence."""
+    for req in requests_done:
+        for seq in req.sequences:
+            ids = torch.tensor([req.prompt + seq.tokens])
+            with torch.no_grad():
+                logits = model(input_ids=ids).logits[0, len(req.prompt) - 1:-1].float()
+            plain = torch.log_softmax(logits, -1).gather(-1, ids[0, len(req.prompt):, None])[:, 0]
+            assert seq.logprobs == pytest.approx(plain.tolist(), abs=1e-5)
 
 
 # one unit in the last place at 1.0, for comparisons in units of a dtype's rounding

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from backend_helpers import assert_logprobs_of_a_plain_forward
 from transformers import (
     AutoModelForCausalLM,
     DynamicCache,
@@ -164,17 +165,6 @@ def test_continuous_batching_draws_what_each_request_draws_alone(tokenizer):
     # requests overlapped: fewer decoding steps than one request after another
     assert stats.decode_steps < sum(max(len(s.tokens) for s in alone[4 * i:4 * i + 4]) for i in range(4))
     assert stats.rows_decoded >= sum(len(s.tokens) for s in alone) - 16  # a row's first token needs no step
-
-
-def assert_logprobs_of_a_plain_forward(model, requests_done: list[sampler.GenerationRequest]) -> None:
-    """Every sampled token's logprob equals the model's own forward pass over the whole sequence."""
-    for req in requests_done:
-        for seq in req.sequences:
-            ids = torch.tensor([req.prompt + seq.tokens])
-            with torch.no_grad():
-                logits = model(input_ids=ids).logits[0, len(req.prompt) - 1:-1].float()
-            plain = torch.log_softmax(logits, -1).gather(-1, ids[0, len(req.prompt):, None])[:, 0]
-            assert seq.logprobs == pytest.approx(plain.tolist(), abs=1e-5)
 
 
 def test_prompts_under_one_trunk_prefill_it_once_and_draw_what_each_draws_alone(tokenizer):

@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 import transformers
+from backend_helpers import assert_logprobs_of_a_plain_forward
 
 from grpo import models
 from grpo.backends.local import recurrent_sampler, sampler
@@ -52,10 +53,4 @@ def test_a_hybrid_samples_through_its_own_cache_with_the_logprobs_of_a_plain_for
     done = _requests()
     sampler.generate(model, done, tokenizer, torch.device("cpu"))
     assert calls == [1]
-    for req in done:
-        for seq in req.sequences:
-            ids = torch.tensor([req.prompt + seq.tokens])
-            with torch.no_grad():
-                logits = model(input_ids=ids).logits[0, len(req.prompt) - 1:-1].float()
-            plain = torch.log_softmax(logits, -1).gather(-1, ids[0, len(req.prompt):, None])[:, 0]
-            assert seq.logprobs == pytest.approx(plain.tolist(), abs=1e-5)
+    assert_logprobs_of_a_plain_forward(model, done)

@@ -30,23 +30,12 @@ def generate_each(model, requests: list[sampler.GenerationRequest], tokenizer, d
     stats = sampler.GenerationStats()
     first_index = 0
     for req in requests:
-        rows = _rows(req, first_index, max_context, device)
+        rows = sampler.request_rows(req, first_index, max_context, device)
         first_index += len(rows)
         _decode_group(model, req, rows, tokenizer, device, stats)
         req.sequences = [SampledSequence(tokens=row.tokens, logprobs=row.logprobs, stop_reason=row.stop_reason)
                          for row in rows]
     return stats
-
-
-def _rows(req: sampler.GenerationRequest, first_index: int, max_context: int | None,
-          device: torch.device) -> list[sampler._Row]:
-    stop_strings, stop_ids = req.params.stop_strings_and_ids()
-    generator = None
-    if req.params.seed is not None:
-        generator = torch.Generator(device=device)
-        generator.manual_seed(int(req.params.seed))
-    return [sampler._Row(first_index + i, req, sampler._max_tokens(req, max_context), frozenset(stop_ids),
-                         stop_strings, generator) for i in range(req.num_samples)]
 
 
 def _decode_group(model, req: sampler.GenerationRequest, rows: list[sampler._Row], tokenizer, device: torch.device,
@@ -66,13 +55,7 @@ def _decode_group(model, req: sampler.GenerationRequest, rows: list[sampler._Row
         live = [r for r, row in enumerate(rows) if not row.done]
         chosen, logprobs = sampler._choose_tokens(logits[live], [rows[r] for r in live], device)
         for token, logprob, r in zip(chosen.tolist(), logprobs.tolist(), live, strict=True):
-            row = rows[r]
-            row.tokens.append(token)
-            row.logprobs.append(logprob)
-            if token in row.stop_ids or sampler._hits_stop_string(row, tokenizer):
-                row.stop_reason, row.done = "stop", True
-            elif len(row.tokens) >= row.max_tokens:
-                row.stop_reason, row.done = "length", True
+            sampler.record_token(rows[r], token, logprob, tokenizer)
         if all(row.done for row in rows):
             return
         tokens = torch.tensor([row.tokens[-1] if not row.done else pad for row in rows], device=device)

@@ -188,13 +188,7 @@ def generate(model, requests: list[GenerationRequest], tokenizer, device: torch.
             chosen, logprobs = _choose_tokens(live_logits, [batch[b] for b in live], device, ops=ops)
         # One device-to-host copy per step, not two per row (each a sync on a GPU).
         for token, logprob, b in zip(chosen.tolist(), logprobs.tolist(), live, strict=True):
-            row = batch[b]
-            row.tokens.append(token)
-            row.logprobs.append(logprob)
-            if token in row.stop_ids or _hits_stop_string(row, tokenizer):
-                row.stop_reason, row.done = "stop", True
-            elif len(row.tokens) >= row.max_tokens:
-                row.stop_reason, row.done = "length", True
+            record_token(batch[b], token, logprob, tokenizer)
         if prefix_cache is not None:  # before their slots are reused
             _store_finished(prefix_cache, cache, batch, live)
         still = [b for b in live if not batch[b].done]
@@ -306,16 +300,31 @@ def _admit(model, requests: list[GenerationRequest], cache: SlotCache, first_slo
         copy_of = copies.setdefault((id(prompt_cache), source_row, start, end), cache.new_copy())
         cache.write_prompt(first_slot + len(rows), req.num_samples, prompt_cache, source_row, start, end,
                            copy_of=copy_of)
-        stop_strings, stop_ids = req.params.stop_strings_and_ids()
-        generator = None
-        if req.params.seed is not None:
-            generator = torch.Generator(device=device)
-            generator.manual_seed(int(req.params.seed))
-        for _ in range(req.num_samples):
-            rows.append(_Row(first_index + len(rows), req, _max_tokens(req, max_context), frozenset(stop_ids),
-                             stop_strings, generator))
-            owner.append(i)
+        rows += request_rows(req, first_index + len(rows), max_context, device)
+        owner += [i] * req.num_samples
     return rows, torch.stack([next_logits[i] for i in owner])
+
+
+def request_rows(req: GenerationRequest, first_index: int, max_context: int | None, device: torch.device) -> list[_Row]:
+    """A request's rows, numbered from ``first_index`` in the order they draw; a seeded request's
+    rows share one generator, so that they draw in their own order wherever they sit."""
+    stop_strings, stop_ids = req.params.stop_strings_and_ids()
+    generator = None
+    if req.params.seed is not None:
+        generator = torch.Generator(device=device)
+        generator.manual_seed(int(req.params.seed))
+    return [_Row(first_index + i, req, _max_tokens(req, max_context), frozenset(stop_ids), stop_strings, generator)
+            for i in range(req.num_samples)]
+
+
+def record_token(row: _Row, token: int, logprob: float, tokenizer) -> None:
+    """A row's chosen token and its logprob; the row is done where it stops or reaches its length."""
+    row.tokens.append(token)
+    row.logprobs.append(logprob)
+    if token in row.stop_ids or _hits_stop_string(row, tokenizer):
+        row.stop_reason, row.done = "stop", True
+    elif len(row.tokens) >= row.max_tokens:
+        row.stop_reason, row.done = "length", True
 
 
 def _row_copy(cache: DynamicCache, row: int, start: int, end: int | None) -> list[tuple[torch.Tensor, torch.Tensor]]:

@@ -293,6 +293,12 @@ def load_model(name: str, device: torch.device | str | None = None, dtype: torch
     return model
 
 
+def text_config(config: Any) -> Any:
+    """The decoder's own config, where its sizes are: a multimodal checkpoint (Gemma 3 from 4B on,
+    which AutoModelForCausalLM loads whole) nests it; a text model's is the config itself."""
+    return config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+
+
 def load_config(name: str) -> Any:
     """The transformers config of ``name``, without its weights (the precision probe reads the
     model's shapes from it before the model loads in the precision it chose)."""

@@ -63,6 +63,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
+from grpo import models
 from grpo.checks import env_switch
 from grpo.models import computing
 
@@ -111,7 +112,7 @@ class Shapes:
     @classmethod
     def from_config(cls, config: Any) -> Shapes | None:
         """The shapes of a transformers config; None where it does not name them (then ``auto`` is fp32)."""
-        config = config.get_text_config() if hasattr(config, "get_text_config") else config
+        config = models.text_config(config)
         try:
             hidden, heads = int(config.hidden_size), int(config.num_attention_heads)
             kv_heads = int(getattr(config, "num_key_value_heads", None) or heads)

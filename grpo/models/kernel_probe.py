@@ -63,6 +63,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from grpo import models
 from grpo.models import dtype_probe
 from grpo.models.dtype_probe import Shapes
 
@@ -191,7 +192,7 @@ class AttentionShapes:
     @classmethod
     def from_config(cls, config) -> AttentionShapes | None:
         """The heads of a transformers config; None where it does not name them."""
-        config = config.get_text_config() if hasattr(config, "get_text_config") else config
+        config = models.text_config(config)
         try:
             heads = int(config.num_attention_heads)
             kv_heads = int(getattr(config, "num_key_value_heads", None) or heads)

@@ -20,6 +20,8 @@ from typing import Any
 
 import torch
 
+from grpo import models
+
 # Share of total memory one working set may take. On a 24 GB CPU machine: 1.5 GB, about the
 # activations of 1,000 trained tokens of SmolLM2-135M in fp32; on an 80 GB GPU: 5 GB.
 CPU_SHARE = 1 / 16
@@ -73,14 +75,8 @@ def megabytes_from_text(text: str) -> float | str:
         return text
 
 
-def _text(config: Any) -> Any:
-    """The decoder's own config: a multimodal checkpoint's (Gemma 3 from 4B on, as
-    AutoModelForCausalLM loads it) nests it, the sizes not on the top level."""
-    return config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
-
-
 def _dims(config: Any) -> tuple[int, int, int, int, int]:
-    config = _text(config)
+    config = models.text_config(config)
     hidden = int(config.hidden_size)
     heads = int(config.num_attention_heads)
     head_dim = int(getattr(config, "head_dim", None) or hidden // heads)
@@ -110,7 +106,7 @@ def sample_bytes_per_row(config: Any, dtype: torch.dtype, length: int) -> int:
     hidden, _, q_dim, kv_dim, layers = _dims(config)
     kv = 2 * kv_dim * layers * length * dtype.itemsize
     expanded = 2 * q_dim * length * dtype.itemsize
-    vocab = int(_text(config).vocab_size)
+    vocab = int(models.text_config(config).vocab_size)
     return kv + expanded + vocab * (4 + 4 + 4 + 8)
 
 

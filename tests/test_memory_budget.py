@@ -232,3 +232,22 @@ def test_freed_memory_is_kept_up_to_the_cap_then_given_back() -> None:
     assert heap.release_free_memory(torch.device("cpu"), keep=heap.free_bytes() - 1)  # over it: trimmed
     assert rss_bytes() < full - 250 * mb
     del last
+
+
+def test_a_hybrid_row_holds_its_recurrent_states_and_keys_only_for_its_attention_layers() -> None:
+    """Qwen3.5's three linear-attention layers of four keep a float32 state per row (value heads x
+    key dim x value dim, counted twice: a shrinking batch copies it) and a convolution window; only
+    its one attention layer grows with the row's positions."""
+    import transformers
+
+    config = transformers.Qwen3_5TextConfig(vocab_size=1000, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                                            num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                            linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+                                            linear_value_head_dim=32, linear_conv_kernel_dim=4,
+                                            layer_types=["linear_attention"] * 3 + ["full_attention"])
+    per_position = memory.sample_bytes_per_row(config, torch.bfloat16, 11) - memory.sample_bytes_per_row(
+        config, torch.bfloat16, 10)
+    assert per_position == 2 * 2 * 16 * 1 * 2 + 2 * 4 * 16 * 2  # one layer's K and V, and the expansion of a layer's
+    fixed = memory.sample_bytes_per_row(config, torch.bfloat16, 0)
+    state, conv = 4 * 16 * 32 * 4, (2 * 2 * 16 + 4 * 32) * 4 * 2
+    assert fixed == 1000 * (4 + 4 + 4 + 8) + 3 * (2 * state + conv)

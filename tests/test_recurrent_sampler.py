@@ -1,7 +1,7 @@
 """Sampling a model whose layers the slot cache cannot hold (recurrent_sampler.py): a hybrid's
-linear-attention layers keep a recurrent state, so its requests run one after another on the
-model's own cache. What it draws is what the slot-cache sampler draws, and its logprobs are the
-model's own."""
+linear-attention layers keep a recurrent state, so its requests' rows run in lockstep on the
+model's own cache, left-padded behind the longest prompt. What it draws is what the slot-cache
+sampler draws, and its logprobs are the model's own."""
 
 from __future__ import annotations
 
@@ -24,14 +24,19 @@ def _requests(seed0: int = 11) -> list[sampler.GenerationRequest]:
             for i, p in enumerate(PROMPTS)]
 
 
-def test_one_request_at_a_time_draws_what_the_slot_cache_draws() -> None:
+@pytest.mark.parametrize("budget_rows", [None, 3, 6])
+def test_rows_in_lockstep_draw_what_the_slot_cache_draws(budget_rows) -> None:
     """On an attention-only model both paths apply: the same seeded tokens, the same logprobs
-    (to float32 rounding: the batches differ), the same stop reasons."""
+    (to float32 rounding: the batches and their padding differ), the same stop reasons -- all
+    requests in one batch, or as many as a budget of 3 or 6 rows holds (one batch per request, or
+    the first two together)."""
     model, tokenizer = models.load_model("tiny"), models.load_tokenizer("tiny")
     slots, each = _requests(), _requests()
     sampler.generate(model, slots, tokenizer, torch.device("cpu"))
-    stats = recurrent_sampler.generate_each(model, each, tokenizer, torch.device("cpu"))
-    assert stats.admissions == 3 and stats.decode_steps > 0
+    budget = {} if budget_rows is None else dict(row_bytes=lambda positions: 1000, budget=1000 * budget_rows)
+    stats = recurrent_sampler.generate_lockstep(model, each, tokenizer, torch.device("cpu"), **budget)
+    assert stats.admissions == {None: 1, 3: 3, 6: 2}[budget_rows] and stats.decode_steps > 0
+    assert stats.prefilled_tokens == sum(len(p) for p in PROMPTS) and stats.peak_rows == (budget_rows or 9)
     got = [s for r in each for s in r.sequences]
     want = [s for r in slots for s in r.sequences]
     assert [(s.tokens, s.stop_reason) for s in got] == [(s.tokens, s.stop_reason) for s in want]
@@ -48,9 +53,23 @@ def test_a_hybrid_samples_through_its_own_cache_with_the_logprobs_of_a_plain_for
     torch.manual_seed(0)
     model = transformers.Qwen3_5ForCausalLM(config).eval()
     calls = []
-    real = recurrent_sampler.generate_each
-    monkeypatch.setattr(recurrent_sampler, "generate_each", lambda *a, **k: calls.append(1) or real(*a, **k))
+    real = recurrent_sampler.generate_lockstep
+    monkeypatch.setattr(recurrent_sampler, "generate_lockstep", lambda *a, **k: calls.append(1) or real(*a, **k))
     done = _requests()
     sampler.generate(model, done, tokenizer, torch.device("cpu"))
     assert calls == [1]
     assert_logprobs_of_a_plain_forward(model, done)
+
+
+def test_a_group_prompt_is_prefilled_once_for_every_request_that_repeats_it() -> None:
+    """GRPO's groups: two requests of one prompt share its prefill; each draws with its own seed."""
+    model, tokenizer = models.load_model("tiny"), models.load_tokenizer("tiny")
+    params = [SamplingParams(max_tokens=5, temperature=1.0, seed=s) for s in (3, 4)]
+    together = [sampler.GenerationRequest(PROMPTS[0], 2, p) for p in params]
+    alone = [[sampler.GenerationRequest(PROMPTS[0], 2, p)] for p in params]
+    stats = recurrent_sampler.generate_lockstep(model, together, tokenizer, torch.device("cpu"))
+    assert stats.prefilled_tokens == len(PROMPTS[0]) and stats.prompt_tokens == 4 * len(PROMPTS[0])
+    for req, (single,) in zip(together, alone, strict=True):
+        recurrent_sampler.generate_lockstep(model, [single], tokenizer, torch.device("cpu"))
+        assert [s.tokens for s in req.sequences] == [s.tokens for s in single.sequences]
+    assert together[0].sequences[0].tokens != together[1].sequences[0].tokens

@@ -102,12 +102,33 @@ def train_bytes_per_token(config: Any, dtype: torch.dtype) -> int:
 def sample_bytes_per_row(config: Any, dtype: torch.dtype, length: int) -> int:
     """A sampling row of ``length`` positions: its KV cache slot (allocated whole when sampling
     starts, kv_cache.py), the grouped-query expansion of one layer's K and V that attention
-    makes, and its float32 logits, softmax and float64 CDF over the vocabulary."""
+    makes, and its float32 logits, softmax and float64 CDF over the vocabulary; a hybrid's
+    linear-attention layers hold a recurrent state instead of keys and values."""
     hidden, _, q_dim, kv_dim, layers = _dims(config)
-    kv = 2 * kv_dim * layers * length * dtype.itemsize
+    linear = _linear_attention_layers(config)
+    kv = 2 * kv_dim * (layers - linear) * length * dtype.itemsize
     expanded = 2 * q_dim * length * dtype.itemsize
     vocab = int(models.text_config(config).vocab_size)
-    return kv + expanded + vocab * (4 + 4 + 4 + 8)
+    return kv + expanded + vocab * (4 + 4 + 4 + 8) + linear * _recurrent_state_bytes(config, dtype)
+
+
+def _linear_attention_layers(config: Any) -> int:
+    """A hybrid's gated-delta-rule layers (Qwen3.5, Qwen3-Next), which keep a recurrent state per
+    row instead of keys and values."""
+    kinds = getattr(models.text_config(config), "layer_types", None) or []
+    return sum(kind == "linear_attention" for kind in kinds)
+
+
+def _recurrent_state_bytes(config: Any, dtype: torch.dtype) -> int:
+    """One row's state in one gated-delta-rule layer: the float32 recurrent state (value heads x
+    key dim x value dim) twice -- a batch that sheds finished rows copies it (recurrent_sampler.py)
+    -- and the short convolution's window of q, k and v."""
+    config = models.text_config(config)
+    heads, key_dim, value_dim = (int(getattr(config, name, 0) or 0) for name in (
+        "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim"))
+    key_heads, kernel = int(getattr(config, "linear_num_key_heads", 0) or 0), int(getattr(config, "linear_conv_kernel_dim", 0) or 0)
+    conv = (2 * key_heads * key_dim + heads * value_dim) * kernel * dtype.itemsize
+    return 2 * heads * key_dim * value_dim * 4 + conv
 
 
 @dataclass(frozen=True)

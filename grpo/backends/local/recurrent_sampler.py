@@ -1,19 +1,26 @@
-"""Sampling for models whose layers the slot cache cannot hold: one request at a time, on the model's own cache.
+"""Sampling for models whose layers the slot cache cannot hold: every request's rows in lockstep, on the model's own cache.
 
 The sampler's slot cache (kv_cache.py) keeps attention layers' keys and values, one row a slot,
 each row at its own position. A hybrid decoder's linear-attention layers (Qwen3.5's and
 Qwen3-Next's gated delta rule, Granite 4's state-space layers) keep a recurrent state instead,
 which a slot cannot hold; those models sampled nothing here before (``attention_layers`` refused
-them). ``generate_each`` samples them as transformers would: a request's rows start from one
-prompt, so they run in lockstep -- the prompt prefilled for all of them at once, then one decoding
-step after another through the model's forward and its own cache, with no padding and no mask (a
-finished row rides along until its group ends). Tokens are chosen by the sampler's own
-``_choose_tokens`` with the request's seed, so a seeded request draws what it draws through the
-slot cache (tests/test_recurrent_sampler.py); there is no continuous batching across requests,
-no prefix cache and no native decoding step: slower, but correct.
+them). ``generate_lockstep`` samples them as transformers' ``generate`` batches them: the distinct
+prompts of as many requests as the memory budget holds are prefilled together, left-padded (a
+hybrid's linear layers zero the padding's inputs, so a padded row's state is its prompt's), each
+prompt once; the model's cache is then fanned out to the requests' rows, which decode together,
+one step after another through the model's forward, each row at its own position behind its
+padding. Finished rows ride along on padding until a quarter of the batch has finished, then
+leave it. Tokens are chosen by the sampler's own ``_choose_tokens`` with each request's seed, so
+a seeded request draws what it draws through the slot cache (tests/test_recurrent_sampler.py);
+there is no continuous batching across batches, no prefix cache and no native decoding step.
+
+Before this, requests ran one after another, each prompt prefilled once per row: the weights
+were read once per request for every decoding step (docs/benchmark.md has the numbers).
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 from transformers import DynamicCache
@@ -23,45 +30,82 @@ from grpo.types import SampledSequence
 
 
 @torch.inference_mode()
-def generate_each(model, requests: list[sampler.GenerationRequest], tokenizer, device: torch.device,
-                  max_context: int | None = None) -> sampler.GenerationStats:
-    """``sampler.generate``'s results, one request after another (prompt logprobs excepted: the
-    caller computes those)."""
+def generate_lockstep(model, requests: list[sampler.GenerationRequest], tokenizer, device: torch.device,
+                      max_context: int | None = None, row_bytes: Callable[[int], int] | None = None,
+                      budget: int | None = None) -> sampler.GenerationStats:
+    """``sampler.generate``'s results (prompt logprobs excepted: the caller computes those), in
+    batches of whole requests of at most ``sampler.batch_rows`` rows (a larger request alone)."""
     stats = sampler.GenerationStats()
+    limit = sampler.batch_rows(requests, row_bytes, budget, max_context)
     first_index = 0
-    for req in requests:
-        rows = sampler.request_rows(req, first_index, max_context, device)
+    for batch in _batches(requests, limit):
+        rows = []
+        for req in batch:
+            rows += sampler.request_rows(req, first_index + len(rows), max_context, device)
         first_index += len(rows)
-        _decode_group(model, req, rows, tokenizer, device, stats)
-        req.sequences = [SampledSequence(tokens=row.tokens, logprobs=row.logprobs, stop_reason=row.stop_reason)
-                         for row in rows]
+        _decode_batch(model, batch, rows, tokenizer, device, stats)
+        for req in batch:
+            req.sequences = [SampledSequence(tokens=row.tokens, logprobs=row.logprobs, stop_reason=row.stop_reason)
+                             for row in rows if row.request is req]
     return stats
 
 
-def _decode_group(model, req: sampler.GenerationRequest, rows: list[sampler._Row], tokenizer, device: torch.device,
-                  stats: sampler.GenerationStats) -> None:
-    """Prefill ``req``'s prompt for its rows, then decode them together until every one stops."""
-    n, length = len(rows), len(req.prompt)
-    cache = DynamicCache(config=model.config)
-    prompt = torch.tensor([req.prompt], device=device).expand(n, length)
-    logits = model(input_ids=prompt, cache=cache, use_cache=True, logits_to_keep=1).logits[:, -1].float()
-    stats.admissions += 1
-    stats.prompt_tokens += length
-    stats.prefilled_tokens += length
-    stats.peak_rows = max(stats.peak_rows, n)
+def _batches(requests: list[sampler.GenerationRequest], limit: int) -> list[list[sampler.GenerationRequest]]:
+    """Consecutive requests, as many a batch as ``limit`` rows hold (a request of more rows alone:
+    splitting its rows would change what its seed draws)."""
+    batches: list[list[sampler.GenerationRequest]] = []
+    rows = 0
+    for req in requests:
+        if not batches or rows + req.num_samples > limit:
+            batches.append([])
+            rows = 0
+        batches[-1].append(req)
+        rows += req.num_samples
+    return batches
+
+
+def _decode_batch(model, requests: list[sampler.GenerationRequest], rows: list[sampler._Row], tokenizer,
+                  device: torch.device, stats: sampler.GenerationStats) -> None:
+    """Prefill ``requests``' distinct prompts together, fan the cache out to their rows, then decode
+    every row together until each one stops."""
     pad = sampler._pad_id(tokenizer)
-    position = length
+    prompts = list(dict.fromkeys(tuple(req.prompt) for req in requests))  # (a GRPO group's prompt, once)
+    width = max(len(p) for p in prompts)
+    ids = torch.tensor([[pad] * (width - len(p)) + list(p) for p in prompts], device=device)
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
+    cache = DynamicCache(config=model.config)
+    logits = model(input_ids=ids, attention_mask=mask, position_ids=sampler._position_ids(mask), cache=cache,
+                   use_cache=True, logits_to_keep=1).logits[:, -1].float()
+    stats.admissions += 1
+    stats.prompt_tokens += sum(len(req.prompt) * req.num_samples for req in requests)
+    stats.prefilled_tokens += sum(len(p) for p in prompts)
+    # each row's prompt row of the prefill: the cache, the logits and the mask fanned out to the rows
+    owner = torch.tensor([prompts.index(tuple(row.request.prompt)) for row in rows], device=device)
+    cache.reorder_cache(owner)
+    logits, mask = logits[owner], mask[owner]
+    positions = torch.tensor([[len(row.request.prompt)] for row in rows], device=device)
+    stats.peak_rows = max(stats.peak_rows, len(rows))
+    batch = list(rows)  # the rows still in the cache, in its order
+    finished_since = 0  # rows finished since the batch last shrank
     while True:
-        live = [r for r, row in enumerate(rows) if not row.done]
-        chosen, logprobs = sampler._choose_tokens(logits[live], [rows[r] for r in live], device)
-        for token, logprob, r in zip(chosen.tolist(), logprobs.tolist(), live, strict=True):
-            sampler.record_token(rows[r], token, logprob, tokenizer)
-        if all(row.done for row in rows):
+        live = [b for b, row in enumerate(batch) if not row.done]
+        chosen, logprobs = sampler._choose_tokens(logits[live], [batch[b] for b in live], device)
+        for token, logprob, b in zip(chosen.tolist(), logprobs.tolist(), live, strict=True):
+            sampler.record_token(batch[b], token, logprob, tokenizer)
+        still = [b for b in live if not batch[b].done]
+        if not still:
             return
-        tokens = torch.tensor([row.tokens[-1] if not row.done else pad for row in rows], device=device)
-        positions = torch.full((n, 1), position, dtype=torch.long, device=device)
-        logits = model(input_ids=tokens[:, None], position_ids=positions, cache=cache,
+        finished_since += len(live) - len(still)
+        tokens = torch.full((len(batch),), pad, dtype=torch.long, device=device)
+        tokens[torch.tensor(live, device=device)] = chosen  # finished rows ride along on padding
+        if 4 * finished_since >= len(batch):  # (each shrink copies every state the batch keeps)
+            keep = torch.tensor(still, device=device)
+            cache.reorder_cache(keep)
+            batch, tokens, mask, positions = [batch[b] for b in still], tokens[keep], mask[keep], positions[keep]
+            finished_since = 0
+        mask = torch.cat([mask, mask.new_ones(len(batch), 1)], dim=1)
+        logits = model(input_ids=tokens[:, None], attention_mask=mask, position_ids=positions, cache=cache,
                        use_cache=True).logits[:, -1].float()
-        position += 1
+        positions = positions + 1
         stats.decode_steps += 1
-        stats.rows_decoded += n
+        stats.rows_decoded += len(batch)

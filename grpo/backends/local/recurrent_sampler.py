@@ -11,8 +11,10 @@ prompt once; the model's cache is then fanned out to the requests' rows, which d
 one step after another through the model's forward, each row at its own position behind its
 padding. Finished rows ride along on padding until a quarter of the batch has finished, then
 leave it. Tokens are chosen by the sampler's own ``_choose_tokens`` with each request's seed, so
-a seeded request draws what it draws through the slot cache (tests/test_recurrent_sampler.py);
-there is no continuous batching across batches, no prefix cache and no native decoding step.
+a seeded request draws what it draws through the slot cache (tests/test_recurrent_sampler.py).
+On a CPU, Qwen3.5's linear-attention layers take their decoding steps through grpo's kernel
+(delta_rule.py); there is no continuous batching across batches, no prefix cache and no native
+decoding step for the other layers.
 
 Before this, requests ran one after another, each prompt prefilled once per row: the weights
 were read once per request for every decoding step (docs/benchmark.md has the numbers).
@@ -20,12 +22,13 @@ were read once per request for every decoding step (docs/benchmark.md has the nu
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 
 import torch
 from transformers import DynamicCache
 
-from grpo.backends.local import sampler
+from grpo.backends.local import delta_rule, sampler
 from grpo.types import SampledSequence
 
 
@@ -38,15 +41,16 @@ def generate_lockstep(model, requests: list[sampler.GenerationRequest], tokenize
     stats = sampler.GenerationStats()
     limit = sampler.batch_rows(requests, row_bytes, budget, max_context)
     first_index = 0
-    for batch in _batches(requests, limit):
-        rows = []
-        for req in batch:
-            rows += sampler.request_rows(req, first_index + len(rows), max_context, device)
-        first_index += len(rows)
-        _decode_batch(model, batch, rows, tokenizer, device, stats)
-        for req in batch:
-            req.sequences = [SampledSequence(tokens=row.tokens, logprobs=row.logprobs, stop_reason=row.stop_reason)
-                             for row in rows if row.request is req]
+    with delta_rule.routed(model) if device.type == "cpu" else contextlib.nullcontext():
+        for batch in _batches(requests, limit):
+            rows = []
+            for req in batch:
+                rows += sampler.request_rows(req, first_index + len(rows), max_context, device)
+            first_index += len(rows)
+            _decode_batch(model, batch, rows, tokenizer, device, stats)
+            for req in batch:
+                req.sequences = [SampledSequence(tokens=row.tokens, logprobs=row.logprobs, stop_reason=row.stop_reason)
+                                 for row in rows if row.request is req]
     return stats
 
 

@@ -14,6 +14,9 @@
 // - packed_attention.cpp: the trainer's attention over packed sequences, forward and backward
 //   (packed_attention.py): each sequence's queries over its own keys, no padding, where SDPA took
 //   padded blocks gathered per call;
+// - delta_rule.cpp: a decoding step of the gated delta rule (Qwen3.5's linear-attention layers,
+//   delta_rule.py): each row's recurrent state updated in place, where PyTorch's operators write
+//   four state-sized temporaries;
 // - sample_tokens.cpp: the sampler's token choice (sampler.py): one pass over a row's logits where
 //   PyTorch takes five;
 // - register.cpp: the operators' schemas, registered as torch.ops.grpo_native.
@@ -71,6 +74,10 @@ at::Tensor decode_layers(const at::Tensor& hidden_in, const at::Tensor& cos, con
                          at::TensorList k_caches, at::TensorList v_caches, at::IntArrayRef qkv_sizes,
                          int64_t heads, double scale, double eps, at::TensorList head_norms,
                          const c10::optional<at::Tensor>& shared_from, const c10::optional<at::Tensor>& shared);
+
+// delta_rule.cpp
+at::Tensor gated_delta_step_(at::Tensor& state, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                             const at::Tensor& g, const at::Tensor& beta);
 
 // packed_attention.cpp
 std::vector<at::Tensor> packed_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,

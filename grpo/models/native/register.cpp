@@ -23,6 +23,7 @@ TORCH_LIBRARY(grpo_native, m) {
   m.def("decode_layers(Tensor hidden, Tensor cos, Tensor sin, Tensor lengths, Tensor[] weights, Tensor?[] extras, "
         "Tensor[] norms, Tensor(a!)[] k_caches, Tensor(b!)[] v_caches, int[] qkv_sizes, int heads, float scale, "
         "float eps, Tensor[] head_norms, Tensor? shared_from=None, Tensor? shared=None) -> Tensor");
+  m.def("gated_delta_step_(Tensor(a!) state, Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta) -> Tensor");
   m.def("packed_attention(Tensor q, Tensor k, Tensor v, Tensor seqs, Tensor key_rows, int heads, int kv_heads, "
         "float scale, bool dot=False) -> Tensor[]");
   m.def("packed_attention_backward(Tensor grad, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor seqs, "
@@ -42,6 +43,7 @@ TORCH_LIBRARY_IMPL(grpo_native, CPU, m) {
   m.impl("decode_layers", grpo_native::decode_layers);
   m.impl("stream_pack", grpo_native::stream_pack);
   m.impl("stream_linear", grpo_native::stream_linear);
+  m.impl("gated_delta_step_", grpo_native::gated_delta_step_);
   m.impl("packed_attention", grpo_native::packed_attention);
   m.impl("packed_attention_backward", grpo_native::packed_attention_backward);
 }

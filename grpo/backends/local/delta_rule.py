@@ -1,0 +1,127 @@
+"""Qwen3.5's gated-delta-rule layers take their decoding steps through grpo's native kernel.
+
+A hybrid's linear-attention layer keeps, per row, a float32 state of value heads x 128 x 128 (16
+heads: 1 MiB a layer). transformers' CPU path for a decoding step (``torch_recurrent_gated_delta_rule``,
+the fallback for a GPU kernel) takes a dozen operators, four of them over the whole state, each
+writing a state-sized temporary; at 32 rows of a Qwen3.5-0.8B-sized model that was three quarters
+of a 1.3 s decoding step (docs/benchmark.md). ``native/delta_rule.cpp`` updates each row's state in
+place in one call (its output within float32 rounding of the reference's, tests/test_delta_rule.py).
+
+``routed(model)`` gives each such layer ``decode_forward`` while a sampling call runs: a
+single-token step on a cache whose states are float32 on the CPU runs the layer's projections,
+its short convolution (the model's own function) and gated norm as its forward does, with the
+recurrence through the kernel; anything else (a prefill, another cache, a tensor elsewhere) is the
+layer's own forward. A class is taken after its first layer computed what its own forward computes
+on a random step (else nothing is routed), and each layer gets its own forward back after.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+import types
+from collections.abc import Iterator
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from grpo.models import native_kernels
+
+# the layers whose forward ``decode_forward`` restates (a class not listed keeps its own)
+CLASSES = ("Qwen3_5GatedDeltaNet", "Qwen3_5MoeGatedDeltaNet")
+# how far the kernel's step may be from the layer's own on a random step, relative to the output's
+# scale: float sums in another order move float32's last bits, and flip a bf16 rounding now and then
+TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2.0**-6}
+
+_verdicts: dict[tuple[type, torch.dtype], bool] = {}
+
+
+def decode_forward(self: nn.Module, hidden_states: torch.Tensor, cache=None, attention_mask=None, **kwargs):
+    """A gated-delta-rule layer's forward, its single-token cached steps through the kernel."""
+    ops = native_kernels.kernels()
+    states = _step_states(self, hidden_states, cache) if ops is not None else None
+    if states is None:
+        return type(self).forward(self, hidden_states, cache=cache, attention_mask=attention_mask, **kwargs)
+    conv_state, recurrent_state = states
+    rows = hidden_states.shape[0]
+    mixed_qkv = self.in_proj_qkv(hidden_states).transpose(1, 2)
+    z = self.in_proj_z(hidden_states).reshape(rows, -1, self.head_v_dim)
+    b, a = self.in_proj_b(hidden_states), self.in_proj_a(hidden_states)
+    conv_update = sys.modules[type(self).__module__].causal_conv1d_update  # (the model's own: a kernel where installed)
+    mixed_qkv = conv_update(mixed_qkv, conv_state, self.conv1d.weight.squeeze(1), self.conv1d.bias, self.activation)
+    query, key, value = torch.split(mixed_qkv[:, :, 0], [self.key_dim, self.key_dim, self.value_dim], dim=-1)
+    beta = b.sigmoid()
+    g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
+    out = ops.gated_delta_step_(recurrent_state, query.view(rows, -1, self.head_k_dim),
+                                key.view(rows, -1, self.head_k_dim), value.view(rows, -1, self.head_v_dim), g, beta)
+    # (the state is the cache's own tensor, updated in place: nothing to store back)
+    out = self.norm(out.to(hidden_states.dtype).reshape(-1, self.head_v_dim), z.reshape(-1, self.head_v_dim))
+    return self.out_proj(out.reshape(rows, 1, -1))
+
+
+def _step_states(layer: nn.Module, hidden_states: torch.Tensor, cache) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The layer's conv and recurrent states where this is a step the kernel takes, else None."""
+    if cache is None or hidden_states.shape[1] != 1 or hidden_states.device.type != "cpu":
+        return None
+    if cache.is_recording_past(layer.layer_idx):
+        return None
+    conv_state = cache.get_conv_state(layer.layer_idx, state_idx=0)
+    recurrent_state = cache.get_recurrent_state(layer.layer_idx, state_idx=0)
+    if conv_state is None or recurrent_state is None:
+        return None
+    if recurrent_state.dtype != torch.float32 or not recurrent_state.is_contiguous():
+        return None
+    return conv_state, recurrent_state
+
+
+def _computes_the_same(model: nn.Module, layer: nn.Module) -> bool:
+    """Whether ``decode_forward`` gives what the layer's own forward gives on a step after a random
+    3-token prefill (outputs and states), within ``TOLERANCE`` of its dtype."""
+    from transformers import DynamicCache
+
+    parameter = next(layer.parameters())
+    if parameter.device.type != "cpu" or parameter.dtype not in TOLERANCE:
+        return False
+    generator = torch.Generator().manual_seed(0)
+    prefill = torch.randn(2, 3, layer.hidden_size, generator=generator).to(parameter.dtype)
+    step = torch.randn(2, 1, layer.hidden_size, generator=generator).to(parameter.dtype)
+    try:
+        with torch.no_grad():
+            results = []
+            for forward in (type(layer).forward, decode_forward):
+                cache = DynamicCache(config=model.config)
+                type(layer).forward(layer, prefill, cache=cache)
+                out = forward(layer, step, cache=cache)
+                results.append((out.float(), cache.get_recurrent_state(layer.layer_idx, state_idx=0).float()))
+    except (RuntimeError, TypeError, ValueError, AttributeError, IndexError):
+        return False
+    tolerance = TOLERANCE[parameter.dtype]
+    for want, got in zip(*results, strict=True):
+        scale = want.abs().clamp_min(want.abs().mean().item() + 1e-12)
+        if got.shape != want.shape or not bool((((got - want).abs() / scale) <= tolerance).all()):
+            return False
+    return True
+
+
+@contextlib.contextmanager
+def routed(model: nn.Module) -> Iterator[int]:
+    """While inside, ``model``'s gated-delta-rule layers take their decoding steps through the
+    kernel (on a CPU, where the kernels are built); yields how many layers were routed."""
+    layers = [m for m in model.modules() if type(m).__name__ in CLASSES and "forward" not in vars(m)]
+    if not layers or native_kernels.kernels() is None:
+        yield 0
+        return
+    taken = []
+    for layer in layers:
+        key = (type(layer), next(layer.parameters()).dtype)
+        if key not in _verdicts:
+            _verdicts[key] = _computes_the_same(model, layer)
+        if _verdicts[key]:
+            layer.forward = types.MethodType(decode_forward, layer)
+            taken.append(layer)
+    try:
+        yield len(taken)
+    finally:
+        for layer in taken:
+            del layer.forward

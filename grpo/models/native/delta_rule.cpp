@@ -1,0 +1,108 @@
+// A decoding step of the gated delta rule (Qwen3.5's linear-attention layers; delta_rule.py calls it):
+// each row's recurrent state updated in place, in one call.
+//
+// transformers' CPU path (torch_recurrent_gated_delta_rule) takes a step as a dozen operators, four
+// of them over the whole float32 state (decayed, read against the key, updated, read against the
+// query), each writing a state-sized temporary: at 32 rows of a Qwen3.5-0.8B-sized model those are
+// 32 MiB tensors, 4 per layer and step, each a fresh mmap whose pages fault in. Here each head's
+// state (128 x 128 floats: 64 KiB, in a core's L2) is read and written twice, in place.
+
+#include "ops.h"
+
+namespace grpo_native {
+
+namespace {
+
+// x / sqrt(sum(x^2) + 1e-6), as transformers' l2norm (rsqrt of the sum, times x); then divided by
+// `divide` (the query's 1 / sqrt(head_dim) is a division there)
+void l2_normalised(const float* x, float* y, int64_t n, float divide) {
+  float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+  for (int64_t i = 0; i < n; ++i) sum += x[i] * x[i];
+  const float inv = 1.f / std::sqrt(sum + 1e-6f);
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) y[i] = x[i] * inv / divide;
+}
+
+template <typename T>
+void delta_step(float* state, const T* q, const T* k, const T* v, const float* g, const float* beta, float* out,
+                int64_t rows, int64_t k_heads, int64_t v_heads, int64_t dk, int64_t dv, int64_t qk_stride,
+                int64_t v_stride) {
+  const int64_t group = v_heads / k_heads;  // value heads a query/key head serves, consecutive
+  const float q_divide = std::sqrt(static_cast<float>(dk));
+  at::parallel_for(0, rows * v_heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> qs(dk), ks(dk), raw(std::max(dk, dv)), vs(dv), kv(dv);
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t r = item / v_heads, h = item % v_heads, kh = h / group;
+      l2_normalised(as_float(q + r * qk_stride + kh * dk, raw.data(), dk), qs.data(), dk, q_divide);
+      l2_normalised(as_float(k + r * qk_stride + kh * dk, raw.data(), dk), ks.data(), dk, 1.f);
+      const float* vr = as_float(v + r * v_stride + h * dv, vs.data(), dv);
+      const float decay = std::exp(g[item]), b = beta[item];
+      float* s = state + item * dk * dv;
+      // the state decayed, and read against the key: kv[j] = sum_i S[i][j] k[i]
+      std::fill(kv.begin(), kv.end(), 0.f);
+      for (int64_t i = 0; i < dk; ++i) {
+        float* si = s + i * dv;
+        const float ki = ks[i];
+#pragma omp simd
+        for (int64_t j = 0; j < dv; ++j) {
+          si[j] = si[j] * decay;
+          kv[j] = kv[j] + si[j] * ki;
+        }
+      }
+      // delta = (v - kv) * beta; S += k delta^T; out[j] = sum_i S[i][j] q[i]
+      float* delta = kv.data();
+#pragma omp simd
+      for (int64_t j = 0; j < dv; ++j) delta[j] = (vr[j] - kv[j]) * b;
+      float* o = out + item * dv;
+      std::fill(o, o + dv, 0.f);
+      for (int64_t i = 0; i < dk; ++i) {
+        float* si = s + i * dv;
+        const float ki = ks[i], qi = qs[i];
+#pragma omp simd
+        for (int64_t j = 0; j < dv; ++j) {
+          si[j] = si[j] + ki * delta[j];
+          o[j] = o[j] + si[j] * qi;
+        }
+      }
+    }
+  });
+}
+
+}  // namespace
+
+at::Tensor gated_delta_step_(at::Tensor& state, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                             const at::Tensor& g, const at::Tensor& beta) {
+  TORCH_CHECK(state.dim() == 4 && state.scalar_type() == at::kFloat && state.is_contiguous() && state.device().is_cpu(),
+              "gated_delta_step_: state must be a contiguous float32 [rows, value heads, key dim, value dim] CPU "
+              "tensor, got ", state.scalar_type(), " ", state.sizes());
+  const int64_t rows = state.size(0), v_heads = state.size(1), dk = state.size(2), dv = state.size(3);
+  TORCH_CHECK(q.dim() == 3 && k.sizes() == q.sizes() && q.size(0) == rows && q.size(2) == dk,
+              "gated_delta_step_: q and k must be [", rows, ", key heads, ", dk, "], got ", q.sizes(), " and ", k.sizes());
+  const int64_t k_heads = q.size(1);
+  TORCH_CHECK(k_heads > 0 && v_heads % k_heads == 0, "gated_delta_step_: ", v_heads, " value heads over ", k_heads,
+              " key heads");
+  TORCH_CHECK(v.dim() == 3 && v.size(0) == rows && v.size(1) == v_heads && v.size(2) == dv,
+              "gated_delta_step_: v must be [", rows, ", ", v_heads, ", ", dv, "], got ", v.sizes());
+  TORCH_CHECK(q.scalar_type() == k.scalar_type() && q.scalar_type() == v.scalar_type(),
+              "gated_delta_step_: q, k and v differ in dtype");
+  for (const at::Tensor* t : {&g, &beta})
+    TORCH_CHECK(t->numel() == rows * v_heads && t->device().is_cpu(), "gated_delta_step_: g and beta must hold ",
+                rows * v_heads, " values, got ", t->sizes());
+  // each head's vectors contiguous, rows at any stride (q, k and v are views of one conv output)
+  auto heads_dense = [](const at::Tensor& t) {
+    return t.stride(2) == 1 && (t.size(1) < 2 || t.stride(1) == t.size(2)) ? t : t.contiguous();
+  };
+  const at::Tensor qd = heads_dense(q), kd = heads_dense(k), vd = heads_dense(v);
+  TORCH_CHECK(qd.stride(0) == kd.stride(0), "gated_delta_step_: q and k at different row strides");
+  const at::Tensor gf = g.to(at::kFloat).contiguous(), bf = beta.to(at::kFloat).contiguous();
+  at::Tensor out = at::empty({rows, v_heads, dv}, state.options());
+  DISPATCH_SAMPLER_TYPES(q.scalar_type(), "gated_delta_step_", [&] {
+    delta_step<scalar_t>(state.data_ptr<float>(), qd.data_ptr<scalar_t>(), kd.data_ptr<scalar_t>(),
+                         vd.data_ptr<scalar_t>(), gf.data_ptr<float>(), bf.data_ptr<float>(), out.data_ptr<float>(),
+                         rows, k_heads, v_heads, dk, dv, qd.stride(0), vd.stride(0));
+  });
+  return out;
+}
+
+}  // namespace grpo_native

@@ -1,0 +1,106 @@
+"""Qwen3.5's gated-delta-rule decoding step through the native kernel (delta_rule.py,
+native/delta_rule.cpp), against transformers' own step."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+from transformers import DynamicCache
+from transformers.models.qwen3_5.modeling_qwen3_5 import torch_recurrent_gated_delta_rule
+
+from grpo import models
+from grpo.backends.local import delta_rule, recurrent_sampler, sampler
+from grpo.types import SamplingParams
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_kernel_steps_the_state_as_transformers_does(native_ops, dtype) -> None:
+    """Grouped heads (4 value heads over 2 key heads), q/k/v as views of one row, in place."""
+    generator = torch.Generator().manual_seed(0)
+    rows, k_heads, v_heads, dim = 3, 2, 4, 16
+    mixed = torch.randn(rows, 1, 2 * k_heads * dim + v_heads * dim, generator=generator).to(dtype)
+    q, k, v = torch.split(mixed, [k_heads * dim, k_heads * dim, v_heads * dim], dim=-1)
+    q, k, v = q.view(rows, 1, k_heads, dim), k.view(rows, 1, k_heads, dim), v.view(rows, 1, v_heads, dim)
+    g = -torch.rand(rows, 1, v_heads, generator=generator) * 2
+    beta = torch.rand(rows, 1, v_heads, generator=generator).to(dtype)
+    state = torch.randn(rows, v_heads, dim, dim, generator=generator)
+    want, want_state = torch_recurrent_gated_delta_rule(q, k, v, g=g, beta=beta, initial_state=state.clone(),
+                                                        output_final_state=True, use_qk_l2norm_in_kernel=True)
+    got = native_ops.gated_delta_step_(state, q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0])
+    assert torch.allclose(state, want_state, rtol=1e-5, atol=1e-6)  # (float32 in both: the state is)
+    # transformers rounds its output to the inputs' dtype; the kernel's is float32, rounded by its caller
+    assert torch.allclose(got.to(dtype).float(), want[:, 0].float(), rtol=1e-5 if dtype == torch.float32 else 2**-7,
+                          atol=1e-6 if dtype == torch.float32 else 2**-8)
+
+
+def test_the_kernel_names_what_is_wrong(native_ops) -> None:
+    state = torch.zeros(2, 4, 16, 16, dtype=torch.bfloat16)
+    q = torch.zeros(2, 2, 16)
+    with pytest.raises(RuntimeError, match="state must be a contiguous float32"):
+        native_ops.gated_delta_step_(state, q, q, torch.zeros(2, 4, 16), torch.zeros(2, 4), torch.zeros(2, 4))
+    with pytest.raises(RuntimeError, match="4 value heads over 3 key heads"):
+        q = torch.zeros(2, 3, 16)
+        native_ops.gated_delta_step_(state.float(), q, q, torch.zeros(2, 4, 16), torch.zeros(2, 4), torch.zeros(2, 4))
+
+
+def _tiny_qwen3_5(dtype: torch.dtype = torch.float32):
+    tokenizer = models.load_tokenizer("tiny")
+    config = transformers.Qwen3_5TextConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128,
+                                            num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                                            linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+                                            linear_value_head_dim=16,
+                                            layer_types=["linear_attention", "linear_attention", "linear_attention",
+                                                         "full_attention"])
+    torch.manual_seed(0)
+    return transformers.Qwen3_5ForCausalLM(config).eval().to(dtype), tokenizer
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_routed_layers_decode_as_the_model_does_and_get_their_forward_back(native_ops, dtype) -> None:
+    model, _ = _tiny_qwen3_5(dtype)
+    prompt, step = torch.tensor([[1, 504, 3458, 314, 253]] * 2), torch.tensor([[28], [9906]])
+
+    def two_steps() -> torch.Tensor:
+        cache = DynamicCache(config=model.config)
+        with torch.no_grad():
+            model(input_ids=prompt, cache=cache, use_cache=True)
+            first = model(input_ids=step, cache=cache, use_cache=True).logits
+            return torch.cat([first, model(input_ids=step.flip(0), cache=cache, use_cache=True).logits])
+
+    want = two_steps()
+    with delta_rule.routed(model) as routed:
+        assert routed == 3  # (the three linear-attention layers)
+        got = two_steps()
+    assert not any("forward" in vars(m) for m in model.modules())
+    tolerance = 1e-4 if dtype == torch.float32 else 0.05
+    assert (got.float() - want.float()).abs().max().item() < tolerance * want.float().abs().max().item()
+
+
+def test_a_hybrid_samples_its_steps_through_the_kernel_with_the_logprobs_of_a_plain_forward(native_ops,
+                                                                                            monkeypatch) -> None:
+    model, tokenizer = _tiny_qwen3_5()
+    kernel_steps = []
+    monkeypatch.setattr(delta_rule, "_verdicts", {})  # (the class's trial runs here: one step of its first layer)
+    real = delta_rule._step_states
+    monkeypatch.setattr(delta_rule, "_step_states",
+                        lambda *a: (lambda s: kernel_steps.append(s is not None) or s)(real(*a)))
+    requests = [sampler.GenerationRequest(p, 2, SamplingParams(max_tokens=5, temperature=1.0, seed=i))
+                for i, p in enumerate([[1, 504, 3458], [1, *range(42, 50)]])]
+    stats = recurrent_sampler.generate_lockstep(model, requests, tokenizer, torch.device("cpu"))
+    # the trial's step, then the prefill through each layer's own forward, then every decoding step the kernel's
+    assert kernel_steps == [True] + [False] * 3 + [True] * (3 * stats.decode_steps)
+    for req in requests:
+        for seq in req.sequences:
+            ids = torch.tensor([req.prompt + seq.tokens])
+            with torch.no_grad():
+                logits = model(input_ids=ids).logits[0, len(req.prompt) - 1:-1].float()
+            plain = torch.log_softmax(logits, -1).gather(-1, ids[0, len(req.prompt):, None])[:, 0]
+            assert seq.logprobs == pytest.approx(plain.tolist(), abs=1e-5)
+
+
+def test_a_layer_the_kernel_would_compute_otherwise_keeps_its_own_forward(native_ops) -> None:
+    """float16 is not a precision the step was checked in: nothing is routed."""
+    model, _ = _tiny_qwen3_5(torch.float16)
+    with delta_rule.routed(model) as routed:
+        assert routed == 0

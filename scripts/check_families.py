@@ -68,6 +68,14 @@ FAMILIES: dict[str, tuple[str, str, dict, bool]] = {
                                                           sliding_window=4), True),
     "llama4": ("Llama4TextConfig", "Llama4ForCausalLM", dict(num_local_experts=2, head_dim=16,
                                                              intermediate_size_mlp=128), True),
+    # multi-head latent attention (keys and values through a low-rank projection; as many key/value heads as heads)
+    "deepseek_v2": ("DeepseekV2Config", "DeepseekV2ForCausalLM", dict(
+        num_key_value_heads=4, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, q_lora_rank=None,
+        kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, first_k_dense_replace=1), True),
+    "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM", dict(
+        num_key_value_heads=4, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, q_lora_rank=32,
+        kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, first_k_dense_replace=1, n_group=1,
+        topk_group=1), True),
     # hybrids: linear-attention layers beside attention ones (recurrent_sampler.py samples them)
     "qwen3_5": ("Qwen3_5TextConfig", "Qwen3_5ForCausalLM", dict(layer_types=["linear_attention", "full_attention"]),
                 True),

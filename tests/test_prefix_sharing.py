@@ -116,14 +116,51 @@ def _run(client, prepared, loss_fn: str, max_tokens: int, backward: bool, share:
     return out, grads
 
 
+@pytest.fixture(scope="module")
+def hybrid_client(tmp_path_factory):
+    """A tiny Qwen3.5: three gated-delta-rule layers, whose recurrent states fan out, and one
+    attention layer."""
+    import transformers
+
+    from grpo import models
+
+    directory = tmp_path_factory.mktemp("qwen3_5")
+    tokenizer = models.load_tokenizer("tiny")
+    config = transformers.Qwen3_5TextConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128,
+                                            num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                                            linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+                                            linear_value_head_dim=16, layer_types=["linear_attention"] * 3 + ["full_attention"])
+    torch.manual_seed(0)
+    transformers.Qwen3_5ForCausalLM(config).save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    svc = ServiceClient(checkpoint_dir=directory / "ckpt", device="cpu", dtype="float32")
+    c = svc.create_lora_training_client(str(directory), seed=0)
+    perturb_adapter(c, 1)
+    return c
+
+
 @pytest.mark.parametrize("loss_fn", ["importance_sampling", "ppo", "cross_entropy"])
 def test_shared_prefix_equals_unshared_logprobs_loss_and_grads(client, loss_fn) -> None:
+    _assert_shared_equals_unshared(client, loss_fn)
+
+
+@pytest.mark.parametrize(("loss_fn", "budget"), [("importance_sampling", 60), ("ppo", 60), ("ppo", 4096)])
+def test_a_hybrids_shared_prefix_fans_out_its_recurrent_states(hybrid_client, loss_fn, budget) -> None:
+    """Qwen3.5's prefixes run once, left-padded (its linear layers' states would decay over
+    padding after them: at a budget of 4,096 tokens the three prompts, of 12, 19 and 29 shared
+    tokens, run in one batch), their states fanned out to the group: the unshared path's results."""
+    _assert_shared_equals_unshared(hybrid_client, loss_fn, budget)
+
+
+def _assert_shared_equals_unshared(client, loss_fn: str, budget: int = 60) -> None:
     data = grpo_batch()
     prepared = trainer.prepare(data, loss_fn, client.engine.vocab_size, client.engine.check_tokens)
-    budget = 60  # splits the 4-sample group (19 + 4 * 15 > 60) and packs the others apart
     groups, _ = trainer.plan_sharing(prepared)
-    units = [u for batch in trainer.shared_micro_batches(groups, budget) for u in batch]
-    assert len(units) > len(groups)
+    batches = trainer.shared_micro_batches(groups, budget)
+    if budget == 60:  # splits the 4-sample group (19 + 4 * 15 > 60) and packs the others apart
+        assert len([u for batch in batches for u in batch]) > len(groups)
+    else:
+        assert len(batches) == 1 and len(batches[0]) == len(groups)
 
     ref, ref_grads = _run(client, prepared, loss_fn, budget, backward=True, share=False)
     got, grads = _run(client, prepared, loss_fn, budget, backward=True, share=True)

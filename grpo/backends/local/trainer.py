@@ -13,14 +13,16 @@ reference.
 Prefix sharing: datums whose leading positions the loss does not count are the same tokens (a
 GRPO group: one prompt, several responses) run that prefix through the decoder once; its KV cache
 is fanned out to the group, so the prompt's forward and backward are paid once per group instead
-of once per datum. Autograd carries the group's gradient back through the fan-out into the one
-prefix pass, so results equal the unshared path up to float summation order. Where the groups'
+of once per datum (a hybrid's prefix fans out its linear layers' recurrent states too). Autograd
+carries the group's gradient back through the fan-out into the one prefix pass, so results equal
+the unshared path up to float summation order. Where the groups'
 prompts themselves begin alike (a chat template's system prompt, a few-shot preamble), the packed
 path runs that common trunk once per micro-batch and each group's prompt after it.
 """
 
 from __future__ import annotations
 
+import types
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from itertools import accumulate, pairwise
@@ -420,8 +422,9 @@ def shared_micro_batches(groups: list[SharedGroup], max_tokens: int | None,
 
 
 def _fan_out(cache: DynamicCache, counts: list[int], owner: torch.Tensor) -> None:
-    """Repeat each unit's cached K/V once per member (a unit's members are contiguous), so that
-    autograd sums the members' gradients back into the one prefix pass.
+    """Repeat each unit's cached K/V (and a hybrid's linear layers' states) once per member (a
+    unit's members are contiguous), so that autograd sums the members' gradients back into the one
+    prefix pass.
 
     Done with expand + cat, not by indexing with ``owner``: indexing with repeated indices has a
     scatter-add for its gradient, whose float sums on a multi-threaded CPU depend on thread timing,
@@ -438,6 +441,21 @@ def _fan_out(cache: DynamicCache, counts: list[int], owner: torch.Tensor) -> Non
     for layer in layers:
         if getattr(layer, "keys", None) is not None and layer.keys.numel():
             layer.keys, layer.values = repeat(layer.keys), repeat(layer.values)
+        for states in (getattr(layer, "conv_states", None), getattr(layer, "recurrent_states", None)):
+            # (a hybrid's linear layers: their states by index, each a tensor of one row a unit)
+            for i, state in list(states.items() if isinstance(states, dict) else enumerate(states or [])):
+                if isinstance(state, torch.Tensor) and state.numel():
+                    states[i] = repeat(state)
+        if getattr(layer, "recurrent_states", None) is not None:
+            layer.update_recurrent_state = types.MethodType(_replace_recurrent_state, layer)
+
+
+def _replace_recurrent_state(layer, recurrent_states: torch.Tensor, state_idx: int = 0, **kwargs) -> torch.Tensor:
+    """A linear-attention cache layer's ``update_recurrent_state`` for the suffix pass: the new
+    state replaces the fanned-out one instead of being copied into it, which autograd keeps for
+    the backward of the suffix's recurrence (an in-place copy would fail it)."""
+    layer.recurrent_states[state_idx] = recurrent_states
+    return recurrent_states
 
 
 @torch.no_grad()
@@ -487,15 +505,20 @@ def run_decoder_shared(model, units: list[SharedGroup], device: torch.device) ->
     owner = torch.tensor([k for k, u in enumerate(units) for _ in u.members], device=device)
     plens = torch.tensor([len(u.prefix) for u in units], device=device)
 
-    # ---- prefixes, right padded, batch = number of units
+    # ---- prefixes, batch = number of units: right padded, or left padded where the decoder keeps
+    # a recurrent state (a hybrid's linear layers zero the padding's inputs, but their state would
+    # decay over padding after the prefix; before it, it is still zero)
+    recurrent = not attention_only(model.config)
     width = int(plens.max())
     ids = torch.zeros((len(units), width), dtype=torch.long, device=device)
     pmask = torch.zeros((len(units), width), dtype=torch.long, device=device)
     for k, u in enumerate(units):
-        ids[k, :len(u.prefix)] = torch.tensor(u.prefix, device=device)
-        pmask[k, :len(u.prefix)] = 1
+        columns = slice(width - len(u.prefix), width) if recurrent else slice(0, len(u.prefix))
+        ids[k, columns] = torch.tensor(u.prefix, device=device)
+        pmask[k, columns] = 1
     cache = DynamicCache(config=model.config)
-    prefix_hidden = decoder(input_ids=ids, attention_mask=pmask, cache=cache,
+    prefix_positions = (pmask.cumsum(-1) - 1).clamp(min=0) if recurrent else None
+    prefix_hidden = decoder(input_ids=ids, attention_mask=pmask, position_ids=prefix_positions, cache=cache,
                             use_cache=True).last_hidden_state
     _fan_out(cache, [len(u.members) for u in units], owner)
 
@@ -581,8 +604,9 @@ def run(model, data: list[PreparedDatum], loss_fn: str, loss_fn_config: Mapping[
     params = losses.resolve_config(loss_fn, loss_fn_config)
     if packed is None:
         packed = packed_attention.supports(model)
-    # (a prefix's cache fans out to its group's rows as keys and values: attention layers only)
-    share_prefixes = share_prefixes and attention_only(model.config)
+    # (a prefix's cache fans out to its group's rows: keys and values, and a hybrid's recurrent
+    # states -- on the padded path, the one hybrids train on)
+    share_prefixes = share_prefixes and (attention_only(model.config) or not packed)
     groups, alone = plan_sharing(data) if share_prefixes else ([], list(data))
     work: list[tuple[list[PreparedDatum], list[SharedGroup] | None]] = [
         (batch, None) for batch in micro_batches(alone, max_tokens, packed)]

@@ -29,6 +29,7 @@ import torch
 from transformers import DynamicCache
 
 from grpo.backends.local import delta_rule, sampler
+from grpo.backends.local.sections import section
 from grpo.types import SampledSequence
 
 
@@ -78,8 +79,9 @@ def _decode_batch(model, requests: list[sampler.GenerationRequest], rows: list[s
     ids = torch.tensor([[pad] * (width - len(p)) + list(p) for p in prompts], device=device)
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
     cache = DynamicCache(config=model.config)
-    logits = model(input_ids=ids, attention_mask=mask, position_ids=sampler._position_ids(mask), cache=cache,
-                   use_cache=True, logits_to_keep=1).logits[:, -1].float()
+    with section("grpo.sample.prefill"):
+        logits = model(input_ids=ids, attention_mask=mask, position_ids=sampler._position_ids(mask), cache=cache,
+                       use_cache=True, logits_to_keep=1).logits[:, -1].float()
     stats.admissions += 1
     stats.prompt_tokens += sum(len(req.prompt) * req.num_samples for req in requests)
     stats.prefilled_tokens += sum(len(p) for p in prompts)
@@ -93,7 +95,8 @@ def _decode_batch(model, requests: list[sampler.GenerationRequest], rows: list[s
     finished_since = 0  # rows finished since the batch last shrank
     while True:
         live = [b for b, row in enumerate(batch) if not row.done]
-        chosen, logprobs = sampler._choose_tokens(logits[live], [batch[b] for b in live], device)
+        with section("grpo.sample.choose_tokens"):
+            chosen, logprobs = sampler._choose_tokens(logits[live], [batch[b] for b in live], device)
         for token, logprob, b in zip(chosen.tolist(), logprobs.tolist(), live, strict=True):
             sampler.record_token(batch[b], token, logprob, tokenizer)
         still = [b for b in live if not batch[b].done]
@@ -108,8 +111,9 @@ def _decode_batch(model, requests: list[sampler.GenerationRequest], rows: list[s
             batch, tokens, mask, positions = [batch[b] for b in still], tokens[keep], mask[keep], positions[keep]
             finished_since = 0
         mask = torch.cat([mask, mask.new_ones(len(batch), 1)], dim=1)
-        logits = model(input_ids=tokens[:, None], attention_mask=mask, position_ids=positions, cache=cache,
-                       use_cache=True).logits[:, -1].float()
+        with section("grpo.sample.decode_forward"):
+            logits = model(input_ids=tokens[:, None], attention_mask=mask, position_ids=positions, cache=cache,
+                           use_cache=True).logits[:, -1].float()
         positions = positions + 1
         stats.decode_steps += 1
         stats.rows_decoded += len(batch)

@@ -34,6 +34,30 @@ def test_the_kernel_steps_the_state_as_transformers_does(native_ops, dtype) -> N
                           atol=1e-6 if dtype == torch.float32 else 2**-8)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("with_bias", [False, True])
+@pytest.mark.parametrize("kernel", [4, 3])
+def test_the_convolution_steps_as_transformers_does(native_ops, dtype, with_bias, kernel) -> None:
+    """The short convolution's step: the window shifted in place, its output (SiLU after) as
+    transformers' ``causal_conv1d_update`` rounds it, from a row of a wider tensor (bf16 windows
+    of 4, Qwen3.5's, are shifted as one 64-bit word; others one value at a time)."""
+    from transformers.models.qwen3_5.modeling_qwen3_5 import causal_conv1d_update
+
+    generator = torch.Generator().manual_seed(0)
+    rows, channels = 3, 40
+    state = torch.randn(rows, channels, kernel, generator=generator).to(dtype)
+    wide = torch.randn(rows, 1, channels + 8, generator=generator).to(dtype)
+    x = wide[:, :, :channels]
+    weight = torch.randn(channels, kernel, generator=generator).to(dtype)
+    bias = torch.randn(channels, generator=generator).to(dtype) if with_bias else None
+    want_state = state.clone()
+    want = causal_conv1d_update(x.transpose(1, 2), want_state, weight, bias, "silu")[:, :, 0]
+    got = native_ops.causal_conv_step_(state, x[:, 0], weight, bias, True)
+    assert torch.equal(state, want_state)
+    ulp = 2**-23 if dtype == torch.float32 else 2**-7
+    assert ((got.float() - want.float()).abs() <= 4 * ulp * want.float().abs().clamp_min(1)).all()
+
+
 def test_the_kernel_names_what_is_wrong(native_ops) -> None:
     state = torch.zeros(2, 4, 16, 16, dtype=torch.bfloat16)
     q = torch.zeros(2, 2, 16)

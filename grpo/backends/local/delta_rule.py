@@ -45,12 +45,16 @@ def decode_forward(self: nn.Module, hidden_states: torch.Tensor, cache=None, att
         return type(self).forward(self, hidden_states, cache=cache, attention_mask=attention_mask, **kwargs)
     conv_state, recurrent_state = states
     rows = hidden_states.shape[0]
-    mixed_qkv = self.in_proj_qkv(hidden_states).transpose(1, 2)
+    mixed_qkv = self.in_proj_qkv(hidden_states)
     z = self.in_proj_z(hidden_states).reshape(rows, -1, self.head_v_dim)
     b, a = self.in_proj_b(hidden_states), self.in_proj_a(hidden_states)
-    conv_update = sys.modules[type(self).__module__].causal_conv1d_update  # (the model's own: a kernel where installed)
-    mixed_qkv = conv_update(mixed_qkv, conv_state, self.conv1d.weight.squeeze(1), self.conv1d.bias, self.activation)
-    query, key, value = torch.split(mixed_qkv[:, :, 0], [self.key_dim, self.key_dim, self.value_dim], dim=-1)
+    taps = self.conv1d.weight.squeeze(1)
+    if _native_conv(self, conv_state, mixed_qkv):
+        mixed_qkv = ops.causal_conv_step_(conv_state, mixed_qkv[:, 0], taps, self.conv1d.bias, True)
+    else:  # (the model's own step: a kernel where one is installed)
+        conv_update = sys.modules[type(self).__module__].causal_conv1d_update
+        mixed_qkv = conv_update(mixed_qkv.transpose(1, 2), conv_state, taps, self.conv1d.bias, self.activation)[:, :, 0]
+    query, key, value = torch.split(mixed_qkv, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
     beta = b.sigmoid()
     g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
     out = ops.gated_delta_step_(recurrent_state, query.view(rows, -1, self.head_k_dim),
@@ -58,6 +62,16 @@ def decode_forward(self: nn.Module, hidden_states: torch.Tensor, cache=None, att
     # (the state is the cache's own tensor, updated in place: nothing to store back)
     out = self.norm(out.to(hidden_states.dtype).reshape(-1, self.head_v_dim), z.reshape(-1, self.head_v_dim))
     return self.out_proj(out.reshape(rows, 1, -1))
+
+
+def _native_conv(layer: nn.Module, conv_state: torch.Tensor, mixed_qkv: torch.Tensor) -> bool:
+    """Whether the short convolution's step is the kernel's: SiLU after it, its window, input and taps
+    of one dtype (transformers' own step runs where a kernel for it is installed)."""
+    module = sys.modules[type(layer).__module__]
+    weight = layer.conv1d.weight
+    return (layer.activation in ("silu", "swish") and getattr(module.causal_conv1d_update, "__module__", None) == module.__name__
+            and conv_state.is_contiguous() and conv_state.dtype == mixed_qkv.dtype == weight.dtype
+            and (layer.conv1d.bias is None or layer.conv1d.bias.dtype == weight.dtype))
 
 
 def _step_states(layer: nn.Module, hidden_states: torch.Tensor, cache) -> tuple[torch.Tensor, torch.Tensor] | None:

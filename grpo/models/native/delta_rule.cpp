@@ -1,5 +1,5 @@
 // A decoding step of the gated delta rule (Qwen3.5's linear-attention layers; delta_rule.py calls it):
-// each row's recurrent state updated in place, in one call.
+// each row's recurrent state updated in place, in one call; and of the short convolution before it.
 //
 // transformers' CPU path (torch_recurrent_gated_delta_rule) takes a step as a dozen operators, four
 // of them over the whole float32 state (decayed, read against the key, updated, read against the
@@ -101,6 +101,85 @@ at::Tensor gated_delta_step_(at::Tensor& state, const at::Tensor& q, const at::T
     delta_step<scalar_t>(state.data_ptr<float>(), qd.data_ptr<scalar_t>(), kd.data_ptr<scalar_t>(),
                          vd.data_ptr<scalar_t>(), gf.data_ptr<float>(), bf.data_ptr<float>(), out.data_ptr<float>(),
                          rows, k_heads, v_heads, dk, dv, qd.stride(0), vd.stride(0));
+  });
+  return out;
+}
+
+// A decoding step of a depthwise causal convolution (the short convolution before Qwen3.5's delta rule), as
+// transformers' causal_conv1d_update computes it: each channel's window of the last kernel inputs shifted by the new
+// one, summed against its taps (in float, rounded to T as the convolution's output is), then SiLU (rounded to T).
+// One pass over [rows, channels] where PyTorch concatenates, copies, convolves and activates: four operators and a
+// copy of the window a step.
+template <typename T>
+void conv_step(T* state, const T* x, const T* weight, const T* bias, T* out, int64_t rows, int64_t channels,
+               int64_t kernel, int64_t x_stride, bool silu) {
+  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+    float* y = row_buffer(channels);
+    for (int64_t r = begin; r < end; ++r) {
+      if constexpr (std::is_same_v<T, c10::BFloat16>) {
+        if (kernel == 4 && reinterpret_cast<uintptr_t>(state) % 8 == 0 && reinterpret_cast<uintptr_t>(weight) % 8 == 0) {
+          // (Qwen3.5's kernel of 4: a channel's window is 64 bits, shifted as one word)
+          uint64_t* windows = reinterpret_cast<uint64_t*>(state + r * channels * 4);
+          const uint64_t* tap_words = reinterpret_cast<const uint64_t*>(weight);
+          const T* xr = x + r * x_stride;
+#pragma omp simd
+          for (int64_t c = 0; c < channels; ++c) {
+            const uint64_t w = (windows[c] >> 16) | (static_cast<uint64_t>(xr[c].x) << 48);
+            windows[c] = w;
+            const uint64_t t = tap_words[c];
+            float sum = bias != nullptr ? static_cast<float>(bias[c]) : 0.f;
+            for (int j = 0; j < 4; ++j) {
+              const float tj = std::bit_cast<float>(static_cast<uint32_t>((t >> (16 * j)) & 0xffff) << 16);
+              const float sj = std::bit_cast<float>(static_cast<uint32_t>((w >> (16 * j)) & 0xffff) << 16);
+              sum += tj * sj;
+            }
+            y[c] = in_dtype<T>(sum);
+          }
+          if (silu) {
+#pragma omp simd
+            for (int64_t c = 0; c < channels; ++c) y[c] = y[c] / (1.f + vexp(-y[c]));
+          }
+          from_float(y, out + r * channels, channels);
+          continue;
+        }
+      }
+      for (int64_t c = 0; c < channels; ++c) {
+        T* window = state + (r * channels + c) * kernel;
+        const T* taps = weight + c * kernel;
+        for (int64_t j = 0; j + 1 < kernel; ++j) window[j] = window[j + 1];
+        window[kernel - 1] = x[r * x_stride + c];
+        float sum = bias != nullptr ? static_cast<float>(bias[c]) : 0.f;
+        for (int64_t j = 0; j < kernel; ++j) sum += static_cast<float>(taps[j]) * static_cast<float>(window[j]);
+        y[c] = in_dtype<T>(sum);
+      }
+      if (silu) {  // (a pass of its own, where the exponentials vectorize: a libm call each was most of the step)
+#pragma omp simd
+        for (int64_t c = 0; c < channels; ++c) y[c] = y[c] / (1.f + vexp(-y[c]));
+      }
+      from_float(y, out + r * channels, channels);
+    }
+  });
+}
+
+at::Tensor causal_conv_step_(at::Tensor& state, const at::Tensor& x, const at::Tensor& weight,
+                             const c10::optional<at::Tensor>& bias, bool silu) {
+  TORCH_CHECK(state.dim() == 3 && state.is_contiguous() && state.device().is_cpu(),
+              "causal_conv_step_: state must be a contiguous [rows, channels, kernel] CPU tensor, got ", state.sizes());
+  const int64_t rows = state.size(0), channels = state.size(1), kernel = state.size(2);
+  check_rows(x, rows, channels, "causal_conv_step_: x");
+  TORCH_CHECK(weight.dim() == 2 && weight.size(0) == channels && weight.size(1) == kernel && weight.is_contiguous(),
+              "causal_conv_step_: weight must be a contiguous [", channels, ", ", kernel, "], got ", weight.sizes());
+  TORCH_CHECK(x.scalar_type() == state.scalar_type() && weight.scalar_type() == state.scalar_type(),
+              "causal_conv_step_: state, x and weight differ in dtype");
+  if (bias.has_value())
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == channels && bias->is_contiguous() &&
+                    bias->scalar_type() == state.scalar_type(),
+                "causal_conv_step_: bias must be a contiguous [", channels, "] of the state's dtype");
+  at::Tensor out = at::empty({rows, channels}, state.options());
+  DISPATCH_SAMPLER_TYPES(state.scalar_type(), "causal_conv_step_", [&] {
+    conv_step<scalar_t>(state.data_ptr<scalar_t>(), x.data_ptr<scalar_t>(), weight.data_ptr<scalar_t>(),
+                        bias.has_value() ? bias->data_ptr<scalar_t>() : nullptr, out.data_ptr<scalar_t>(), rows,
+                        channels, kernel, x.stride(0), silu);
   });
   return out;
 }

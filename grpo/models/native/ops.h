@@ -16,7 +16,7 @@
 //   padded blocks gathered per call;
 // - delta_rule.cpp: a decoding step of the gated delta rule (Qwen3.5's linear-attention layers,
 //   delta_rule.py): each row's recurrent state updated in place, where PyTorch's operators write
-//   four state-sized temporaries;
+//   four state-sized temporaries; and the short convolution's step before it;
 // - sample_tokens.cpp: the sampler's token choice (sampler.py): one pass over a row's logits where
 //   PyTorch takes five;
 // - register.cpp: the operators' schemas, registered as torch.ops.grpo_native.
@@ -78,6 +78,8 @@ at::Tensor decode_layers(const at::Tensor& hidden_in, const at::Tensor& cos, con
 // delta_rule.cpp
 at::Tensor gated_delta_step_(at::Tensor& state, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                              const at::Tensor& g, const at::Tensor& beta);
+at::Tensor causal_conv_step_(at::Tensor& state, const at::Tensor& x, const at::Tensor& weight,
+                             const c10::optional<at::Tensor>& bias, bool silu);
 
 // packed_attention.cpp
 std::vector<at::Tensor> packed_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,

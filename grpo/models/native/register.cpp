@@ -24,6 +24,7 @@ TORCH_LIBRARY(grpo_native, m) {
         "Tensor[] norms, Tensor(a!)[] k_caches, Tensor(b!)[] v_caches, int[] qkv_sizes, int heads, float scale, "
         "float eps, Tensor[] head_norms, Tensor? shared_from=None, Tensor? shared=None) -> Tensor");
   m.def("gated_delta_step_(Tensor(a!) state, Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta) -> Tensor");
+  m.def("causal_conv_step_(Tensor(a!) state, Tensor x, Tensor weight, Tensor? bias, bool silu) -> Tensor");
   m.def("packed_attention(Tensor q, Tensor k, Tensor v, Tensor seqs, Tensor key_rows, int heads, int kv_heads, "
         "float scale, bool dot=False) -> Tensor[]");
   m.def("packed_attention_backward(Tensor grad, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor seqs, "
@@ -44,6 +45,7 @@ TORCH_LIBRARY_IMPL(grpo_native, CPU, m) {
   m.impl("stream_pack", grpo_native::stream_pack);
   m.impl("stream_linear", grpo_native::stream_linear);
   m.impl("gated_delta_step_", grpo_native::gated_delta_step_);
+  m.impl("causal_conv_step_", grpo_native::causal_conv_step_);
   m.impl("packed_attention", grpo_native::packed_attention);
   m.impl("packed_attention_backward", grpo_native::packed_attention_backward);
 }

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 import transformers
+from backend_helpers import assert_logprobs_of_a_plain_forward
 from transformers import DynamicCache
 from transformers.models.qwen3_5.modeling_qwen3_5 import torch_recurrent_gated_delta_rule
 
@@ -114,13 +115,7 @@ def test_a_hybrid_samples_its_steps_through_the_kernel_with_the_logprobs_of_a_pl
     stats = recurrent_sampler.generate_lockstep(model, requests, tokenizer, torch.device("cpu"))
     # the trial's step, then the prefill through each layer's own forward, then every decoding step the kernel's
     assert kernel_steps == [True] + [False] * 3 + [True] * (3 * stats.decode_steps)
-    for req in requests:
-        for seq in req.sequences:
-            ids = torch.tensor([req.prompt + seq.tokens])
-            with torch.no_grad():
-                logits = model(input_ids=ids).logits[0, len(req.prompt) - 1:-1].float()
-            plain = torch.log_softmax(logits, -1).gather(-1, ids[0, len(req.prompt):, None])[:, 0]
-            assert seq.logprobs == pytest.approx(plain.tolist(), abs=1e-5)
+    assert_logprobs_of_a_plain_forward(model, requests)
 
 
 def test_a_layer_the_kernel_would_compute_otherwise_keeps_its_own_forward(native_ops) -> None:

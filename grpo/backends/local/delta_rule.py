@@ -8,10 +8,10 @@ of a 1.3 s decoding step (docs/benchmark.md). ``native/delta_rule.cpp`` updates 
 place in one call (its output within float32 rounding of the reference's, tests/test_delta_rule.py).
 
 ``routed(model)`` gives each such layer ``decode_forward`` while a sampling call runs: a
-single-token step on a cache whose states are float32 on the CPU runs the layer's projections,
-its short convolution (the model's own function) and gated norm as its forward does, with the
-recurrence through the kernel; anything else (a prefill, another cache, a tensor elsewhere) is the
-layer's own forward. A class is taken after its first layer computed what its own forward computes
+single-token step on a cache whose states are float32 on the CPU runs the layer's projections and
+gated norm as its forward does, with the recurrence, and the short convolution before it (SiLU
+after, one dtype: else the model's own function), through the kernels; anything else (a prefill,
+another cache, a tensor elsewhere) is the layer's own forward. A class is taken after its first layer computed what its own forward computes
 on a random step (else nothing is routed), and each layer gets its own forward back after.
 """
 
@@ -108,7 +108,7 @@ def _computes_the_same(model: nn.Module, layer: nn.Module) -> bool:
                 type(layer).forward(layer, prefill, cache=cache)
                 out = forward(layer, step, cache=cache)
                 results.append((out.float(), cache.get_recurrent_state(layer.layer_idx, state_idx=0).float()))
-    except (RuntimeError, TypeError, ValueError, AttributeError, IndexError):
+    except (RuntimeError, TypeError, ValueError, AttributeError, IndexError, KeyError):
         return False
     tolerance = TOLERANCE[parameter.dtype]
     for want, got in zip(*results, strict=True):

@@ -12,7 +12,7 @@ one step after another through the model's forward, each row at its own position
 padding. Finished rows ride along on padding until a quarter of the batch has finished, then
 leave it. Tokens are chosen by the sampler's own ``_choose_tokens`` with each request's seed, so
 a seeded request draws what it draws through the slot cache (tests/test_recurrent_sampler.py).
-On a CPU, Qwen3.5's linear-attention layers take their decoding steps through grpo's kernel
+On a CPU, Qwen3.5's linear-attention layers take their decoding steps through grpo's kernels
 (delta_rule.py); there is no continuous batching across batches, no prefix cache and no native
 decoding step for the other layers.
 

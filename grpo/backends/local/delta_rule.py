@@ -11,8 +11,9 @@ place in one call (its output within float32 rounding of the reference's, tests/
 single-token step on a cache whose states are float32 on the CPU runs the layer's projections and
 gated norm as its forward does, with the recurrence, and the short convolution before it (SiLU
 after, one dtype: else the model's own function), through the kernels; anything else (a prefill,
-another cache, a tensor elsewhere) is the layer's own forward. A class is taken after its first layer computed what its own forward computes
-on a random step (else nothing is routed), and each layer gets its own forward back after.
+another cache, a tensor elsewhere) is the layer's own forward. A class is taken after its first
+layer computed what its own forward computes on a random step (else nothing is routed), and each
+layer gets its own forward back after.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from grpo.backends.local.native_layers import close_to
 from grpo.models import native_kernels
 
 # the layers whose forward ``decode_forward`` restates (a class not listed keeps its own)
@@ -107,15 +109,10 @@ def _computes_the_same(model: nn.Module, layer: nn.Module) -> bool:
                 cache = DynamicCache(config=model.config)
                 type(layer).forward(layer, prefill, cache=cache)
                 out = forward(layer, step, cache=cache)
-                results.append((out.float(), cache.get_recurrent_state(layer.layer_idx, state_idx=0).float()))
+                results.append((out, cache.get_recurrent_state(layer.layer_idx, state_idx=0)))
     except (RuntimeError, TypeError, ValueError, AttributeError, IndexError, KeyError):
         return False
-    tolerance = TOLERANCE[parameter.dtype]
-    for want, got in zip(*results, strict=True):
-        scale = want.abs().clamp_min(want.abs().mean().item() + 1e-12)
-        if got.shape != want.shape or not bool((((got - want).abs() / scale) <= tolerance).all()):
-            return False
-    return True
+    return all(close_to(got, want, TOLERANCE[parameter.dtype]) for want, got in zip(*results, strict=True))
 
 
 @contextlib.contextmanager

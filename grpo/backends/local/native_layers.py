@@ -313,13 +313,22 @@ def _computes_the_same(module: nn.Module, forward) -> bool:
         return False
     if forward is rotary_attention_forward:  # (output, attention weights)
         want, got = want[0], got[0]
-    if not isinstance(want, torch.Tensor) or got.shape != want.shape:
+    if not isinstance(want, torch.Tensor):
         return False
-    want, got = want.float(), got.float()
-    scale = want.abs().clamp_min(want.abs().mean().item() + 1e-12)
     tolerance = TOLERANCE[parameter.dtype]
     if forward is rotary_attention_forward and parameter.dtype != torch.float32:
         tolerance *= 4  # bf16: a flipped rounding of q or k moves the scores, so a few bf16 steps of the output
+    return close_to(got, want, tolerance)
+
+
+def close_to(got: torch.Tensor, want: torch.Tensor, tolerance: float) -> bool:
+    """Whether ``got`` has ``want``'s shape and is within ``tolerance`` of it, relative to each value's
+    magnitude or, where that is smaller, to ``want``'s mean magnitude (a kernel's trial against the
+    module it would replace)."""
+    if got.shape != want.shape:
+        return False
+    want, got = want.float(), got.float()
+    scale = want.abs().clamp_min(want.abs().mean().item() + 1e-12)
     return bool((((got - want).abs() / scale) <= tolerance).all())
 
 

@@ -80,7 +80,7 @@ def _decode_batch(model, requests: list[sampler.GenerationRequest], rows: list[s
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
     cache = DynamicCache(config=model.config)
     with section("grpo.sample.prefill"):
-        logits = model(input_ids=ids, attention_mask=mask, position_ids=sampler._position_ids(mask), cache=cache,
+        logits = model(input_ids=ids, attention_mask=mask, position_ids=sampler.position_ids(mask), cache=cache,
                        use_cache=True, logits_to_keep=1).logits[:, -1].float()
     stats.admissions += 1
     stats.prompt_tokens += sum(len(req.prompt) * req.num_samples for req in requests)

@@ -79,7 +79,8 @@ class GenerationStats:
     prefix_evictions: int = 0
 
 
-def _position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
+def position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
+    """Each column's position in its row behind left padding (0 on the padding itself)."""
     return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
 
 
@@ -358,7 +359,7 @@ def _prefill_together(model, prompts: list[list[int]], pad_id: int, device: torc
         for layer in cache.layers:  # every prompt continues the one trunk
             layer.keys = layer.keys.expand(len(prompts), *layer.keys.shape[1:])
             layer.values = layer.values.expand(len(prompts), *layer.values.shape[1:])
-    out = model(input_ids=input_ids, attention_mask=attention, position_ids=_position_ids(attention)[:, trunk:],
+    out = model(input_ids=input_ids, attention_mask=attention, position_ids=position_ids(attention)[:, trunk:],
                 cache=cache, use_cache=True, logits_to_keep=1)
     if trunk:  # [trunk, padding, rest] -> [padding, trunk, rest]: each row as if prefilled whole
         for layer in cache.layers:

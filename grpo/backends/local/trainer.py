@@ -34,6 +34,7 @@ from grpo.api import losses
 from grpo.backends.local import native_layers, packed_attention
 from grpo.backends.local.kv_cache import attention_only
 from grpo.backends.local.logit_head import logit_head
+from grpo.backends.local.sampler import position_ids
 from grpo.backends.local.sections import section
 from grpo.backends.local.trunk import common_trunk
 from grpo.types import Datum, ForwardBackwardOutput, TensorData, text_tokens
@@ -517,7 +518,7 @@ def run_decoder_shared(model, units: list[SharedGroup], device: torch.device) ->
         ids[k, columns] = torch.tensor(u.prefix, device=device)
         pmask[k, columns] = 1
     cache = DynamicCache(config=model.config)
-    prefix_positions = (pmask.cumsum(-1) - 1).clamp(min=0) if recurrent else None
+    prefix_positions = position_ids(pmask) if recurrent else None
     prefix_hidden = decoder(input_ids=ids, attention_mask=pmask, position_ids=prefix_positions, cache=cache,
                             use_cache=True).last_hidden_state
     _fan_out(cache, [len(u.members) for u in units], owner)

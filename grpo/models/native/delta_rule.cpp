@@ -105,6 +105,44 @@ at::Tensor gated_delta_step_(at::Tensor& state, const at::Tensor& q, const at::T
   return out;
 }
 
+namespace {
+
+// One row's step, the general way: each channel's window shifted by the new input, its taps summed into y
+template <typename T>
+void conv_row(T* state, const T* x, const T* weight, const T* bias, float* y, int64_t channels, int64_t kernel) {
+  for (int64_t c = 0; c < channels; ++c) {
+    T* window = state + c * kernel;
+    const T* taps = weight + c * kernel;
+    for (int64_t j = 0; j + 1 < kernel; ++j) window[j] = window[j + 1];
+    window[kernel - 1] = x[c];
+    float sum = bias != nullptr ? static_cast<float>(bias[c]) : 0.f;
+    for (int64_t j = 0; j < kernel; ++j) sum += static_cast<float>(taps[j]) * static_cast<float>(window[j]);
+    y[c] = in_dtype<T>(sum);
+  }
+}
+
+// conv_row for Qwen3.5's bf16 kernel of 4: a channel's window is 64 bits, shifted as one word
+void conv_row_words(c10::BFloat16* state, const c10::BFloat16* x, const c10::BFloat16* weight,
+                    const c10::BFloat16* bias, float* y, int64_t channels) {
+  uint64_t* windows = reinterpret_cast<uint64_t*>(state);
+  const uint64_t* tap_words = reinterpret_cast<const uint64_t*>(weight);
+#pragma omp simd
+  for (int64_t c = 0; c < channels; ++c) {
+    const uint64_t w = (windows[c] >> 16) | (static_cast<uint64_t>(x[c].x) << 48);
+    windows[c] = w;
+    const uint64_t t = tap_words[c];
+    float sum = bias != nullptr ? static_cast<float>(bias[c]) : 0.f;
+    for (int j = 0; j < 4; ++j) {
+      const float tj = std::bit_cast<float>(static_cast<uint32_t>((t >> (16 * j)) & 0xffff) << 16);
+      const float sj = std::bit_cast<float>(static_cast<uint32_t>((w >> (16 * j)) & 0xffff) << 16);
+      sum += tj * sj;
+    }
+    y[c] = in_dtype<c10::BFloat16>(sum);
+  }
+}
+
+}  // namespace
+
 // A decoding step of a depthwise causal convolution (the short convolution before Qwen3.5's delta rule), as
 // transformers' causal_conv1d_update computes it: each channel's window of the last kernel inputs shifted by the new
 // one, summed against its taps (in float, rounded to T as the convolution's output is), then SiLU (rounded to T).
@@ -113,44 +151,18 @@ at::Tensor gated_delta_step_(at::Tensor& state, const at::Tensor& q, const at::T
 template <typename T>
 void conv_step(T* state, const T* x, const T* weight, const T* bias, T* out, int64_t rows, int64_t channels,
                int64_t kernel, int64_t x_stride, bool silu) {
+  const bool words = kernel == 4 && reinterpret_cast<uintptr_t>(state) % 8 == 0 &&
+                     reinterpret_cast<uintptr_t>(weight) % 8 == 0;
   at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
     float* y = row_buffer(channels);
     for (int64_t r = begin; r < end; ++r) {
+      T* row_state = state + r * channels * kernel;
+      const T* xr = x + r * x_stride;
       if constexpr (std::is_same_v<T, c10::BFloat16>) {
-        if (kernel == 4 && reinterpret_cast<uintptr_t>(state) % 8 == 0 && reinterpret_cast<uintptr_t>(weight) % 8 == 0) {
-          // (Qwen3.5's kernel of 4: a channel's window is 64 bits, shifted as one word)
-          uint64_t* windows = reinterpret_cast<uint64_t*>(state + r * channels * 4);
-          const uint64_t* tap_words = reinterpret_cast<const uint64_t*>(weight);
-          const T* xr = x + r * x_stride;
-#pragma omp simd
-          for (int64_t c = 0; c < channels; ++c) {
-            const uint64_t w = (windows[c] >> 16) | (static_cast<uint64_t>(xr[c].x) << 48);
-            windows[c] = w;
-            const uint64_t t = tap_words[c];
-            float sum = bias != nullptr ? static_cast<float>(bias[c]) : 0.f;
-            for (int j = 0; j < 4; ++j) {
-              const float tj = std::bit_cast<float>(static_cast<uint32_t>((t >> (16 * j)) & 0xffff) << 16);
-              const float sj = std::bit_cast<float>(static_cast<uint32_t>((w >> (16 * j)) & 0xffff) << 16);
-              sum += tj * sj;
-            }
-            y[c] = in_dtype<T>(sum);
-          }
-          if (silu) {
-#pragma omp simd
-            for (int64_t c = 0; c < channels; ++c) y[c] = y[c] / (1.f + vexp(-y[c]));
-          }
-          from_float(y, out + r * channels, channels);
-          continue;
-        }
-      }
-      for (int64_t c = 0; c < channels; ++c) {
-        T* window = state + (r * channels + c) * kernel;
-        const T* taps = weight + c * kernel;
-        for (int64_t j = 0; j + 1 < kernel; ++j) window[j] = window[j + 1];
-        window[kernel - 1] = x[r * x_stride + c];
-        float sum = bias != nullptr ? static_cast<float>(bias[c]) : 0.f;
-        for (int64_t j = 0; j < kernel; ++j) sum += static_cast<float>(taps[j]) * static_cast<float>(window[j]);
-        y[c] = in_dtype<T>(sum);
+        if (words) conv_row_words(row_state, xr, weight, bias, y, channels);
+        else conv_row(row_state, xr, weight, bias, y, channels, kernel);
+      } else {
+        conv_row(row_state, xr, weight, bias, y, channels, kernel);
       }
       if (silu) {  // (a pass of its own, where the exponentials vectorize: a libm call each was most of the step)
 #pragma omp simd

@@ -123,3 +123,96 @@ def test_a_layer_the_kernel_would_compute_otherwise_keeps_its_own_forward(native
     model, _ = _tiny_qwen3_5(torch.float16)
     with delta_rule.routed(model) as routed:
         assert routed == 0
+
+
+def test_chunks_are_fitted_to_the_sequence() -> None:
+    """As few chunks of at most 64 positions as the sequence needs, as even as can be."""
+    assert [delta_rule.fitted_chunk(n) for n in (1, 20, 32, 64, 65, 70, 128, 129, 200)] == \
+        [1, 20, 32, 64, 33, 35, 64, 43, 50]
+
+
+@pytest.mark.parametrize("positions", [1, 20, 70, 130])
+def test_fitted_chunks_compute_the_reference_chunks_sums(positions) -> None:
+    """Outputs, final state and every input's gradient within float32 rounding of the reference's
+    chunks of 64 (grouped heads: 4 value heads over 2 key heads; a state carried in)."""
+    from transformers.models.qwen3_5 import modeling_qwen3_5
+
+    reference = modeling_qwen3_5.torch_chunk_gated_delta_rule
+    fitted = delta_rule._fitted_chunks(reference)
+    generator = torch.Generator().manual_seed(positions)
+    rows, k_heads, v_heads, dim = 2, 2, 4, 16
+    inputs = [torch.randn(rows, positions, k_heads, dim, generator=generator),
+              torch.randn(rows, positions, k_heads, dim, generator=generator),
+              torch.randn(rows, positions, v_heads, dim, generator=generator),
+              -torch.rand(rows, positions, v_heads, generator=generator),
+              torch.rand(rows, positions, v_heads, generator=generator),
+              torch.randn(rows, v_heads, dim, dim, generator=generator)]
+    results = []
+    for function in (reference, fitted):
+        leaves = [x.clone().requires_grad_() for x in inputs]
+        q, k, v, g, beta, state = leaves
+        out, final = function(q, k, v, g=g, beta=beta, initial_state=state, output_final_state=True,
+                              use_qk_l2norm_in_kernel=True)
+        weights = torch.randn(out.shape, generator=torch.Generator().manual_seed(1))
+        ((out * weights).sum() + final.square().sum()).backward()
+        results.append([out, final] + [x.grad for x in leaves])
+    for want, got in zip(*results, strict=True):
+        assert torch.allclose(got, want, rtol=1e-4, atol=1e-5), (want - got).abs().max()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_the_left_padded_convolution_computes_the_references_bits(dtype, with_bias) -> None:
+    """Output and gradients (input, taps, bias) bit for bit the reference's in bfloat16, SiLU after
+    or none; in float32 within its rounding (SiLU's vectorized loop, on contiguous values, and its
+    strided one, on the reference's slice, part in the last bit now and then, and the taps' gradient
+    sums the positions in another order)."""
+    from transformers.models.qwen3_5 import modeling_qwen3_5
+
+    reference = modeling_qwen3_5.causal_conv1d_fn
+    padded = delta_rule._left_padded(reference)
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(3, 20, 11, generator=generator).to(dtype)
+    weight = torch.randn(20, 4, generator=generator).to(dtype)
+    bias = torch.randn(20, generator=generator).to(dtype) if with_bias else None
+    for activation in ("silu", None):
+        results = []
+        for function in (reference, padded):
+            leaves = [t.clone().requires_grad_() for t in (x, weight) + ((bias,) if with_bias else ())]
+            out = function(leaves[0], leaves[1], leaves[2] if with_bias else None, activation=activation)
+            (out.float() * torch.linspace(-1, 1, out.numel()).view(out.shape)).sum().backward()
+            results.append([out] + [t.grad for t in leaves])
+        for want, got in zip(*results, strict=True):
+            if dtype == torch.bfloat16:
+                assert torch.equal(got, want)
+            else:
+                assert torch.allclose(got, want, rtol=1e-5, atol=1e-6)  # (float32 rounding, summed)
+
+
+def test_fit_prefill_takes_only_transformers_references(monkeypatch) -> None:
+    from transformers.models.qwen3_5 import modeling_qwen3_5
+
+    model, _ = _tiny_qwen3_5()
+    chunked, conv = modeling_qwen3_5.torch_chunk_gated_delta_rule, modeling_qwen3_5.causal_conv1d_fn
+    for name, function in (("torch_chunk_gated_delta_rule", chunked), ("causal_conv1d_fn", conv)):
+        monkeypatch.setattr(modeling_qwen3_5, name, function)  # (put back after)
+    assert delta_rule.fit_prefill(model) == 2 and delta_rule.fit_prefill(model) == 2
+    for name, function in (("torch_chunk_gated_delta_rule", chunked), ("causal_conv1d_fn", conv)):
+        taken = getattr(modeling_qwen3_5, name)
+        assert taken.fitted_by_grpo and taken.__wrapped__ is function  # (once, not wrapped again)
+    chunks = []
+    monkeypatch.setattr(modeling_qwen3_5, "torch_chunk_gated_delta_rule", delta_rule._fitted_chunks(
+        lambda *args, chunk_size, **kwargs: chunks.append(chunk_size) or chunked(*args, chunk_size=chunk_size, **kwargs)))
+    with torch.no_grad():
+        model(input_ids=torch.tensor([[1, *range(40, 109)]]))  # (70 positions: two chunks of 35)
+    assert chunks == [35] * 3
+
+    def users_kernel(*args, **kwargs):
+        return chunked(*args, **kwargs)
+
+    monkeypatch.setattr(modeling_qwen3_5, "torch_chunk_gated_delta_rule", users_kernel)
+    monkeypatch.setattr(modeling_qwen3_5, "causal_conv1d_fn", conv)
+    monkeypatch.setattr(delta_rule.importlib.util, "find_spec",  # (as where causal-conv1d is installed)
+                        lambda name, real=delta_rule.importlib.util.find_spec: object() if name == "causal_conv1d" else real(name))
+    assert delta_rule.fit_prefill(model) == 0
+    assert modeling_qwen3_5.torch_chunk_gated_delta_rule is users_kernel and modeling_qwen3_5.causal_conv1d_fn is conv

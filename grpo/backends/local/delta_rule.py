@@ -14,11 +14,24 @@ after, one dtype: else the model's own function), through the kernels; anything 
 another cache, a tensor elsewhere) is the layer's own forward. A class is taken after its first
 layer computed what its own forward computes on a random step (else nothing is routed), and each
 layer gets its own forward back after.
+
+A prefill and a training pass run transformers' reference functions where the GPU packages are not
+installed, and two of them cost more than their sums: the chunked delta rule takes chunks of 64
+positions (a sequence padded to a multiple of 64; a chunk's work grows with its size squared), and
+the short convolution pads both ends and applies its SiLU to a strided slice of the result (9x
+slower than on contiguous values). ``fit_prefill`` gives the layers' module chunks fitted to the
+sequence (as few as of at most 64 positions, as even as can be: the same sums in another grouping,
+within float32 rounding of them; a GRPO completion of 32 tokens costs half) and a convolution padded
+on the left only (the same products: bit for bit in bfloat16, within rounding in float32).
+docs/benchmark.md has the numbers.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
+import importlib.util
+import math
 import sys
 import types
 from collections.abc import Iterator
@@ -26,6 +39,7 @@ from collections.abc import Iterator
 import torch
 import torch.nn.functional as F
 from torch import nn
+from transformers.activations import ACT2FN
 
 from grpo.backends.local.native_layers import close_to
 from grpo.models import native_kernels
@@ -136,3 +150,72 @@ def routed(model: nn.Module) -> Iterator[int]:
     finally:
         for layer in taken:
             del layer.forward
+
+
+# the reference's chunk: the most positions a chunk of a fitted sequence takes
+MOST_CHUNK = 64
+# (module function, the package whose kernel transformers takes instead where it is installed)
+REFERENCES = {"torch_chunk_gated_delta_rule": "fla", "causal_conv1d_fn": "causal_conv1d"}
+
+
+def fitted_chunk(positions: int) -> int:
+    """The chunk size for a sequence of ``positions``: the fewest chunks of at most ``MOST_CHUNK``,
+    as even as can be (70 positions: two of 35, where the reference pads to two of 64)."""
+    return math.ceil(positions / math.ceil(max(positions, 1) / MOST_CHUNK))
+
+
+def fit_prefill(model: nn.Module) -> int:
+    """Give the modules of ``model``'s gated-delta-rule layers the chunked delta rule in fitted
+    chunks and the left-padded convolution; returns how many functions were taken (or were already).
+    Once per module, for the whole process: the same sums as the references'. A function that is not
+    transformers' reference (its kernel package installed, or replaced by a user) is kept."""
+    names = {type(m).__module__ for m in model.modules() if type(m).__name__ in CLASSES}
+    taken = 0
+    for name in sorted(names):
+        module = sys.modules[name]
+        for function_name, package in REFERENCES.items():
+            function = getattr(module, function_name, None)
+            if getattr(function, "fitted_by_grpo", False):
+                taken += 1
+            elif _is_the_reference(module, function, function_name, package):
+                faster = _fitted_chunks if function_name == "torch_chunk_gated_delta_rule" else _left_padded
+                setattr(module, function_name, faster(function))
+                taken += 1
+    return taken
+
+
+def _is_the_reference(module, function, name: str, package: str) -> bool:
+    """Whether ``function`` is ``module``'s own torch implementation ``name`` (transformers wraps it
+    to take ``package``'s kernel instead where that is installed)."""
+    wrapped = getattr(function, "__wrapped__", None)
+    return (getattr(wrapped, "__module__", None) == module.__name__ and getattr(wrapped, "__name__", None) == name
+            and importlib.util.find_spec(package) is None)
+
+
+def _fitted_chunks(reference):
+    @functools.wraps(reference)
+    def chunk_gated_delta_rule(query: torch.Tensor, *args, chunk_size: int | None = None, **kwargs):
+        # (query: rows x positions x heads x dimension; a chunk size the caller names is kept)
+        chunk = fitted_chunk(query.shape[1]) if chunk_size is None else chunk_size
+        return reference(query, *args, chunk_size=chunk, **kwargs)
+
+    chunk_gated_delta_rule.fitted_by_grpo = True
+    return chunk_gated_delta_rule
+
+
+def _left_padded(reference):
+    @functools.wraps(reference)
+    def causal_conv1d_fn(hidden_states: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                         activation: str | None = None, **kwargs):
+        if kwargs.get("seq_idx") is not None:  # (packed sequences: the reference says what it cannot do)
+            return reference(hidden_states, weight, bias, activation=activation, **kwargs)
+        # rows x channels x positions, a filter of ``taps`` per channel: the output at t reads t-taps+1..t
+        taps = weight.shape[-1]
+        padded = F.pad(hidden_states.to(weight.dtype), (taps - 1, 0))
+        out = F.conv1d(padded, weight.unsqueeze(1), bias, groups=hidden_states.shape[1])
+        if activation is not None:
+            out = ACT2FN[activation](out)
+        return out.to(hidden_states.dtype)
+
+    causal_conv1d_fn.fitted_by_grpo = True
+    return causal_conv1d_fn

@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from grpo import models
-from grpo.backends.local import long_lived, native_layers, packed_attention
+from grpo.backends.local import delta_rule, long_lived, native_layers, packed_attention
 from grpo.backends.local.folded_lora import FoldedAdapter, can_fold
 from grpo.backends.local.logit_head import check_logit_head
 from grpo.backends.local.sampler_precision import SamplerCopy, takes_adapter
@@ -140,6 +140,9 @@ class Engine:
         keep_packed_copies([self.model.get_output_embeddings()], self.fp32_layout)
         for p in self.model.parameters():
             p.requires_grad_(False)
+        # a hybrid's chunked delta rule (prefills, training) in chunks fitted to the sequence, not
+        # padded to 64 positions, and its short convolution padded on the left only (delta_rule.py)
+        delta_rule.fit_prefill(self.model)
         if self.device.type == "cpu":
             # RMSNorms, SiLU * up and the rotary embedding through grpo's native kernels, forward
             # and backward (native_layers.py; the kernels are built on first need, once per machine, or

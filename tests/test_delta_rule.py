@@ -216,3 +216,19 @@ def test_fit_prefill_takes_only_transformers_references(monkeypatch) -> None:
                         lambda name, real=delta_rule.importlib.util.find_spec: object() if name == "causal_conv1d" else real(name))
     assert delta_rule.fit_prefill(model) == 0
     assert modeling_qwen3_5.torch_chunk_gated_delta_rule is users_kernel and modeling_qwen3_5.causal_conv1d_fn is conv
+
+
+def test_fit_prefill_takes_qwen3_next_too(monkeypatch) -> None:
+    """Qwen3-Next's module has the same reference functions (scripts/check_families.py samples and trains it)."""
+    from transformers.models.qwen3_next import modeling_qwen3_next
+
+    for name in ("torch_chunk_gated_delta_rule", "causal_conv1d_fn"):
+        monkeypatch.setattr(modeling_qwen3_next, name, getattr(modeling_qwen3_next, name))  # (put back after)
+    config = transformers.Qwen3NextConfig(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        vocab_size=100, layer_types=["linear_attention", "full_attention"], num_experts=4, num_experts_per_tok=2,
+        moe_intermediate_size=32, shared_expert_intermediate_size=32, linear_num_key_heads=2, linear_num_value_heads=4,
+        linear_key_head_dim=16, linear_value_head_dim=16)
+    assert delta_rule.fit_prefill(transformers.Qwen3NextForCausalLM(config)) == 2
+    assert modeling_qwen3_next.torch_chunk_gated_delta_rule.fitted_by_grpo
+    assert modeling_qwen3_next.causal_conv1d_fn.fitted_by_grpo

@@ -19,8 +19,8 @@ A prefill and a training pass run transformers' reference functions where the GP
 installed, and two of them cost more than their sums: the chunked delta rule takes chunks of 64
 positions (a sequence padded to a multiple of 64; a chunk's work grows with its size squared), and
 the short convolution pads both ends and applies its SiLU to a strided slice of the result (9x
-slower than on contiguous values). ``fit_prefill`` gives the layers' module chunks fitted to the
-sequence (as few as of at most 64 positions, as even as can be: the same sums in another grouping,
+slower than on contiguous values). ``fit_prefill`` gives the layers' module (Qwen3.5's, Qwen3.5-MoE's,
+Qwen3-Next's) chunks fitted to the sequence (as few as of at most 64 positions, as even as can be: the same sums in another grouping,
 within float32 rounding of them; a GRPO completion of 32 tokens costs half) and a convolution padded
 on the left only (the same products: bit for bit in bfloat16, within rounding in float32).
 docs/benchmark.md has the numbers.
@@ -46,6 +46,8 @@ from grpo.models import native_kernels
 
 # the layers whose forward ``decode_forward`` restates (a class not listed keeps its own)
 CLASSES = ("Qwen3_5GatedDeltaNet", "Qwen3_5MoeGatedDeltaNet")
+# the layers whose modules ``fit_prefill`` gives its functions (their references read: the same code as Qwen3.5's)
+PREFILL_CLASSES = (*CLASSES, "Qwen3NextGatedDeltaNet")
 # how far the kernel's step may be from the layer's own on a random step, relative to the output's
 # scale: float sums in another order move float32's last bits, and flip a bf16 rounding now and then
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2.0**-6}
@@ -169,7 +171,7 @@ def fit_prefill(model: nn.Module) -> int:
     chunks and the left-padded convolution; returns how many functions were taken (or were already).
     Once per module, for the whole process: the same sums as the references'. A function that is not
     transformers' reference (its kernel package installed, or replaced by a user) is kept."""
-    names = {type(m).__module__ for m in model.modules() if type(m).__name__ in CLASSES}
+    names = {type(m).__module__ for m in model.modules() if type(m).__name__ in PREFILL_CLASSES}
     taken = 0
     for name in sorted(names):
         module = sys.modules[name]

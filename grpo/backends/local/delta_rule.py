@@ -20,10 +20,10 @@ installed, and two of them cost more than their sums: the chunked delta rule tak
 positions (a sequence padded to a multiple of 64; a chunk's work grows with its size squared), and
 the short convolution pads both ends and applies its SiLU to a strided slice of the result (9x
 slower than on contiguous values). ``fit_prefill`` gives the layers' module (Qwen3.5's, Qwen3.5-MoE's,
-Qwen3-Next's) chunks fitted to the sequence (as few as of at most 64 positions, as even as can be: the same sums in another grouping,
-within float32 rounding of them; a GRPO completion of 32 tokens costs half) and a convolution padded
-on the left only (the same products: bit for bit in bfloat16, within rounding in float32).
-docs/benchmark.md has the numbers.
+Qwen3-Next's) chunks fitted to the sequence (as few as of at most 64 positions, as even as can be:
+the same sums in another grouping, within float32 rounding of them; a GRPO completion of 32 tokens
+costs half) and a convolution padded on the left only (the same products: bit for bit in bfloat16,
+within rounding in float32). docs/benchmark.md has the numbers.
 """
 
 from __future__ import annotations

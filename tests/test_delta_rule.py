@@ -201,11 +201,24 @@ def test_fit_prefill_takes_only_transformers_references(monkeypatch) -> None:
         taken = getattr(modeling_qwen3_5, name)
         assert taken.fitted_by_grpo and taken.__wrapped__ is function  # (once, not wrapped again)
     chunks = []
-    monkeypatch.setattr(modeling_qwen3_5, "torch_chunk_gated_delta_rule", delta_rule._fitted_chunks(
-        lambda *args, chunk_size, **kwargs: chunks.append(chunk_size) or chunked(*args, chunk_size=chunk_size, **kwargs)))
+
+    def spy(query, key, value, g, beta, chunk_size=64, **kwargs):
+        chunks.append(chunk_size)
+        return chunked(query, key, value, g=g, beta=beta, chunk_size=chunk_size, **kwargs)
+
+    monkeypatch.setattr(modeling_qwen3_5, "torch_chunk_gated_delta_rule", delta_rule._fitted_chunks(spy))
     with torch.no_grad():
         model(input_ids=torch.tensor([[1, *range(40, 109)]]))  # (70 positions: two chunks of 35)
     assert chunks == [35] * 3
+    q = torch.randn(1, 70, 2, 16)
+    beta, g = torch.rand(1, 70, 2), -torch.rand(1, 70, 2)
+    for named in ({"chunk_size": 16}, {}):  # (a chunk size named by keyword or position is the caller's)
+        chunks.clear()
+        if named:
+            modeling_qwen3_5.torch_chunk_gated_delta_rule(q, q, q, g=g, beta=beta, **named)
+        else:
+            modeling_qwen3_5.torch_chunk_gated_delta_rule(q, q, q, g, beta, 16)
+        assert chunks == [16]
 
     def users_kernel(*args, **kwargs):
         return chunked(*args, **kwargs)

@@ -198,6 +198,8 @@ def _fitted_chunks(reference):
     @functools.wraps(reference)
     def chunk_gated_delta_rule(query: torch.Tensor, *args, chunk_size: int | None = None, **kwargs):
         # (query: rows x positions x heads x dimension; a chunk size the caller names is kept)
+        if len(args) > 4:  # (named by position, after key, value, g and beta)
+            return reference(query, *args, **kwargs)
         chunk = fitted_chunk(query.shape[1]) if chunk_size is None else chunk_size
         return reference(query, *args, chunk_size=chunk, **kwargs)
 

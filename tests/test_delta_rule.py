@@ -125,6 +125,12 @@ def test_a_layer_the_kernel_would_compute_otherwise_keeps_its_own_forward(native
         assert routed == 0
 
 
+def _reference(module, name: str):
+    """transformers' own function, whether or not an engine loaded in this process has fitted it."""
+    function = getattr(module, name)
+    return function.__wrapped__ if getattr(function, "fitted_by_grpo", False) else function
+
+
 def test_chunks_are_fitted_to_the_sequence() -> None:
     """As few chunks of at most 64 positions as the sequence needs, as even as can be."""
     assert [delta_rule.fitted_chunk(n) for n in (1, 20, 32, 64, 65, 70, 128, 129, 200)] == \
@@ -137,7 +143,7 @@ def test_fitted_chunks_compute_the_reference_chunks_sums(positions) -> None:
     chunks of 64 (grouped heads: 4 value heads over 2 key heads; a state carried in)."""
     from transformers.models.qwen3_5 import modeling_qwen3_5
 
-    reference = modeling_qwen3_5.torch_chunk_gated_delta_rule
+    reference = _reference(modeling_qwen3_5, "torch_chunk_gated_delta_rule")
     fitted = delta_rule._fitted_chunks(reference)
     generator = torch.Generator().manual_seed(positions)
     rows, k_heads, v_heads, dim = 2, 2, 4, 16
@@ -169,7 +175,7 @@ def test_the_left_padded_convolution_computes_the_references_bits(dtype, with_bi
     sums the positions in another order)."""
     from transformers.models.qwen3_5 import modeling_qwen3_5
 
-    reference = modeling_qwen3_5.causal_conv1d_fn
+    reference = _reference(modeling_qwen3_5, "causal_conv1d_fn")
     padded = delta_rule._left_padded(reference)
     generator = torch.Generator().manual_seed(0)
     x = torch.randn(3, 20, 11, generator=generator).to(dtype)
@@ -193,7 +199,8 @@ def test_fit_prefill_takes_only_transformers_references(monkeypatch) -> None:
     from transformers.models.qwen3_5 import modeling_qwen3_5
 
     model, _ = _tiny_qwen3_5()
-    chunked, conv = modeling_qwen3_5.torch_chunk_gated_delta_rule, modeling_qwen3_5.causal_conv1d_fn
+    chunked = _reference(modeling_qwen3_5, "torch_chunk_gated_delta_rule")
+    conv = _reference(modeling_qwen3_5, "causal_conv1d_fn")
     for name, function in (("torch_chunk_gated_delta_rule", chunked), ("causal_conv1d_fn", conv)):
         monkeypatch.setattr(modeling_qwen3_5, name, function)  # (put back after)
     assert delta_rule.fit_prefill(model) == 2 and delta_rule.fit_prefill(model) == 2
@@ -236,7 +243,7 @@ def test_fit_prefill_takes_qwen3_next_too(monkeypatch) -> None:
     from transformers.models.qwen3_next import modeling_qwen3_next
 
     for name in ("torch_chunk_gated_delta_rule", "causal_conv1d_fn"):
-        monkeypatch.setattr(modeling_qwen3_next, name, getattr(modeling_qwen3_next, name))  # (put back after)
+        monkeypatch.setattr(modeling_qwen3_next, name, _reference(modeling_qwen3_next, name))  # (put back after)
     config = transformers.Qwen3NextConfig(
         hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
         vocab_size=100, layer_types=["linear_attention", "full_attention"], num_experts=4, num_experts_per_tok=2,

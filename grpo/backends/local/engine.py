@@ -142,7 +142,10 @@ class Engine:
             p.requires_grad_(False)
         # a hybrid's chunked delta rule (prefills, training) in chunks fitted to the sequence, not
         # padded to 64 positions, and its short convolution padded on the left only (delta_rule.py)
-        delta_rule.fit_prefill(self.model)
+        if delta_rule.fit_prefill(self.model) and self.device.type == "cpu":
+            print(f"grpo: {base_model}'s linear-attention layers prefill and train through transformers' reference "
+                  "code, in chunks fitted to the sequence (the flash-linear-attention and causal-conv1d that "
+                  "transformers suggests installing are GPU kernels)", file=sys.stderr, flush=True)
         if self.device.type == "cpu":
             # RMSNorms, SiLU * up and the rotary embedding through grpo's native kernels, forward
             # and backward (native_layers.py; the kernels are built on first need, once per machine, or

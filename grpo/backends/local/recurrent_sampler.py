@@ -86,7 +86,8 @@ def _decode_batch(model, requests: list[sampler.GenerationRequest], rows: list[s
     stats.prompt_tokens += sum(len(req.prompt) * req.num_samples for req in requests)
     stats.prefilled_tokens += sum(len(p) for p in prompts)
     # each row's prompt row of the prefill: the cache, the logits and the mask fanned out to the rows
-    owner = torch.tensor([prompts.index(tuple(row.request.prompt)) for row in rows], device=device)
+    prompt_row = {prompt: i for i, prompt in enumerate(prompts)}
+    owner = torch.tensor([prompt_row[tuple(row.request.prompt)] for row in rows], device=device)
     cache.reorder_cache(owner)
     logits, mask = logits[owner], mask[owner]
     positions = torch.tensor([[len(row.request.prompt)] for row in rows], device=device)

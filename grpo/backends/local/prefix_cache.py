@@ -17,6 +17,10 @@ Entries are evicted least recently used first to stay within ``max_bytes``; an e
 sequence is a prefix of a newly stored one is dropped at once (the new one covers it), so the
 common pattern -- store the prompt, later store prompt + answer -- does not keep two copies.
 
+What a hit saves is recomputed no differently, but what is left of the prompt is: its tokens go
+through the model in a smaller product than a whole prefill's, so a sampled logprob can part from
+a cold prefill's in the last bit (the tokens a seed draws do not change: tests/test_sampling.py).
+
 Keys and values are only valid for the weights that computed them. ``bind(identity)`` names the
 sampling weights (adapter, its version or snapshot); a different identity empties the cache, so
 nothing computed before an optimizer step is ever read after it.

@@ -19,7 +19,8 @@ common pattern -- store the prompt, later store prompt + answer -- does not keep
 
 What a hit saves is recomputed no differently, but what is left of the prompt is: its tokens go
 through the model in a smaller product than a whole prefill's, so a sampled logprob can part from
-a cold prefill's in the last bit (the tokens a seed draws do not change: tests/test_sampling.py).
+a cold prefill's in the last bit (and a seeded draw that falls on that bit, its token;
+tests/test_sampling.py compares waves that find a prompt alike).
 
 Keys and values are only valid for the weights that computed them. ``bind(identity)`` names the
 sampling weights (adapter, its version or snapshot); a different identity empties the cache, so

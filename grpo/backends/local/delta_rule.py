@@ -156,8 +156,6 @@ def routed(model: nn.Module) -> Iterator[int]:
 
 # the reference's chunk: the most positions a chunk of a fitted sequence takes
 MOST_CHUNK = 64
-# (module function, the package whose kernel transformers takes instead where it is installed)
-REFERENCES = {"torch_chunk_gated_delta_rule": "fla", "causal_conv1d_fn": "causal_conv1d"}
 
 
 def fitted_chunk(positions: int) -> int:
@@ -175,13 +173,14 @@ def fit_prefill(model: nn.Module) -> int:
     taken = 0
     for name in sorted(names):
         module = sys.modules[name]
-        for function_name, package in REFERENCES.items():
+        for function_name, (package, wrap) in REFERENCES.items():
             function = getattr(module, function_name, None)
             if getattr(function, "fitted_by_grpo", False):
                 taken += 1
             elif _is_the_reference(module, function, function_name, package):
-                faster = _fitted_chunks if function_name == "torch_chunk_gated_delta_rule" else _left_padded
-                setattr(module, function_name, faster(function))
+                faster = wrap(function)
+                faster.fitted_by_grpo = True
+                setattr(module, function_name, faster)
                 taken += 1
     return taken
 
@@ -203,7 +202,6 @@ def _fitted_chunks(reference):
         chunk = fitted_chunk(query.shape[1]) if chunk_size is None else chunk_size
         return reference(query, *args, chunk_size=chunk, **kwargs)
 
-    chunk_gated_delta_rule.fitted_by_grpo = True
     return chunk_gated_delta_rule
 
 
@@ -221,5 +219,9 @@ def _left_padded(reference):
             out = ACT2FN[activation](out)
         return out.to(hidden_states.dtype)
 
-    causal_conv1d_fn.fitted_by_grpo = True
     return causal_conv1d_fn
+
+
+# each reference ``fit_prefill`` takes: the package whose kernel transformers takes instead where it
+# is installed, and grpo's wrapper of the reference
+REFERENCES = {"torch_chunk_gated_delta_rule": ("fla", _fitted_chunks), "causal_conv1d_fn": ("causal_conv1d", _left_padded)}

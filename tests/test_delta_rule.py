@@ -137,12 +137,15 @@ def test_chunks_are_fitted_to_the_sequence() -> None:
         [1, 20, 32, 64, 33, 35, 64, 43, 50]
 
 
+@pytest.mark.parametrize("kernels", ["on", "off"])
 @pytest.mark.parametrize("positions", [1, 20, 70, 130])
-def test_fitted_chunks_compute_the_reference_chunks_sums(positions) -> None:
+def test_fitted_chunks_compute_the_reference_chunks_sums(positions, kernels, monkeypatch) -> None:
     """Outputs, final state and every input's gradient within float32 rounding of the reference's
-    chunks of 64 (grouped heads: 4 value heads over 2 key heads; a state carried in)."""
+    chunks of 64 (grouped heads: 4 value heads over 2 key heads; a state carried in): through the
+    native kernel (tests/test_chunked_delta_rule.py) and, without it, the reference in fitted chunks."""
     from transformers.models.qwen3_5 import modeling_qwen3_5
 
+    monkeypatch.setenv("GRPO_NATIVE_KERNELS", kernels)
     reference = _reference(modeling_qwen3_5, "torch_chunk_gated_delta_rule")
     fitted = delta_rule._fitted_chunks(reference)
     generator = torch.Generator().manual_seed(positions)
@@ -196,8 +199,11 @@ def test_the_left_padded_convolution_computes_the_references_bits(dtype, with_bi
 
 
 def test_fit_prefill_takes_only_transformers_references(monkeypatch) -> None:
+    """Which functions are taken, and the chunks the reference is given where the native kernel
+    does not take the call (here: switched off)."""
     from transformers.models.qwen3_5 import modeling_qwen3_5
 
+    monkeypatch.setenv("GRPO_NATIVE_KERNELS", "off")
     model, _ = _tiny_qwen3_5()
     chunked = _reference(modeling_qwen3_5, "torch_chunk_gated_delta_rule")
     conv = _reference(modeling_qwen3_5, "causal_conv1d_fn")
@@ -209,9 +215,9 @@ def test_fit_prefill_takes_only_transformers_references(monkeypatch) -> None:
         assert taken.fitted_by_grpo and taken.__wrapped__ is function  # (once, not wrapped again)
     chunks = []
 
-    def spy(query, key, value, g, beta, chunk_size=64, **kwargs):
+    def spy(query, key, value, g, beta, chunk_size=64, *args, **kwargs):
         chunks.append(chunk_size)
-        return chunked(query, key, value, g=g, beta=beta, chunk_size=chunk_size, **kwargs)
+        return chunked(query, key, value, g, beta, chunk_size, *args, **kwargs)
 
     monkeypatch.setattr(modeling_qwen3_5, "torch_chunk_gated_delta_rule", delta_rule._fitted_chunks(spy))
     with torch.no_grad():

@@ -195,14 +195,110 @@ def _is_the_reference(module, function, name: str, package: str) -> bool:
 
 def _fitted_chunks(reference):
     @functools.wraps(reference)
-    def chunk_gated_delta_rule(query: torch.Tensor, *args, chunk_size: int | None = None, **kwargs):
+    def chunk_gated_delta_rule(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, g: torch.Tensor,
+                               beta: torch.Tensor, chunk_size: int | None = None,
+                               initial_state: torch.Tensor | None = None, output_final_state: bool = False,
+                               use_qk_l2norm_in_kernel: bool = False, **kwargs):
         # (query: rows x positions x heads x dimension; a chunk size the caller names is kept)
-        if len(args) > 4:  # (named by position, after key, value, g and beta)
-            return reference(query, *args, **kwargs)
         chunk = fitted_chunk(query.shape[1]) if chunk_size is None else chunk_size
-        return reference(query, *args, chunk_size=chunk, **kwargs)
+        if _kernel_takes(reference, query, key, value, g, beta, initial_state, kwargs):
+            return _native_chunks(query, key, value, g, beta, chunk, initial_state, output_final_state,
+                                  use_qk_l2norm_in_kernel)
+        return reference(query, key, value, g, beta, chunk, initial_state, output_final_state,
+                         use_qk_l2norm_in_kernel, **kwargs)
 
     return chunk_gated_delta_rule
+
+
+class _NativeChunks(torch.autograd.Function):
+    """The chunked delta rule through native/chunked_delta_rule.cpp, forward and backward: q, k, v in
+    one dtype, g, beta and the states in float32, all contiguous."""
+
+    @staticmethod
+    def forward(ctx, query, key, value, g, beta, initial_state, chunk: int, final_state: bool, l2norm: bool):
+        ops = native_kernels.kernels()
+        out, state = ops.chunk_delta_rule(query, key, value, g, beta, initial_state, chunk, final_state, l2norm)
+        ctx.save_for_backward(query, key, value, g, beta, initial_state)
+        ctx.chunk, ctx.l2norm = chunk, l2norm
+        ctx.set_materialize_grads(False)  # (a state nobody reads has no gradient: None, not zeros)
+        return out, state
+
+    @staticmethod
+    def backward(ctx, grad_out, grad_state):
+        query, key, value, g, beta, initial_state = ctx.saved_tensors
+        grad_out = torch.zeros_like(value) if grad_out is None else grad_out.to(value.dtype).contiguous()
+        grad_state = grad_state.float().contiguous() if grad_state is not None and grad_state.numel() else None
+        dq, dk, dv, dg, dbeta, d_initial = native_kernels.kernels().chunk_delta_rule_backward(
+            grad_out, grad_state, query, key, value, g, beta, initial_state, ctx.chunk, ctx.l2norm)
+        rows, positions, k_heads, dim = query.shape
+        group = value.shape[2] // k_heads
+        if group > 1:  # (the kernel gives each value head's share of its key head's gradients)
+            dq, dk = (x.view(rows, positions, k_heads, group, dim).sum(3) for x in (dq, dk))
+        return (dq.to(query.dtype), dk.to(key.dtype), dv.to(value.dtype), dg, dbeta,
+                d_initial if initial_state is not None else None, None, None, None)
+
+
+def _native_chunks(query, key, value, g, beta, chunk: int, initial_state, output_final_state: bool, l2norm: bool):
+    """The reference's result through the kernel: its output in the query's dtype, the final state in
+    float32 (None where not asked for)."""
+    dtype = query.dtype if query.dtype == key.dtype == value.dtype and query.dtype in TOLERANCE else torch.float32
+    q, k, v = (x.to(dtype).contiguous() for x in (query, key, value))
+    g, beta = (x.float().contiguous() for x in (g, beta))
+    state = initial_state.float().contiguous() if initial_state is not None else None
+    out, final = _NativeChunks.apply(q, k, v, g, beta, state, chunk, bool(output_final_state), bool(l2norm))
+    return out.to(query.dtype), final if output_final_state else None
+
+
+# whether the kernel computed what the reference computes on a small random case, per reference
+_chunk_verdicts: dict[object, bool] = {}
+
+
+def _kernel_takes(reference, query, key, value, g, beta, initial_state, kwargs) -> bool:
+    """Whether the kernel takes this call: its kernels built, CPU tensors of the shapes it reads, no
+    packed sequences (``cu_seqlens``: the reference says what it cannot do), and a first trial
+    against the reference passed in this process."""
+    if native_kernels.kernels() is None or kwargs.get("cu_seqlens") is not None:
+        return False
+    tensors = [query, key, value, g, beta] + ([initial_state] if initial_state is not None else [])
+    if any(not isinstance(t, torch.Tensor) or t.device.type != "cpu" for t in tensors):
+        return False
+    if query.dim() != 4 or key.shape != query.shape or value.dim() != 4 or value.shape[:2] != query.shape[:2]:
+        return False
+    rows, positions, k_heads, dim = query.shape
+    v_heads = value.shape[2]
+    if positions == 0 or v_heads % k_heads or g.shape != (rows, positions, v_heads) or beta.shape != g.shape:
+        return False
+    if initial_state is not None and initial_state.shape != (rows, v_heads, dim, value.shape[3]):
+        return False
+    if reference not in _chunk_verdicts:
+        _chunk_verdicts[reference] = _kernel_computes_the_reference(reference)
+    return _chunk_verdicts[reference]
+
+
+def _kernel_computes_the_reference(reference) -> bool:
+    """Whether the kernel's output, final state and every gradient are the reference's (within
+    float32 rounding) on 2 rows of 7 positions, 4 value heads over 2 key heads, in chunks of 4."""
+    generator = torch.Generator().manual_seed(0)
+    shapes = [(2, 7, 2, 8), (2, 7, 2, 8), (2, 7, 4, 8), (2, 7, 4), (2, 7, 4), (2, 4, 8, 8)]
+    inputs = [torch.randn(shape, generator=generator) for shape in shapes]
+    inputs[3], inputs[4] = -inputs[3].abs(), inputs[4].sigmoid()  # (g: a log decay; beta in (0, 1))
+    results = []
+    try:  # (the first call may come in a sampler's no-grad prefill: the trial takes gradients all the same)
+        with torch.inference_mode(False), torch.enable_grad():
+            for function in (reference, _native_chunks):
+                leaves = [x.clone().requires_grad_() for x in inputs]
+                q, k, v, g, beta, state = leaves
+                out, final = function(q, k, v, g, beta, 4, state, True, True)
+                (out.sum() + final.square().sum()).backward()
+                results.append([out, final] + [x.grad for x in leaves])
+    except (RuntimeError, TypeError, ValueError) as exc:
+        print(f"grpo: the native chunked delta rule failed its trial ({exc}); the reference runs", file=sys.stderr)
+        return False
+    if all(close_to(got, want, 1e-4) for want, got in zip(*results, strict=True)):
+        return True
+    print("grpo: the native chunked delta rule did not compute the reference's values in its trial; "
+          "the reference runs", file=sys.stderr)
+    return False
 
 
 def _left_padded(reference):

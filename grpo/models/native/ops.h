@@ -17,6 +17,9 @@
 // - delta_rule.cpp: a decoding step of the gated delta rule (Qwen3.5's linear-attention layers,
 //   delta_rule.py): each row's recurrent state updated in place, where PyTorch's operators write
 //   four state-sized temporaries; and the short convolution's step before it;
+// - chunked_delta_rule.cpp: the gated delta rule over a sequence, forward and backward (a prefill's and a
+//   training pass's, delta_rule.py): each head's chunks in a core's cache, where transformers' reference
+//   runs ~40 operators over every head at once forward and autograd ~80 backward;
 // - sample_tokens.cpp: the sampler's token choice (sampler.py): one pass over a row's logits where
 //   PyTorch takes five;
 // - register.cpp: the operators' schemas, registered as torch.ops.grpo_native.
@@ -80,6 +83,18 @@ at::Tensor gated_delta_step_(at::Tensor& state, const at::Tensor& q, const at::T
                              const at::Tensor& g, const at::Tensor& beta);
 at::Tensor causal_conv_step_(at::Tensor& state, const at::Tensor& x, const at::Tensor& weight,
                              const c10::optional<at::Tensor>& bias, bool silu);
+
+// chunked_delta_rule.cpp
+std::vector<at::Tensor> chunk_delta_rule(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                         const at::Tensor& g, const at::Tensor& beta,
+                                         const c10::optional<at::Tensor>& initial_state, int64_t chunk,
+                                         bool final_state, bool l2norm);
+std::vector<at::Tensor> chunk_delta_rule_backward(const at::Tensor& grad_out, const c10::optional<at::Tensor>& grad_final,
+                                                  const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                                  const at::Tensor& g, const at::Tensor& beta,
+                                                  const c10::optional<at::Tensor>& initial_state, int64_t chunk,
+                                                  bool l2norm);
+bool chunk_delta_rule_blas(bool on);  // products through BLAS (where linked) or the loops; returns which
 
 // packed_attention.cpp
 std::vector<at::Tensor> packed_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,

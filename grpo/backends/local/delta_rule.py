@@ -16,14 +16,18 @@ layer computed what its own forward computes on a random step (else nothing is r
 layer gets its own forward back after.
 
 A prefill and a training pass run transformers' reference functions where the GPU packages are not
-installed, and two of them cost more than their sums: the chunked delta rule takes chunks of 64
-positions (a sequence padded to a multiple of 64; a chunk's work grows with its size squared), and
-the short convolution pads both ends and applies its SiLU to a strided slice of the result (9x
-slower than on contiguous values). ``fit_prefill`` gives the layers' module (Qwen3.5's, Qwen3.5-MoE's,
-Qwen3-Next's) chunks fitted to the sequence (as few as of at most 64 positions, as even as can be:
-the same sums in another grouping, within float32 rounding of them; a GRPO completion of 32 tokens
-costs half) and a convolution padded on the left only (the same products: bit for bit in bfloat16,
-within rounding in float32). docs/benchmark.md has the numbers.
+installed (flash-linear-attention, causal-conv1d), and two of them cost more than their sums. The
+chunked delta rule ran as ~40 operators over every head at once, and autograd ~80 more backward
+(5.4 s of a 19 s training pass of a Qwen3.5-0.8B-sized model): ``fit_prefill`` gives the layers'
+module (Qwen3.5's, Qwen3.5-MoE's, Qwen3-Next's) a function that runs it through
+``native/chunked_delta_rule.cpp`` (each chunk of each head in a core's cache, forward and backward;
+taken after a trial against the reference in each process) in chunks fitted to the sequence (as few
+as of at most 64 positions, as even as can be: the same sums in another grouping), and, where the
+kernels are not built, the reference in those chunks (which pads a sequence to a multiple of 64
+positions and whose work grows with the chunk squared: a GRPO completion of 32 tokens costs half).
+The short convolution pads both ends and applies its SiLU to a strided slice of the result (9x
+slower than on contiguous values): its replacement pads on the left only (the same products: bit for
+bit in bfloat16, within rounding in float32). docs/benchmark.md has the numbers.
 """
 
 from __future__ import annotations
@@ -165,8 +169,8 @@ def fitted_chunk(positions: int) -> int:
 
 
 def fit_prefill(model: nn.Module) -> int:
-    """Give the modules of ``model``'s gated-delta-rule layers the chunked delta rule in fitted
-    chunks and the left-padded convolution; returns how many functions were taken (or were already).
+    """Give the modules of ``model``'s gated-delta-rule layers the chunked delta rule through the
+    native kernel (else the reference in fitted chunks) and the left-padded convolution; returns how many functions were taken (or were already).
     Once per module, for the whole process: the same sums as the references'. A function that is not
     transformers' reference (its kernel package installed, or replaced by a user) is kept."""
     names = {type(m).__module__ for m in model.modules() if type(m).__name__ in PREFILL_CLASSES}

@@ -28,7 +28,7 @@ from grpo.backends.local.logit_head import check_logit_head
 from grpo.backends.local.sampler_precision import SamplerCopy, takes_adapter
 from grpo.backends.local.sections import section
 from grpo.checks import check_lora_targets
-from grpo.models import dtype_probe, kernel_probe, precision
+from grpo.models import dtype_probe, kernel_probe, native_kernels, precision
 from grpo.models.cpu_linear import (
     STREAMING,
     OneDNNLinear,
@@ -140,12 +140,15 @@ class Engine:
         keep_packed_copies([self.model.get_output_embeddings()], self.fp32_layout)
         for p in self.model.parameters():
             p.requires_grad_(False)
-        # a hybrid's chunked delta rule (prefills, training) in chunks fitted to the sequence, not
-        # padded to 64 positions, and its short convolution padded on the left only (delta_rule.py)
+        # a hybrid's chunked delta rule (prefills, training) through grpo's native kernel (else in
+        # chunks fitted to the sequence, not padded to 64 positions), and its short convolution
+        # padded on the left only (delta_rule.py)
         if delta_rule.fit_prefill(self.model) and self.device.type == "cpu":
-            print(f"grpo: {base_model}'s linear-attention layers prefill and train through transformers' reference "
-                  "code, in chunks fitted to the sequence (the flash-linear-attention and causal-conv1d that "
-                  "transformers suggests installing are GPU kernels)", file=sys.stderr, flush=True)
+            how = ("grpo's native chunked kernel" if native_kernels.kernels() is not None
+                   else "transformers' reference code, in chunks fitted to the sequence")
+            print(f"grpo: {base_model}'s linear-attention layers prefill and train through {how} (the "
+                  "flash-linear-attention and causal-conv1d that transformers suggests installing are GPU kernels)",
+                  file=sys.stderr, flush=True)
         if self.device.type == "cpu":
             # RMSNorms, SiLU * up and the rotary embedding through grpo's native kernels, forward
             # and backward (native_layers.py; the kernels are built on first need, once per machine, or

@@ -170,9 +170,10 @@ def fitted_chunk(positions: int) -> int:
 
 def fit_prefill(model: nn.Module) -> int:
     """Give the modules of ``model``'s gated-delta-rule layers the chunked delta rule through the
-    native kernel (else the reference in fitted chunks) and the left-padded convolution; returns how many functions were taken (or were already).
-    Once per module, for the whole process: the same sums as the references'. A function that is not
-    transformers' reference (its kernel package installed, or replaced by a user) is kept."""
+    native kernel (else the reference in fitted chunks) and the left-padded convolution; returns how
+    many functions were taken (or were already). Once per module, for the whole process: the same sums
+    as the references'. A function that is not transformers' reference (its kernel package installed,
+    or replaced by a user) is kept."""
     names = {type(m).__module__ for m in model.modules() if type(m).__name__ in PREFILL_CLASSES}
     taken = 0
     for name in sorted(names):

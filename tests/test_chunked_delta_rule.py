@@ -121,8 +121,10 @@ def test_the_kernel_names_what_is_wrong(native_ops) -> None:
         native_ops.chunk_delta_rule(q, k, v, g, beta, state[:, :2], 5, True, True)
     with pytest.raises(RuntimeError, match="q, k and v differ in dtype"):
         native_ops.chunk_delta_rule(q, k, v.bfloat16(), g, beta, state, 5, True, True)
-    with pytest.raises(RuntimeError, match="contiguous CPU tensors expected"):
-        native_ops.chunk_delta_rule(q.transpose(1, 2), k, v, g, beta, state, 5, True, True)
+    with pytest.raises(RuntimeError, match="q, k and v must hold each position's heads back to back"):
+        native_ops.chunk_delta_rule(q.transpose(2, 3), k, v, g, beta, state, 5, True, True)
+    with pytest.raises(RuntimeError, match="q and k at different strides"):
+        native_ops.chunk_delta_rule(q, torch.cat([k, k], 1)[:, :5], v, g, beta, state, 5, True, True)
     with pytest.raises(RuntimeError, match="grad_out must be a contiguous Float"):
         native_ops.chunk_delta_rule_backward(v.bfloat16(), None, q, k, v, g, beta, state, 5, True)
 

@@ -169,33 +169,75 @@ def test_fitted_chunks_compute_the_reference_chunks_sums(positions, kernels, mon
         assert torch.allclose(got, want, rtol=1e-4, atol=1e-5), (want - got).abs().max()
 
 
+@pytest.mark.parametrize("kernels", ["on", "off"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_the_left_padded_convolution_computes_the_references_bits(dtype, with_bias) -> None:
+@pytest.mark.parametrize("shape", [(3, 20, 11, 4), (2, 300, 2, 4), (2, 40, 9, 3)], ids=lambda s: "x".join(map(str, s)))
+def test_the_left_padded_convolution_computes_the_references_bits(dtype, with_bias, kernels, shape,
+                                                                  monkeypatch) -> None:
     """Output and gradients (input, taps, bias) bit for bit the reference's in bfloat16, SiLU after
     or none; in float32 within its rounding (SiLU's vectorized loop, on contiguous values, and its
     strided one, on the reference's slice, part in the last bit now and then, and the taps' gradient
-    sums the positions in another order)."""
+    sums the positions in another order). Through the native kernel (short_conv.cpp: channels in
+    blocks of 256, a filter of 4 taps unrolled, others not; fewer positions than taps) and, without
+    it, PyTorch's convolution padded on the left. The input is the layer's: a rows x channels x
+    positions view of channels-last memory."""
     from transformers.models.qwen3_5 import modeling_qwen3_5
 
+    monkeypatch.setenv("GRPO_NATIVE_KERNELS", kernels)
+    rows, channels, positions, taps = shape
     reference = _reference(modeling_qwen3_5, "causal_conv1d_fn")
     padded = delta_rule._left_padded(reference)
     generator = torch.Generator().manual_seed(0)
-    x = torch.randn(3, 20, 11, generator=generator).to(dtype)
-    weight = torch.randn(20, 4, generator=generator).to(dtype)
-    bias = torch.randn(20, generator=generator).to(dtype) if with_bias else None
+    x = torch.randn(rows, positions, channels, generator=generator).to(dtype).transpose(1, 2)
+    weight = torch.randn(channels, taps, generator=generator).to(dtype)
+    bias = torch.randn(channels, generator=generator).to(dtype) if with_bias else None
     for activation in ("silu", None):
         results = []
         for function in (reference, padded):
-            leaves = [t.clone().requires_grad_() for t in (x, weight) + ((bias,) if with_bias else ())]
+            leaves = [t.detach().clone().requires_grad_() for t in (x, weight) + ((bias,) if with_bias else ())]
             out = function(leaves[0], leaves[1], leaves[2] if with_bias else None, activation=activation)
             (out.float() * torch.linspace(-1, 1, out.numel()).view(out.shape)).sum().backward()
             results.append([out] + [t.grad for t in leaves])
         for want, got in zip(*results, strict=True):
+            assert got.dtype == want.dtype and got.shape == want.shape
             if dtype == torch.bfloat16:
                 assert torch.equal(got, want)
             else:
                 assert torch.allclose(got, want, rtol=1e-5, atol=1e-6)  # (float32 rounding, summed)
+
+
+def test_the_sequence_convolution_kernel_names_what_is_wrong(native_ops) -> None:
+    x, weight = torch.zeros(2, 5, 8), torch.zeros(8, 4)
+    with pytest.raises(RuntimeError, match="channels contiguous"):
+        native_ops.short_conv(x.transpose(1, 2), weight, None, True)
+    with pytest.raises(RuntimeError, match=r"weight must be a contiguous \[8, kernel\]"):
+        native_ops.short_conv(x, torch.zeros(6, 4), None, True)
+    with pytest.raises(RuntimeError, match="x and weight differ in dtype"):
+        native_ops.short_conv(x, weight.bfloat16(), None, True)
+    with pytest.raises(RuntimeError, match=r"bias must be a contiguous \[8\]"):
+        native_ops.short_conv(x, weight, torch.zeros(3), True)
+    with pytest.raises(RuntimeError, match="grad must be a Float"):
+        native_ops.short_conv_backward(x[:, :2], x, weight, None, True, False)
+
+
+def test_a_convolution_kernel_that_fails_its_trial_is_not_taken(native_ops, monkeypatch, capsys) -> None:
+    from transformers.models.qwen3_5 import modeling_qwen3_5
+
+    reference, calls = _reference(modeling_qwen3_5, "causal_conv1d_fn"), []
+
+    def spy(*args, **kwargs):
+        calls.append(args[0].shape)
+        return reference(*args, **kwargs)
+
+    monkeypatch.setattr(delta_rule, "_conv_verdicts", {})
+    real = delta_rule._sequence_conv
+    monkeypatch.setattr(delta_rule, "_sequence_conv", lambda *args: real(*args) * 1.01)
+    x, weight = torch.randn(2, 5, 8).transpose(1, 2), torch.randn(8, 4)
+    out = delta_rule._left_padded(spy)(x, weight, None, activation="silu")
+    assert calls == [(3, 24, 9)]  # (the trial's; the call itself: PyTorch's convolution, padded on the left)
+    assert "native short convolution did not compute the reference's values" in capsys.readouterr().err
+    assert torch.allclose(out, reference(x, weight, None, activation="silu"), rtol=1e-5, atol=1e-6)
 
 
 def test_fit_prefill_takes_only_transformers_references(monkeypatch) -> None:

@@ -217,7 +217,8 @@ def _fitted_chunks(reference):
 
 class _NativeChunks(torch.autograd.Function):
     """The chunked delta rule through native/chunked_delta_rule.cpp, forward and backward: q, k, v in
-    one dtype, g, beta and the states in float32, all contiguous."""
+    one dtype, each position's heads back to back (``_heads_dense``), g, beta and the states in
+    float32, contiguous."""
 
     @staticmethod
     def forward(ctx, query, key, value, g, beta, initial_state, chunk: int, final_state: bool, l2norm: bool):
@@ -247,11 +248,21 @@ def _native_chunks(query, key, value, g, beta, chunk: int, initial_state, output
     """The reference's result through the kernel: its output in the query's dtype, the final state in
     float32 (None where not asked for)."""
     dtype = query.dtype if query.dtype == key.dtype == value.dtype and query.dtype in TOLERANCE else torch.float32
-    q, k, v = (x.to(dtype).contiguous() for x in (query, key, value))
+    q, k, v = (_heads_dense(x.to(dtype)) for x in (query, key, value))
+    if q.stride() != k.stride():
+        q, k = q.contiguous(), k.contiguous()
     g, beta = (x.float().contiguous() for x in (g, beta))
     state = initial_state.float().contiguous() if initial_state is not None else None
     out, final = _NativeChunks.apply(q, k, v, g, beta, state, chunk, bool(output_final_state), bool(l2norm))
     return out.to(query.dtype), final if output_final_state else None
+
+
+def _heads_dense(x: torch.Tensor) -> torch.Tensor:
+    """``x`` (rows x positions x heads x dim) where each position's heads lie back to back, as the
+    kernel reads them: the layer's q, k and v are such views of its convolution's channels-last
+    output (no copy); anything else is copied."""
+    dense = x.stride(3) == 1 and (x.shape[2] < 2 or x.stride(2) == x.shape[3])
+    return x if dense else x.contiguous()
 
 
 # whether the kernel computed what the reference computes on a small random case, per reference
@@ -287,22 +298,28 @@ def _kernel_computes_the_reference(reference) -> bool:
     shapes = [(2, 7, 2, 8), (2, 7, 2, 8), (2, 7, 4, 8), (2, 7, 4), (2, 7, 4), (2, 4, 8, 8)]
     inputs = [torch.randn(shape, generator=generator) for shape in shapes]
     inputs[3], inputs[4] = -inputs[3].abs(), inputs[4].sigmoid()  # (g: a log decay; beta in (0, 1))
+    return _trial(reference, _native_chunks, inputs, lambda f, *x: list(f(*x[:5], 4, x[5], True, True)),
+                  "chunked delta rule")
+
+
+def _trial(reference, kernel, inputs: list[torch.Tensor], call, what: str) -> bool:
+    """Whether ``call(kernel, *inputs)`` gives the outputs of ``call(reference, *inputs)``, and the
+    same gradients of the inputs, within float32 rounding (said once where not)."""
     results = []
     try:  # (the first call may come in a sampler's no-grad prefill: the trial takes gradients all the same)
         with torch.inference_mode(False), torch.enable_grad():
-            for function in (reference, _native_chunks):
-                leaves = [x.clone().requires_grad_() for x in inputs]
-                q, k, v, g, beta, state = leaves
-                out, final = function(q, k, v, g, beta, 4, state, True, True)
-                (out.sum() + final.square().sum()).backward()
-                results.append([out, final] + [x.grad for x in leaves])
+            for function in (reference, kernel):
+                leaves = [x.detach().clone().requires_grad_() for x in inputs]
+                outputs = call(function, *leaves)
+                sum(out.square().sum() if i else out.sum() for i, out in enumerate(outputs)).backward()
+                results.append(outputs + [x.grad for x in leaves])
     except (RuntimeError, TypeError, ValueError) as exc:
-        print(f"grpo: the native chunked delta rule failed its trial ({exc}); the reference runs", file=sys.stderr)
+        print(f"grpo: the native {what} failed its trial ({exc}); the reference runs", file=sys.stderr)
         return False
     if all(close_to(got, want, 1e-4) for want, got in zip(*results, strict=True)):
         return True
-    print("grpo: the native chunked delta rule did not compute the reference's values in its trial; "
-          "the reference runs", file=sys.stderr)
+    print(f"grpo: the native {what} did not compute the reference's values in its trial; the reference runs",
+          file=sys.stderr)
     return False
 
 
@@ -312,6 +329,8 @@ def _left_padded(reference):
                          activation: str | None = None, **kwargs):
         if kwargs.get("seq_idx") is not None:  # (packed sequences: the reference says what it cannot do)
             return reference(hidden_states, weight, bias, activation=activation, **kwargs)
+        if _conv_kernel_takes(reference, hidden_states, weight, bias, activation):
+            return _sequence_conv(hidden_states, weight, bias, activation)
         # rows x channels x positions, a filter of ``taps`` per channel: the output at t reads t-taps+1..t
         taps = weight.shape[-1]
         padded = F.pad(hidden_states.to(weight.dtype), (taps - 1, 0))
@@ -321,6 +340,65 @@ def _left_padded(reference):
         return out.to(hidden_states.dtype)
 
     return causal_conv1d_fn
+
+
+class _SequenceConv(torch.autograd.Function):
+    """The short convolution (SiLU after it, or none) through native/short_conv.cpp, forward and
+    backward, on rows x positions x channels with the channels contiguous."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, silu: bool):
+        ctx.save_for_backward(x, weight, bias)
+        ctx.silu = silu
+        return native_kernels.kernels().short_conv(x, weight, bias, silu)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight, bias = ctx.saved_tensors
+        grad = grad if grad.stride(2) == 1 else grad.contiguous()
+        weight_grads = ctx.needs_input_grad[1] or ctx.needs_input_grad[2]
+        dx, d_weight, d_bias = native_kernels.kernels().short_conv_backward(grad, x, weight, bias, ctx.silu,
+                                                                            weight_grads)
+        return (dx, d_weight.to(weight.dtype) if ctx.needs_input_grad[1] else None,
+                d_bias.to(bias.dtype) if bias is not None and ctx.needs_input_grad[2] else None, None)
+
+
+def _sequence_conv(hidden_states, weight, bias, activation):
+    """The reference's result through the kernel: ``hidden_states`` rows x channels x positions (the
+    layer's view of its projection, channels contiguous), the output the same view of channels-last
+    memory (the layer transposes it back)."""
+    x = hidden_states.transpose(1, 2)
+    x = x if x.stride(2) == 1 else x.contiguous()
+    return _SequenceConv.apply(x, weight, bias, activation is not None).transpose(1, 2)
+
+
+_conv_verdicts: dict[object, bool] = {}
+
+
+def _conv_kernel_takes(reference, hidden_states, weight, bias, activation) -> bool:
+    """Whether the kernel takes this call: its kernels built, CPU tensors of one dtype it computes in,
+    SiLU after or no activation, and a first trial against the reference passed in this process."""
+    if native_kernels.kernels() is None or activation not in (None, "silu", "swish"):
+        return False
+    tensors = [hidden_states, weight] + ([bias] if bias is not None else [])
+    if any(not isinstance(t, torch.Tensor) or t.device.type != "cpu" or t.dtype != weight.dtype for t in tensors):
+        return False
+    if weight.dtype not in TOLERANCE or hidden_states.dim() != 3 or weight.dim() != 2:
+        return False
+    if hidden_states.shape[1] != weight.shape[0] or (bias is not None and bias.shape != weight.shape[:1]):
+        return False
+    if reference not in _conv_verdicts:
+        _conv_verdicts[reference] = _trial(reference, _sequence_conv, _conv_trial_inputs(),
+                                           lambda f, x, w, b: [f(x, w, b, "silu")], "short convolution")
+    return _conv_verdicts[reference]
+
+
+def _conv_trial_inputs() -> list[torch.Tensor]:
+    """3 rows, 24 channels, 9 positions, a filter of 4 taps, a bias: the layer's layout (channels
+    contiguous), in float32."""
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(3, 9, 24, generator=generator).transpose(1, 2)
+    return [x, torch.randn(24, 4, generator=generator), torch.randn(24, generator=generator)]
 
 
 # each reference ``fit_prefill`` takes: the package whose kernel transformers takes instead where it

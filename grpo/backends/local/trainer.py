@@ -449,6 +449,8 @@ def _fan_out(cache: DynamicCache, counts: list[int], owner: torch.Tensor) -> Non
                     states[i] = repeat(state)
         if getattr(layer, "recurrent_states", None) is not None:
             layer.update_recurrent_state = types.MethodType(_replace_recurrent_state, layer)
+        if getattr(layer, "conv_states", None) is not None and not getattr(layer, "record_past", False):
+            layer.update_conv_state = types.MethodType(_channels_last_conv_window, layer)
 
 
 def _replace_recurrent_state(layer, recurrent_states: torch.Tensor, state_idx: int = 0, **kwargs) -> torch.Tensor:
@@ -457,6 +459,19 @@ def _replace_recurrent_state(layer, recurrent_states: torch.Tensor, state_idx: i
     the backward of the suffix's recurrence (an in-place copy would fail it)."""
     layer.recurrent_states[state_idx] = recurrent_states
     return recurrent_states
+
+
+def _channels_last_conv_window(layer, conv_states: torch.Tensor, state_idx: int = 0, **kwargs) -> torch.Tensor:
+    """A linear-attention cache layer's ``update_conv_state`` for the suffix pass: the fanned-out
+    window of the prefix's last inputs before the suffix's (as the layer's own), as a rows x channels
+    x positions view of channels-last memory -- the layout of the suffix's own inputs (a view of its
+    projection), which the short convolution's kernel reads in place (delta_rule.py): the layer's
+    own concatenation was channels-first, a copy to make and another to undo. The window is not
+    written back: nothing reads the suffix pass's cache after it."""
+    window = layer.conv_states[state_idx]
+    if not layer.has_previous_state[state_idx]:  # (a first pass: the layer's own padding)
+        return type(layer).update_conv_state(layer, conv_states, state_idx, **kwargs)
+    return torch.cat([window.transpose(1, 2), conv_states.transpose(1, 2)], dim=1).transpose(1, 2)
 
 
 @torch.no_grad()

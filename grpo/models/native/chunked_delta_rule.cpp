@@ -101,10 +101,13 @@ struct Chunk {
   float* row(std::vector<float>& x, int64_t i, int64_t width) { return x.data() + i * width; }
 };
 
+// q, k, v: [rows, positions, heads, dim] with each position's heads back to back, rows and positions
+// at any stride (views of the layer's convolution output); g, beta: [rows, positions, value heads]
 template <typename T>
 struct Inputs {
   const T *q, *k, *v;
   const float *g, *beta;
+  int64_t qk_row, qk_pos, v_row, v_pos;  // strides, in elements (q's and k's the same)
 };
 
 // A vector of `n` raw values as floats in y, L2-normalised (x * rsqrt(sum(x^2) + 1e-6), as transformers'
@@ -129,10 +132,10 @@ void prepare(Chunk& ch, const Shape& s, const Inputs<T>& in, int64_t r, int64_t 
   ch.c = c;
   float gamma = 0.f;
   for (int64_t i = 0; i < c; ++i) {
-    const int64_t pos = r * s.positions + t0 + i;
-    ch.inv_q[i] = load_vector(in.q + (pos * s.k_heads + kh) * dk, ch.row(ch.q, i, dk), dk, s.l2norm, s.scale);
-    ch.inv_k[i] = load_vector(in.k + (pos * s.k_heads + kh) * dk, ch.row(ch.k, i, dk), dk, s.l2norm, 1.f);
-    to_float(in.v + (pos * s.v_heads + h) * dv, ch.row(ch.v, i, dv), dv);
+    const int64_t pos = r * s.positions + t0 + i, qk = r * in.qk_row + (t0 + i) * in.qk_pos + kh * dk;
+    ch.inv_q[i] = load_vector(in.q + qk, ch.row(ch.q, i, dk), dk, s.l2norm, s.scale);
+    ch.inv_k[i] = load_vector(in.k + qk, ch.row(ch.k, i, dk), dk, s.l2norm, 1.f);
+    to_float(in.v + r * in.v_row + (t0 + i) * in.v_pos + h * dv, ch.row(ch.v, i, dv), dv);
     ch.beta[i] = in.beta[pos * s.v_heads + h];
     gamma += in.g[pos * s.v_heads + h];
     ch.gamma[i] = gamma;
@@ -390,9 +393,15 @@ void backward(const Shape& s, const Inputs<T>& in, const float* initial, const T
 // q, k, v, g and beta as the kernels read them: [rows, positions, heads, dim] (g, beta: no dim), contiguous
 Shape check_inputs(const char* name, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g,
                    const at::Tensor& beta, const c10::optional<at::Tensor>& state, int64_t chunk, bool l2norm) {
-  for (const at::Tensor* t : {&q, &k, &v, &g, &beta})
-    TORCH_CHECK(t->device().is_cpu() && t->is_contiguous(), name, ": contiguous CPU tensors expected, got ",
-                t->sizes(), " strides ", t->strides());
+  for (const at::Tensor* t : {&q, &k, &v, &g, &beta}) TORCH_CHECK(t->device().is_cpu(), name, ": CPU tensors expected");
+  for (const at::Tensor* t : {&g, &beta})
+    TORCH_CHECK(t->is_contiguous(), name, ": g and beta must be contiguous, got strides ", t->strides());
+  // q, k, v: each position's heads back to back (rows and positions at any stride)
+  for (const at::Tensor* t : {&q, &k, &v})
+    TORCH_CHECK(t->dim() == 4 && t->stride(3) == 1 && (t->size(2) < 2 || t->stride(2) == t->size(3)), name,
+                ": q, k and v must hold each position's heads back to back, got ", t->sizes(), " strides ",
+                t->strides());
+  TORCH_CHECK(q.strides() == k.strides(), name, ": q and k at different strides");
   TORCH_CHECK(q.dim() == 4 && k.sizes() == q.sizes() && v.dim() == 4 && v.size(0) == q.size(0) && v.size(1) == q.size(1),
               name, ": q and k must be [rows, positions, key heads, key dim] and v [rows, positions, value heads, "
               "value dim], got ", q.sizes(), ", ", k.sizes(), ", ", v.sizes());
@@ -437,7 +446,8 @@ std::vector<at::Tensor> chunk_delta_rule(const at::Tensor& q, const at::Tensor& 
   }
   DISPATCH_SAMPLER_TYPES(q.scalar_type(), "chunk_delta_rule", [&] {
     const Inputs<scalar_t> in{q.data_ptr<scalar_t>(), k.data_ptr<scalar_t>(), v.data_ptr<scalar_t>(),
-                              g.data_ptr<float>(), beta.data_ptr<float>()};
+                              g.data_ptr<float>(),   beta.data_ptr<float>(),  q.stride(0),
+                              q.stride(1),           v.stride(0),             v.stride(1)};
     forward<scalar_t>(s, in, initial_state.has_value() ? initial_state->data_ptr<float>() : nullptr,
                       out.data_ptr<scalar_t>(), final_state ? last.data_ptr<float>() : nullptr);
   });
@@ -470,7 +480,8 @@ std::vector<at::Tensor> chunk_delta_rule_backward(const at::Tensor& grad_out, co
   }
   DISPATCH_SAMPLER_TYPES(q.scalar_type(), "chunk_delta_rule_backward", [&] {
     const Inputs<scalar_t> in{q.data_ptr<scalar_t>(), k.data_ptr<scalar_t>(), v.data_ptr<scalar_t>(),
-                              g.data_ptr<float>(), beta.data_ptr<float>()};
+                              g.data_ptr<float>(),   beta.data_ptr<float>(),  q.stride(0),
+                              q.stride(1),           v.stride(0),             v.stride(1)};
     const Grads out{dq.data_ptr<float>(), dk.data_ptr<float>(), dv.data_ptr<float>(), dg.data_ptr<float>(),
                     dbeta.data_ptr<float>()};
     backward<scalar_t>(s, in, initial_state.has_value() ? initial_state->data_ptr<float>() : nullptr,

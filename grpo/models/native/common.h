@@ -55,8 +55,17 @@ inline void to_float(const c10::BFloat16* src, float* dst, int64_t n) {
 }
 // floats rounded to T, as T's own conversion rounds (to nearest even)
 inline void from_float(const float* src, float* dst, int64_t n) { std::memcpy(dst, src, n * sizeof(float)); }
+// a float's bf16 bits, rounded to nearest even as c10::BFloat16(float) rounds (NaN: its quiet NaN),
+// without its isnan call: a loop of these vectorizes
+inline uint16_t bf16_bits(float v) {
+  const uint32_t bits = std::bit_cast<uint32_t>(v);
+  const uint16_t rounded = static_cast<uint16_t>((bits + ((bits >> 16) & 1u) + 0x7FFFu) >> 16);
+  return v != v ? static_cast<uint16_t>(0x7FC0) : rounded;
+}
 inline void from_float(const float* src, c10::BFloat16* dst, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) dst[i] = c10::BFloat16(src[i]);
+  uint16_t* out = reinterpret_cast<uint16_t*>(dst);
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) out[i] = bf16_bits(src[i]);
 }
 // n values of T as floats without a copy where they are floats already (else widened into buf)
 inline const float* as_float(const float* src, float*, int64_t) { return src; }
@@ -66,6 +75,9 @@ inline const float* as_float(const c10::BFloat16* src, float* buf, int64_t n) {
 }
 // a float rounded to T and back: where an eager operator's result would be stored in T
 template <typename T> inline float in_dtype(float v) { return static_cast<float>(static_cast<T>(v)); }
+template <> inline float in_dtype<c10::BFloat16>(float v) {
+  return std::bit_cast<float>(static_cast<uint32_t>(bf16_bits(v)) << 16);
+}
 
 // y = an RMSNorm of the row h by the weight w (both T's values as floats; y may be h), rounded where
 // transformers' RMSNorm stores T: T(w * T(h * rsqrt(mean(h^2) + eps))) (float32: no rounding). The one

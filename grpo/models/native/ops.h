@@ -20,6 +20,9 @@
 // - chunked_delta_rule.cpp: the gated delta rule over a sequence, forward and backward (a prefill's and a
 //   training pass's, delta_rule.py): each head's chunks in a core's cache, where transformers' reference
 //   runs ~40 operators over every head at once forward and autograd ~80 backward;
+// - short_conv.cpp: the short causal convolution before it over a sequence, SiLU fused in, forward and
+//   backward: the channels read where they lie, where PyTorch pads, convolves, activates and rounds in
+//   passes of their own;
 // - sample_tokens.cpp: the sampler's token choice (sampler.py): one pass over a row's logits where
 //   PyTorch takes five;
 // - register.cpp: the operators' schemas, registered as torch.ops.grpo_native.
@@ -95,6 +98,11 @@ std::vector<at::Tensor> chunk_delta_rule_backward(const at::Tensor& grad_out, co
                                                   const c10::optional<at::Tensor>& initial_state, int64_t chunk,
                                                   bool l2norm);
 bool chunk_delta_rule_blas(bool on);  // products through BLAS (where linked) or the loops; returns which
+
+// short_conv.cpp
+at::Tensor short_conv(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias, bool silu);
+std::vector<at::Tensor> short_conv_backward(const at::Tensor& grad, const at::Tensor& x, const at::Tensor& weight,
+                                            const c10::optional<at::Tensor>& bias, bool silu, bool weight_grads);
 
 // packed_attention.cpp
 std::vector<at::Tensor> packed_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,

@@ -30,6 +30,9 @@ TORCH_LIBRARY(grpo_native, m) {
   m.def("chunk_delta_rule_backward(Tensor grad_out, Tensor? grad_final, Tensor q, Tensor k, Tensor v, Tensor g, "
         "Tensor beta, Tensor? initial_state, int chunk, bool l2norm) -> Tensor[]");
   m.def("chunk_delta_rule_blas(bool on) -> bool", grpo_native::chunk_delta_rule_blas);  // (no tensor: one kernel)
+  m.def("short_conv(Tensor x, Tensor weight, Tensor? bias, bool silu) -> Tensor");
+  m.def("short_conv_backward(Tensor grad, Tensor x, Tensor weight, Tensor? bias, bool silu, bool weight_grads) "
+        "-> Tensor[]");
   m.def("packed_attention(Tensor q, Tensor k, Tensor v, Tensor seqs, Tensor key_rows, int heads, int kv_heads, "
         "float scale, bool dot=False) -> Tensor[]");
   m.def("packed_attention_backward(Tensor grad, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor seqs, "
@@ -53,6 +56,8 @@ TORCH_LIBRARY_IMPL(grpo_native, CPU, m) {
   m.impl("causal_conv_step_", grpo_native::causal_conv_step_);
   m.impl("chunk_delta_rule", grpo_native::chunk_delta_rule);
   m.impl("chunk_delta_rule_backward", grpo_native::chunk_delta_rule_backward);
+  m.impl("short_conv", grpo_native::short_conv);
+  m.impl("short_conv_backward", grpo_native::short_conv_backward);
   m.impl("packed_attention", grpo_native::packed_attention);
   m.impl("packed_attention_backward", grpo_native::packed_attention_backward);
 }

@@ -380,3 +380,55 @@ def test_the_samplers_own_copy_keeps_them_bound_to_its_own_modules(tmp_path, nat
     x = torch.randn(2, 3, norm.weight.shape[0]).to(torch.bfloat16)
     with torch.no_grad():
         assert worst_relative_error(norm(x), LlamaRMSNorm.forward(norm, x)) <= ULP[torch.bfloat16]
+
+
+def _qwen3_5_norms(dtype):
+    from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5RMSNorm, Qwen3_5RMSNormGated
+
+    torch.manual_seed(0)
+    plain, gated = Qwen3_5RMSNorm(96, eps=1e-6), Qwen3_5RMSNormGated(96, eps=1e-6)
+    for norm in (plain, gated):
+        norm.weight.data.uniform_(-0.5, 1.5)
+    return plain.to(dtype).requires_grad_(False), gated.to(dtype).requires_grad_(False)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_qwen3_5s_zero_centred_and_gated_norms_are_autograds_through_their_modules(native_ops, dtype) -> None:
+    """Outputs and gradients (the input's; the gate's too) through the kernels against the modules'
+    own forward and autograd through it: bit for bit in bf16 (the kernels round where the eager
+    operators store bf16), within float32 rounding otherwise."""
+    plain, gated = _qwen3_5_norms(dtype)
+    generator = torch.Generator().manual_seed(1)
+    inputs = {plain: [(torch.randn(5, 7, 96, generator=generator) * 3).to(dtype)],
+              gated: [(torch.randn(37, 96, generator=generator) * 3).to(dtype) for _ in range(2)]}
+    for norm, xs in inputs.items():
+        results = []
+        for routed in (False, True):
+            if routed:
+                assert native_layers.install(norm) == 1 and "forward" in vars(norm)
+            leaves = [x.clone().requires_grad_() for x in xs]
+            out = norm(*leaves)
+            (out.float() * torch.linspace(-1, 1, out.numel()).view(out.shape)).sum().backward()
+            results.append([out] + [x.grad for x in leaves])
+        native_layers.uninstall(norm)
+        for want, got in zip(*results, strict=True):
+            if dtype == torch.bfloat16:
+                assert torch.equal(got, want), type(norm).__name__
+            else:
+                assert worst_relative_error(got, want) <= 16 * ULP[dtype], type(norm).__name__
+
+
+def test_qwen3_5s_norms_take_the_kernels_only_where_they_apply(native_ops) -> None:
+    """A norm whose weight trains runs its own forward (the kernels give no weight gradient), and
+    a gated norm given a gate of another shape too; the kernels say what a wrong input was."""
+    plain, gated = _qwen3_5_norms(torch.float32)
+    assert native_layers.install(plain) == 1 and native_layers.install(gated) == 1
+    plain.weight.requires_grad_(True)
+    plain(torch.randn(2, 96)).sum().backward()
+    assert plain.weight.grad is not None
+    x, one_gate = torch.randn(4, 96), torch.randn(1, 96)  # (broadcast by the module's own forward)
+    assert torch.equal(gated(x, one_gate), type(gated).forward(gated, x, one_gate))
+    with pytest.raises(RuntimeError, match=r"weight must be a contiguous \[96\]"):
+        native_ops.zero_centred_rms_norm(x, torch.zeros(95), 1e-6)
+    with pytest.raises(RuntimeError, match=r"gate must be a contiguous Float \[4, 96\]"):
+        native_ops.gated_rms_norm(x, torch.zeros(4, 95), gated.weight, 1e-6)

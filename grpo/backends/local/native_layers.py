@@ -25,6 +25,7 @@ window, a soft-cap, sinks: ``interface_kwargs``, recorded per layer at ``install
 
 from __future__ import annotations
 
+import inspect
 import sys
 import types
 
@@ -54,6 +55,35 @@ class _RMSNorm(torch.autograd.Function):
     def backward(ctx, grad: torch.Tensor):
         x, weight = ctx.saved_tensors
         return _ops.rms_norm_backward(grad.contiguous(), x, weight, ctx.eps), None, None
+
+
+class _ZeroCentredRMSNorm(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        ctx.save_for_backward(x, weight)
+        ctx.eps = eps
+        return _ops.zero_centred_rms_norm(x, weight, eps)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad: torch.Tensor):
+        x, weight = ctx.saved_tensors
+        return _ops.zero_centred_rms_norm_backward(grad.contiguous(), x, weight, ctx.eps), None, None
+
+
+class _GatedRMSNorm(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        ctx.save_for_backward(x, gate, weight)
+        ctx.eps = eps
+        return _ops.gated_rms_norm(x, gate, weight, eps)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad: torch.Tensor):
+        x, gate, weight = ctx.saved_tensors
+        d_x, d_gate = _ops.gated_rms_norm_backward(grad.contiguous(), x, gate, weight, ctx.eps)
+        return (d_x if ctx.needs_input_grad[0] else None), (d_gate if ctx.needs_input_grad[1] else None), None, None
 
 
 class _SiluMul(torch.autograd.Function):
@@ -140,6 +170,41 @@ def _native_rms_norm(self: nn.Module, hidden_states: torch.Tensor) -> torch.Tens
         out = _RMSNorm.apply(x, self.weight, self.variance_epsilon)
     else:
         out = _ops.add_rms_norm(x, None, self.weight, self.variance_epsilon)[1]
+    return out.view(hidden_states.shape)
+
+
+def zero_centred_rms_norm_forward(self: nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
+    """A zero-centred RMSNorm's forward (``x r (1 + weight)``: Qwen3.5's, Gemma's), through the kernels
+    where they apply (bound by ``install``)."""
+    if self.weight.requires_grad or not _native(hidden_states, self.weight):
+        return type(self).forward(self, hidden_states)
+    return _native_zero_centred_rms_norm(self, hidden_states)
+
+
+def _native_zero_centred_rms_norm(self: nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
+    x = _rows(hidden_states)
+    if torch.is_grad_enabled() and x.requires_grad:
+        out = _ZeroCentredRMSNorm.apply(x, self.weight, self.eps)
+    else:
+        out = _ops.zero_centred_rms_norm(x, self.weight, self.eps)
+    return out.view(hidden_states.shape)
+
+
+def gated_rms_norm_forward(self: nn.Module, hidden_states: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    """Qwen3.5's gated RMSNorm's forward (the norm, its weight, times SiLU of the gate), through the
+    kernels where they apply (bound by ``install``)."""
+    if (self.weight.requires_grad or gate.shape != hidden_states.shape
+            or not _native(hidden_states, gate, self.weight)):
+        return type(self).forward(self, hidden_states, gate)
+    return _native_gated_rms_norm(self, hidden_states, gate)
+
+
+def _native_gated_rms_norm(self: nn.Module, hidden_states: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    x, z = _rows(hidden_states), _rows(gate)
+    if torch.is_grad_enabled() and (x.requires_grad or z.requires_grad):
+        out = _GatedRMSNorm.apply(x, z, self.weight, self.variance_epsilon)
+    else:
+        out = _ops.gated_rms_norm(x, z, self.weight, self.variance_epsilon)
     return out.view(hidden_states.shape)
 
 
@@ -254,6 +319,25 @@ def _is_rms_norm(module: nn.Module) -> bool:
             and isinstance(getattr(module, "variance_epsilon", None), float))
 
 
+def _is_zero_centred_rms_norm(module: nn.Module) -> bool:
+    """A norm with a 1-d weight and ``eps`` (Qwen3.5's, Gemma's name it so; Llama's ``variance_epsilon``):
+    whether it scales by ``1 + weight`` the trial decides."""
+    weight = getattr(module, "weight", None)
+    return (isinstance(weight, nn.Parameter) and weight.dim() == 1 and isinstance(getattr(module, "eps", None), float)
+            and not hasattr(module, "variance_epsilon"))
+
+
+def _is_gated_rms_norm(module: nn.Module) -> bool:
+    """An RMSNorm whose forward takes a gate beside the hidden states (Qwen3.5's after its delta rule)."""
+    if not _is_rms_norm(module):
+        return False
+    try:
+        parameters = list(inspect.signature(type(module).forward).parameters)
+    except (TypeError, ValueError):
+        return False
+    return parameters[1:] == ["hidden_states", "gate"] and getattr(module, "activation", None) == "silu"
+
+
 def _is_silu_mlp(module: nn.Module) -> bool:
     from transformers.activations import SiLUActivation
 
@@ -266,22 +350,29 @@ def _route(module: nn.Module):
     """The forward ``install`` would give ``module`` (None: it is none of the three)."""
     if _is_rotary_attention(module):
         return rotary_attention_forward
+    if _is_gated_rms_norm(module):
+        return gated_rms_norm_forward
     if _is_rms_norm(module):
         return rms_norm_forward
+    if _is_zero_centred_rms_norm(module):
+        return zero_centred_rms_norm_forward
     if _is_silu_mlp(module):
         return silu_mlp_forward
     return None
 
 
-FORWARDS = (rms_norm_forward, silu_mlp_forward, rotary_attention_forward)
+FORWARDS = (rms_norm_forward, zero_centred_rms_norm_forward, gated_rms_norm_forward, silu_mlp_forward,
+            rotary_attention_forward)
 
 
 def _trial(module: nn.Module, forward, dtype: torch.dtype) -> tuple:
     """A random input for ``forward``'s module: hidden states, and for an attention random rotary
     angles (no mask: causal, as transformers' SDPA takes it)."""
     generator = torch.Generator().manual_seed(0)
-    if forward is rms_norm_forward:
+    if forward in (rms_norm_forward, zero_centred_rms_norm_forward):
         return ((torch.randn(1, 3, module.weight.shape[0], generator=generator) * 2).to(dtype),)
+    if forward is gated_rms_norm_forward:
+        return tuple((torch.randn(1, 3, module.weight.shape[0], generator=generator) * 2).to(dtype) for _ in range(2))
     if forward is silu_mlp_forward:
         return ((torch.randn(1, 3, module.gate_proj.in_features, generator=generator) * 2).to(dtype),)
     x = torch.randn(1, 4, module.q_proj.in_features, generator=generator).to(dtype)
@@ -291,7 +382,8 @@ def _trial(module: nn.Module, forward, dtype: torch.dtype) -> tuple:
 
 
 # each routed forward -> its kernel path alone, which a class's first instance is checked on
-_KERNEL_PATH = {rms_norm_forward: _native_rms_norm, silu_mlp_forward: _native_silu_mlp,
+_KERNEL_PATH = {rms_norm_forward: _native_rms_norm, zero_centred_rms_norm_forward: _native_zero_centred_rms_norm,
+                gated_rms_norm_forward: _native_gated_rms_norm, silu_mlp_forward: _native_silu_mlp,
                 rotary_attention_forward: _native_rotary_attention}
 
 

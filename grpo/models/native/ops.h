@@ -23,6 +23,8 @@
 // - short_conv.cpp: the short causal convolution before it over a sequence, SiLU fused in, forward and
 //   backward: the channels read where they lie, where PyTorch pads, convolves, activates and rounds in
 //   passes of their own;
+// - zero_centred_norms.cpp: the RMSNorm that scales by 1 + weight (Qwen3.5's, Qwen3-Next's, Gemma's) and
+//   Qwen3.5's gated norm, forward and backward, for the trainer and the sampler's copy (native_layers.py);
 // - sample_tokens.cpp: the sampler's token choice (sampler.py): one pass over a row's logits where
 //   PyTorch takes five;
 // - register.cpp: the operators' schemas, registered as torch.ops.grpo_native.
@@ -103,6 +105,14 @@ bool chunk_delta_rule_blas(bool on);  // products through BLAS (where linked) or
 at::Tensor short_conv(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias, bool silu);
 std::vector<at::Tensor> short_conv_backward(const at::Tensor& grad, const at::Tensor& x, const at::Tensor& weight,
                                             const c10::optional<at::Tensor>& bias, bool silu, bool weight_grads);
+
+// zero_centred_norms.cpp
+at::Tensor zero_centred_rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
+at::Tensor zero_centred_rms_norm_backward(const at::Tensor& grad, const at::Tensor& x, const at::Tensor& weight,
+                                          double eps);
+at::Tensor gated_rms_norm(const at::Tensor& x, const at::Tensor& gate, const at::Tensor& weight, double eps);
+std::vector<at::Tensor> gated_rms_norm_backward(const at::Tensor& grad, const at::Tensor& x, const at::Tensor& gate,
+                                                const at::Tensor& weight, double eps);
 
 // packed_attention.cpp
 std::vector<at::Tensor> packed_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,

@@ -33,6 +33,10 @@ TORCH_LIBRARY(grpo_native, m) {
   m.def("short_conv(Tensor x, Tensor weight, Tensor? bias, bool silu) -> Tensor");
   m.def("short_conv_backward(Tensor grad, Tensor x, Tensor weight, Tensor? bias, bool silu, bool weight_grads) "
         "-> Tensor[]");
+  m.def("zero_centred_rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
+  m.def("zero_centred_rms_norm_backward(Tensor grad, Tensor x, Tensor weight, float eps) -> Tensor");
+  m.def("gated_rms_norm(Tensor x, Tensor gate, Tensor weight, float eps) -> Tensor");
+  m.def("gated_rms_norm_backward(Tensor grad, Tensor x, Tensor gate, Tensor weight, float eps) -> Tensor[]");
   m.def("packed_attention(Tensor q, Tensor k, Tensor v, Tensor seqs, Tensor key_rows, int heads, int kv_heads, "
         "float scale, bool dot=False) -> Tensor[]");
   m.def("packed_attention_backward(Tensor grad, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor seqs, "
@@ -58,6 +62,10 @@ TORCH_LIBRARY_IMPL(grpo_native, CPU, m) {
   m.impl("chunk_delta_rule_backward", grpo_native::chunk_delta_rule_backward);
   m.impl("short_conv", grpo_native::short_conv);
   m.impl("short_conv_backward", grpo_native::short_conv_backward);
+  m.impl("zero_centred_rms_norm", grpo_native::zero_centred_rms_norm);
+  m.impl("zero_centred_rms_norm_backward", grpo_native::zero_centred_rms_norm_backward);
+  m.impl("gated_rms_norm", grpo_native::gated_rms_norm);
+  m.impl("gated_rms_norm_backward", grpo_native::gated_rms_norm_backward);
   m.impl("packed_attention", grpo_native::packed_attention);
   m.impl("packed_attention_backward", grpo_native::packed_attention_backward);
 }

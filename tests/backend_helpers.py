@@ -168,3 +168,21 @@ def save_tiny_model(directory, family: str, seed: int = 0) -> str:
     model.save_pretrained(directory)
     tokenizer.save_pretrained(directory)
     return str(directory)
+
+
+def tiny_qwen3_5(dtype: torch.dtype = torch.float32):
+    """A random Qwen3.5 hybrid (three gated-delta-rule layers, one attention; 4 value heads over 2 key
+    heads) on the tiny model's tokenizer, in ``dtype``, and that tokenizer."""
+    import transformers
+
+    from grpo import models
+
+    tokenizer = models.load_tokenizer("tiny")
+    config = transformers.Qwen3_5TextConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128,
+                                            num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                                            linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+                                            linear_value_head_dim=16,
+                                            layer_types=["linear_attention", "linear_attention", "linear_attention",
+                                                         "full_attention"])
+    torch.manual_seed(0)
+    return transformers.Qwen3_5ForCausalLM(config).eval().to(dtype), tokenizer

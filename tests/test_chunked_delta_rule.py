@@ -6,10 +6,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-import transformers
+from backend_helpers import tiny_qwen3_5
 from transformers.models.qwen3_5 import modeling_qwen3_5
 
-from grpo import models
 from grpo.backends.local import delta_rule
 
 
@@ -129,18 +128,6 @@ def test_the_kernel_names_what_is_wrong(native_ops) -> None:
         native_ops.chunk_delta_rule_backward(v.bfloat16(), None, q, k, v, g, beta, state, 5, True)
 
 
-def _tiny_qwen3_5():
-    tokenizer = models.load_tokenizer("tiny")
-    config = transformers.Qwen3_5TextConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128,
-                                            num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-                                            linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
-                                            linear_value_head_dim=16,
-                                            layer_types=["linear_attention", "linear_attention", "linear_attention",
-                                                         "full_attention"])
-    torch.manual_seed(0)
-    return transformers.Qwen3_5ForCausalLM(config)
-
-
 def _spied(monkeypatch) -> list[int]:
     """The module's fitted function over a reference that records the chunk sizes it is called with."""
     reference, calls = _reference(), []
@@ -158,7 +145,8 @@ def test_a_hybrid_prefills_and_trains_through_the_kernel_as_through_the_referenc
     """A model's 70-position pass (two chunks of 35): logits and every parameter's gradient within
     float32 rounding of the reference's; the reference runs once, in the kernel's trial, not for the
     model's three linear-attention layers."""
-    model = _tiny_qwen3_5()
+    model, _ = tiny_qwen3_5()
+    model.train()
     ids = torch.tensor([[1, *range(40, 109)], [1, *range(140, 209)]])
     calls = _spied(monkeypatch)
     results = []

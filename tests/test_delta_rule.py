@@ -6,11 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 import transformers
-from backend_helpers import assert_logprobs_of_a_plain_forward
+from backend_helpers import assert_logprobs_of_a_plain_forward, tiny_qwen3_5
 from transformers import DynamicCache
 from transformers.models.qwen3_5.modeling_qwen3_5 import torch_recurrent_gated_delta_rule
 
-from grpo import models
 from grpo.backends.local import delta_rule, recurrent_sampler, sampler
 from grpo.types import SamplingParams
 
@@ -69,21 +68,9 @@ def test_the_kernel_names_what_is_wrong(native_ops) -> None:
         native_ops.gated_delta_step_(state.float(), q, q, torch.zeros(2, 4, 16), torch.zeros(2, 4), torch.zeros(2, 4))
 
 
-def _tiny_qwen3_5(dtype: torch.dtype = torch.float32):
-    tokenizer = models.load_tokenizer("tiny")
-    config = transformers.Qwen3_5TextConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128,
-                                            num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-                                            linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
-                                            linear_value_head_dim=16,
-                                            layer_types=["linear_attention", "linear_attention", "linear_attention",
-                                                         "full_attention"])
-    torch.manual_seed(0)
-    return transformers.Qwen3_5ForCausalLM(config).eval().to(dtype), tokenizer
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_routed_layers_decode_as_the_model_does_and_get_their_forward_back(native_ops, dtype) -> None:
-    model, _ = _tiny_qwen3_5(dtype)
+    model, _ = tiny_qwen3_5(dtype)
     prompt, step = torch.tensor([[1, 504, 3458, 314, 253]] * 2), torch.tensor([[28], [9906]])
 
     def two_steps() -> torch.Tensor:
@@ -104,7 +91,7 @@ def test_routed_layers_decode_as_the_model_does_and_get_their_forward_back(nativ
 
 def test_a_hybrid_samples_its_steps_through_the_kernel_with_the_logprobs_of_a_plain_forward(native_ops,
                                                                                             monkeypatch) -> None:
-    model, tokenizer = _tiny_qwen3_5()
+    model, tokenizer = tiny_qwen3_5()
     kernel_steps = []
     monkeypatch.setattr(delta_rule, "_verdicts", {})  # (the class's trial runs here: one step of its first layer)
     real = delta_rule._step_states
@@ -120,7 +107,7 @@ def test_a_hybrid_samples_its_steps_through_the_kernel_with_the_logprobs_of_a_pl
 
 def test_a_layer_the_kernel_would_compute_otherwise_keeps_its_own_forward(native_ops) -> None:
     """float16 is not a precision the step was checked in: nothing is routed."""
-    model, _ = _tiny_qwen3_5(torch.float16)
+    model, _ = tiny_qwen3_5(torch.float16)
     with delta_rule.routed(model) as routed:
         assert routed == 0
 
@@ -246,7 +233,7 @@ def test_fit_prefill_takes_only_transformers_references(monkeypatch) -> None:
     from transformers.models.qwen3_5 import modeling_qwen3_5
 
     monkeypatch.setenv("GRPO_NATIVE_KERNELS", "off")
-    model, _ = _tiny_qwen3_5()
+    model, _ = tiny_qwen3_5()
     chunked = _reference(modeling_qwen3_5, "torch_chunk_gated_delta_rule")
     conv = _reference(modeling_qwen3_5, "causal_conv1d_fn")
     for name, function in (("torch_chunk_gated_delta_rule", chunked), ("causal_conv1d_fn", conv)):

@@ -25,9 +25,12 @@ taken after a trial against the reference in each process) in chunks fitted to t
 as of at most 64 positions, as even as can be: the same sums in another grouping), and, where the
 kernels are not built, the reference in those chunks (which pads a sequence to a multiple of 64
 positions and whose work grows with the chunk squared: a GRPO completion of 32 tokens costs half).
-The short convolution pads both ends and applies its SiLU to a strided slice of the result (9x
-slower than on contiguous values): its replacement pads on the left only (the same products: bit for
-bit in bfloat16, within rounding in float32). docs/benchmark.md has the numbers.
+The short convolution's reference pads both ends, convolves, and applies its SiLU to a strided slice
+of the result (9x slower than on contiguous values), and autograd mirrors each pass: its replacement
+runs ``native/short_conv.cpp`` (SiLU fused, forward and backward, the layer's channels-last memory
+read and written in place, so that q, k and v reach the delta rule's kernel as views), after a trial
+as the delta rule's, and without the kernels pads on the left only (the same products: bit for bit
+in bfloat16, within rounding in float32, either way). docs/benchmark.md has the numbers.
 """
 
 from __future__ import annotations
@@ -369,7 +372,8 @@ def _sequence_conv(hidden_states, weight, bias, activation):
     memory (the layer transposes it back)."""
     x = hidden_states.transpose(1, 2)
     x = x if x.stride(2) == 1 else x.contiguous()
-    return _SequenceConv.apply(x, weight, bias, activation is not None).transpose(1, 2)
+    bias = bias.contiguous() if bias is not None else None
+    return _SequenceConv.apply(x, weight.contiguous(), bias, activation is not None).transpose(1, 2)
 
 
 _conv_verdicts: dict[object, bool] = {}

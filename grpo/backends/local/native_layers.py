@@ -44,31 +44,24 @@ _ops = None  # torch.ops.grpo_native, set by install()
 
 
 class _RMSNorm(torch.autograd.Function):
+    """An RMSNorm through the kernels: Llama's (``_llama_norm``, ``rms_norm_backward``) or the
+    zero-centred one (``zero_centred_rms_norm`` and its backward), the weight not trained."""
+
     @staticmethod
-    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float, norm, norm_backward) -> torch.Tensor:
         ctx.save_for_backward(x, weight)
-        ctx.eps = eps
-        return _ops.add_rms_norm(x, None, weight, eps)[1]
+        ctx.eps, ctx.norm_backward = eps, norm_backward
+        return norm(x, weight, eps)
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad: torch.Tensor):
         x, weight = ctx.saved_tensors
-        return _ops.rms_norm_backward(grad.contiguous(), x, weight, ctx.eps), None, None
+        return ctx.norm_backward(grad.contiguous(), x, weight, ctx.eps), None, None, None, None
 
 
-class _ZeroCentredRMSNorm(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        ctx.save_for_backward(x, weight)
-        ctx.eps = eps
-        return _ops.zero_centred_rms_norm(x, weight, eps)
-
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, grad: torch.Tensor):
-        x, weight = ctx.saved_tensors
-        return _ops.zero_centred_rms_norm_backward(grad.contiguous(), x, weight, ctx.eps), None, None
+def _llama_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return _ops.add_rms_norm(x, None, weight, eps)[1]
 
 
 class _GatedRMSNorm(torch.autograd.Function):
@@ -167,9 +160,9 @@ def rms_norm_forward(self: nn.Module, hidden_states: torch.Tensor) -> torch.Tens
 def _native_rms_norm(self: nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
     x = _rows(hidden_states)
     if torch.is_grad_enabled() and x.requires_grad:
-        out = _RMSNorm.apply(x, self.weight, self.variance_epsilon)
+        out = _RMSNorm.apply(x, self.weight, self.variance_epsilon, _llama_norm, _ops.rms_norm_backward)
     else:
-        out = _ops.add_rms_norm(x, None, self.weight, self.variance_epsilon)[1]
+        out = _llama_norm(x, self.weight, self.variance_epsilon)
     return out.view(hidden_states.shape)
 
 
@@ -184,7 +177,7 @@ def zero_centred_rms_norm_forward(self: nn.Module, hidden_states: torch.Tensor) 
 def _native_zero_centred_rms_norm(self: nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
     x = _rows(hidden_states)
     if torch.is_grad_enabled() and x.requires_grad:
-        out = _ZeroCentredRMSNorm.apply(x, self.weight, self.eps)
+        out = _RMSNorm.apply(x, self.weight, self.eps, _ops.zero_centred_rms_norm, _ops.zero_centred_rms_norm_backward)
     else:
         out = _ops.zero_centred_rms_norm(x, self.weight, self.eps)
     return out.view(hidden_states.shape)

@@ -9,13 +9,16 @@ their backward) sweeps a chunk of logits about eight times: each a pass over a l
 ``install`` routes every module that computes those through one native call each way
 (grpo/models/native/layers.cpp), and ``target_logprobs`` does the loss head in three passes; in one process,
 alternating, a bf16 ``forward_backward`` took 1.64 s against 1.88 s, fp32 2.63 against 2.74
-(docs/benchmark.md). The Linears stay the modules' own (LoRA included); the kernels round to the
+(docs/benchmark.md). Norms other than Llama's have kernels of their own
+(grpo/models/native/zero_centred_norms.cpp): the zero-centred one that scales by ``1 + weight`` in
+float32 (Qwen3.5's, Qwen3-Next's, Gemma's) and Qwen3.5's gated norm after its delta rule (times SiLU
+of a gate). The Linears stay the modules' own (LoRA included); the kernels round to the
 model's dtype where the eager operators do, so outputs are the eager ones up to the order of float
 sums; autograd saves the norm's input in the model's dtype, not a float32 copy, and the MLP's gate
 and up, not its activation as well.
 
 A module class is taken only after its first instance computed the same as the kernel on a random
-input (a norm that scales by ``1 + weight``, as Gemma's, an MLP with another activation, an
+input (a Llama-named norm that scales by ``1 + weight``, an MLP with another activation, an
 attention that normalises q and k, as Qwen3's, keep their own forward), and each call falls back
 to the module's own forward where the kernel does not apply: a norm whose weight is trained, mixed
 dtypes, a tensor off the CPU, an attention call with a KV cache (the sampler's prefill). A routed

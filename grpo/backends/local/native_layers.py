@@ -161,11 +161,16 @@ def rms_norm_forward(self: nn.Module, hidden_states: torch.Tensor) -> torch.Tens
 
 
 def _native_rms_norm(self: nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
+    return _normed(hidden_states, self.weight, self.variance_epsilon, _llama_norm, _ops.rms_norm_backward)
+
+
+def _normed(hidden_states: torch.Tensor, weight: torch.Tensor, eps: float, norm, norm_backward) -> torch.Tensor:
+    """``hidden_states`` through an RMSNorm's kernels (``_RMSNorm``), its shape kept."""
     x = _rows(hidden_states)
     if torch.is_grad_enabled() and x.requires_grad:
-        out = _RMSNorm.apply(x, self.weight, self.variance_epsilon, _llama_norm, _ops.rms_norm_backward)
+        out = _RMSNorm.apply(x, weight, eps, norm, norm_backward)
     else:
-        out = _llama_norm(x, self.weight, self.variance_epsilon)
+        out = norm(x, weight, eps)
     return out.view(hidden_states.shape)
 
 
@@ -178,12 +183,7 @@ def zero_centred_rms_norm_forward(self: nn.Module, hidden_states: torch.Tensor) 
 
 
 def _native_zero_centred_rms_norm(self: nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
-    x = _rows(hidden_states)
-    if torch.is_grad_enabled() and x.requires_grad:
-        out = _RMSNorm.apply(x, self.weight, self.eps, _ops.zero_centred_rms_norm, _ops.zero_centred_rms_norm_backward)
-    else:
-        out = _ops.zero_centred_rms_norm(x, self.weight, self.eps)
-    return out.view(hidden_states.shape)
+    return _normed(hidden_states, self.weight, self.eps, _ops.zero_centred_rms_norm, _ops.zero_centred_rms_norm_backward)
 
 
 def gated_rms_norm_forward(self: nn.Module, hidden_states: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:

@@ -90,12 +90,14 @@ struct Shape {
 struct Chunk {
   int64_t c = 0, dk, dv, most;
   std::vector<float> q, k, v, beta, gamma, inv_q, inv_k;  // q, k as used (normalised, q scaled); 1/norms
+  std::vector<float> grown, to_last;                      // exp(gamma_i), exp(gamma_last - gamma_i)
+  float carried = 1.f;                                    // exp(gamma_last): the state's decay over the chunk
   std::vector<float> decay, kk, a, p, u, w, vnew;        // D, K K^T, A, P, U, W, V'
 
   Chunk(const Shape& s) : dk(s.dk), dv(s.dv), most(s.chunk) {
     for (auto* x : {&q, &k, &w}) x->resize(most * dk);
     for (auto* x : {&v, &u, &vnew}) x->resize(most * dv);
-    for (auto* x : {&beta, &gamma, &inv_q, &inv_k}) x->resize(most);
+    for (auto* x : {&beta, &gamma, &inv_q, &inv_k, &grown, &to_last}) x->resize(most);
     for (auto* x : {&decay, &kk, &a, &p}) x->resize(most * most);
   }
   float* row(std::vector<float>& x, int64_t i, int64_t width) { return x.data() + i * width; }
@@ -140,6 +142,11 @@ void prepare(Chunk& ch, const Shape& s, const Inputs<T>& in, int64_t r, int64_t 
     gamma += in.g[pos * s.v_heads + h];
     ch.gamma[i] = gamma;
   }
+  ch.carried = std::exp(gamma);
+  for (int64_t i = 0; i < c; ++i) {
+    ch.grown[i] = std::exp(ch.gamma[i]);
+    ch.to_last[i] = std::exp(gamma - ch.gamma[i]);
+  }
   for (int64_t i = 0; i < c; ++i)
     for (int64_t j = 0; j < c; ++j) ch.decay[i * c + j] = j <= i ? std::exp(ch.gamma[i] - ch.gamma[j]) : 0.f;
   // A[i][j] = beta_i k_i.k_j D[i][j], j < i
@@ -152,7 +159,7 @@ void prepare(Chunk& ch, const Shape& s, const Inputs<T>& in, int64_t r, int64_t 
     float* wi = ch.row(ch.w, i, dk);
     const float* vi = ch.row(ch.v, i, dv);
     const float* ki = ch.row(ch.k, i, dk);
-    const float bk = ch.beta[i] * std::exp(ch.gamma[i]);
+    const float bk = ch.beta[i] * ch.grown[i];
 #pragma omp simd
     for (int64_t x = 0; x < dv; ++x) ui[x] = vi[x] * ch.beta[i];
 #pragma omp simd
@@ -175,18 +182,22 @@ void new_values(Chunk& ch, const float* state) {
   gemm(false, false, ch.c, ch.dv, ch.dk, -1.f, ch.w.data(), ch.dk, state, ch.dv, 1.f, ch.vnew.data(), ch.dv);
 }
 
+// out[i] = rows[i] * factor[i] for the chunk's positions (rows of ch.dk): the queries grown to where they
+// read the state (q exp(gamma)), the keys decayed to the chunk's end (k exp(gamma_last - gamma))
+void scaled_rows(const Chunk& ch, const std::vector<float>& rows, const std::vector<float>& factor, float* out) {
+  for (int64_t i = 0; i < ch.c; ++i) {
+    const float* ri = rows.data() + i * ch.dk;
+    const float f = factor[i];
+#pragma omp simd
+    for (int64_t x = 0; x < ch.dk; ++x) out[i * ch.dk + x] = ri[x] * f;
+  }
+}
+
 // S <- exp(gamma_last) S + (k exp(gamma_last - gamma))^T V'; `kd` takes the decayed keys
 void advance(Chunk& ch, float* state, float* kd) {
-  const int64_t c = ch.c, dk = ch.dk;
-  const float last = ch.gamma[c - 1], carried = std::exp(last);
-  for (int64_t i = 0; i < dk * ch.dv; ++i) state[i] *= carried;
-  for (int64_t i = 0; i < c; ++i) {
-    const float decay = std::exp(last - ch.gamma[i]);
-    const float* ki = ch.row(ch.k, i, dk);
-#pragma omp simd
-    for (int64_t x = 0; x < dk; ++x) kd[i * dk + x] = ki[x] * decay;
-  }
-  gemm(true, false, dk, ch.dv, c, 1.f, kd, dk, ch.vnew.data(), ch.dv, 1.f, state, ch.dv);
+  for (int64_t i = 0; i < ch.dk * ch.dv; ++i) state[i] *= ch.carried;
+  scaled_rows(ch, ch.k, ch.to_last, kd);
+  gemm(true, false, ch.dk, ch.dv, ch.c, 1.f, kd, ch.dk, ch.vnew.data(), ch.dv, 1.f, state, ch.dv);
 }
 
 template <typename T>
@@ -204,12 +215,7 @@ void forward(const Shape& s, const Inputs<T>& in, const float* initial, T* out, 
         const int64_t c = ch.c;
         new_values(ch, state.data());
         // O = (q exp(gamma)) S + P V'
-        for (int64_t i = 0; i < c; ++i) {
-          const float e = std::exp(ch.gamma[i]);
-          const float* qi = ch.row(ch.q, i, dk);
-#pragma omp simd
-          for (int64_t x = 0; x < dk; ++x) qg[i * dk + x] = qi[x] * e;
-        }
+        scaled_rows(ch, ch.q, ch.grown, qg.data());
         gemm(false, false, c, dv, dk, 1.f, qg.data(), dk, state.data(), dv, 0.f, o.data(), dv);
         gemm(false, false, c, dv, c, 1.f, ch.p.data(), c, ch.vnew.data(), dv, 1.f, o.data(), dv);
         for (int64_t i = 0; i < c; ++i)
@@ -256,17 +262,10 @@ void backward(const Shape& s, const Inputs<T>& in, const float* initial, const T
         prepare(ch, s, in, r, h, n, true);
         const int64_t c = ch.c, t0 = n * s.chunk;
         new_values(ch, state);
-        const float last = ch.gamma[c - 1], carried = std::exp(last);
-        for (int64_t i = 0; i < c; ++i) {
-          const float e = std::exp(ch.gamma[i]), decay = std::exp(last - ch.gamma[i]);
-          const float *qi = ch.row(ch.q, i, dk), *ki = ch.row(ch.k, i, dk);
-#pragma omp simd
-          for (int64_t x = 0; x < dk; ++x) {
-            qg[i * dk + x] = qi[x] * e;
-            kd[i * dk + x] = ki[x] * decay;
-          }
+        scaled_rows(ch, ch.q, ch.grown, qg.data());
+        scaled_rows(ch, ch.k, ch.to_last, kd.data());
+        for (int64_t i = 0; i < c; ++i)
           to_float(grad_out + ((r * s.positions + t0 + i) * s.v_heads + h) * dv, d_o.data() + i * dv, dv);
-        }
         // dV' = P^T dO + kd dS (O = ... + P V'; S' = ... + kd^T V')
         gemm(true, false, c, dv, c, 1.f, ch.p.data(), c, d_o.data(), dv, 0.f, d_vnew.data(), dv);
         gemm(false, false, c, dv, dk, 1.f, kd.data(), dk, ds.data(), dv, 1.f, d_vnew.data(), dv);
@@ -279,7 +278,7 @@ void backward(const Shape& s, const Inputs<T>& in, const float* initial, const T
         // dW = -dV' S^T (V' = U - W S); the state's gradient before the chunk:
         // dS = exp(gamma_last) dS' + (q exp(gamma))^T dO - W^T dV'
         gemm(false, true, c, dk, dv, -1.f, d_vnew.data(), dv, state, dv, 0.f, d_w.data(), dk);
-        for (int64_t i = 0; i < dk * dv; ++i) ds_next[i] = ds[i] * carried;
+        for (int64_t i = 0; i < dk * dv; ++i) ds_next[i] = ds[i] * ch.carried;
         gemm(true, false, dk, dv, c, 1.f, qg.data(), dk, d_o.data(), dv, 1.f, ds_next.data(), dv);
         gemm(true, false, dk, dv, c, -1.f, ch.w.data(), dk, d_vnew.data(), dv, 1.f, ds_next.data(), dv);
         std::swap(ds, ds_next);
@@ -298,7 +297,7 @@ void backward(const Shape& s, const Inputs<T>& in, const float* initial, const T
         std::fill(d_gamma.begin(), d_gamma.begin() + c, 0.f);
         for (int64_t i = 0; i < c; ++i) {
           const float *xi = d_vnew.data() + i * dv, *yi = d_w.data() + i * dk, *ki = ch.row(ch.k, i, dk);
-          const float e = std::exp(ch.gamma[i]), bi = ch.beta[i];
+          const float e = ch.grown[i], bi = ch.beta[i];
           // U = (I + A)^-1 (beta v): dv = beta X, dbeta = v.X
           float* gv = out.v + ((r * s.positions + t0 + i) * s.v_heads + h) * dv;
 #pragma omp simd
@@ -338,14 +337,13 @@ void backward(const Shape& s, const Inputs<T>& in, const float* initial, const T
         gemm(true, false, c, dk, c, 1.f, d_a.data(), c, ch.k.data(), dk, 1.f, gk.data(), dk);
         gemm(false, false, c, dk, c, 1.f, d_p.data(), c, ch.k.data(), dk, 1.f, gq.data(), dk);
         gemm(true, false, c, dk, c, 1.f, d_p.data(), c, ch.q.data(), dk, 1.f, gk.data(), dk);
-        float d_last = carried * d_carried;
+        float d_last = ch.carried * d_carried;
         for (int64_t i = 0; i < c; ++i) {
           // q exp(gamma): dq += exp(gamma) d(q exp(gamma)), dgamma += (q exp(gamma)).d(...)
-          const float e = std::exp(ch.gamma[i]), decay = std::exp(last - ch.gamma[i]);
-          axpy(e, d_qg.data() + i * dk, gq.data() + i * dk, dk);
+          axpy(ch.grown[i], d_qg.data() + i * dk, gq.data() + i * dk, dk);
           d_gamma[i] += dot(qg.data() + i * dk, d_qg.data() + i * dk, dk);
           // k exp(gamma_last - gamma): dk += decay dkd, dgamma -= kd.dkd, dgamma_last += kd.dkd
-          axpy(decay, d_kd.data() + i * dk, gk.data() + i * dk, dk);
+          axpy(ch.to_last[i], d_kd.data() + i * dk, gk.data() + i * dk, dk);
           const float z = dot(kd.data() + i * dk, d_kd.data() + i * dk, dk);
           d_gamma[i] -= z;
           d_last += z;

@@ -45,13 +45,16 @@ namespace grpo_native {
     return __VA_ARGS__();                                                                         \
   }()
 
-// n values of T as floats (bf16: the high half of a float's bits, a shift that vectorizes)
+// a value of T as a float (bf16: the high half of a float's bits, a shift that vectorizes)
+inline float widen(float v) { return v; }
+inline float widen(c10::BFloat16 v) { return std::bit_cast<float>(static_cast<uint32_t>(v.x) << 16); }
+// n values of T as floats
 inline void to_float(const float* src, float* dst, int64_t n) { std::memcpy(dst, src, n * sizeof(float)); }
 inline void to_float(const c10::BFloat16* src, float* dst, int64_t n) {
   // bit_cast, not a uint32_t* over dst: stores through another type's pointer may be reordered
   // past the float loads that follow (strict aliasing), which broke bf16 once loops were unrolled
 #pragma omp simd
-  for (int64_t i = 0; i < n; ++i) dst[i] = std::bit_cast<float>(static_cast<uint32_t>(src[i].x) << 16);
+  for (int64_t i = 0; i < n; ++i) dst[i] = widen(src[i]);
 }
 // floats rounded to T, as T's own conversion rounds (to nearest even)
 inline void from_float(const float* src, float* dst, int64_t n) { std::memcpy(dst, src, n * sizeof(float)); }
@@ -79,15 +82,20 @@ template <> inline float in_dtype<c10::BFloat16>(float v) {
   return std::bit_cast<float>(static_cast<uint32_t>(bf16_bits(v)) << 16);
 }
 
+// 1 / sqrt(mean(x^2) + eps) of a row of floats: an RMSNorm's scale
+inline float inverse_rms(const float* x, int64_t dim, float eps) {
+  float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+  for (int64_t i = 0; i < dim; ++i) sum += x[i] * x[i];
+  return 1.f / std::sqrt(sum / static_cast<float>(dim) + eps);
+}
+
 // y = an RMSNorm of the row h by the weight w (both T's values as floats; y may be h), rounded where
 // transformers' RMSNorm stores T: T(w * T(h * rsqrt(mean(h^2) + eps))) (float32: no rounding). The one
 // place both add_rms_norm and rope_attend's norms of q's and k's heads (Qwen3's) compute it: the same bits.
 template <typename T>
 inline void rms_norm_row(const float* h, const float* w, float* y, int64_t dim, float eps) {
-  float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-  for (int64_t i = 0; i < dim; ++i) sum += h[i] * h[i];
-  const float scale = 1.f / std::sqrt(sum / static_cast<float>(dim) + eps);
+  const float scale = inverse_rms(h, dim, eps);
 #pragma omp simd
   for (int64_t i = 0; i < dim; ++i) y[i] = in_dtype<T>(w[i] * in_dtype<T>(h[i] * scale));
 }
@@ -111,6 +119,8 @@ inline float vexp(float x) {
   const float scale = std::bit_cast<float>((static_cast<int32_t>(n) + 127) << 23);
   return x != x ? x : y * scale;
 }
+
+inline float sigmoid(float x) { return 1.f / (1.f + vexp(-x)); }
 
 inline void check_rows(const at::Tensor& t, int64_t rows, int64_t width, const char* what) {
   TORCH_CHECK(t.device().is_cpu(), what, ": a CPU tensor is expected");

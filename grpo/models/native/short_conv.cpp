@@ -34,9 +34,6 @@ std::vector<float> taps_by_position(const T* weight, int64_t channels, int64_t k
   return taps;
 }
 
-inline float widen(float v) { return v; }
-inline float widen(c10::BFloat16 v) { return std::bit_cast<float>(static_cast<uint32_t>(v.x) << 16); }
-
 // The inputs that position t of a row reads, oldest first: sources[j] = x[t - kernel + 1 + j], or
 // `zeros` where that is left of the row (the left padding)
 template <typename T>
@@ -62,8 +59,6 @@ inline float convolved(const T* const* sources, const float* taps, const float* 
   }
   return in_dtype<T>(sum);
 }
-
-inline float sigmoid(float x) { return 1.f / (1.f + vexp(-x)); }
 
 // y[c] for channels [0, n): the convolution, SiLU after where asked (not rounded: the caller stores it)
 template <typename T, int KERNEL>

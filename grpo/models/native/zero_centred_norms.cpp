@@ -16,14 +16,6 @@ namespace grpo_native {
 
 namespace {
 
-// 1 / sqrt(mean(x^2) + eps) of a row of floats
-inline float inverse_rms(const float* x, int64_t dim, float eps) {
-  float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-  for (int64_t i = 0; i < dim; ++i) sum += x[i] * x[i];
-  return 1.f / std::sqrt(sum / static_cast<float>(dim) + eps);
-}
-
 // dx = r dh - x r^3 mean(dh x): the gradient through x r, given dh (the gradient of x r), in place
 inline void through_rms(const float* x, float* dh, int64_t dim, float r) {
   float dot = 0.f;
@@ -33,8 +25,6 @@ inline void through_rms(const float* x, float* dh, int64_t dim, float r) {
 #pragma omp simd
   for (int64_t i = 0; i < dim; ++i) dh[i] = dh[i] * r - c * x[i];
 }
-
-inline float sigmoid(float x) { return 1.f / (1.f + vexp(-x)); }
 
 template <typename T>
 void zero_centred_forward(const T* x, const T* weight, T* out, int64_t rows, int64_t dim, float eps) {

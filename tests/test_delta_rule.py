@@ -162,13 +162,16 @@ def test_fitted_chunks_compute_the_reference_chunks_sums(positions, kernels, mon
 @pytest.mark.parametrize("shape", [(3, 20, 11, 4), (2, 300, 2, 4), (2, 40, 9, 3)], ids=lambda s: "x".join(map(str, s)))
 def test_the_left_padded_convolution_computes_the_references_bits(dtype, with_bias, kernels, shape,
                                                                   monkeypatch) -> None:
-    """Output and gradients (input, taps, bias) bit for bit the reference's in bfloat16, SiLU after
-    or none; in float32 within its rounding (SiLU's vectorized loop, on contiguous values, and its
+    """Output and gradients (input, taps, bias), SiLU after or none. In bfloat16: without the native
+    kernel (PyTorch's convolution padded on the left) bit for bit the reference's; through it
+    (short_conv.cpp: channels in blocks of 256, a filter of 4 taps unrolled, others not; fewer
+    positions than taps) bit for bit the exact values rounded where the reference rounds
+    (``_rounded_convolution``) -- which are the reference's own where oneDNN's bf16 convolution sums
+    in float32 (AVX-512 CPUs), while its avx2 backward parts from them in the last bit. In float32
+    within its rounding of the reference's (SiLU's vectorized loop, on contiguous values, and its
     strided one, on the reference's slice, part in the last bit now and then, and the taps' gradient
-    sums the positions in another order). Through the native kernel (short_conv.cpp: channels in
-    blocks of 256, a filter of 4 taps unrolled, others not; fewer positions than taps) and, without
-    it, PyTorch's convolution padded on the left. The input is the layer's: a rows x channels x
-    positions view of channels-last memory."""
+    sums the positions in another order). The input is the layer's: a rows x channels x positions
+    view of channels-last memory."""
     from transformers.models.qwen3_5 import modeling_qwen3_5
 
     monkeypatch.setenv("GRPO_NATIVE_KERNELS", kernels)
@@ -184,14 +187,42 @@ def test_the_left_padded_convolution_computes_the_references_bits(dtype, with_bi
         for function in (reference, padded):
             leaves = [t.detach().clone().requires_grad_() for t in (x, weight) + ((bias,) if with_bias else ())]
             out = function(leaves[0], leaves[1], leaves[2] if with_bias else None, activation=activation)
-            (out.float() * torch.linspace(-1, 1, out.numel()).view(out.shape)).sum().backward()
+            (out.float() * _upstream(out)).sum().backward()
             results.append([out] + [t.grad for t in leaves])
+        if dtype == torch.bfloat16 and kernels == "on":
+            results[0] = _rounded_convolution(x, weight, bias, activation)
         for want, got in zip(*results, strict=True):
             assert got.dtype == want.dtype and got.shape == want.shape
             if dtype == torch.bfloat16:
                 assert torch.equal(got, want)
             else:
                 assert torch.allclose(got, want, rtol=1e-5, atol=1e-6)  # (float32 rounding, summed)
+
+
+def _upstream(out: torch.Tensor) -> torch.Tensor:
+    """The gradient the convolution tests give its output."""
+    return torch.linspace(-1, 1, out.numel()).view(out.shape)
+
+
+def _rounded_convolution(x, weight, bias, activation) -> list[torch.Tensor]:
+    """The bf16 convolution's output and gradients of ``x``, ``weight`` (and ``bias``) under
+    ``_upstream``, computed in float64 and rounded to bf16 where the reference stores bf16: the
+    convolution's output, SiLU's, SiLU's gradient, and each gradient."""
+    import torch.nn.functional as F
+
+    leaves = [t.detach().double().requires_grad_() for t in (x, weight) + ((bias,) if bias is not None else ())]
+    pre = F.conv1d(F.pad(leaves[0], (weight.shape[1] - 1, 0)), leaves[1].unsqueeze(1),
+                   leaves[2] if bias is not None else None, groups=x.shape[1])
+    rounded = pre.detach().bfloat16().double()
+    upstream = _upstream(pre).bfloat16().double()  # (the output's gradient, cast to its dtype by autograd)
+    if activation is None:
+        out, d_pre = rounded, upstream
+    else:
+        sigmoid = torch.sigmoid(rounded)
+        out = rounded * sigmoid
+        d_pre = (upstream * (sigmoid * (1 + rounded * (1 - sigmoid)))).bfloat16().double()
+    grads = torch.autograd.grad(pre, leaves, d_pre)
+    return [out.bfloat16()] + [g.bfloat16() for g in grads]
 
 
 def test_the_sequence_convolution_kernel_names_what_is_wrong(native_ops) -> None:

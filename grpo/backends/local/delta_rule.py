@@ -29,8 +29,9 @@ The short convolution's reference pads both ends, convolves, and applies its SiL
 of the result (9x slower than on contiguous values), and autograd mirrors each pass: its replacement
 runs ``native/short_conv.cpp`` (SiLU fused, forward and backward, the layer's channels-last memory
 read and written in place, so that q, k and v reach the delta rule's kernel as views), after a trial
-as the delta rule's, and without the kernels pads on the left only (the same products: bit for bit
-in bfloat16, within rounding in float32, either way). docs/benchmark.md has the numbers.
+as the delta rule's, and without the kernels pads on the left only (the same products; in bfloat16
+the kernel's are the exact values rounded where the reference rounds, the reference's own bits where
+oneDNN sums in float32, as on AVX-512). docs/benchmark.md has the numbers.
 """
 
 from __future__ import annotations

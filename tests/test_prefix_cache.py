@@ -76,6 +76,39 @@ def test_other_weights_entries_are_dropped():
     assert cache.lookup([1, 2, 3, 4]) is None and cache.bytes == 0 and cache.stats.invalidations == 1
 
 
+def states(marker: float) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """A hybrid's end states for one linear layer (a conv window, a recurrent state) marked ``marker``."""
+    return [(torch.full((1, 4, 3), float(marker)), torch.full((1, 2, 2, 2), float(marker)))]
+
+
+STATE_BYTES = (4 * 3 + 2 * 2 * 2) * 4
+
+
+def test_entries_with_end_states_are_read_only_whole_and_keep_what_they_extend():
+    """A hybrid's entries (recurrent_prefix.py): a lookup finds the longest stored sequence that is a
+    whole prefix of the prompt (a state is valid only at its end) leaving a token to compute; a
+    longer entry drops none it extends (a sibling or a re-rendered turn may start from the shorter);
+    the same sequence is not stored twice; the states count against the budget."""
+    cache = PrefixCache(10**6)
+    cache.store([1, 2, 3], kv([1, 2, 3], layers=1), states(3))
+    cache.store([1, 2, 3, 4, 5], kv([1, 2, 3, 4, 5], layers=1), states(5))
+    assert len(cache) == 2 and cache.bytes == 8 * BYTES_PER_TOKEN // 2 + 2 * STATE_BYTES
+    length, found, end = cache.lookup_end([1, 2, 3, 4, 5, 6])
+    assert length == 5 and end[0][1].unique().tolist() == [5.0] and found[0][0][0, 0, :, 0].tolist() == [1, 2, 3, 4, 5]
+    assert cache.lookup_end([1, 2, 3, 4, 9])[0] == 3  # parts from the longer inside it: the shorter's end
+    assert cache.lookup_end([1, 2, 3, 4, 5])[0] == 3  # the whole entry, but its last token must be computed
+    assert cache.lookup_end([1, 2, 7]) is None and cache.lookup_end([1, 2, 3]) is None
+    assert cache.lookup([1, 2, 3, 4, 5, 6]) is None  # (a partial lookup reads no end states)
+    cache.store([1, 2, 3], kv([1, 2, 3], layers=1), states(9))  # stored already: kept as it was
+    assert len(cache) == 2 and cache.lookup_end([1, 2, 3, 0])[2][0][0].unique().tolist() == [3.0]
+    with pytest.raises(ValueError, match="cover 2 positions, tokens 3"):
+        cache.store([1, 2, 8], kv([1, 2], layers=1), states(0))
+    small = PrefixCache(3 * BYTES_PER_TOKEN // 2 + STATE_BYTES)  # one entry of three tokens with its states
+    small.store([1, 2, 3], kv([1, 2, 3], layers=1), states(3))
+    small.store([4, 5, 6], kv([4, 5, 6], layers=1), states(6))
+    assert len(small) == 1 and small.stats.evictions == 1 and small.lookup_end([4, 5, 6, 0])[0] == 3
+
+
 # --------------------------------------------------------------------------- the packaged model
 
 

@@ -22,6 +22,14 @@ through the model in a smaller product than a whole prefill's, so a sampled logp
 a cold prefill's in the last bit (and a seeded draw that falls on that bit, its token;
 tests/test_sampling.py compares waves that find a prompt alike).
 
+A hybrid's linear-attention layers keep no keys and values but a recurrent state, valid only at
+the end of the sequence that made it (recurrent_prefix.py). Such an entry (``states``: each of
+those layers' conv window and recurrent state at its last token, beside its attention layers' keys
+and values) is read only whole, by ``lookup_end``: the longest stored sequence that is a whole
+prefix of the prompt. A longer entry does not hold what a shorter one does, so storing one drops
+nothing it extends: a finished row's prompt stays for its siblings, and for a next turn whose
+client re-rendered the answer (the least recently used still go first).
+
 Keys and values are only valid for the weights that computed them. ``bind(identity)`` names the
 sampling weights (adapter, its version or snapshot); a different identity empties the cache, so
 nothing computed before an optimizer step is ever read after it.
@@ -37,6 +45,7 @@ from dataclasses import dataclass, field
 import torch
 
 KV = list[tuple[torch.Tensor, torch.Tensor]]  # per layer: keys, values [1, kv_heads, length, head_dim]
+States = list[tuple[torch.Tensor, torch.Tensor]]  # per linear-attention layer: its state at the end (see above)
 
 
 @dataclass
@@ -80,6 +89,7 @@ class _Entry:
     tokens: tuple[int, ...]
     kv: KV
     nbytes: int
+    states: States | None = None  # (an entry read only whole: lookup_end)
 
 
 class PrefixCache:
@@ -120,7 +130,7 @@ class PrefixCache:
     def lookup(self, tokens: Sequence[int]) -> tuple[int, KV] | None:
         """The longest stored prefix of ``tokens`` that leaves at least one token to compute (the
         next-token logits come from that forward), as (length, per-layer keys/values views of
-        that length); None when nothing is shared."""
+        that length); None when nothing is shared. Entries with end states are not read here."""
         self.stats.lookups += 1
         self.stats.lookup_tokens += len(tokens)
         node, depth = self._root, 0
@@ -129,25 +139,51 @@ class PrefixCache:
             if child is None:
                 break
             node, depth = child, depth + 1
-        if depth == 0:
+        # the most recently stored entry through here (one cache serves one model: all of one kind)
+        entry_id = next((e for e in reversed(node.entries) if self._entries[e].states is None), None)
+        if depth == 0 or entry_id is None:
             return None
-        entry_id = next(reversed(node.entries))  # the most recently stored one through here
-        entry = self._entries[entry_id]
+        entry = self._hit(entry_id, depth)
+        return depth, [(k[:, :, :depth], v[:, :, :depth]) for k, v in entry.kv]
+
+    def lookup_end(self, tokens: Sequence[int]) -> tuple[int, KV, States] | None:
+        """The longest stored sequence with end states that is a whole prefix of ``tokens`` and
+        leaves at least one token to compute, as (its length, its keys/values, its states)."""
+        self.stats.lookups += 1
+        self.stats.lookup_tokens += len(tokens)
+        node, depth, found = self._root, 0, None
+        for token in itertools.islice(tokens, len(tokens) - 1):
+            node = node.children.get(token)
+            if node is None:
+                break
+            depth += 1
+            if node.ends is not None and self._entries[node.ends].states is not None:
+                found = (depth, node.ends)
+        if found is None:
+            return None
+        entry = self._hit(found[1], found[0])
+        return found[0], entry.kv, entry.states
+
+    def _hit(self, entry_id: int, depth: int) -> _Entry:
         self._entries.move_to_end(entry_id)
         self.stats.hits += 1
         self.stats.hit_tokens += depth
-        return depth, [(k[:, :, :depth], v[:, :, :depth]) for k, v in entry.kv]
+        return self._entries[entry_id]
 
     # ------------------------------------------------------------------ store
 
-    def store(self, tokens: Sequence[int], kv: KV) -> None:
+    def store(self, tokens: Sequence[int], kv: KV, states: States | None = None) -> None:
         """Keep ``kv`` (the caller's tensors, not copied: they must not change afterwards) as the
-        keys and values of ``tokens``. Nothing is stored when a stored sequence already starts
-        with ``tokens`` or when one entry alone would pass the budget."""
+        keys and values of ``tokens`` (and ``states`` as the linear-attention layers' states after
+        its last token). Without states, nothing is stored when a stored sequence already starts
+        with ``tokens``, and the entries it extends are dropped (its keys hold theirs); with
+        states, nothing is stored when one is ``tokens``. Nothing either when one entry alone would
+        pass the budget."""
         tokens = tuple(tokens)
-        if not tokens or kv[0][0].shape[-2] != len(tokens):
-            raise ValueError(f"keys/values cover {kv[0][0].shape[-2] if kv else 0} positions, tokens {len(tokens)}")
-        nbytes = sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in kv)
+        if not tokens or any(k.shape[-2] != len(tokens) for k, _ in kv) or (not kv and states is None):
+            covered = kv[0][0].shape[-2] if kv else 0
+            raise ValueError(f"keys/values cover {covered} positions, tokens {len(tokens)}")
+        nbytes = sum(t.numel() * t.element_size() for pair in (*kv, *(states or [])) for t in pair)
         if nbytes > self.max_bytes:
             return
         node, covered = self._root, []
@@ -157,11 +193,12 @@ class PrefixCache:
                 break
             if node.ends is not None:
                 covered.append(node.ends)
-        else:  # the whole sequence is already stored, as (a prefix of) another entry
-            self._entries.move_to_end(next(reversed(node.entries)))
-            return
-        for entry_id in covered:  # a prefix of the new sequence: the new entry holds all it held
-            self._remove(entry_id)
+        else:  # the whole sequence is already in the cache, as (a prefix of) another entry
+            if states is None or node.ends is not None:
+                self._entries.move_to_end(node.ends if node.ends is not None else next(reversed(node.entries)))
+                return
+        for entry_id in covered if states is None else ():
+            self._remove(entry_id)  # a prefix of the new sequence: the new entry holds all it held
         while self.bytes + nbytes > self.max_bytes:
             self._remove(next(iter(self._entries)))
             self.stats.evictions += 1
@@ -171,7 +208,7 @@ class PrefixCache:
             node = node.children.setdefault(token, _Node())
             node.entries[entry_id] = None
         node.ends = entry_id
-        self._entries[entry_id] = _Entry(tokens, kv, nbytes)
+        self._entries[entry_id] = _Entry(tokens, kv, nbytes, states)
         self.bytes += nbytes
         self.stats.stores += 1
 

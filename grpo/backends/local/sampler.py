@@ -148,7 +148,8 @@ def generate(model, requests: list[GenerationRequest], tokenizer, device: torch.
     if not attention_only(model.config):  # (linear-attention or state-space layers: recurrent_sampler.py)
         from grpo.backends.local import recurrent_sampler
 
-        return recurrent_sampler.generate_lockstep(model, requests, tokenizer, device, max_context, row_bytes, budget)
+        return recurrent_sampler.generate_lockstep(model, requests, tokenizer, device, max_context, row_bytes, budget,
+                                                   prefix_cache)
     limit = batch_rows(requests, row_bytes, budget, max_context)
     slots = max(limit, max(req.num_samples for req in requests))  # an over-budget request, alone
     cache = SlotCache(model.config, slots, row_capacity(requests, max_context), device)

@@ -9,6 +9,11 @@
     python scripts/prefix_cache_bench.py tools [STEPS]
         python -m grpo adapter=tools steps=STEPS batch_size=2 group_size=4 eval_size=0, with
         backend.prefix_cache_mb=0 and =auto; time/sample and the sampler/ metrics per step
+    python scripts/prefix_cache_bench.py episodes MODEL [EPISODES TURNS MAX_TOKENS REPLY]
+        EPISODES multi-turn episodes of any model (a directory, a packaged name: a random one does,
+        e.g. a hybrid from scripts/random_model.py), every episode's turn sent at once as grpo's
+        loop sends them: turn k+1 is turn k's context, its MAX_TOKENS sampled tokens (no stop) and
+        a REPLY of fixed tokens; through a local sampling client, the cache off, then on
 
 Prints one JSON line per setting and the ratio. The two settings run one after the other on the
 same machine; on a shared machine run it more than once.
@@ -60,6 +65,42 @@ def guess_number(groups: int, group_size: int, max_tokens: int) -> None:
     print(json.dumps({"speedup": round(off["sample_s"] / on["sample_s"], 2)}))
 
 
+def episodes(model: str, count: int, turns: int, max_tokens: int, reply_tokens: int) -> None:
+    import torch
+
+    from grpo.backends.local.clients import ServiceClient
+    from grpo.types import ModelInput, SamplingParams
+
+    def run(cache_mb: float | str) -> dict:
+        service = ServiceClient(prefix_cache_mb=cache_mb)
+        client = service.create_sampling_client(base_model=model)
+        generator = torch.Generator().manual_seed(0)
+        vocab = client.get_tokenizer().vocab_size
+        contexts = [torch.randint(100, vocab, (48 + 8 * (i % 4),), generator=generator).tolist() for i in range(count)]
+        reply = torch.randint(100, vocab, (reply_tokens,), generator=generator).tolist()
+        client.sample(ModelInput.from_ints(list(range(10, 18))), 1, SamplingParams(max_tokens=2)).result()  # (warm)
+        before, seconds = client.sampler_stats(), []
+        for turn in range(turns):
+            t0 = time.perf_counter()
+            futures = [client.sample(ModelInput.from_ints(c), 1, SamplingParams(max_tokens=max_tokens, temperature=1.0,
+                                                                                 seed=1000 * turn + i))
+                       for i, c in enumerate(contexts)]
+            sampled = [f.result().sequences[0].tokens for f in futures]
+            seconds.append(round(time.perf_counter() - t0, 2))
+            contexts = [c + s + reply for c, s in zip(contexts, sampled, strict=True)]
+        after = client.sampler_stats()
+        service.close()
+        return {"prefix_cache_mb": cache_mb, "turn_s": seconds, "sample_s": round(sum(seconds), 2),
+                "episodes": count, "context_tokens": sum(len(c) for c in contexts) // count,
+                **{key: int(after[key] - before[key]) for key in ("prompt_tokens", "prefilled_tokens", "prefix_hits")}}
+
+    off = run(0)
+    print(json.dumps(off), flush=True)
+    on = run("auto")
+    print(json.dumps(on), flush=True)
+    print(json.dumps({"ratio_on_over_off": round(on["sample_s"] / off["sample_s"], 2)}))
+
+
 def tools(steps: int) -> None:
     results = {}
     for cache_mb in (0, "auto"):
@@ -89,5 +130,8 @@ if __name__ == "__main__":
         guess_number(*(int(x) for x in rest or (4, 4, 16)))
     elif what == "tools":
         tools(int(rest[0]) if rest else 2)
+    elif what == "episodes" and rest:
+        episodes(rest[0], *(int(x) for x in rest[1:] or (16, 4, 24, 32)))
     else:
-        sys.exit("usage: prefix_cache_bench.py guess_number [GROUPS GROUP_SIZE MAX_TOKENS] | tools [STEPS]")
+        sys.exit("usage: prefix_cache_bench.py guess_number [GROUPS GROUP_SIZE MAX_TOKENS] | tools [STEPS]"
+                 " | episodes MODEL [EPISODES TURNS MAX_TOKENS REPLY]")

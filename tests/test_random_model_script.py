@@ -47,3 +47,32 @@ def test_like_takes_a_directory_of_config_and_tokenizer_files_only(tmp_path):
                                                                             packaged.num_hidden_layers,
                                                                             packaged.vocab_size)
     assert (out / "model.safetensors").stat().st_size > 200e6  # 135M parameters in bf16
+
+
+def test_a_qwen3_5_hybrid_of_qwen3_5_0_8b_sizes(tmp_path, monkeypatch):
+    """``--shape qwen3.5-0.8b``: the hybrid the benchmarks measure (its sizes counted on the meta
+    device: 548 M parameters), built here at small sizes through the same code, loads as a base model."""
+    import importlib.util
+
+    import torch
+    import transformers
+
+    spec = importlib.util.spec_from_file_location("random_model", ROOT / "scripts" / "random_model.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    class_name, sizes = script.HYBRIDS["qwen3.5-0.8b"]
+    with torch.device("meta"):
+        full = transformers.Qwen3_5ForCausalLM(getattr(transformers, class_name)(vocab_size=49152, **sizes))
+    assert 545e6 < sum(p.numel() for p in full.parameters()) < 550e6
+    small = dict(sizes, hidden_size=64, intermediate_size=128, num_hidden_layers=4, head_dim=16, linear_key_head_dim=16,
+                 linear_value_head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
+                 layer_types=["linear_attention"] * 3 + ["full_attention"])
+    monkeypatch.setitem(script.HYBRIDS, "qwen3.5-0.8b", (class_name, small))
+    out = tmp_path / "hybrid"
+    monkeypatch.setattr(sys, "argv", ["random_model.py", str(out), "--like", "tiny", "--shape", "qwen3.5-0.8b"])
+    script.main()
+    made = models.load_config(str(out))
+    assert made.model_type == "qwen3_5_text" and made.layer_types == small["layer_types"]
+    assert made.vocab_size == len(models.load_tokenizer("tiny"))
+    model = models.load_model(str(out), device="cpu", dtype="fp32")
+    assert type(model).__name__ == "Qwen3_5ForCausalLM"

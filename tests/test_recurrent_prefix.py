@@ -201,3 +201,30 @@ def test_a_hybrids_sampling_client_reads_its_episodes_states_from_the_cache(tmp_
     whole = client.compute_logprobs(ModelInput.from_ints(context + turn2.tokens)).result()[len(context):]
     assert turn2.logprobs == pytest.approx(whole, abs=1e-4)
     service.close()
+
+
+def test_a_hybrids_agent_episodes_read_their_turns_from_the_cache_and_train_on_policy(tmp_path) -> None:
+    """grpo's own loop on a tiny Qwen3.5 (ToyAgent: three turns an episode, observations between):
+    each later turn is read from the cache up to its new tokens, and the trainer's logprobs of the
+    model's tokens are the sampler's (float32 rounding) -- the restored states are the episode's."""
+    from toy_agent import ToyAgent
+
+    from grpo.backends.local.clients import ServiceClient
+    from grpo.record.runlog import read_jsonl
+    from grpo.rl.loop import run_grpo
+
+    model, tokenizer = tiny_qwen3_5()
+    model.save_pretrained(tmp_path / "qwen3_5")
+    tokenizer.save_pretrained(tmp_path / "qwen3_5")
+    service = ServiceClient(checkpoint_dir=tmp_path / "checkpoints", dtype="fp32")
+    run_grpo(ToyAgent(num_items=4, max_turns=3),
+             {"base_model": str(tmp_path / "qwen3_5"), "steps": 2, "batch_size": 2, "group_size": 2, "max_tokens": 16,
+              "report": False, "progress": False, "learning_rate": 1e-3, "eval_samples": 2},
+             service_client=service, run_dir=tmp_path / "run")
+    rows = [r for r in read_jsonl(tmp_path / "run" / "metrics.jsonl") if "reward/mean" in r]
+    assert len(rows) == 2
+    for row in rows:
+        assert row["episode/turns"] == 3 and row["datums"] > 0
+        # (0.58 and 0.59 here: the first turns' prompts are prefilled whole, a group's once)
+        assert row["sampler/prefix_hit_rate"] > 0.4, row["sampler/prefix_hit_rate"]
+        assert row["logprob/max_abs_diff"] < 1e-4, row["logprob/max_abs_diff"]

@@ -22,15 +22,27 @@ from grpo.types import SamplingParams
 CPU = torch.device("cpu")
 
 
-def _kernels(monkeypatch, path: str) -> None:
+def _kernels(monkeypatch, path: str, module=modeling_qwen3_5) -> None:
     """transformers' reference functions ("reference"), or grpo's fitted ones ("kernels"), for
-    this test (put back after)."""
+    this test in ``module`` (put back after)."""
     for name in delta_rule.REFERENCES:
-        function = getattr(modeling_qwen3_5, name)
-        monkeypatch.setattr(modeling_qwen3_5, name, function.__wrapped__ if getattr(function, "fitted_by_grpo", False)
+        function = getattr(module, name)
+        monkeypatch.setattr(module, name, function.__wrapped__ if getattr(function, "fitted_by_grpo", False)
                             else function)
     if path == "kernels":
-        assert delta_rule.fit_prefill(tiny_qwen3_5()[0]) == 2
+        assert delta_rule.fit_prefill(tiny_qwen3_5()[0] if module is modeling_qwen3_5 else tiny_qwen3_next()) == 2
+
+
+def tiny_qwen3_next():
+    """A random Qwen3-Next: two gated-delta-rule layers (their a and b from one projection,
+    ``in_proj_ba``), one attention layer, small experts."""
+    config = transformers.Qwen3NextConfig(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+        vocab_size=2048, layer_types=["linear_attention", "linear_attention", "full_attention"], num_experts=4,
+        num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32, linear_num_key_heads=2,
+        linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16)
+    torch.manual_seed(0)
+    return transformers.Qwen3NextForCausalLM(config).eval()
 
 
 def _whole(model, tokens: list[int]) -> tuple[torch.Tensor, DynamicCache]:
@@ -63,14 +75,17 @@ def _prompts() -> list[list[int]]:
     return [torch.randint(5, 2000, (n,), generator=generator).tolist() for n in PROMPT_LENGTHS]
 
 
-@pytest.mark.parametrize("path", ["reference", "kernels"])
-def test_new_tokens_after_restored_states_compute_what_the_whole_sequence_computes(monkeypatch, path) -> None:
+@pytest.mark.parametrize(("family", "path"), [("qwen3_5", "reference"), ("qwen3_5", "kernels"),
+                                              ("qwen3_next", "reference"), ("qwen3_next", "kernels")])
+def test_new_tokens_after_restored_states_compute_what_the_whole_sequence_computes(monkeypatch, family, path) -> None:
     """Rows of different cached and new lengths (one with nothing cached), one batch: each row's
     next-token logits, and the states and keys it leaves, are its whole sequence's run alone
     (float32 rounding); without the neutral padding they are not (the restored states decay over
-    the padding, the window is read as zeros)."""
-    _kernels(monkeypatch, path)
-    model, _ = tiny_qwen3_5()
+    the padding, the window is read as zeros). Qwen3-Next's a and b come from one projection."""
+    from transformers.models.qwen3_next import modeling_qwen3_next
+
+    _kernels(monkeypatch, path, modeling_qwen3_5 if family == "qwen3_5" else modeling_qwen3_next)
+    model = tiny_qwen3_5()[0] if family == "qwen3_5" else tiny_qwen3_next()
     prompts = _prompts()
     cache, mask, logits = _continued(model, prompts, KNOWN)
     assert mask.shape == (4, max(KNOWN) + max(n - k for n, k in zip(PROMPT_LENGTHS, KNOWN, strict=True)))
@@ -159,13 +174,7 @@ def test_a_model_whose_padding_cannot_be_neutralised_prefills_every_prompt_whole
     torch.manual_seed(0)
     granite = transformers.GraniteMoeHybridForCausalLM(config).eval()
     assert not recurrent_prefix.continuable(granite)
-    assert recurrent_prefix.continuable(tiny_qwen3_5()[0])
-    next_config = transformers.Qwen3NextConfig(
-        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-        vocab_size=100, layer_types=["linear_attention", "full_attention"], num_experts=4, num_experts_per_tok=2,
-        moe_intermediate_size=32, shared_expert_intermediate_size=32, linear_num_key_heads=2, linear_num_value_heads=4,
-        linear_key_head_dim=16, linear_value_head_dim=16)
-    assert recurrent_prefix.continuable(transformers.Qwen3NextForCausalLM(next_config))
+    assert recurrent_prefix.continuable(tiny_qwen3_5()[0]) and recurrent_prefix.continuable(tiny_qwen3_next())
     cache = PrefixCache(2**26)
     params = SamplingParams(max_tokens=4, temperature=0.0)
     request = sampler.GenerationRequest([1, 504, 3458], 1, params)

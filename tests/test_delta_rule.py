@@ -15,16 +15,18 @@ from grpo.types import SamplingParams
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_the_kernel_steps_the_state_as_transformers_does(native_ops, dtype) -> None:
-    """Grouped heads (4 value heads over 2 key heads), q/k/v as views of one row, in place."""
+@pytest.mark.parametrize(("dim", "v_dim"), [(16, 16), (128, 128), (64, 128)])
+def test_the_kernel_steps_the_state_as_transformers_does(native_ops, dtype, dim, v_dim) -> None:
+    """Grouped heads (4 value heads over 2 key heads), q/k/v as views of one row, in place; value
+    heads of 128 (Qwen3.5's) by the path that holds a state row's sums in registers, where built."""
     generator = torch.Generator().manual_seed(0)
-    rows, k_heads, v_heads, dim = 3, 2, 4, 16
-    mixed = torch.randn(rows, 1, 2 * k_heads * dim + v_heads * dim, generator=generator).to(dtype)
-    q, k, v = torch.split(mixed, [k_heads * dim, k_heads * dim, v_heads * dim], dim=-1)
-    q, k, v = q.view(rows, 1, k_heads, dim), k.view(rows, 1, k_heads, dim), v.view(rows, 1, v_heads, dim)
+    rows, k_heads, v_heads = 3, 2, 4
+    mixed = torch.randn(rows, 1, 2 * k_heads * dim + v_heads * v_dim, generator=generator).to(dtype)
+    q, k, v = torch.split(mixed, [k_heads * dim, k_heads * dim, v_heads * v_dim], dim=-1)
+    q, k, v = q.view(rows, 1, k_heads, dim), k.view(rows, 1, k_heads, dim), v.view(rows, 1, v_heads, v_dim)
     g = -torch.rand(rows, 1, v_heads, generator=generator) * 2
     beta = torch.rand(rows, 1, v_heads, generator=generator).to(dtype)
-    state = torch.randn(rows, v_heads, dim, dim, generator=generator)
+    state = torch.randn(rows, v_heads, dim, v_dim, generator=generator)
     want, want_state = torch_recurrent_gated_delta_rule(q, k, v, g=g, beta=beta, initial_state=state.clone(),
                                                         output_final_state=True, use_qk_l2norm_in_kernel=True)
     got = native_ops.gated_delta_step_(state, q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0])

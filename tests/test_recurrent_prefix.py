@@ -163,6 +163,28 @@ def test_episodes_sample_the_same_through_the_cache_and_prefill_only_their_new_t
     assert len(third_requests) == 4 and len(second_requests) == 3
 
 
+def test_turns_of_one_new_token_each_run_as_a_decoding_step_from_the_restored_states() -> None:
+    """Every row's next prompt is its last one and what it sampled, nothing else: one new token a
+    row (the last sampled, never fed), which the model takes as a decoding step on the restored
+    states -- the same draws as without the cache, a plain forward's logprobs."""
+    model, _ = tiny_qwen3_5()
+    tokenizer = models.load_tokenizer("tiny")
+    params = SamplingParams(max_tokens=5, temperature=1.0, seed=3)
+
+    def play(cache):
+        first = [sampler.GenerationRequest([1, 504, 3458, 314, 253, 1345, 28], 2, params)]
+        sampler.generate(model, first, tokenizer, CPU, prefix_cache=cache)
+        second = [sampler.GenerationRequest(first[0].prompt + s.tokens, 1, params) for s in first[0].sequences]
+        return second, sampler.generate(model, second, tokenizer, CPU, prefix_cache=cache)
+
+    (got, stats), (want, _) = play(PrefixCache(2**26)), play(None)
+    assert stats.prefix_hits == 2 and stats.prefilled_tokens == 2
+    for a, b in zip(got, want, strict=True):
+        assert a.sequences[0].tokens == b.sequences[0].tokens
+        assert a.sequences[0].logprobs == pytest.approx(b.sequences[0].logprobs, abs=1e-5)
+    assert_logprobs_of_a_plain_forward(model, got)
+
+
 def test_a_model_whose_padding_cannot_be_neutralised_prefills_every_prompt_whole() -> None:
     """Granite 4's state-space layers compute their decay otherwise: no entry is read or written,
     and sampling is as without a cache; Qwen3.5 and Qwen3-Next can."""

@@ -281,3 +281,20 @@ def test_next_turns_of_different_lengths_are_prefilled_in_one_batch(tokenizer, l
     assert stats.prefix_hits == 3 and stats.prefilled_tokens == sum(1 + len(r) for r in replies)
     assert prefills == [torch.Size([3, 1 + max(len(r) for r in replies)])]
     assert_plain_forward_logprobs(model, second)
+
+
+def test_the_bench_scripts_episodes_mode_measures_the_cache_off_and_on():
+    """scripts/prefix_cache_bench.py episodes on the tiny model: one JSON line per setting, the same
+    prompt tokens, fewer prefilled with the cache, and the ratio of their sampling times."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parent.parent / "scripts" / "prefix_cache_bench.py"
+    done = subprocess.run([sys.executable, str(script), "episodes", "tiny", "3", "2", "4", "5"], check=True,
+                          capture_output=True, text=True, timeout=600)
+    off, on, ratio = (json.loads(line) for line in done.stdout.strip().splitlines()[-3:])
+    assert (off["prefix_cache_mb"], on["prefix_cache_mb"]) == (0, "auto") and off["episodes"] == on["episodes"] == 3
+    assert off["prompt_tokens"] == on["prompt_tokens"] == off["prefilled_tokens"] > on["prefilled_tokens"]
+    assert on["prefix_hits"] == 3 and len(on["turn_s"]) == 2 and ratio["ratio_on_over_off"] > 0

@@ -26,14 +26,14 @@ void l2_normalised(const float* x, float* y, int64_t n, float divide) {
 }
 
 #if defined(__AVX512F__)
-// delta_step's work on one head's state of 128 value columns, the sums of a row of the state in
-// sixteen registers: the first pass only reads the state (against the key, decayed as read), the
-// second recomputes each decayed value, updates it and reads it against the query. The same
-// products and sums, in the same order, as the loops below (and their bits: -ffp-contract=off); but
-// the first pass wrote the decayed state back for the second to read, a third pass over memory, and
-// kept the sums in memory. On a Qwen3.5-0.8B-sized model's 18 layers at 32 rows (576 MiB of states)
-// on an AMD EPYC (Zen 4), 2 cores: 0.75-0.88x the time (medians 32.7 -> 28.9 and 44.8 -> 33.4 ms in
-// two sittings), where PyTorch's in-place multiply of those states takes 17-28 ms (docs/benchmark.md).
+// delta_step's work on one head's state of 128 value columns: the loops below (the first pass only
+// reads the state, against the key, decayed as read; the second decays each value again, updates it
+// and reads it against the query), with a row of the state's sums in sixteen registers instead of
+// memory. The same products and sums, in the same order (and their bits: -ffp-contract=off). Before,
+// the first pass wrote the decayed state back for the second to read, and the sums lived in memory:
+// on a Qwen3.5-0.8B-sized model's 18 layers at 32 rows (576 MiB of states) on an AMD EPYC (Zen 4),
+// 2 cores, this took 0.75-0.88x the time (medians 32.7 -> 28.9 and 44.8 -> 33.4 ms in two sittings),
+// where PyTorch's in-place multiply of those states takes 17-28 ms (docs/benchmark.md).
 inline void delta_head_128(float* s, const float* ks, const float* qs, const float* vr, float decay, float b,
                            float* o, int64_t dk) {
   constexpr int CHUNKS = 128 / 16;
@@ -89,18 +89,16 @@ void delta_step(float* state, const T* q, const T* k, const T* v, const float* g
         continue;
       }
 #endif
-      // the state decayed, and read against the key: kv[j] = sum_i S[i][j] k[i]
+      // the state decayed, read against the key (only read: the second pass decays it again, the
+      // same product): kv[j] = sum_i (S[i][j] decay) k[i]
       std::fill(kv.begin(), kv.end(), 0.f);
       for (int64_t i = 0; i < dk; ++i) {
-        float* si = s + i * dv;
+        const float* si = s + i * dv;
         const float ki = ks[i];
 #pragma omp simd
-        for (int64_t j = 0; j < dv; ++j) {
-          si[j] = si[j] * decay;
-          kv[j] = kv[j] + si[j] * ki;
-        }
+        for (int64_t j = 0; j < dv; ++j) kv[j] = kv[j] + si[j] * decay * ki;
       }
-      // delta = (v - kv) * beta; S += k delta^T; out[j] = sum_i S[i][j] q[i]
+      // delta = (v - kv) * beta; S = S decay + k delta^T; out[j] = sum_i S[i][j] q[i]
       float* delta = kv.data();
 #pragma omp simd
       for (int64_t j = 0; j < dv; ++j) delta[j] = (vr[j] - kv[j]) * b;
@@ -110,7 +108,7 @@ void delta_step(float* state, const T* q, const T* k, const T* v, const float* g
         const float ki = ks[i], qi = qs[i];
 #pragma omp simd
         for (int64_t j = 0; j < dv; ++j) {
-          si[j] = si[j] + ki * delta[j];
+          si[j] = si[j] * decay + ki * delta[j];
           o[j] = o[j] + si[j] * qi;
         }
       }

@@ -35,7 +35,7 @@ from torch import nn
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer, LinearAttentionLayer
 
-from grpo.backends.local.prefix_cache import KV, States
+from grpo.backends.local.prefix_cache import KV, States, left_padded
 
 # a gated-delta-rule layer's projections whose outputs are its ``a`` (g = -exp(A) * softplus(a +
 # dt_bias)) and ``b`` (beta = sigmoid(b)): -inf there makes a position leave the state as it was
@@ -91,12 +91,7 @@ def restored_cache(model: nn.Module, entries: Sequence[tuple[int, KV, States] | 
             layer.has_previous_state[0] = True
             state_index += 1
         else:
-            keys, values = like[1][kv_index]
-            padded = [keys.new_zeros((rows, keys.shape[1], width, keys.shape[-1])) for _ in range(2)]
-            for j, e in enumerate(entries):
-                if e is not None:
-                    padded[0][j, :, width - e[0]:], padded[1][j, :, width - e[0]:] = e[1][kv_index][0][0], e[1][kv_index][1][0]
-            cache.update(*padded, i)
+            cache.update(*left_padded([e[1][kv_index] if e is not None else None for e in entries], width), i)
             kv_index += 1
     return cache, mask
 

@@ -24,7 +24,7 @@ from transformers import DynamicCache
 from grpo.backends.local import graph_decode, native_decode
 from grpo.backends.local.kv_cache import SlotCache, attention_layers, attention_only
 from grpo.backends.local.lean_decode import lean_decoder
-from grpo.backends.local.prefix_cache import PrefixCache
+from grpo.backends.local.prefix_cache import PrefixCache, left_padded
 from grpo.backends.local.sections import section
 from grpo.backends.local.trunk import common_trunk
 from grpo.models import native_kernels
@@ -396,13 +396,7 @@ def _prefill_after_together(model, prompts: list[list[int]], hits: list[tuple[in
     rows = len(prompts)
     past = DynamicCache()
     for layer in range(len(hits[0][1])):
-        like_k, like_v = hits[0][1][layer]
-        keys = like_k.new_zeros((rows, like_k.shape[1], past_width, like_k.shape[-1]))
-        values = like_v.new_zeros((rows, like_v.shape[1], past_width, like_v.shape[-1]))
-        for j, (k, kv) in enumerate(hits):
-            keys[j, :, past_width - k:] = kv[layer][0][0]
-            values[j, :, past_width - k:] = kv[layer][1][0]
-        past.update(keys, values, layer)
+        past.update(*left_padded([kv[layer] for _, kv in hits], past_width), layer)
     input_ids = torch.full((rows, width), pad_id, dtype=torch.long, device=device)
     attention = torch.zeros((rows, past_width + width), dtype=torch.long, device=device)
     positions = torch.empty((rows, width), dtype=torch.long, device=device)

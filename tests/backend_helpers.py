@@ -170,6 +170,13 @@ def save_tiny_model(directory, family: str, seed: int = 0) -> str:
     return str(directory)
 
 
+def reference_function(module, name: str):
+    """transformers' own function ``name`` of ``module``, whether or not an engine loaded in this
+    process has fitted it (delta_rule.fit_prefill wraps it for the whole process)."""
+    function = getattr(module, name)
+    return function.__wrapped__ if getattr(function, "fitted_by_grpo", False) else function
+
+
 def tiny_qwen3_5(dtype: torch.dtype = torch.float32):
     """A random Qwen3.5 hybrid (three gated-delta-rule layers, one attention; 4 value heads over 2 key
     heads) on the tiny model's tokenizer, in ``dtype``, and that tokenizer."""

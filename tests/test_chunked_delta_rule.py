@@ -6,16 +6,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from backend_helpers import tiny_qwen3_5
+from backend_helpers import reference_function, tiny_qwen3_5
 from transformers.models.qwen3_5 import modeling_qwen3_5
 
 from grpo.backends.local import delta_rule
 
 
 def _reference():
-    """transformers' own function, whether or not an engine loaded in this process has fitted it."""
-    function = modeling_qwen3_5.torch_chunk_gated_delta_rule
-    return function.__wrapped__ if getattr(function, "fitted_by_grpo", False) else function
+    return reference_function(modeling_qwen3_5, "torch_chunk_gated_delta_rule")
 
 
 def _inputs(rows, positions, k_heads, v_heads, dim, dtype, state, seed=0, unit=False):

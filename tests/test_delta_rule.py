@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 import transformers
-from backend_helpers import assert_logprobs_of_a_plain_forward, tiny_qwen3_5
+from backend_helpers import assert_logprobs_of_a_plain_forward, reference_function, tiny_qwen3_5
 from transformers import DynamicCache
 from transformers.models.qwen3_5.modeling_qwen3_5 import torch_recurrent_gated_delta_rule
 
@@ -114,12 +114,6 @@ def test_a_layer_the_kernel_would_compute_otherwise_keeps_its_own_forward(native
         assert routed == 0
 
 
-def _reference(module, name: str):
-    """transformers' own function, whether or not an engine loaded in this process has fitted it."""
-    function = getattr(module, name)
-    return function.__wrapped__ if getattr(function, "fitted_by_grpo", False) else function
-
-
 def test_chunks_are_fitted_to_the_sequence() -> None:
     """As few chunks of at most 64 positions as the sequence needs, as even as can be."""
     assert [delta_rule.fitted_chunk(n) for n in (1, 20, 32, 64, 65, 70, 128, 129, 200)] == \
@@ -135,7 +129,7 @@ def test_fitted_chunks_compute_the_reference_chunks_sums(positions, kernels, mon
     from transformers.models.qwen3_5 import modeling_qwen3_5
 
     monkeypatch.setenv("GRPO_NATIVE_KERNELS", kernels)
-    reference = _reference(modeling_qwen3_5, "torch_chunk_gated_delta_rule")
+    reference = reference_function(modeling_qwen3_5, "torch_chunk_gated_delta_rule")
     fitted = delta_rule._fitted_chunks(reference)
     generator = torch.Generator().manual_seed(positions)
     rows, k_heads, v_heads, dim = 2, 2, 4, 16
@@ -178,7 +172,7 @@ def test_the_left_padded_convolution_computes_the_references_bits(dtype, with_bi
 
     monkeypatch.setenv("GRPO_NATIVE_KERNELS", kernels)
     rows, channels, positions, taps = shape
-    reference = _reference(modeling_qwen3_5, "causal_conv1d_fn")
+    reference = reference_function(modeling_qwen3_5, "causal_conv1d_fn")
     padded = delta_rule._left_padded(reference)
     generator = torch.Generator().manual_seed(0)
     x = torch.randn(rows, positions, channels, generator=generator).to(dtype).transpose(1, 2)
@@ -244,7 +238,7 @@ def test_the_sequence_convolution_kernel_names_what_is_wrong(native_ops) -> None
 def test_a_convolution_kernel_that_fails_its_trial_is_not_taken(native_ops, monkeypatch, capsys) -> None:
     from transformers.models.qwen3_5 import modeling_qwen3_5
 
-    reference, calls = _reference(modeling_qwen3_5, "causal_conv1d_fn"), []
+    reference, calls = reference_function(modeling_qwen3_5, "causal_conv1d_fn"), []
 
     def spy(*args, **kwargs):
         calls.append(args[0].shape)
@@ -267,8 +261,8 @@ def test_fit_prefill_takes_only_transformers_references(monkeypatch) -> None:
 
     monkeypatch.setenv("GRPO_NATIVE_KERNELS", "off")
     model, _ = tiny_qwen3_5()
-    chunked = _reference(modeling_qwen3_5, "torch_chunk_gated_delta_rule")
-    conv = _reference(modeling_qwen3_5, "causal_conv1d_fn")
+    chunked = reference_function(modeling_qwen3_5, "torch_chunk_gated_delta_rule")
+    conv = reference_function(modeling_qwen3_5, "causal_conv1d_fn")
     for name, function in (("torch_chunk_gated_delta_rule", chunked), ("causal_conv1d_fn", conv)):
         monkeypatch.setattr(modeling_qwen3_5, name, function)  # (put back after)
     assert delta_rule.fit_prefill(model) == 2 and delta_rule.fit_prefill(model) == 2
@@ -311,7 +305,7 @@ def test_fit_prefill_takes_qwen3_next_too(monkeypatch) -> None:
     from transformers.models.qwen3_next import modeling_qwen3_next
 
     for name in ("torch_chunk_gated_delta_rule", "causal_conv1d_fn"):
-        monkeypatch.setattr(modeling_qwen3_next, name, _reference(modeling_qwen3_next, name))  # (put back after)
+        monkeypatch.setattr(modeling_qwen3_next, name, reference_function(modeling_qwen3_next, name))  # (put back after)
     config = transformers.Qwen3NextConfig(
         hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
         vocab_size=100, layer_types=["linear_attention", "full_attention"], num_experts=4, num_experts_per_tok=2,

@@ -10,7 +10,12 @@ import contextlib
 import pytest
 import torch
 import transformers
-from backend_helpers import assert_logprobs_of_a_plain_forward, tiny_qwen3_5, worst_relative_error
+from backend_helpers import (
+    assert_logprobs_of_a_plain_forward,
+    reference_function,
+    tiny_qwen3_5,
+    worst_relative_error,
+)
 from transformers import DynamicCache
 from transformers.models.qwen3_5 import modeling_qwen3_5
 
@@ -26,9 +31,7 @@ def _kernels(monkeypatch, path: str, module=modeling_qwen3_5) -> None:
     """transformers' reference functions ("reference"), or grpo's fitted ones ("kernels"), for
     this test in ``module`` (put back after)."""
     for name in delta_rule.REFERENCES:
-        function = getattr(module, name)
-        monkeypatch.setattr(module, name, function.__wrapped__ if getattr(function, "fitted_by_grpo", False)
-                            else function)
+        monkeypatch.setattr(module, name, reference_function(module, name))
     if path == "kernels":
         assert delta_rule.fit_prefill(tiny_qwen3_5()[0] if module is modeling_qwen3_5 else tiny_qwen3_next()) == 2
 

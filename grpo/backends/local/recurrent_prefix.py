@@ -86,14 +86,27 @@ def restored_cache(model: nn.Module, entries: Sequence[tuple[int, KV, States] | 
         if isinstance(layer, LinearAttentionLayer):
             conv = _stacked([e[2][state_index][0] if e else None for e in entries], like[2][state_index][0])
             recurrent = _stacked([e[2][state_index][1] if e else None for e in entries], like[2][state_index][1])
-            layer.lazy_initialization(conv_states=conv, recurrent_states=recurrent)
-            layer.conv_states[0], layer.recurrent_states[0] = conv, recurrent
-            layer.has_previous_state[0] = True
+            set_states(layer, 0, conv, recurrent)
             state_index += 1
         else:
             cache.update(*left_padded([e[1][kv_index] if e is not None else None for e in entries], width), i)
             kv_index += 1
     return cache, mask
+
+
+def set_states(layer: LinearAttentionLayer, index: int, conv: torch.Tensor | None, recurrent: torch.Tensor | None) -> None:
+    """Make ``conv`` and ``recurrent`` (None: a state the layer does not keep) the empty ``layer``'s
+    state ``index``, as a prefill would have left them: the tensors themselves, not copies
+    (transformers' ``lazy_initialization`` would allocate a zeroed state of their size first)."""
+    for name, state in (("conv", conv), ("recurrent", recurrent)):
+        if state is not None:
+            getattr(layer, f"{name}_states")[index] = state
+            getattr(layer, f"is_{name}_states_initialized")[index] = True
+            layer.dtype, layer.device = state.dtype, state.device
+    if conv is not None:
+        layer.conv_kernel_size[index] = conv.shape[-1]
+        layer.dtype, layer.device = conv.dtype, conv.device  # (transformers' reads the conv state's)
+    layer.has_previous_state[index] = True
 
 
 def _stacked(states: list[torch.Tensor | None], like: torch.Tensor) -> torch.Tensor:

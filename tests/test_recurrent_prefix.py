@@ -6,6 +6,7 @@ without it while prefilling only each turn's new tokens; and through the local c
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 
 import pytest
 import torch
@@ -122,17 +123,23 @@ def test_in_bfloat16_the_kernels_continuation_is_as_close_to_float32_as_a_whole_
         assert worst_relative_error(logits[j], truth) <= 2 * whole + 2**-8, (j, whole)
 
 
-def _play(model, tokenizer, prefix_cache: PrefixCache | None, turns: int = 3):
+def _play(model, tokenizer, prefix_cache: PrefixCache | None, turns: int = 3, budget_rows: int | None = None):
     """Two first prompts (one of two samples), then each episode's next turn on its whole context
     plus a reply of its own length; at the last turn a sibling's re-rendered answer too (the first
-    prompt plus other tokens). Each turn's requests and stats."""
+    prompt plus other tokens). Each turn's requests and stats. ``budget_rows``: at most that many
+    rows decode at once, the others joining as rows finish (the i-th request of a turn then has
+    3 + 2i tokens to sample, so that rows finish apart)."""
+    budget = {} if budget_rows is None else dict(row_bytes=lambda positions: 1000, budget=1000 * budget_rows)
     params = SamplingParams(max_tokens=6, temperature=1.0, seed=3)
     requests = [sampler.GenerationRequest([1, 504, 3458, 314, 253, 1345, 28], 2, params),
                 sampler.GenerationRequest([1, 9906, 30], 1, params)]
     first = [r.prompt for r in requests for _ in range(r.num_samples)]
     out = []
     for turn in range(turns):
-        stats = sampler.generate(model, requests, tokenizer, CPU, prefix_cache=prefix_cache)
+        if budget_rows is not None:
+            for i, r in enumerate(requests):
+                r.params = dataclasses.replace(r.params, max_tokens=3 + 2 * i)
+        stats = sampler.generate(model, requests, tokenizer, CPU, prefix_cache=prefix_cache, **budget)
         out.append((requests, stats))
         if turn == turns - 1:
             return out
@@ -164,6 +171,26 @@ def test_episodes_sample_the_same_through_the_cache_and_prefill_only_their_new_t
     assert third.prefix_hits == 4 and third.prefilled_tokens == second.prefilled_tokens + 3
     assert third.prefix_hit_tokens == sum(len(r.prompt) for r in third_requests) - third.prefilled_tokens
     assert len(third_requests) == 4 and len(second_requests) == 3
+
+
+def test_episodes_that_join_a_running_batch_continue_from_their_restored_states() -> None:
+    """Two rows at a time: each turn's later episodes are prefilled after their cached states while
+    the earlier ones decode, and join their batch; they draw what they draw all in one batch
+    without the cache."""
+    model, _ = tiny_qwen3_5()
+    tokenizer = models.load_tokenizer("tiny")
+    joining = _play(model, tokenizer, PrefixCache(2**26), budget_rows=2)
+    plain = _play(model, tokenizer, None, budget_rows=10**6)
+    for (got, _), (want, _) in zip(joining, plain, strict=True):
+        for a, b in zip(got, want, strict=True):
+            for x, y in zip(a.sequences, b.sequences, strict=True):
+                assert x.tokens == y.tokens and x.stop_reason == y.stop_reason
+                assert x.logprobs == pytest.approx(y.logprobs, abs=1e-5)
+        assert_logprobs_of_a_plain_forward(model, got)
+    (_, first), (_, second), (_, third) = joining
+    assert [s.admissions for s in (first, second, third)] == [2, 2, 3]  # (3, 3 and 4 requests, 2 rows at once)
+    assert max(s.peak_rows for _, s in joining) == 2
+    assert second.prefix_hits == 3 and third.prefix_hits == 4
 
 
 def test_turns_of_one_new_token_each_run_as_a_decoding_step_from_the_restored_states() -> None:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 import transformers
-from backend_helpers import assert_logprobs_of_a_plain_forward
+from backend_helpers import assert_logprobs_of_a_plain_forward, tiny_qwen3_5
 
 from grpo import models
 from grpo.backends.local import recurrent_sampler, sampler
@@ -29,7 +29,7 @@ def test_rows_in_lockstep_draw_what_the_slot_cache_draws(budget_rows) -> None:
     """On an attention-only model both paths apply: the same seeded tokens, the same logprobs
     (to float32 rounding: the batches and their padding differ), the same stop reasons -- all
     requests in one batch, or as many as a budget of 3 or 6 rows holds (one batch per request, or
-    the first two together)."""
+    the first two together, the third joining their batch as their rows finish)."""
     model, tokenizer = models.load_model("tiny"), models.load_tokenizer("tiny")
     slots, each = _requests(), _requests()
     sampler.generate(model, slots, tokenizer, torch.device("cpu"))
@@ -39,6 +39,10 @@ def test_rows_in_lockstep_draw_what_the_slot_cache_draws(budget_rows) -> None:
     assert stats.prefilled_tokens == sum(len(p) for p in PROMPTS) and stats.peak_rows == (budget_rows or 9)
     if budget_rows is None:  # (finished rows left the batch as it went: 46 rows over 13 steps)
         assert stats.rows_decoded < stats.decode_steps * stats.peak_rows
+    if budget_rows == 6:  # the third request joined the first two's rows as three of them finished
+        lengths = [[len(s.tokens) for s in r.sequences] for r in each]
+        one_after_another = max(lengths[0] + lengths[1]) - 1 + max(lengths[2]) - 1
+        assert stats.decode_steps < one_after_another
     got = [s for r in each for s in r.sequences]
     want = [s for r in slots for s in r.sequences]
     assert [(s.tokens, s.stop_reason) for s in got] == [(s.tokens, s.stop_reason) for s in want]
@@ -75,3 +79,69 @@ def test_a_group_prompt_is_prefilled_once_for_every_request_that_repeats_it() ->
         recurrent_sampler.generate_lockstep(model, [single], tokenizer, torch.device("cpu"))
         assert [s.tokens for s in req.sequences] == [s.tokens for s in single.sequences]
     assert together[0].sequences[0].tokens != together[1].sequences[0].tokens
+
+
+def _varied_requests(seed0: int = 5) -> list[sampler.GenerationRequest]:
+    """Two rows a request, prompts of 2 to 22 tokens (the long one admitted late, a short one after
+    it), answers of 3 to 12 tokens or a stop token."""
+    prompts = [[1, 7], [1, 8, 9], [1, *range(100, 104)], [1, *range(200, 221)], [1, 9], [1, *range(300, 309)]]
+    return [sampler.GenerationRequest(p, 2, SamplingParams(max_tokens=3 + 2 * (i % 5), temperature=1.0,
+                                                           seed=seed0 + i, stop=STOP_IDS))
+            for i, p in enumerate(prompts)]
+
+
+def test_a_hybrids_requests_join_its_running_batch_as_rows_finish(monkeypatch) -> None:
+    """Continuous batching on a Qwen3.5: with a budget of 4 rows, each request joins the running
+    batch once 2 of its rows have finished -- its prompt wider than the batch's columns or
+    narrower -- and draws exactly what it draws with every request in one batch, or with each
+    batch run to its end before the next (the logprobs within float32 rounding, and a plain
+    forward's); in fewer decoding steps than the latter."""
+    model, tokenizer = tiny_qwen3_5()
+    budget = dict(row_bytes=lambda positions: 1000, budget=4000)
+    widths = []
+    real = recurrent_sampler._joined
+
+    def joined(parts, model):
+        widths.append([mask.shape[1] for _, mask, _ in parts])
+        return real(parts, model)
+
+    monkeypatch.setattr(recurrent_sampler, "_joined", joined)
+    together, joining, one_after_another = _varied_requests(), _varied_requests(), _varied_requests()
+    recurrent_sampler.generate_lockstep(model, together, tokenizer, torch.device("cpu"))
+    stats = recurrent_sampler.generate_lockstep(model, joining, tokenizer, torch.device("cpu"), **budget)
+    assert stats.peak_rows == 4 and stats.admissions >= 3
+    assert any(new > running for running, new in widths) and any(new < running for running, new in widths)
+    monkeypatch.setattr(recurrent_sampler, "JOIN_RUNNING_BATCH", False)
+    widths.clear()
+    before = recurrent_sampler.generate_lockstep(model, one_after_another, tokenizer, torch.device("cpu"), **budget)
+    assert not widths and stats.decode_steps < before.decode_steps
+    assert stats.rows_decoded / stats.decode_steps > before.rows_decoded / before.decode_steps
+    for requests in (joining, one_after_another):
+        for a, b in zip(requests, together, strict=True):
+            for x, y in zip(a.sequences, b.sequences, strict=True):
+                assert (x.tokens, x.stop_reason) == (y.tokens, y.stop_reason)
+                assert x.logprobs == pytest.approx(y.logprobs, abs=1e-5)
+    assert len({len(s.tokens) for r in together for s in r.sequences}) > 2
+    assert_logprobs_of_a_plain_forward(model, joining)
+
+
+def test_the_lockstep_bench_script_measures_joining_against_one_batch_after_another(tmp_path) -> None:
+    """scripts/lockstep_bench.py on a tiny Qwen3.5 whose budget holds a few rows: one JSON line a
+    call, each setting's rows and tokens alike, the joining calls in fewer decoding steps of more
+    rows each, and the ratio of the two settings' times."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    model, tokenizer = tiny_qwen3_5()
+    model.save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    script = Path(__file__).resolve().parent.parent / "scripts" / "lockstep_bench.py"
+    done = subprocess.run([sys.executable, str(script), str(tmp_path), "6", "2", "12", "0.05", "9", "1"], check=True,
+                          capture_output=True, text=True, timeout=600)
+    joining, apart, ratio = (json.loads(line) for line in done.stdout.strip().splitlines()[-3:])
+    assert (joining["join"], apart["join"]) == (True, False) and joining["rows"] == apart["rows"] == 12
+    assert joining["tokens"] == apart["tokens"] and joining["peak_rows"] < 12
+    assert joining["admissions"] > apart["admissions"] > 1 and joining["decode_steps"] < apart["decode_steps"]
+    assert joining["rows_a_step"] > apart["rows_a_step"] and ratio["ratio_joining_over_one_after_another"] > 0

@@ -121,8 +121,9 @@ def _linear_attention_layers(config: Any) -> int:
 
 def _recurrent_state_bytes(config: Any, dtype: torch.dtype) -> int:
     """One row's state in one gated-delta-rule layer: the float32 recurrent state (value heads x
-    key dim x value dim) twice -- a batch that sheds finished rows copies it (recurrent_sampler.py)
-    -- and the short convolution's window of q, k and v."""
+    key dim x value dim) twice -- a batch that sheds finished rows copies it, and rows that join a
+    running batch are prefilled beside it (recurrent_sampler.py) -- and the short convolution's
+    window of q, k and v."""
     config = models.text_config(config)
     heads, key_dim, value_dim = (int(getattr(config, name, 0) or 0) for name in (
         "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim"))

@@ -12,12 +12,21 @@ one step after another through the model's forward, each row at its own position
 padding. Finished rows ride along on padding until a quarter of the batch has finished, then
 leave it. Tokens are chosen by the sampler's own ``_choose_tokens`` with each request's seed, so
 a seeded request draws what it draws through the slot cache (tests/test_recurrent_sampler.py).
+
+Requests beyond what the budget holds join the running batch as its rows finish, as the slot
+cache admits them (continuous batching): their prompts are prefilled on their own, and one copy
+builds the next batch from the running rows' states and theirs (``_joined``), the attention layers'
+keys and values left-padded to the wider of the two. Before, each batch ran until its longest row
+had finished and the next waited: at the ~30 rows a 24 GB machine's budget holds of a
+Qwen3.5-0.8B-sized model, a GRPO step of more prompts decoded its batches' tails with few rows
+(docs/benchmark.md has the numbers). A cache with layers of other kinds runs its batches one
+after another, as before (``joinable``).
+
 With a prefix cache, a multi-turn episode's next turn starts from the states its last turn left
 (recurrent_prefix.py): every prompt and every finished row is stored with its layers' states, and
 a prompt that extends a stored sequence runs only its new tokens, in the same batch as prompts
 found nowhere (their states zero). On a CPU, Qwen3.5's linear-attention layers take their decoding
-steps through grpo's kernels (delta_rule.py); there is no continuous batching across batches and
-no native decoding step for the other layers.
+steps through grpo's kernels (delta_rule.py); there is no native decoding step for the other layers.
 
 Before this, requests ran one after another, each prompt prefilled once per row: the weights
 were read once per request for every decoding step (docs/benchmark.md has the numbers).
@@ -26,115 +35,208 @@ were read once per request for every decoding step (docs/benchmark.md has the nu
 from __future__ import annotations
 
 import contextlib
+from collections import deque
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer, LinearAttentionLayer
 
 from grpo.backends.local import delta_rule, recurrent_prefix, sampler
 from grpo.backends.local.prefix_cache import PrefixCache
 from grpo.backends.local.sections import section
 from grpo.types import SampledSequence
 
+# False: each batch runs until its last row finishes before the next requests are admitted (the
+# behaviour before continuous batching; scripts/lockstep_bench.py measures against it)
+JOIN_RUNNING_BATCH = True
+
+
+@dataclass
+class _Lockstep:
+    """The rows decoding together: the model's cache (row b of every layer is ``rows[b]``), the
+    attention mask of its columns, each row's next position and the token it is fed next (padding
+    for a finished row, which rides along until the batch sheds it)."""
+
+    cache: DynamicCache
+    mask: torch.Tensor  # [rows, columns]
+    positions: torch.Tensor  # [rows, 1]
+    tokens: torch.Tensor  # [rows]
+    rows: list[sampler._Row]
+
+    def live(self) -> list[int]:
+        return [b for b, row in enumerate(self.rows) if not row.done]
+
+    def keep(self, kept: list[int]) -> None:
+        """Only rows ``kept``, in that order (each layer's states copied once)."""
+        index = torch.tensor(kept, dtype=torch.long, device=self.mask.device)
+        self.cache.reorder_cache(index)
+        self.mask, self.positions, self.tokens = self.mask[index], self.positions[index], self.tokens[index]
+        self.rows = [self.rows[b] for b in kept]
+
 
 @torch.inference_mode()
 def generate_lockstep(model, requests: list[sampler.GenerationRequest], tokenizer, device: torch.device,
                       max_context: int | None = None, row_bytes: Callable[[int], int] | None = None,
                       budget: int | None = None, prefix_cache: PrefixCache | None = None) -> sampler.GenerationStats:
-    """``sampler.generate``'s results (prompt logprobs excepted: the caller computes those), in
-    batches of whole requests of at most ``sampler.batch_rows`` rows (a larger request alone).
-    ``prefix_cache``: read and written where the model's states can be restored
-    (``recurrent_prefix.continuable``), else left alone."""
+    """``sampler.generate``'s results (prompt logprobs excepted: the caller computes those), with at
+    most ``sampler.batch_rows`` rows decoding at once (a larger request alone); requests are
+    admitted in order as rows finish. ``prefix_cache``: read and written where the model's states
+    can be restored (``recurrent_prefix.continuable``), else left alone."""
     stats = sampler.GenerationStats()
     if prefix_cache is not None and not recurrent_prefix.continuable(model):
         prefix_cache = None
     before = prefix_cache.stats.snapshot() if prefix_cache is not None else None
     limit = sampler.batch_rows(requests, row_bytes, budget, max_context)
-    first_index = 0
+    join = JOIN_RUNNING_BATCH and joinable(DynamicCache(config=model.config))
+    pending = deque(requests)
+    rows: list[sampler._Row] = []  # every row, in the order they draw
+    batch: _Lockstep | None = None
     with delta_rule.routed(model) if device.type == "cpu" else contextlib.nullcontext():
-        for batch in _batches(requests, limit):
-            rows = []
-            for req in batch:
-                rows += sampler.request_rows(req, first_index + len(rows), max_context, device)
-            first_index += len(rows)
-            _decode_batch(model, batch, rows, tokenizer, device, stats, prefix_cache)
-            for req in batch:
-                req.sequences = [SampledSequence(tokens=row.tokens, logprobs=row.logprobs, stop_reason=row.stop_reason)
-                                 for row in rows if row.request is req]
+        while True:
+            live = batch.live() if batch is not None else []
+            free = limit - len(live) if join or not live else 0
+            admitted = sampler._admissions(pending, free, nothing_running=not live)
+            if admitted:
+                new_rows = [row for req in admitted
+                            for row in sampler.request_rows(req, len(rows), max_context, device)]
+                rows += new_rows
+                with section("grpo.sample.prefill"):
+                    batch = _admit(model, admitted, new_rows, batch if live else None, tokenizer, device, stats,
+                                   prefix_cache)
+                live = batch.live()
+            if not live:  # (every row finished at its first token: the next requests, or the end)
+                if pending:
+                    continue
+                break
+            if 4 * (len(batch.rows) - len(live)) >= len(batch.rows):  # (each shrink copies every state kept)
+                batch.keep(live)
+            stats.peak_rows = max(stats.peak_rows, len(batch.rows))
+            with section("grpo.sample.decode_forward"):
+                batch.mask = torch.cat([batch.mask, batch.mask.new_ones(len(batch.rows), 1)], dim=1)
+                logits = model(input_ids=batch.tokens[:, None], attention_mask=batch.mask,
+                               position_ids=batch.positions, cache=batch.cache, use_cache=True).logits[:, -1].float()
+            batch.positions = batch.positions + 1
+            stats.decode_steps += 1
+            stats.rows_decoded += len(batch.rows)
+            live = batch.live()
+            _choose(batch, logits if len(live) == len(batch.rows) else logits[torch.tensor(live, device=device)], live,
+                    tokenizer, device, prefix_cache)
+    for req in requests:
+        req.sequences = [SampledSequence(tokens=row.tokens, logprobs=row.logprobs, stop_reason=row.stop_reason)
+                         for row in rows if row.request is req]
     if prefix_cache is not None:
         done = prefix_cache.stats.since(before)
         stats.prefix_hits, stats.prefix_hit_tokens, stats.prefix_evictions = done.hits, done.hit_tokens, done.evictions
     return stats
 
 
-def _batches(requests: list[sampler.GenerationRequest], limit: int) -> list[list[sampler.GenerationRequest]]:
-    """Consecutive requests, as many a batch as ``limit`` rows hold (a request of more rows alone:
-    splitting its rows would change what its seed draws)."""
-    batches: list[list[sampler.GenerationRequest]] = []
-    rows = 0
-    for req in requests:
-        if not batches or rows + req.num_samples > limit:
-            batches.append([])
-            rows = 0
-        batches[-1].append(req)
-        rows += req.num_samples
-    return batches
+def joinable(cache: DynamicCache) -> bool:
+    """Whether new rows can join a running batch of this cache: its layers are plain keys and values
+    or linear-attention states, each with the batch in its first dimension."""
+    return all(type(layer) in (DynamicLayer, LinearAttentionLayer) for layer in cache.layers)
 
 
-def _decode_batch(model, requests: list[sampler.GenerationRequest], rows: list[sampler._Row], tokenizer,
-                  device: torch.device, stats: sampler.GenerationStats, prefix_cache: PrefixCache | None) -> None:
+def _admit(model, requests: list[sampler.GenerationRequest], new_rows: list[sampler._Row], running: _Lockstep | None,
+           tokenizer, device: torch.device, stats: sampler.GenerationStats,
+           prefix_cache: PrefixCache | None) -> _Lockstep:
     """Prefill ``requests``' distinct prompts together (after their cached prefixes where
-    ``prefix_cache`` has them), fan the cache out to their rows, then decode every row together
-    until each one stops."""
+    ``prefix_cache`` has them), choose their rows' first tokens, and return the batch of the
+    ``running`` batch's unfinished rows (None: none) followed by ``new_rows``."""
     pad = sampler._pad_id(tokenizer)
     prompts = list(dict.fromkeys(tuple(req.prompt) for req in requests))  # (a GRPO group's prompt, once)
     hits = [prefix_cache.lookup_end(p) if prefix_cache is not None else None for p in prompts]
-    with section("grpo.sample.prefill"):
-        if any(hits):
-            cache, mask, logits = _prefill_after(model, prompts, hits, pad, device)
-        else:
-            cache, mask, logits = _prefill(model, prompts, pad, device)
+    if any(hits):
+        cache, mask, logits = _prefill_after(model, prompts, hits, pad, device)
+    else:
+        cache, mask, logits = _prefill(model, prompts, pad, device)
     stats.admissions += 1
     stats.prompt_tokens += sum(len(req.prompt) * req.num_samples for req in requests)
     stats.prefilled_tokens += sum(len(p) - (hit[0] if hit else 0) for p, hit in zip(prompts, hits, strict=True))
     if prefix_cache is not None:
         for j, prompt in enumerate(prompts):
             prefix_cache.store(prompt, *recurrent_prefix.row_entry(cache, j, mask[j].nonzero()[:, 0]))
-    # each row's prompt row of the prefill: the cache, the logits and the mask fanned out to the rows
+    # each new row's prompt row of the prefill: the cache, the logits and the mask fanned out to the rows
     prompt_row = {prompt: i for i, prompt in enumerate(prompts)}
-    owner = torch.tensor([prompt_row[tuple(row.request.prompt)] for row in rows], device=device)
-    cache.reorder_cache(owner)
-    logits, mask = logits[owner], mask[owner]
-    positions = torch.tensor([[len(row.request.prompt)] for row in rows], device=device)
-    stats.peak_rows = max(stats.peak_rows, len(rows))
-    batch = list(rows)  # the rows still in the cache, in its order
-    finished_since = 0  # rows finished since the batch last shrank
-    while True:
-        live = [b for b, row in enumerate(batch) if not row.done]
-        with section("grpo.sample.choose_tokens"):
-            chosen, logprobs = sampler._choose_tokens(logits[live], [batch[b] for b in live], device)
-        for token, logprob, b in zip(chosen.tolist(), logprobs.tolist(), live, strict=True):
-            sampler.record_token(batch[b], token, logprob, tokenizer)
-        if prefix_cache is not None:  # (before a finished row rides along on padding)
-            _store_finished(prefix_cache, cache, batch, live, mask)
-        still = [b for b in live if not batch[b].done]
-        if not still:
-            return
-        finished_since += len(live) - len(still)
-        tokens = torch.full((len(batch),), pad, dtype=torch.long, device=device)
-        tokens[torch.tensor(live, device=device)] = chosen  # finished rows ride along on padding
-        if 4 * finished_since >= len(batch):  # (each shrink copies every state the batch keeps)
-            keep = torch.tensor(still, device=device)
-            cache.reorder_cache(keep)
-            batch, tokens, mask, positions = [batch[b] for b in still], tokens[keep], mask[keep], positions[keep]
-            finished_since = 0
-        mask = torch.cat([mask, mask.new_ones(len(batch), 1)], dim=1)
-        with section("grpo.sample.decode_forward"):
-            logits = model(input_ids=tokens[:, None], attention_mask=mask, position_ids=positions, cache=cache,
-                           use_cache=True).logits[:, -1].float()
-        positions = positions + 1
-        stats.decode_steps += 1
-        stats.rows_decoded += len(batch)
+    owner = torch.tensor([prompt_row[tuple(row.request.prompt)] for row in new_rows], device=device)
+    positions = torch.tensor([[len(row.request.prompt)] for row in new_rows], device=device)
+    if running is None:
+        cache.reorder_cache(owner)
+        batch = _Lockstep(cache, mask[owner], positions, torch.full((len(new_rows),), pad, device=device), new_rows)
+    else:
+        kept = running.live()
+        index = torch.tensor(kept, dtype=torch.long, device=device)
+        joined, joined_mask = _joined([(running.cache, running.mask, index), (cache, mask, owner)], model)
+        batch = _Lockstep(joined, joined_mask, torch.cat([running.positions[index], positions]),
+                          torch.cat([running.tokens[index], torch.full((len(new_rows),), pad, device=device)]),
+                          [running.rows[b] for b in kept] + new_rows)
+    first = len(batch.rows) - len(new_rows)
+    _choose(batch, logits[owner], list(range(first, len(batch.rows))), tokenizer, device, prefix_cache)
+    return batch
+
+
+def _choose(batch: _Lockstep, logits: torch.Tensor, live: list[int], tokenizer, device: torch.device,
+            prefix_cache: PrefixCache | None) -> None:
+    """Rows ``live`` of ``batch`` (``logits``: one row each) choose their next tokens, fed at the next
+    step; a row that stops is stored in ``prefix_cache`` and is fed padding from then on."""
+    with section("grpo.sample.choose_tokens"):
+        chosen, logprobs = sampler._choose_tokens(logits, [batch.rows[b] for b in live], device)
+    for token, logprob, b in zip(chosen.tolist(), logprobs.tolist(), live, strict=True):
+        sampler.record_token(batch.rows[b], token, logprob, tokenizer)
+    if prefix_cache is not None:  # (before a finished row rides along on padding)
+        _store_finished(prefix_cache, batch.cache, batch.rows, live, batch.mask)
+    index = torch.tensor(live, dtype=torch.long, device=device)
+    batch.tokens[index] = torch.where(torch.tensor([batch.rows[b].done for b in live], device=device),
+                                      sampler._pad_id(tokenizer), chosen)
+
+
+def _joined(parts: list[tuple[DynamicCache, torch.Tensor, torch.Tensor]], model) -> tuple[DynamicCache, torch.Tensor]:
+    """One batch cache of each part's rows ``index`` (a part: a cache, its attention mask, the rows to
+    take), in turn, and its mask: each layer's states copied once into the new batch, the attention
+    layers' keys and values right-aligned in the widest part's columns behind zeros. The parts'
+    caches are emptied layer by layer as they are read, so that their memory goes as the new one's
+    comes: the running batch and the new prompts' prefill at most, never a third copy on top."""
+    width = max(mask.shape[1] for _, mask, _ in parts)
+    rows = sum(len(index) for _, _, index in parts)
+    mask = torch.cat([torch.nn.functional.pad(m[index], (width - m.shape[1], 0)) for _, m, index in parts])
+    cache = DynamicCache(config=model.config)
+    for i, layer in enumerate(cache.layers):
+        sources = [part[0].layers[i] for part in parts]
+        if isinstance(layer, LinearAttentionLayer):
+            for s in range(layer.number_of_states):
+                conv, recurrent = (_stacked([getattr(source, name)[s] for source in sources], parts, rows)
+                                   for name in ("conv_states", "recurrent_states"))
+                recurrent_prefix.set_states(layer, s, conv, recurrent)
+                for source in sources:
+                    source.conv_states[s] = source.recurrent_states[s] = None
+        else:
+            keys, values = (_stacked([getattr(source, name) for source in sources], parts, rows, width)
+                            for name in ("keys", "values"))
+            cache.update(keys, values, i)
+            for source in sources:
+                source.keys = source.values = None
+    return cache, mask
+
+
+def _stacked(tensors: list[torch.Tensor | None], parts: list, rows: int, width: int | None = None) -> torch.Tensor | None:
+    """Each part's rows of its tensor (batch first), in turn, in one new tensor; with ``width``,
+    keys or values ``[rows, heads, columns, dim]`` right-aligned in ``width`` columns behind zeros."""
+    if tensors[0] is None:
+        return None
+    like = tensors[0]
+    if width is None:
+        out = like.new_empty((rows, *like.shape[1:]))
+    else:
+        out = like.new_zeros((rows, like.shape[1], width, like.shape[3]))
+    start = 0
+    for tensor, (_, _, index) in zip(tensors, parts, strict=True):
+        if width is None:
+            torch.index_select(tensor, 0, index, out=out[start:start + len(index)])
+        else:
+            out[start:start + len(index), :, width - tensor.shape[2]:] = tensor[index]
+        start += len(index)
+    return out
 
 
 def _prefill(model, prompts: list[tuple[int, ...]], pad: int, device: torch.device

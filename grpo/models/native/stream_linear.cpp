@@ -405,20 +405,30 @@ void transpose_rows(const T* src, int64_t ld, int64_t count, int64_t k, float* t
 #endif
 }
 
-// `rows` rows of k values (at a stride of ld) as float32 [block of STREAM_ROWS rows][k][row in the
-// block]: a k's inputs side by side, and each block read front to back (the last block's rows at a
-// stride of its own count: a decoding step's few rows then take a few KiB of cache beside the
-// weights, not a whole block's)
+// The blocks `rows` rows are taken in: as few as hold STREAM_ROWS rows each, their rows as even as
+// they divide (33: 16 + 17). A block of one row after a full one re-read every panel from the cache
+// for that one row's sums: 33 rows of a Qwen3.5-0.8B-sized decoding step's products took 1.15x the
+// time of 32 (bf16 dot products, AMD EPYC; docs/benchmark.md).
+struct RowBlocks {
+  int64_t rows, count;
+  explicit RowBlocks(int64_t rows) : rows(rows), count((rows + STREAM_ROWS - 1) / STREAM_ROWS) {}
+  int64_t start(int64_t block) const { return block * rows / count; }
+  int64_t size(int64_t block) const { return start(block + 1) - start(block); }
+};
+
+// `rows` rows of k values (at a stride of ld) as float32 [block (RowBlocks)][k][row in the block],
+// each block in a slot of STREAM_ROWS rows: a k's inputs side by side, and each block read front to
+// back (a block's rows at a stride of its own count: a decoding step's few rows then take a few KiB
+// of cache beside the weights, not a whole block's)
 template <typename T>
 std::unique_ptr<float[]> stream_inputs(const T* src, int64_t ld, int64_t rows, int64_t k) {
-  const int64_t blocks = (rows + STREAM_ROWS - 1) / STREAM_ROWS;
-  std::unique_ptr<float[]> xp(new float[blocks * k * STREAM_ROWS]);  // (every value written below)
+  const RowBlocks blocks(rows);
+  std::unique_ptr<float[]> xp(new float[blocks.count * k * STREAM_ROWS]);  // (every value written below)
   // a prefill's hundreds of rows on every thread; a decoding step's block or two on this one
   const int64_t grain = std::max<int64_t>(1, (1 << 16) / (STREAM_ROWS * k));
-  at::parallel_for(0, blocks, grain, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, blocks.count, grain, [&](int64_t begin, int64_t end) {
     for (int64_t block = begin; block < end; ++block)
-      transpose_rows(src + block * STREAM_ROWS * ld, ld, std::min<int64_t>(STREAM_ROWS, rows - block * STREAM_ROWS), k,
-                     xp.get() + block * k * STREAM_ROWS);
+      transpose_rows(src + blocks.start(block) * ld, ld, blocks.size(block), k, xp.get() + block * k * STREAM_ROWS);
   });
   return xp;
 }
@@ -430,7 +440,8 @@ std::unique_ptr<float[]> stream_inputs(const T* src, int64_t ld, int64_t rows, i
 template <typename W, typename O>
 void stream_product(const float* xp, int64_t k, const float* xp2, int64_t k2, int64_t rows, int64_t panels,
                     const W* wd, const W* w2d, const float* bd, O* yd) {
-  const int64_t n = panels * STREAM_COLUMNS, blocks = (rows + STREAM_ROWS - 1) / STREAM_ROWS;
+  const int64_t n = panels * STREAM_COLUMNS;
+  const RowBlocks blocks(rows);
   // more rows than a block: panels in pairs (two threads' runs of them), a block's rows across both
   // panels of a pair at a time (half the broadcasts a multiply-add). Up to two blocks, the first
   // still one panel at a time, streaming it (its 32 multiply-adds a k hide the loads), the second
@@ -443,8 +454,8 @@ void stream_product(const float* xp, int64_t k, const float* xp2, int64_t k2, in
   at::parallel_for(0, (panels + step - 1) / step, 1, [&](int64_t begin, int64_t end) {
     for (int64_t p = begin * step; p < std::min(end * step, panels); p += step) {
       const bool pair = step == 2 && p + 1 < panels;
-      for (int64_t block = 0; block < blocks; ++block) {
-        const int64_t r = block * STREAM_ROWS, count = std::min<int64_t>(STREAM_ROWS, rows - r);
+      for (int64_t block = 0; block < blocks.count; ++block) {
+        const int64_t r = blocks.start(block), count = blocks.size(block);
         const float* x = xp + block * k * STREAM_ROWS;
         const float* x2 = xp2 ? xp2 + block * k2 * STREAM_ROWS : nullptr;
         if (pair && (block > 0 || rows > 2 * STREAM_ROWS)) {
@@ -477,11 +488,12 @@ void stream_product(const float* xp, int64_t k, const float* xp2, int64_t k2, in
 template <typename O>
 void stream_dot_product(const float* xp, int64_t pairs, const float* xp2, int64_t k2, int64_t rows, int64_t panels,
                         const c10::BFloat16* wd, const c10::BFloat16* w2d, const float* bd, O* yd) {
-  const int64_t n = panels * STREAM_COLUMNS, blocks = (rows + STREAM_ROWS - 1) / STREAM_ROWS;
+  const int64_t n = panels * STREAM_COLUMNS;
+  const RowBlocks blocks(rows);
   at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
     for (int64_t p = begin; p < end; ++p)
-      for (int64_t block = 0; block < blocks; ++block) {
-        const int64_t r = block * STREAM_ROWS, count = std::min<int64_t>(STREAM_ROWS, rows - r);
+      for (int64_t block = 0; block < blocks.count; ++block) {
+        const int64_t r = blocks.start(block), count = blocks.size(block);
         const float* x = xp + block * pairs * STREAM_ROWS;
         const float* x2 = xp2 ? xp2 + block * k2 * STREAM_ROWS : nullptr;
         const c10::BFloat16* w = wd + p * pairs * STREAM_PAIR_COLUMNS;

@@ -150,18 +150,25 @@ def _play(model, tokenizer, prefix_cache: PrefixCache | None, turns: int = 3, bu
             requests.append(sampler.GenerationRequest(first[0] + [7, 8, 9], 1, params))
 
 
-def test_episodes_sample_the_same_through_the_cache_and_prefill_only_their_new_tokens() -> None:
-    model, _ = tiny_qwen3_5()
-    tokenizer = models.load_tokenizer("tiny")
-    cache = PrefixCache(2**26)
-    cached, plain = _play(model, tokenizer, cache), _play(model, tokenizer, None)
-    for (got, stats), (want, plain_stats) in zip(cached, plain, strict=True):
+def _assert_sampled_alike(model, turns, reference) -> None:
+    """Each turn of ``turns`` (``_play``'s) drew the ``reference`` turn's tokens and stop reasons from
+    as many prompt tokens, its logprobs within float32 rounding of the reference's and of a plain
+    forward's."""
+    for (got, stats), (want, want_stats) in zip(turns, reference, strict=True):
         for a, b in zip(got, want, strict=True):
             for x, y in zip(a.sequences, b.sequences, strict=True):
                 assert x.tokens == y.tokens and x.stop_reason == y.stop_reason
                 assert x.logprobs == pytest.approx(y.logprobs, abs=1e-5)
         assert_logprobs_of_a_plain_forward(model, got)
-        assert stats.prompt_tokens == plain_stats.prompt_tokens
+        assert stats.prompt_tokens == want_stats.prompt_tokens
+
+
+def test_episodes_sample_the_same_through_the_cache_and_prefill_only_their_new_tokens() -> None:
+    model, _ = tiny_qwen3_5()
+    tokenizer = models.load_tokenizer("tiny")
+    cache = PrefixCache(2**26)
+    cached = _play(model, tokenizer, cache)
+    _assert_sampled_alike(model, cached, _play(model, tokenizer, None))
     (_, first), (second_requests, second), (third_requests, third) = [(r, s) for r, s in cached]
     assert first.prefix_hits == 0 and first.prefilled_tokens == 7 + 3
     # a finished row is stored without its last token (never fed back): that token and the reply
@@ -180,13 +187,7 @@ def test_episodes_that_join_a_running_batch_continue_from_their_restored_states(
     model, _ = tiny_qwen3_5()
     tokenizer = models.load_tokenizer("tiny")
     joining = _play(model, tokenizer, PrefixCache(2**26), budget_rows=2)
-    plain = _play(model, tokenizer, None, budget_rows=10**6)
-    for (got, _), (want, _) in zip(joining, plain, strict=True):
-        for a, b in zip(got, want, strict=True):
-            for x, y in zip(a.sequences, b.sequences, strict=True):
-                assert x.tokens == y.tokens and x.stop_reason == y.stop_reason
-                assert x.logprobs == pytest.approx(y.logprobs, abs=1e-5)
-        assert_logprobs_of_a_plain_forward(model, got)
+    _assert_sampled_alike(model, joining, _play(model, tokenizer, None, budget_rows=10**6))
     (_, first), (_, second), (_, third) = joining
     assert [s.admissions for s in (first, second, third)] == [2, 2, 3]  # (3, 3 and 4 requests, 2 rows at once)
     assert max(s.peak_rows for _, s in joining) == 2

@@ -102,10 +102,11 @@ def set_states(layer: LinearAttentionLayer, index: int, conv: torch.Tensor | Non
         if state is not None:
             getattr(layer, f"{name}_states")[index] = state
             getattr(layer, f"is_{name}_states_initialized")[index] = True
-            layer.dtype, layer.device = state.dtype, state.device
+    like = conv if conv is not None else recurrent  # (transformers' takes them from the conv state first)
+    if like is not None:
+        layer.dtype, layer.device = like.dtype, like.device
     if conv is not None:
         layer.conv_kernel_size[index] = conv.shape[-1]
-        layer.dtype, layer.device = conv.dtype, conv.device  # (transformers' reads the conv state's)
     layer.has_previous_state[index] = True
 
 

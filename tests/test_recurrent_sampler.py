@@ -125,6 +125,31 @@ def test_a_hybrids_requests_join_its_running_batch_as_rows_finish(monkeypatch) -
     assert_logprobs_of_a_plain_forward(model, joining)
 
 
+
+def test_a_request_larger_than_the_budget_runs_alone_and_rows_of_one_token_never_decode() -> None:
+    """A 3-row budget: requests of 3, 5 (more than the budget: alone, once nothing runs), 1 and 2 rows,
+    the first and the last of one token each (done at their prefill: the next requests are admitted,
+    nothing decodes for them). Each draws what it draws with every request in one batch."""
+    model, tokenizer = tiny_qwen3_5()
+
+    def requests() -> list[sampler.GenerationRequest]:
+        shapes = [([1, 7, 8], 3, 1), ([1, *range(50, 60)], 5, 6), ([1, 9], 1, 9), ([1, 11, 12, 13], 2, 1)]
+        return [sampler.GenerationRequest(p, n, SamplingParams(max_tokens=m, temperature=1.0, seed=20 + i,
+                                                               stop=STOP_IDS))
+                for i, (p, n, m) in enumerate(shapes)]
+
+    together, budgeted = requests(), requests()
+    recurrent_sampler.generate_lockstep(model, together, tokenizer, torch.device("cpu"))
+    stats = recurrent_sampler.generate_lockstep(model, budgeted, tokenizer, torch.device("cpu"),
+                                                row_bytes=lambda positions: 1000, budget=3000)
+    assert stats.peak_rows == 5 and stats.admissions >= 3
+    for a, b in zip(budgeted, together, strict=True):
+        assert [(s.tokens, s.stop_reason) for s in a.sequences] == [(s.tokens, s.stop_reason) for s in b.sequences]
+        for x, y in zip(a.sequences, b.sequences, strict=True):
+            assert x.logprobs == pytest.approx(y.logprobs, abs=1e-5)
+    assert [len(s.tokens) for r in (budgeted[0], budgeted[3]) for s in r.sequences] == [1] * 5
+
+
 def test_the_lockstep_bench_script_measures_joining_against_one_batch_after_another(tmp_path) -> None:
     """scripts/lockstep_bench.py on a tiny Qwen3.5 whose budget holds a few rows: one JSON line a
     call, each setting's rows and tokens alike, the joining calls in fewer decoding steps of more

@@ -405,24 +405,25 @@ void transpose_rows(const T* src, int64_t ld, int64_t count, int64_t k, float* t
 #endif
 }
 
-// The blocks `rows` rows are taken in: as few as hold STREAM_ROWS rows each, their rows as even as
-// they divide (33: 16 + 17). A block of one row after a full one re-read every panel from the cache
-// for that one row's sums: 33 rows of a Qwen3.5-0.8B-sized decoding step's products took 1.15x the
-// time of 32 (bf16 dot products, AMD EPYC; docs/benchmark.md).
-struct RowBlocks {
+// `rows` rows in as few blocks of at most `most` rows as hold them, their rows as even as they
+// divide (33 in blocks of 32: 16 + 17). The input blocks are of STREAM_ROWS rows: a block of one row
+// after a full one re-read every panel from the cache for that one row's sums (33 rows of a
+// Qwen3.5-0.8B-sized decoding step's products took 1.15x the time of 32: bf16 dot products, AMD
+// EPYC; docs/benchmark.md).
+struct EvenBlocks {
   int64_t rows, count;
-  explicit RowBlocks(int64_t rows) : rows(rows), count((rows + STREAM_ROWS - 1) / STREAM_ROWS) {}
+  EvenBlocks(int64_t rows, int64_t most) : rows(rows), count((rows + most - 1) / most) {}
   int64_t start(int64_t block) const { return block * rows / count; }
   int64_t size(int64_t block) const { return start(block + 1) - start(block); }
 };
 
-// `rows` rows of k values (at a stride of ld) as float32 [block (RowBlocks)][k][row in the block],
+// `rows` rows of k values (at a stride of ld) as float32 [block (EvenBlocks of STREAM_ROWS)][k][row in the block],
 // each block in a slot of STREAM_ROWS rows: a k's inputs side by side, and each block read front to
 // back (a block's rows at a stride of its own count: a decoding step's few rows then take a few KiB
 // of cache beside the weights, not a whole block's)
 template <typename T>
 std::unique_ptr<float[]> stream_inputs(const T* src, int64_t ld, int64_t rows, int64_t k) {
-  const RowBlocks blocks(rows);
+  const EvenBlocks blocks(rows, STREAM_ROWS);
   std::unique_ptr<float[]> xp(new float[blocks.count * k * STREAM_ROWS]);  // (every value written below)
   // a prefill's hundreds of rows on every thread; a decoding step's block or two on this one
   const int64_t grain = std::max<int64_t>(1, (1 << 16) / (STREAM_ROWS * k));
@@ -441,10 +442,10 @@ template <typename W, typename O>
 void stream_product(const float* xp, int64_t k, const float* xp2, int64_t k2, int64_t rows, int64_t panels,
                     const W* wd, const W* w2d, const float* bd, O* yd) {
   const int64_t n = panels * STREAM_COLUMNS;
-  const RowBlocks blocks(rows);
+  const EvenBlocks blocks(rows, STREAM_ROWS);
   // more rows than a block: panels in pairs (two threads' runs of them), a block's rows across both
   // panels of a pair at a time (half the broadcasts a multiply-add). Up to two blocks, the first
-  // still one panel at a time, streaming it (its 32 multiply-adds a k hide the loads), the second
+  // still one panel at a time, streaming it (its 17-32 multiply-adds a k hide the loads), the second
   // across the pair from the cache: 33-64 rows in 0.91-0.99x the time of both blocks one panel at a
   // time, whose second block had re-read each panel at fewer multiply-adds a k (Intel Xeon avx512).
   const int64_t step = rows > STREAM_ROWS && STREAM_WIDE ? 2 : 1;
@@ -460,13 +461,12 @@ void stream_product(const float* xp, int64_t k, const float* xp2, int64_t k2, in
         const float* x2 = xp2 ? xp2 + block * k2 * STREAM_ROWS : nullptr;
         if (pair && (block > 0 || rows > 2 * STREAM_ROWS)) {
           // in chunks of at most STREAM_WIDE_ROWS rows, as even as they divide (32: 10 + 11 + 11)
-          const int64_t chunks = (count + STREAM_WIDE_ROWS - 1) / STREAM_WIDE_ROWS;
-          for (int64_t c = 0, at = 0; c < chunks; ++c) {
-            const int64_t size = (count - at) / (chunks - c);
-            stream_wide_tail<STREAM_WIDE_ROWS>(size, x + at, x2 ? x2 + at : nullptr, count, panel_at(p),
+          const EvenBlocks chunks(count, STREAM_WIDE_ROWS);
+          for (int64_t c = 0; c < chunks.count; ++c) {
+            const int64_t at = chunks.start(c);
+            stream_wide_tail<STREAM_WIDE_ROWS>(chunks.size(c), x + at, x2 ? x2 + at : nullptr, count, panel_at(p),
                                                panel_at(p + 1), bd ? bd + p * STREAM_COLUMNS : nullptr,
                                                yd + (r + at) * n + p * STREAM_COLUMNS, n);
-            at += size;
           }
           continue;
         }
@@ -489,7 +489,7 @@ template <typename O>
 void stream_dot_product(const float* xp, int64_t pairs, const float* xp2, int64_t k2, int64_t rows, int64_t panels,
                         const c10::BFloat16* wd, const c10::BFloat16* w2d, const float* bd, O* yd) {
   const int64_t n = panels * STREAM_COLUMNS;
-  const RowBlocks blocks(rows);
+  const EvenBlocks blocks(rows, STREAM_ROWS);
   at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
     for (int64_t p = begin; p < end; ++p)
       for (int64_t block = 0; block < blocks.count; ++block) {

@@ -48,18 +48,22 @@ KV = list[tuple[torch.Tensor, torch.Tensor]]  # per layer: keys, values [1, kv_h
 States = list[tuple[torch.Tensor, torch.Tensor]]  # per linear-attention layer: its state at the end (see above)
 
 
-def left_padded(rows: Sequence[tuple[torch.Tensor, torch.Tensor] | None], width: int
+def left_padded(parts: Sequence[tuple[torch.Tensor, torch.Tensor] | None], width: int
                 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One layer's keys and values of a batch, ``[rows, kv_heads, width, head_dim]``, from each row's
-    cached ``[1, kv_heads, length, head_dim]`` pair (None: nothing cached), each right-aligned in
-    ``width`` columns behind zeros (the left padding the rows' mask leaves out)."""
-    like_k, like_v = next(pair for pair in rows if pair is not None)
-    keys = like_k.new_zeros((len(rows), like_k.shape[1], width, like_k.shape[-1]))
-    values = like_v.new_zeros((len(rows), like_v.shape[1], width, like_v.shape[-1]))
-    for j, pair in enumerate(rows):
+    """One layer's keys and values of a batch, ``[rows, kv_heads, width, head_dim]``, from each part's
+    ``[n, kv_heads, length, head_dim]`` pair in turn (n rows: one cached row, or a running batch's;
+    None: one row with nothing cached), each right-aligned in ``width`` columns behind zeros (the
+    left padding the rows' mask leaves out)."""
+    like_k, like_v = next(pair for pair in parts if pair is not None)
+    counts = [1 if pair is None else pair[0].shape[0] for pair in parts]
+    keys = like_k.new_zeros((sum(counts), like_k.shape[1], width, like_k.shape[-1]))
+    values = like_v.new_zeros((sum(counts), like_v.shape[1], width, like_v.shape[-1]))
+    start = 0
+    for pair, count in zip(parts, counts, strict=True):
         if pair is not None:
-            keys[j, :, width - pair[0].shape[-2]:] = pair[0][0]
-            values[j, :, width - pair[1].shape[-2]:] = pair[1][0]
+            keys[start:start + count, :, width - pair[0].shape[-2]:] = pair[0]
+            values[start:start + count, :, width - pair[1].shape[-2]:] = pair[1]
+        start += count
     return keys, values
 
 

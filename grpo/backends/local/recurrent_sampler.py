@@ -44,7 +44,7 @@ from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer, LinearAttentionLayer
 
 from grpo.backends.local import delta_rule, recurrent_prefix, sampler
-from grpo.backends.local.prefix_cache import PrefixCache
+from grpo.backends.local.prefix_cache import PrefixCache, left_padded
 from grpo.backends.local.sections import section
 from grpo.types import SampledSequence
 
@@ -161,16 +161,16 @@ def _admit(model, requests: list[sampler.GenerationRequest], new_rows: list[samp
     prompt_row = {prompt: i for i, prompt in enumerate(prompts)}
     owner = torch.tensor([prompt_row[tuple(row.request.prompt)] for row in new_rows], device=device)
     positions = torch.tensor([[len(row.request.prompt)] for row in new_rows], device=device)
+    tokens = torch.full((len(new_rows),), pad, device=device)  # (their first, chosen below)
     if running is None:
         cache.reorder_cache(owner)
-        batch = _Lockstep(cache, mask[owner], positions, torch.full((len(new_rows),), pad, device=device), new_rows)
+        batch = _Lockstep(cache, mask[owner], positions, tokens, new_rows)
     else:
         kept = running.live()
         index = torch.tensor(kept, dtype=torch.long, device=device)
         joined, joined_mask = _joined([(running.cache, running.mask, index), (cache, mask, owner)], model)
         batch = _Lockstep(joined, joined_mask, torch.cat([running.positions[index], positions]),
-                          torch.cat([running.tokens[index], torch.full((len(new_rows),), pad, device=device)]),
-                          [running.rows[b] for b in kept] + new_rows)
+                          torch.cat([running.tokens[index], tokens]), [running.rows[b] for b in kept] + new_rows)
     first = len(batch.rows) - len(new_rows)
     _choose(batch, logits[owner], list(range(first, len(batch.rows))), tokenizer, device, prefix_cache)
     return batch
@@ -211,30 +211,22 @@ def _joined(parts: list[tuple[DynamicCache, torch.Tensor, torch.Tensor]], model)
                 for source in sources:
                     source.conv_states[s] = source.recurrent_states[s] = None
         else:
-            keys, values = (_stacked([getattr(source, name) for source in sources], parts, rows, width)
-                            for name in ("keys", "values"))
-            cache.update(keys, values, i)
+            cache.update(*left_padded([(source.keys[index], source.values[index])
+                                       for source, (_, _, index) in zip(sources, parts, strict=True)], width), i)
             for source in sources:
                 source.keys = source.values = None
     return cache, mask
 
 
-def _stacked(tensors: list[torch.Tensor | None], parts: list, rows: int, width: int | None = None) -> torch.Tensor | None:
-    """Each part's rows of its tensor (batch first), in turn, in one new tensor; with ``width``,
-    keys or values ``[rows, heads, columns, dim]`` right-aligned in ``width`` columns behind zeros."""
-    if tensors[0] is None:
+def _stacked(states: list[torch.Tensor | None], parts: list, rows: int) -> torch.Tensor | None:
+    """Each part's rows ``index`` of its state (batch first), in turn, copied once into one new
+    tensor (None where the layer keeps no such state)."""
+    if states[0] is None:
         return None
-    like = tensors[0]
-    if width is None:
-        out = like.new_empty((rows, *like.shape[1:]))
-    else:
-        out = like.new_zeros((rows, like.shape[1], width, like.shape[3]))
+    out = states[0].new_empty((rows, *states[0].shape[1:]))
     start = 0
-    for tensor, (_, _, index) in zip(tensors, parts, strict=True):
-        if width is None:
-            torch.index_select(tensor, 0, index, out=out[start:start + len(index)])
-        else:
-            out[start:start + len(index), :, width - tensor.shape[2]:] = tensor[index]
+    for state, (_, _, index) in zip(states, parts, strict=True):
+        torch.index_select(state, 0, index, out=out[start:start + len(index)])
         start += len(index)
     return out
 

@@ -103,6 +103,16 @@ def assert_greedy_alike(got: list[tuple], want: list[tuple], bound: float, min_c
     assert compared >= min_compared * total, f"only {compared} of {total} tokens compared before near-ties"
 
 
+def assert_drew_alike(got, want) -> None:
+    """Every request of ``got`` drew the tokens and stop reasons of its twin in ``want`` (lists of
+    ``sampler.GenerationRequest``s after ``generate``), its logprobs within float32 rounding of theirs
+    (the batches and their padding differ)."""
+    for a, b in zip(got, want, strict=True):
+        for x, y in zip(a.sequences, b.sequences, strict=True):
+            assert (x.tokens, x.stop_reason) == (y.tokens, y.stop_reason)
+            assert x.logprobs == pytest.approx(y.logprobs, abs=1e-5)
+
+
 def assert_logprobs_of_a_plain_forward(model, requests_done) -> None:
     """Every sampled token's logprob (``sampler.GenerationRequest``s after ``generate``) equals the
     model's own forward pass over the whole sequence."""

@@ -12,6 +12,7 @@ import pytest
 import torch
 import transformers
 from backend_helpers import (
+    assert_drew_alike,
     assert_logprobs_of_a_plain_forward,
     reference_function,
     tiny_qwen3_5,
@@ -155,10 +156,7 @@ def _assert_sampled_alike(model, turns, reference) -> None:
     as many prompt tokens, its logprobs within float32 rounding of the reference's and of a plain
     forward's."""
     for (got, stats), (want, want_stats) in zip(turns, reference, strict=True):
-        for a, b in zip(got, want, strict=True):
-            for x, y in zip(a.sequences, b.sequences, strict=True):
-                assert x.tokens == y.tokens and x.stop_reason == y.stop_reason
-                assert x.logprobs == pytest.approx(y.logprobs, abs=1e-5)
+        assert_drew_alike(got, want)
         assert_logprobs_of_a_plain_forward(model, got)
         assert stats.prompt_tokens == want_stats.prompt_tokens
 

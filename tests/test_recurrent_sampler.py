@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 import transformers
-from backend_helpers import assert_logprobs_of_a_plain_forward, tiny_qwen3_5
+from backend_helpers import assert_drew_alike, assert_logprobs_of_a_plain_forward, tiny_qwen3_5
 
 from grpo import models
 from grpo.backends.local import recurrent_sampler, sampler
@@ -43,12 +43,8 @@ def test_rows_in_lockstep_draw_what_the_slot_cache_draws(budget_rows) -> None:
         lengths = [[len(s.tokens) for s in r.sequences] for r in each]
         one_after_another = max(lengths[0] + lengths[1]) - 1 + max(lengths[2]) - 1
         assert stats.decode_steps < one_after_another
-    got = [s for r in each for s in r.sequences]
-    want = [s for r in slots for s in r.sequences]
-    assert [(s.tokens, s.stop_reason) for s in got] == [(s.tokens, s.stop_reason) for s in want]
-    assert len({len(s.tokens) for s in got}) > 1  # (rows stopped at different steps)
-    for a, b in zip(got, want, strict=True):
-        assert a.logprobs == pytest.approx(b.logprobs, abs=1e-5)
+    assert_drew_alike(each, slots)
+    assert len({len(s.tokens) for r in each for s in r.sequences}) > 1  # (rows stopped at different steps)
 
 
 def test_a_hybrid_samples_through_its_own_cache_with_the_logprobs_of_a_plain_forward(monkeypatch) -> None:
@@ -116,11 +112,8 @@ def test_a_hybrids_requests_join_its_running_batch_as_rows_finish(monkeypatch) -
     before = recurrent_sampler.generate_lockstep(model, one_after_another, tokenizer, torch.device("cpu"), **budget)
     assert not widths and stats.decode_steps < before.decode_steps
     assert stats.rows_decoded / stats.decode_steps > before.rows_decoded / before.decode_steps
-    for requests in (joining, one_after_another):
-        for a, b in zip(requests, together, strict=True):
-            for x, y in zip(a.sequences, b.sequences, strict=True):
-                assert (x.tokens, x.stop_reason) == (y.tokens, y.stop_reason)
-                assert x.logprobs == pytest.approx(y.logprobs, abs=1e-5)
+    assert_drew_alike(joining, together)
+    assert_drew_alike(one_after_another, together)
     assert len({len(s.tokens) for r in together for s in r.sequences}) > 2
     assert_logprobs_of_a_plain_forward(model, joining)
 
@@ -143,10 +136,7 @@ def test_a_request_larger_than_the_budget_runs_alone_and_rows_of_one_token_never
     stats = recurrent_sampler.generate_lockstep(model, budgeted, tokenizer, torch.device("cpu"),
                                                 row_bytes=lambda positions: 1000, budget=3000)
     assert stats.peak_rows == 5 and stats.admissions >= 3
-    for a, b in zip(budgeted, together, strict=True):
-        assert [(s.tokens, s.stop_reason) for s in a.sequences] == [(s.tokens, s.stop_reason) for s in b.sequences]
-        for x, y in zip(a.sequences, b.sequences, strict=True):
-            assert x.logprobs == pytest.approx(y.logprobs, abs=1e-5)
+    assert_drew_alike(budgeted, together)
     assert [len(s.tokens) for r in (budgeted[0], budgeted[3]) for s in r.sequences] == [1] * 5
 
 

@@ -114,8 +114,10 @@ def test_the_kernel_names_what_is_wrong(native_ops) -> None:
     with pytest.raises(RuntimeError, match="4 value heads over 3 key heads"):
         q3 = torch.zeros(2, 5, 3, 16)
         native_ops.chunk_delta_rule(q3, q3, v, g, beta, state, 5, True, True)
-    with pytest.raises(RuntimeError, match=r"a state must be a contiguous float32 \[2, 4, 16, 16\]"):
+    with pytest.raises(RuntimeError, match=r"initial states must be a contiguous float32 \[states, 4, 16, 16\]"):
         native_ops.chunk_delta_rule(q, k, v, g, beta, state[:, :2], 5, True, True)
+    with pytest.raises(RuntimeError, match="1 initial states for 2 rows"):
+        native_ops.chunk_delta_rule(q, k, v, g, beta, state[:1], 5, True, True)
     with pytest.raises(RuntimeError, match="q, k and v differ in dtype"):
         native_ops.chunk_delta_rule(q, k, v.bfloat16(), g, beta, state, 5, True, True)
     with pytest.raises(RuntimeError, match="q, k and v must hold each position's heads back to back"):

@@ -1,6 +1,7 @@
 // The gated delta rule over a sequence (Qwen3.5's linear-attention layers in a prefill and in a training
 // pass; delta_rule.py calls it), forward and backward, in chunks: each row's and value head's chunks in
-// turn, in one call per layer.
+// turn, in one call per layer. Or over segments of the rows (packed_recurrence.py: a training pass's
+// sequences back to back in one row), each from its own initial state, in chunks of its own.
 //
 // transformers' CPU path (torch_chunk_gated_delta_rule, the fallback for flash-linear-attention's GPU
 // kernel) computes the same chunked form as ~40 operators over all rows and heads at once, and autograd
@@ -78,15 +79,25 @@ inline void axpy(float a, const float* x, float* y, int64_t n) {
   for (int64_t i = 0; i < n; ++i) y[i] += a * x[i];
 }
 
-struct Shape {
-  int64_t rows, positions, k_heads, v_heads, dk, dv, chunk;
-  float scale;  // the query's 1 / sqrt(key dim)
-  bool l2norm;  // q and k L2-normalised first
-  int64_t chunks() const { return (positions + chunk - 1) / chunk; }
+// One sequence the rule runs over: `length` positions of row `row` from position `start`, in chunks of
+// `chunk`, from initial state `state` (an index into the initial states; -1: zeros). A call without
+// segments runs one per row, over all its positions.
+struct Segment {
+  int64_t row, start, length, chunk, state;
+  int64_t chunks() const { return (length + chunk - 1) / chunk; }
 };
 
-// One chunk of one row's value head: its inputs as floats, and the chunked form's products. Sized once
-// for the largest chunk; c is this chunk's positions.
+struct Shape {
+  int64_t rows, positions, k_heads, v_heads, dk, dv;
+  float scale;  // the query's 1 / sqrt(key dim)
+  bool l2norm;  // q and k L2-normalised first
+  std::vector<Segment> segments;
+  int64_t most_chunk = 0, most_chunks = 0;  // over the segments: the largest chunk, the most chunks
+  int64_t items() const { return static_cast<int64_t>(segments.size()) * v_heads; }
+};
+
+// One chunk of one segment's value head: its inputs as floats, and the chunked form's products. Sized
+// once for the largest chunk; c is this chunk's positions.
 struct Chunk {
   int64_t c = 0, dk, dv, most;
   std::vector<float> q, k, v, beta, gamma, inv_q, inv_k;  // q, k as used (normalised, q scaled); 1/norms
@@ -94,7 +105,7 @@ struct Chunk {
   float carried = 1.f;                                    // exp(gamma_last): the state's decay over the chunk
   std::vector<float> decay, kk, a, p, u, w, vnew;        // D, K K^T, A, P, U, W, V'
 
-  Chunk(const Shape& s) : dk(s.dk), dv(s.dv), most(s.chunk) {
+  Chunk(const Shape& s) : dk(s.dk), dv(s.dv), most(s.most_chunk) {
     for (auto* x : {&q, &k, &w}) x->resize(most * dk);
     for (auto* x : {&v, &u, &vnew}) x->resize(most * dv);
     for (auto* x : {&beta, &gamma, &inv_q, &inv_k, &grown, &to_last}) x->resize(most);
@@ -126,15 +137,21 @@ float load_vector(const T* x, float* y, int64_t n, bool l2norm, float scale) {
   return inv;
 }
 
-// Chunk n of row r's value head h: its inputs, D, A, U and W (and P where `attend`)
+// The flat index (row x positions) of position i of segment `seg`'s chunk n: where g, beta, the output
+// and the gradients lie
+inline int64_t flat_position(const Shape& s, const Segment& seg, int64_t n, int64_t i) {
+  return seg.row * s.positions + seg.start + n * seg.chunk + i;
+}
+
+// Chunk n of segment `seg`'s value head h: its inputs, D, A, U and W (and P where `attend`)
 template <typename T>
-void prepare(Chunk& ch, const Shape& s, const Inputs<T>& in, int64_t r, int64_t h, int64_t n, bool attend) {
-  const int64_t t0 = n * s.chunk, c = std::min(s.chunk, s.positions - t0), kh = h / (s.v_heads / s.k_heads);
-  const int64_t dk = s.dk, dv = s.dv;
+void prepare(Chunk& ch, const Shape& s, const Inputs<T>& in, const Segment& seg, int64_t h, int64_t n, bool attend) {
+  const int64_t t0 = seg.start + n * seg.chunk, c = std::min(seg.chunk, seg.length - n * seg.chunk);
+  const int64_t kh = h / (s.v_heads / s.k_heads), dk = s.dk, dv = s.dv, r = seg.row;
   ch.c = c;
   float gamma = 0.f;
   for (int64_t i = 0; i < c; ++i) {
-    const int64_t pos = r * s.positions + t0 + i, qk = r * in.qk_row + (t0 + i) * in.qk_pos + kh * dk;
+    const int64_t pos = flat_position(s, seg, n, i), qk = r * in.qk_row + (t0 + i) * in.qk_pos + kh * dk;
     ch.inv_q[i] = load_vector(in.q + qk, ch.row(ch.q, i, dk), dk, s.l2norm, s.scale);
     ch.inv_k[i] = load_vector(in.k + qk, ch.row(ch.k, i, dk), dk, s.l2norm, 1.f);
     to_float(in.v + r * in.v_row + (t0 + i) * in.v_pos + h * dv, ch.row(ch.v, i, dv), dv);
@@ -200,27 +217,32 @@ void advance(Chunk& ch, float* state, float* kd) {
   gemm(true, false, ch.dk, ch.dv, ch.c, 1.f, kd, ch.dk, ch.vnew.data(), ch.dv, 1.f, state, ch.dv);
 }
 
+// The initial state of segment `seg`'s value head h: null for zeros
+inline const float* initial_of(const Shape& s, const float* initial, const Segment& seg, int64_t h) {
+  return initial != nullptr && seg.state >= 0 ? initial + (seg.state * s.v_heads + h) * s.dk * s.dv : nullptr;
+}
+
 template <typename T>
 void forward(const Shape& s, const Inputs<T>& in, const float* initial, T* out, float* final_state) {
-  const int64_t dk = s.dk, dv = s.dv, items = s.rows * s.v_heads;
-  at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
+  const int64_t dk = s.dk, dv = s.dv;
+  at::parallel_for(0, s.items(), 1, [&](int64_t begin, int64_t end) {
     Chunk ch(s);
-    std::vector<float> state(dk * dv), qg(s.chunk * dk), o(s.chunk * dv);
+    std::vector<float> state(dk * dv), qg(s.most_chunk * dk), o(s.most_chunk * dv);
     for (int64_t item = begin; item < end; ++item) {
-      const int64_t r = item / s.v_heads, h = item % s.v_heads;
-      if (initial != nullptr) std::copy(initial + item * dk * dv, initial + (item + 1) * dk * dv, state.begin());
+      const Segment& seg = s.segments[item / s.v_heads];
+      const int64_t h = item % s.v_heads, chunks = seg.chunks();
+      if (const float* from = initial_of(s, initial, seg, h)) std::copy(from, from + dk * dv, state.begin());
       else std::fill(state.begin(), state.end(), 0.f);
-      for (int64_t n = 0; n < s.chunks(); ++n) {
-        prepare(ch, s, in, r, h, n, true);
+      for (int64_t n = 0; n < chunks; ++n) {
+        prepare(ch, s, in, seg, h, n, true);
         const int64_t c = ch.c;
         new_values(ch, state.data());
         // O = (q exp(gamma)) S + P V'
         scaled_rows(ch, ch.q, ch.grown, qg.data());
         gemm(false, false, c, dv, dk, 1.f, qg.data(), dk, state.data(), dv, 0.f, o.data(), dv);
         gemm(false, false, c, dv, c, 1.f, ch.p.data(), c, ch.vnew.data(), dv, 1.f, o.data(), dv);
-        for (int64_t i = 0; i < c; ++i)
-          from_float(o.data() + i * dv, out + ((r * s.positions + n * s.chunk + i) * s.v_heads + h) * dv, dv);
-        if (n + 1 < s.chunks() || final_state != nullptr) advance(ch, state.data(), qg.data());
+        for (int64_t i = 0; i < c; ++i) from_float(o.data() + i * dv, out + (flat_position(s, seg, n, i) * s.v_heads + h) * dv, dv);
+        if (n + 1 < chunks || final_state != nullptr) advance(ch, state.data(), qg.data());
       }
       if (final_state != nullptr) std::copy(state.begin(), state.end(), final_state + item * dk * dv);
     }
@@ -235,21 +257,22 @@ struct Grads {
 template <typename T>
 void backward(const Shape& s, const Inputs<T>& in, const float* initial, const T* grad_out, const float* grad_final,
               const Grads& out, float* grad_initial) {
-  const int64_t dk = s.dk, dv = s.dv, c_most = s.chunk, items = s.rows * s.v_heads, chunks = s.chunks();
-  at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
+  const int64_t dk = s.dk, dv = s.dv, c_most = s.most_chunk;
+  at::parallel_for(0, s.items(), 1, [&](int64_t begin, int64_t end) {
     Chunk ch(s);
     // states[n]: the state at chunk n's start (recomputed: a sequence's forward is run again first)
-    std::vector<float> states(chunks * dk * dv), ds(dk * dv), ds_next(dk * dv);
+    std::vector<float> states(s.most_chunks * dk * dv), ds(dk * dv), ds_next(dk * dv);
     std::vector<float> qg(c_most * dk), kd(c_most * dk), d_o(c_most * dv), d_vnew(c_most * dv), d_w(c_most * dk);
     std::vector<float> d_qg(c_most * dk), d_kd(c_most * dk), d_p(c_most * c_most), d_a(c_most * c_most);
     std::vector<float> gq(c_most * dk), gk(c_most * dk), d_gamma(c_most), d_beta(c_most);
     for (int64_t item = begin; item < end; ++item) {
-      const int64_t r = item / s.v_heads, h = item % s.v_heads;
+      const Segment& seg = s.segments[item / s.v_heads];
+      const int64_t h = item % s.v_heads, chunks = seg.chunks();
       float* s0 = states.data();
-      if (initial != nullptr) std::copy(initial + item * dk * dv, initial + (item + 1) * dk * dv, s0);
+      if (const float* from = initial_of(s, initial, seg, h)) std::copy(from, from + dk * dv, s0);
       else std::fill(s0, s0 + dk * dv, 0.f);
       for (int64_t n = 0; n + 1 < chunks; ++n) {
-        prepare(ch, s, in, r, h, n, false);
+        prepare(ch, s, in, seg, h, n, false);
         float* next = states.data() + (n + 1) * dk * dv;
         std::copy(states.data() + n * dk * dv, next, next);
         new_values(ch, next - dk * dv);
@@ -259,13 +282,13 @@ void backward(const Shape& s, const Inputs<T>& in, const float* initial, const T
       else std::fill(ds.begin(), ds.end(), 0.f);
       for (int64_t n = chunks - 1; n >= 0; --n) {
         const float* state = states.data() + n * dk * dv;
-        prepare(ch, s, in, r, h, n, true);
-        const int64_t c = ch.c, t0 = n * s.chunk;
+        prepare(ch, s, in, seg, h, n, true);
+        const int64_t c = ch.c;
         new_values(ch, state);
         scaled_rows(ch, ch.q, ch.grown, qg.data());
         scaled_rows(ch, ch.k, ch.to_last, kd.data());
         for (int64_t i = 0; i < c; ++i)
-          to_float(grad_out + ((r * s.positions + t0 + i) * s.v_heads + h) * dv, d_o.data() + i * dv, dv);
+          to_float(grad_out + (flat_position(s, seg, n, i) * s.v_heads + h) * dv, d_o.data() + i * dv, dv);
         // dV' = P^T dO + kd dS (O = ... + P V'; S' = ... + kd^T V')
         gemm(true, false, c, dv, c, 1.f, ch.p.data(), c, d_o.data(), dv, 0.f, d_vnew.data(), dv);
         gemm(false, false, c, dv, dk, 1.f, kd.data(), dk, ds.data(), dv, 1.f, d_vnew.data(), dv);
@@ -299,7 +322,7 @@ void backward(const Shape& s, const Inputs<T>& in, const float* initial, const T
           const float *xi = d_vnew.data() + i * dv, *yi = d_w.data() + i * dk, *ki = ch.row(ch.k, i, dk);
           const float e = ch.grown[i], bi = ch.beta[i];
           // U = (I + A)^-1 (beta v): dv = beta X, dbeta = v.X
-          float* gv = out.v + ((r * s.positions + t0 + i) * s.v_heads + h) * dv;
+          float* gv = out.v + (flat_position(s, seg, n, i) * s.v_heads + h) * dv;
 #pragma omp simd
           for (int64_t x = 0; x < dv; ++x) gv[x] = bi * xi[x];
           float db = dot(ch.row(ch.v, i, dv), xi, dv);
@@ -353,13 +376,13 @@ void backward(const Shape& s, const Inputs<T>& in, const float* initial, const T
         float running = 0.f;
         for (int64_t i = c - 1; i >= 0; --i) {
           running += d_gamma[i];
-          const int64_t pos = (r * s.positions + t0 + i) * s.v_heads + h;
+          const int64_t pos = flat_position(s, seg, n, i) * s.v_heads + h;
           out.g[pos] = running;
           out.beta[pos] = d_beta[i];
         }
         // q = x r scale, k = x r (r = 1 / |x|): dx = r (dy - y (y.dy)) with y = x r, dy its gradient
         for (int64_t i = 0; i < c; ++i) {
-          const int64_t pos = (r * s.positions + t0 + i) * s.v_heads + h;
+          const int64_t pos = flat_position(s, seg, n, i) * s.v_heads + h;
           float* gqi = gq.data() + i * dk;
           float* gki = gk.data() + i * dk;
           float* dq = out.q + pos * dk;
@@ -388,9 +411,12 @@ void backward(const Shape& s, const Inputs<T>& in, const float* initial, const T
   });
 }
 
-// q, k, v, g and beta as the kernels read them: [rows, positions, heads, dim] (g, beta: no dim), contiguous
+// q, k, v, g and beta as the kernels read them: [rows, positions, heads, dim] (g, beta: no dim), contiguous;
+// the segments (`segments`: [count, 5] int64 of row, start, length, chunk and initial state, the state -1 for
+// zeros; else each row's positions in chunks of `chunk`, from its own state)
 Shape check_inputs(const char* name, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g,
-                   const at::Tensor& beta, const c10::optional<at::Tensor>& state, int64_t chunk, bool l2norm) {
+                   const at::Tensor& beta, const c10::optional<at::Tensor>& state, int64_t chunk, bool l2norm,
+                   const c10::optional<at::Tensor>& segments) {
   for (const at::Tensor* t : {&q, &k, &v, &g, &beta}) TORCH_CHECK(t->device().is_cpu(), name, ": CPU tensors expected");
   for (const at::Tensor* t : {&g, &beta})
     TORCH_CHECK(t->is_contiguous(), name, ": g and beta must be contiguous, got strides ", t->strides());
@@ -403,11 +429,10 @@ Shape check_inputs(const char* name, const at::Tensor& q, const at::Tensor& k, c
   TORCH_CHECK(q.dim() == 4 && k.sizes() == q.sizes() && v.dim() == 4 && v.size(0) == q.size(0) && v.size(1) == q.size(1),
               name, ": q and k must be [rows, positions, key heads, key dim] and v [rows, positions, value heads, "
               "value dim], got ", q.sizes(), ", ", k.sizes(), ", ", v.sizes());
-  Shape s{q.size(0), q.size(1), q.size(2), v.size(2), q.size(3), v.size(3), chunk,
+  Shape s{q.size(0), q.size(1), q.size(2), v.size(2), q.size(3), v.size(3),
           1.f / std::sqrt(static_cast<float>(q.size(3))), l2norm};
   TORCH_CHECK(s.k_heads > 0 && s.v_heads % s.k_heads == 0, name, ": ", s.v_heads, " value heads over ", s.k_heads,
               " key heads");
-  TORCH_CHECK(chunk > 0, name, ": a chunk of ", chunk, " positions");
   TORCH_CHECK(q.scalar_type() == k.scalar_type() && q.scalar_type() == v.scalar_type(), name,
               ": q, k and v differ in dtype");
   for (const at::Tensor* t : {&g, &beta})
@@ -415,10 +440,37 @@ Shape check_inputs(const char* name, const at::Tensor& q, const at::Tensor& k, c
                     t->size(2) == s.v_heads,
                 name, ": g and beta must be float32 [", s.rows, ", ", s.positions, ", ", s.v_heads, "], got ",
                 t->scalar_type(), " ", t->sizes());
+  const int64_t states = state.has_value() ? state->size(0) : 0;
+  if (segments.has_value()) {
+    const at::Tensor& table = *segments;
+    TORCH_CHECK(table.scalar_type() == at::kLong && table.dim() == 2 && table.size(1) == 5 && table.is_contiguous() &&
+                    table.device().is_cpu(),
+                name, ": segments must be a contiguous int64 [count, 5] (row, start, length, chunk, state), got ",
+                table.scalar_type(), " ", table.sizes());
+    const int64_t* row = table.data_ptr<int64_t>();
+    for (int64_t i = 0; i < table.size(0); ++i, row += 5) {
+      const Segment seg{row[0], row[1], row[2], row[3], row[4]};
+      TORCH_CHECK(seg.row >= 0 && seg.row < s.rows && seg.start >= 0 && seg.length > 0 &&
+                      seg.start + seg.length <= s.positions && seg.chunk > 0 && seg.state >= -1 && seg.state < states,
+                  name, ": segment ", i, " (row ", seg.row, ", start ", seg.start, ", length ", seg.length, ", chunk ",
+                  seg.chunk, ", state ", seg.state, ") is outside ", s.rows, " rows of ", s.positions, " positions and ",
+                  states, " initial states");
+      s.segments.push_back(seg);
+    }
+  } else {
+    TORCH_CHECK(chunk > 0, name, ": a chunk of ", chunk, " positions");
+    TORCH_CHECK(!state.has_value() || states == s.rows, name, ": ", states, " initial states for ", s.rows, " rows");
+    if (s.positions > 0)
+      for (int64_t r = 0; r < s.rows; ++r) s.segments.push_back({r, 0, s.positions, chunk, state.has_value() ? r : -1});
+  }
+  for (const Segment& seg : s.segments) {
+    s.most_chunk = std::max(s.most_chunk, std::min(seg.chunk, seg.length));
+    s.most_chunks = std::max(s.most_chunks, seg.chunks());
+  }
   if (state.has_value())
-    TORCH_CHECK(state->scalar_type() == at::kFloat && state->is_contiguous() && state->device().is_cpu() &&
-                    state->sizes() == at::IntArrayRef({s.rows, s.v_heads, s.dk, s.dv}),
-                name, ": a state must be a contiguous float32 [", s.rows, ", ", s.v_heads, ", ", s.dk, ", ", s.dv,
+    TORCH_CHECK(state->scalar_type() == at::kFloat && state->is_contiguous() && state->device().is_cpu() && state->dim() == 4 &&
+                    state->sizes().slice(1) == at::IntArrayRef({s.v_heads, s.dk, s.dv}),
+                name, ": initial states must be a contiguous float32 [states, ", s.v_heads, ", ", s.dk, ", ", s.dv,
                 "], got ", state->scalar_type(), " ", state->sizes());
   return s;
 }
@@ -431,15 +483,21 @@ bool chunk_delta_rule_blas(bool on) {
   return use_blas;
 }
 
+// Each segment's final state ([segments, value heads, dk, dv]) where `final_state`; with segments, positions
+// outside every segment are zeros in the output.
 std::vector<at::Tensor> chunk_delta_rule(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                          const at::Tensor& g, const at::Tensor& beta,
                                          const c10::optional<at::Tensor>& initial_state, int64_t chunk,
-                                         bool final_state, bool l2norm) {
-  const Shape s = check_inputs("chunk_delta_rule", q, k, v, g, beta, initial_state, chunk, l2norm);
-  at::Tensor out = at::empty({s.rows, s.positions, s.v_heads, s.dv}, v.options());
-  at::Tensor last = at::empty({final_state ? s.rows : 0, s.v_heads, s.dk, s.dv}, g.options());
-  if (s.positions == 0) {
-    if (final_state) last.copy_(initial_state.has_value() ? *initial_state : at::zeros_like(last));
+                                         bool final_state, bool l2norm, const c10::optional<at::Tensor>& segments) {
+  const Shape s = check_inputs("chunk_delta_rule", q, k, v, g, beta, initial_state, chunk, l2norm, segments);
+  const int64_t count = static_cast<int64_t>(s.segments.size());
+  at::Tensor out = segments.has_value() ? at::zeros({s.rows, s.positions, s.v_heads, s.dv}, v.options())
+                                        : at::empty({s.rows, s.positions, s.v_heads, s.dv}, v.options());
+  at::Tensor last = at::empty({final_state ? (segments.has_value() ? count : s.rows) : 0, s.v_heads, s.dk, s.dv},
+                              g.options());
+  if (count == 0) {  // (no positions: a row's final state is its initial one)
+    if (final_state && !segments.has_value())
+      last.copy_(initial_state.has_value() ? *initial_state : at::zeros_like(last));
     return {out, last};
   }
   DISPATCH_SAMPLER_TYPES(q.scalar_type(), "chunk_delta_rule", [&] {
@@ -452,28 +510,34 @@ std::vector<at::Tensor> chunk_delta_rule(const at::Tensor& q, const at::Tensor& 
   return {out, last};
 }
 
+// The gradients of q, k, v (per value head), g, beta and of each segment's initial state ([segments, ...],
+// where there are initial states: the caller sums those of segments that share one)
 std::vector<at::Tensor> chunk_delta_rule_backward(const at::Tensor& grad_out, const c10::optional<at::Tensor>& grad_final,
                                                   const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                                   const at::Tensor& g, const at::Tensor& beta,
                                                   const c10::optional<at::Tensor>& initial_state, int64_t chunk,
-                                                  bool l2norm) {
-  const Shape s = check_inputs("chunk_delta_rule_backward", q, k, v, g, beta, initial_state, chunk, l2norm);
+                                                  bool l2norm, const c10::optional<at::Tensor>& segments) {
+  const Shape s = check_inputs("chunk_delta_rule_backward", q, k, v, g, beta, initial_state, chunk, l2norm, segments);
+  const int64_t count = static_cast<int64_t>(s.segments.size());
   TORCH_CHECK(grad_out.sizes() == v.sizes() && grad_out.scalar_type() == v.scalar_type() && grad_out.is_contiguous(),
               "chunk_delta_rule_backward: grad_out must be a contiguous ", v.scalar_type(), " ", v.sizes(), ", got ",
               grad_out.scalar_type(), " ", grad_out.sizes());
+  const int64_t finals = segments.has_value() ? count : s.rows;
   if (grad_final.has_value())
     TORCH_CHECK(grad_final->scalar_type() == at::kFloat && grad_final->is_contiguous() &&
-                    grad_final->sizes() == at::IntArrayRef({s.rows, s.v_heads, s.dk, s.dv}),
-                "chunk_delta_rule_backward: grad_final must be a contiguous float32 [", s.rows, ", ", s.v_heads, ", ",
+                    grad_final->sizes() == at::IntArrayRef({finals, s.v_heads, s.dk, s.dv}),
+                "chunk_delta_rule_backward: grad_final must be a contiguous float32 [", finals, ", ", s.v_heads, ", ",
                 s.dk, ", ", s.dv, "]");
   // q's and k's gradients per value head (a key head's value heads summed by the caller)
   const auto f = g.options();
-  at::Tensor dq = at::empty({s.rows, s.positions, s.v_heads, s.dk}, f), dk = at::empty_like(dq);
-  at::Tensor dv = at::empty({s.rows, s.positions, s.v_heads, s.dv}, f);
-  at::Tensor dg = at::empty_like(g), dbeta = at::empty_like(beta);
-  at::Tensor d_initial = at::empty({initial_state.has_value() ? s.rows : 0, s.v_heads, s.dk, s.dv}, f);
-  if (s.positions == 0) {
-    if (initial_state.has_value()) d_initial.copy_(grad_final.has_value() ? *grad_final : at::zeros_like(d_initial));
+  auto make = [&](at::IntArrayRef sizes) { return segments.has_value() ? at::zeros(sizes, f) : at::empty(sizes, f); };
+  at::Tensor dq = make({s.rows, s.positions, s.v_heads, s.dk}), dk = make({s.rows, s.positions, s.v_heads, s.dk});
+  at::Tensor dv = make({s.rows, s.positions, s.v_heads, s.dv});
+  at::Tensor dg = make(g.sizes()), dbeta = make(beta.sizes());
+  at::Tensor d_initial = at::empty({initial_state.has_value() ? finals : 0, s.v_heads, s.dk, s.dv}, f);
+  if (count == 0) {
+    if (initial_state.has_value() && !segments.has_value())
+      d_initial.copy_(grad_final.has_value() ? *grad_final : at::zeros_like(d_initial));
     return {dq, dk, dv, dg, dbeta, d_initial};
   }
   DISPATCH_SAMPLER_TYPES(q.scalar_type(), "chunk_delta_rule_backward", [&] {

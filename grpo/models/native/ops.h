@@ -93,12 +93,12 @@ at::Tensor causal_conv_step_(at::Tensor& state, const at::Tensor& x, const at::T
 std::vector<at::Tensor> chunk_delta_rule(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                          const at::Tensor& g, const at::Tensor& beta,
                                          const c10::optional<at::Tensor>& initial_state, int64_t chunk,
-                                         bool final_state, bool l2norm);
+                                         bool final_state, bool l2norm, const c10::optional<at::Tensor>& segments);
 std::vector<at::Tensor> chunk_delta_rule_backward(const at::Tensor& grad_out, const c10::optional<at::Tensor>& grad_final,
                                                   const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                                   const at::Tensor& g, const at::Tensor& beta,
                                                   const c10::optional<at::Tensor>& initial_state, int64_t chunk,
-                                                  bool l2norm);
+                                                  bool l2norm, const c10::optional<at::Tensor>& segments);
 bool chunk_delta_rule_blas(bool on);  // products through BLAS (where linked) or the loops; returns which
 
 // short_conv.cpp

@@ -26,9 +26,9 @@ TORCH_LIBRARY(grpo_native, m) {
   m.def("gated_delta_step_(Tensor(a!) state, Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta) -> Tensor");
   m.def("causal_conv_step_(Tensor(a!) state, Tensor x, Tensor weight, Tensor? bias, bool silu) -> Tensor");
   m.def("chunk_delta_rule(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor? initial_state, int chunk, "
-        "bool final_state, bool l2norm) -> Tensor[]");
+        "bool final_state, bool l2norm, Tensor? segments=None) -> Tensor[]");
   m.def("chunk_delta_rule_backward(Tensor grad_out, Tensor? grad_final, Tensor q, Tensor k, Tensor v, Tensor g, "
-        "Tensor beta, Tensor? initial_state, int chunk, bool l2norm) -> Tensor[]");
+        "Tensor beta, Tensor? initial_state, int chunk, bool l2norm, Tensor? segments=None) -> Tensor[]");
   m.def("chunk_delta_rule_blas(bool on) -> bool", grpo_native::chunk_delta_rule_blas);  // (no tensor: one kernel)
   m.def("short_conv(Tensor x, Tensor weight, Tensor? bias, bool silu) -> Tensor");
   m.def("short_conv_backward(Tensor grad, Tensor x, Tensor weight, Tensor? bias, bool silu, bool weight_grads) "

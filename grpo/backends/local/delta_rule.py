@@ -31,7 +31,10 @@ runs ``native/short_conv.cpp`` (SiLU fused, forward and backward, the layer's ch
 read and written in place, so that q, k and v reach the delta rule's kernel as views), after a trial
 as the delta rule's, and without the kernels pads on the left only (the same products; in bfloat16
 the kernel's are the exact values rounded where the reference rounds, the reference's own bits where
-oneDNN sums in float32, as on AVX-512). docs/benchmark.md has the numbers.
+oneDNN sums in float32, as on AVX-512). In a packed training pass (a micro-batch's sequences back to
+back in one row: packed_attention.py) both functions run each sequence from its own history
+(packed_recurrence.py; the delta rule through the kernel's segments), and ``packs`` says whether a
+model's layers do. docs/benchmark.md has the numbers.
 """
 
 from __future__ import annotations
@@ -49,6 +52,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.activations import ACT2FN
 
+from grpo.backends.local import packed_recurrence
 from grpo.backends.local.native_layers import close_to
 from grpo.models import native_kernels
 
@@ -194,6 +198,24 @@ def fit_prefill(model: nn.Module) -> int:
     return taken
 
 
+def packs(model: nn.Module) -> bool:
+    """Whether ``model``'s decoder may run a packed training pass (packed_recurrence.py): its layers
+    attention or linear attention only, each linear-attention layer's module running grpo's delta
+    rule and convolution (``fit_prefill``), the kernels built. Whether it computes each sequence as
+    alone is then tried (packed_attention.packs_as_alone)."""
+    from grpo.backends.local.kv_cache import ATTENTION_LAYER_TYPES
+
+    text = model.config.get_text_config(decoder=True)
+    kinds = set(getattr(text, "layer_types", None) or [])
+    if not kinds or not kinds <= {*ATTENTION_LAYER_TYPES, "linear_attention"} or native_kernels.kernels() is None:
+        return False
+    linear = [m for m in model.modules() if type(m).__name__.endswith("GatedDeltaNet")]
+    if not linear or any(type(m).__name__ not in PREFILL_CLASSES for m in linear):
+        return False
+    modules = {sys.modules[type(m).__module__] for m in linear}
+    return all(getattr(getattr(module, name, None), "fitted_by_grpo", False) for module in modules for name in REFERENCES)
+
+
 def _is_the_reference(module, function, name: str, package: str) -> bool:
     """Whether ``function`` is ``module``'s own torch implementation ``name`` (transformers wraps it
     to take ``package``'s kernel instead where that is installed)."""
@@ -209,6 +231,15 @@ def _fitted_chunks(reference):
                                initial_state: torch.Tensor | None = None, output_final_state: bool = False,
                                use_qk_l2norm_in_kernel: bool = False, **kwargs):
         # (query: rows x positions x heads x dimension; a chunk size the caller names is kept)
+        packed = kwargs.pop("grpo_packed", None)
+        if packed is not None:  # (a training pass's sequences back to back in one row: packed_recurrence.py)
+            if not _kernel_takes(reference, query, key, value, g, beta, None, kwargs) or initial_state is not None \
+                    or output_final_state:
+                raise NotImplementedError("a packed pass's delta rule runs through grpo's native kernel, from no "
+                                          "state, keeping none")
+            out = packed_recurrence.delta_rule(packed, *_kernel_inputs(query, key, value, g, beta),
+                                               bool(use_qk_l2norm_in_kernel), fitted_chunk, _native_segments)
+            return out.to(query.dtype), None
         chunk = fitted_chunk(query.shape[1]) if chunk_size is None else chunk_size
         if _kernel_takes(reference, query, key, value, g, beta, initial_state, kwargs):
             return _native_chunks(query, key, value, g, beta, chunk, initial_state, output_final_state,
@@ -222,43 +253,62 @@ def _fitted_chunks(reference):
 class _NativeChunks(torch.autograd.Function):
     """The chunked delta rule through native/chunked_delta_rule.cpp, forward and backward: q, k, v in
     one dtype, each position's heads back to back (``_heads_dense``), g, beta and the states in
-    float32, contiguous."""
+    float32, contiguous. With ``segments`` (the kernel's ``[row, start, length, chunk, state]`` rows:
+    packed_recurrence.py) it runs those, each from the initial state it names, and gives each
+    segment's final state; a state several segments start from gets the sum of their gradients."""
 
     @staticmethod
-    def forward(ctx, query, key, value, g, beta, initial_state, chunk: int, final_state: bool, l2norm: bool):
+    def forward(ctx, query, key, value, g, beta, initial_state, chunk: int, final_state: bool, l2norm: bool,
+                segments=None):
         ops = native_kernels.kernels()
-        out, state = ops.chunk_delta_rule(query, key, value, g, beta, initial_state, chunk, final_state, l2norm)
-        ctx.save_for_backward(query, key, value, g, beta, initial_state)
+        out, state = ops.chunk_delta_rule(query, key, value, g, beta, initial_state, chunk, final_state, l2norm,
+                                          segments)
+        ctx.save_for_backward(query, key, value, g, beta, initial_state, segments)
         ctx.chunk, ctx.l2norm = chunk, l2norm
         ctx.set_materialize_grads(False)  # (a state nobody reads has no gradient: None, not zeros)
         return out, state
 
     @staticmethod
     def backward(ctx, grad_out, grad_state):
-        query, key, value, g, beta, initial_state = ctx.saved_tensors
+        query, key, value, g, beta, initial_state, segments = ctx.saved_tensors
         grad_out = torch.zeros_like(value) if grad_out is None else grad_out.to(value.dtype).contiguous()
         grad_state = grad_state.float().contiguous() if grad_state is not None and grad_state.numel() else None
         dq, dk, dv, dg, dbeta, d_initial = native_kernels.kernels().chunk_delta_rule_backward(
-            grad_out, grad_state, query, key, value, g, beta, initial_state, ctx.chunk, ctx.l2norm)
+            grad_out, grad_state, query, key, value, g, beta, initial_state, ctx.chunk, ctx.l2norm, segments)
         rows, positions, k_heads, dim = query.shape
         group = value.shape[2] // k_heads
         if group > 1:  # (the kernel gives each value head's share of its key head's gradients)
             dq, dk = (x.view(rows, positions, k_heads, group, dim).sum(3) for x in (dq, dk))
+        if segments is not None and initial_state is not None:  # (per segment: summed per state it read)
+            starts_from = segments[:, 4]
+            reads = (starts_from >= 0).nonzero()[:, 0]
+            d_initial = torch.zeros_like(initial_state).index_add_(0, starts_from[reads], d_initial[reads])
         return (dq.to(query.dtype), dk.to(key.dtype), dv.to(value.dtype), dg, dbeta,
-                d_initial if initial_state is not None else None, None, None, None)
+                d_initial if initial_state is not None else None, None, None, None, None)
+
+
+def _kernel_inputs(query, key, value, g, beta):
+    """q, k, v in one dtype the kernel computes in (else float32), each position's heads back to back
+    and q, k at the same strides; g and beta float32, contiguous."""
+    dtype = query.dtype if query.dtype == key.dtype == value.dtype and query.dtype in TOLERANCE else torch.float32
+    q, k, v = (_heads_dense(x.to(dtype)) for x in (query, key, value))
+    if q.stride() != k.stride():
+        q, k = q.contiguous(), k.contiguous()
+    return q, k, v, *(x.float().contiguous() for x in (g, beta))
 
 
 def _native_chunks(query, key, value, g, beta, chunk: int, initial_state, output_final_state: bool, l2norm: bool):
     """The reference's result through the kernel: its output in the query's dtype, the final state in
     float32 (None where not asked for)."""
-    dtype = query.dtype if query.dtype == key.dtype == value.dtype and query.dtype in TOLERANCE else torch.float32
-    q, k, v = (_heads_dense(x.to(dtype)) for x in (query, key, value))
-    if q.stride() != k.stride():
-        q, k = q.contiguous(), k.contiguous()
-    g, beta = (x.float().contiguous() for x in (g, beta))
     state = initial_state.float().contiguous() if initial_state is not None else None
-    out, final = _NativeChunks.apply(q, k, v, g, beta, state, chunk, bool(output_final_state), bool(l2norm))
+    out, final = _NativeChunks.apply(*_kernel_inputs(query, key, value, g, beta), state, chunk,
+                                     bool(output_final_state), bool(l2norm))
     return out.to(query.dtype), final if output_final_state else None
+
+
+def _native_segments(q, k, v, g, beta, initial, segments: torch.Tensor, final: bool, l2norm: bool):
+    """One level of a packed pass's segments through the kernel (``packed_recurrence.delta_rule``)."""
+    return _NativeChunks.apply(q, k, v, g, beta, initial, 1, final, l2norm, segments)
 
 
 def _heads_dense(x: torch.Tensor) -> torch.Tensor:
@@ -331,6 +381,10 @@ def _left_padded(reference):
     @functools.wraps(reference)
     def causal_conv1d_fn(hidden_states: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                          activation: str | None = None, **kwargs):
+        packed = kwargs.pop("grpo_packed", None)
+        if packed is not None:  # (a training pass's sequences back to back in one row: packed_recurrence.py)
+            return packed_recurrence.conv(packed, hidden_states, weight,
+                                          lambda x: causal_conv1d_fn(x, weight, bias, activation=activation, **kwargs))
         if kwargs.get("seq_idx") is not None:  # (packed sequences: the reference says what it cannot do)
             return reference(hidden_states, weight, bias, activation=activation, **kwargs)
         if _conv_kernel_takes(reference, hidden_states, weight, bias, activation):

@@ -17,6 +17,10 @@ positions go on from there and its attention sees that sequence's keys and value
 own, with gradients flowing back through them as through a KV cache. Continuations chain (a
 system prompt every group shares, then each group's question, then the group's answers), so a
 whole shared micro-batch is one decoder call with every prompt token in it once.
+
+A hybrid's linear-attention layers (Qwen3.5's gated delta rule) read the pass too, through grpo's
+functions for their convolution and delta rule (packed_recurrence.py): each sequence from what its
+own history left.
 """
 
 from __future__ import annotations
@@ -65,8 +69,10 @@ def use_dot_products(heads: int, kv_heads: int, head_dim: int, dot: bool) -> Non
 def supports(model) -> bool:
     """Whether packing serves this model: attention-only decoders without logit soft-capping or
     attention sinks (GPT-OSS's per-head extra softmax term): their kernels are not reimplemented
-    here. Others train on padded micro-batches, as does a model whose decoder, tried once, does
-    not pack (``packs_as_alone``)."""
+    here; and hybrids whose linear-attention layers run grpo's delta rule and convolution
+    (packed_recurrence.py). Others train on padded micro-batches, as does a model whose decoder,
+    tried once, does not pack (``packs_as_alone``)."""
+    from grpo.backends.local import delta_rule
     from grpo.backends.local.kv_cache import attention_layers
 
     config = model.config
@@ -78,7 +84,8 @@ def supports(model) -> bool:
     try:
         attention_layers(config)
     except ValueError:
-        return False
+        if not delta_rule.packs(model):
+            return False
     if model not in _PACKS:
         _PACKS[model] = packs_as_alone(model)
         if not _PACKS[model]:
@@ -165,7 +172,9 @@ class PackedPass:
             if bad:
                 raise ValueError(f"continues[{bad[0][0]}] = {bad[0][1]}: a sequence continues an earlier one of the pass")
         self.lengths = [int(n) for n in lengths]
-        self.calls = 0
+        self.continues: list[int | None] = list(continues) if continues is not None else [None] * len(self.lengths)
+        self.calls = 0  # attention layers run (``attend``)
+        self.recurrent_calls = 0  # linear-attention layers run (a hybrid's: packed_recurrence.delta_rule)
         self._native_plan: tuple[torch.Tensor, torch.Tensor] | None = None  # _native_attention's, made on first use
         n = sum(self.lengths)
         starts = [0, *accumulate(self.lengths)][:-1]
@@ -307,10 +316,13 @@ class PackedPass:
             yield
         finally:
             config._attn_implementation = before
-        layers = int(config.get_text_config(decoder=True).num_hidden_layers)
-        if self.tokens and self.calls != layers:
-            raise RuntimeError(f"packed attention ran in {self.calls} of {layers} layers: this model's attention does "
+        attention, recurrent = _layer_counts(config)
+        if self.tokens and self.calls != attention:
+            raise RuntimeError(f"packed attention ran in {self.calls} of {attention} layers: this model's attention does "
                                "not go through transformers' attention interface; train it with packing off")
+        if self.tokens and self.recurrent_calls != recurrent:
+            raise RuntimeError(f"the packed delta rule ran in {self.recurrent_calls} of {recurrent} linear-attention "
+                               "layers: this model's layers do not hand it the pass; train it with packing off")
 
     def run(self, decoder, input_ids: torch.Tensor) -> torch.Tensor:
         """The decoder's last hidden states ``(n, hidden)`` for ``input_ids`` ``(n,)``."""
@@ -318,6 +330,14 @@ class PackedPass:
             out = decoder(input_ids=input_ids[None], position_ids=self.position_ids, use_cache=False,
                           grpo_packed=self)
         return out.last_hidden_state[0]
+
+
+def _layer_counts(config) -> tuple[int, int]:
+    """How many of the decoder's layers attend, and how many are linear attention (a hybrid's)."""
+    text = config.get_text_config(decoder=True)
+    layers = int(text.num_hidden_layers)
+    recurrent = sum(kind == "linear_attention" for kind in (getattr(text, "layer_types", None) or [])[:layers])
+    return layers - recurrent, recurrent
 
 
 class _NativeAttention(torch.autograd.Function):

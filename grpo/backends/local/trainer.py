@@ -6,9 +6,9 @@ time. In training, each chunk's share of the loss is backpropagated through the 
 soon as it is computed (``unembed_counted``), so only one chunk of logits ever exists and none is
 recomputed; the decoder then runs one backward for the whole micro-batch.
 
-Packing: where the model allows (packed_attention.py), a micro-batch's datums run back to back
-in one row, so no position is padding; the padded path (``packed=False``) is the fallback and the
-reference.
+Packing: where the model allows (packed_attention.py; a hybrid's linear-attention layers through
+packed_recurrence.py), a micro-batch's datums run back to back in one row, so no position is
+padding; the padded path (``packed=False``) is the fallback and the reference.
 
 Prefix sharing: datums whose leading positions the loss does not count are the same tokens (a
 GRPO group: one prompt, several responses) run that prefix through the decoder once; its KV cache
@@ -620,9 +620,6 @@ def run(model, data: list[PreparedDatum], loss_fn: str, loss_fn_config: Mapping[
     params = losses.resolve_config(loss_fn, loss_fn_config)
     if packed is None:
         packed = packed_attention.supports(model)
-    # (a prefix's cache fans out to its group's rows: keys and values, and a hybrid's recurrent
-    # states -- on the padded path, the one hybrids train on)
-    share_prefixes = share_prefixes and (attention_only(model.config) or not packed)
     groups, alone = plan_sharing(data) if share_prefixes else ([], list(data))
     work: list[tuple[list[PreparedDatum], list[SharedGroup] | None]] = [
         (batch, None) for batch in micro_batches(alone, max_tokens, packed)]

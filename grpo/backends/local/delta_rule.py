@@ -281,8 +281,10 @@ class _NativeChunks(torch.autograd.Function):
             dq, dk = (x.view(rows, positions, k_heads, group, dim).sum(3) for x in (dq, dk))
         if segments is not None and initial_state is not None:  # (per segment: summed per state it read)
             starts_from = segments[:, 4]
-            reads = (starts_from >= 0).nonzero()[:, 0]
-            d_initial = torch.zeros_like(initial_state).index_add_(0, starts_from[reads], d_initial[reads])
+            if not bool((starts_from >= 0).all()):  # (as a rule every segment of a level after the first reads one)
+                reads = (starts_from >= 0).nonzero()[:, 0]
+                starts_from, d_initial = starts_from[reads], d_initial[reads]
+            d_initial = torch.zeros_like(initial_state).index_add_(0, starts_from, d_initial)
         return (dq.to(query.dtype), dk.to(key.dtype), dv.to(value.dtype), dg, dbeta,
                 d_initial if initial_state is not None else None, None, None, None, None)
 

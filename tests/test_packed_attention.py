@@ -183,7 +183,8 @@ def client(tmp_path_factory):
     return c
 
 
-def _run(client, prepared, loss_fn: str, max_tokens: int | None, share: bool, packed: bool):
+def run_trainer(client, prepared, loss_fn: str, max_tokens: int | None, share: bool, packed: bool):
+    """``trainer.run`` with a backward on the client's model: its output and the adapter's gradients."""
     for p in client.engine.adapter_parameters(client.adapter).values():
         p.grad = None
     with client.engine.use(client.adapter):
@@ -192,14 +193,13 @@ def _run(client, prepared, loss_fn: str, max_tokens: int | None, share: bool, pa
     return out, {k: v for k, v in adapter_tensors(client, "grad").items() if v is not None}
 
 
-@pytest.mark.parametrize("loss_fn", ["ppo", "importance_sampling"])
-@pytest.mark.parametrize("share", [True, False])
-@pytest.mark.parametrize("max_tokens", [None, 60])
-def test_packed_micro_batches_equal_padded_ones(client, loss_fn, share, max_tokens) -> None:
-    data = grpo_batch(seed=5)
+def assert_packed_equals_padded(client, loss_fn: str, share: bool, max_tokens: int | None, trunk: int = 0) -> None:
+    """The trainer's packed micro-batches give its padded ones' logprobs, loss, entropy and gradients
+    (within float32 rounding) on GRPO groups (under a system prompt of ``trunk`` tokens)."""
+    data = grpo_batch(seed=5, trunk=trunk)
     prepared = trainer.prepare(data, loss_fn, client.engine.vocab_size, client.engine.check_tokens)
-    ref, ref_grads = _run(client, prepared, loss_fn, max_tokens, share, packed=False)
-    got, grads = _run(client, prepared, loss_fn, max_tokens, share, packed=True)
+    ref, ref_grads = run_trainer(client, prepared, loss_fn, max_tokens, share, packed=False)
+    got, grads = run_trainer(client, prepared, loss_fn, max_tokens, share, packed=True)
     for a, b in zip(got.loss_fn_outputs, ref.loss_fn_outputs, strict=True):
         torch.testing.assert_close(a["logprobs"].to_torch(), b["logprobs"].to_torch(), atol=1e-5, rtol=0)
     assert got.metrics["loss:sum"] == pytest.approx(ref.metrics["loss:sum"], rel=1e-5)
@@ -208,6 +208,13 @@ def test_packed_micro_batches_equal_padded_ones(client, loss_fn, share, max_toke
     assert max(float(g.abs().max()) for g in ref_grads.values()) > 0.1
     for name, g in ref_grads.items():
         torch.testing.assert_close(grads[name], g, atol=1e-5, rtol=1e-4, msg=name)
+
+
+@pytest.mark.parametrize("loss_fn", ["ppo", "importance_sampling"])
+@pytest.mark.parametrize("share", [True, False])
+@pytest.mark.parametrize("max_tokens", [None, 60])
+def test_packed_micro_batches_equal_padded_ones(client, loss_fn, share, max_tokens) -> None:
+    assert_packed_equals_padded(client, loss_fn, share, max_tokens)
 
 
 def test_half_precision_attention_runs_in_float32_on_a_cpu(monkeypatch) -> None:

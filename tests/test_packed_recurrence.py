@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from backend_helpers import adapter_tensors, perturb_adapter, reference_function, tiny_qwen3_5
+from backend_helpers import perturb_adapter, reference_function, tiny_qwen3_5
+from test_packed_attention import assert_packed_equals_padded, run_trainer
 from test_prefix_sharing import grpo_batch
 from transformers.models.qwen3_5 import modeling_qwen3_5
 
-from grpo import models
 from grpo.backends.local import (
     ServiceClient,
     delta_rule,
@@ -157,26 +157,20 @@ def test_a_pass_whose_linear_layers_miss_it_is_refused(native_ops, hybrid, monke
 # --------------------------------------------------------------------------- the trainer, packed vs padded
 
 
-@pytest.fixture(scope="module")
-def hybrid_client(tmp_path_factory):
-    directory = tmp_path_factory.mktemp("qwen3_5")
-    tokenizer = models.load_tokenizer("tiny")
-    model, _ = tiny_qwen3_5()
+def _hybrid_client(directory, dtype: str):
+    """A training client on the tiny Qwen3.5 (saved in ``directory``), its adapter perturbed."""
+    model, tokenizer = tiny_qwen3_5()
     model.save_pretrained(directory)
     tokenizer.save_pretrained(directory)
-    svc = ServiceClient(checkpoint_dir=directory / "ckpt", device="cpu", dtype="float32")
+    svc = ServiceClient(checkpoint_dir=directory / "ckpt", device="cpu", dtype=dtype)
     client = svc.create_lora_training_client(str(directory), seed=0)
     perturb_adapter(client, 1)
     return client
 
 
-def _run(client, prepared, loss_fn: str, max_tokens: int | None, share: bool, packed: bool):
-    for p in client.engine.adapter_parameters(client.adapter).values():
-        p.grad = None
-    with client.engine.use(client.adapter):
-        out = trainer.run(client.engine.causal_lm(), prepared, loss_fn, None, client.engine.device, max_tokens,
-                          True, share_prefixes=share, packed=packed)
-    return out, {k: v for k, v in adapter_tensors(client, "grad").items() if v is not None}
+@pytest.fixture(scope="module")
+def hybrid_client(tmp_path_factory):
+    return _hybrid_client(tmp_path_factory.mktemp("qwen3_5"), "float32")
 
 
 @pytest.mark.parametrize(("loss_fn", "share", "max_tokens", "trunk"),
@@ -187,31 +181,16 @@ def test_a_hybrids_packed_micro_batches_equal_padded_ones(native_ops, hybrid_cli
     """Groups sharing their prompt (under a system prompt, ``trunk``), cut into micro-batches by a
     budget or not: the packed path's logprobs, loss and gradients are the padded path's."""
     assert packed_attention.supports(hybrid_client.engine.causal_lm())
-    data = grpo_batch(seed=5, trunk=trunk)
-    prepared = trainer.prepare(data, loss_fn, hybrid_client.engine.vocab_size, hybrid_client.engine.check_tokens)
-    ref, ref_grads = _run(hybrid_client, prepared, loss_fn, max_tokens, share, packed=False)
-    got, grads = _run(hybrid_client, prepared, loss_fn, max_tokens, share, packed=True)
-    for a, b in zip(got.loss_fn_outputs, ref.loss_fn_outputs, strict=True):
-        torch.testing.assert_close(a["logprobs"].to_torch(), b["logprobs"].to_torch(), atol=1e-5, rtol=0)
-    assert got.metrics["loss:sum"] == pytest.approx(ref.metrics["loss:sum"], rel=1e-5)
-    assert ref_grads and set(grads) == set(ref_grads)
-    assert max(float(g.abs().max()) for g in ref_grads.values()) > 0.1
-    for name, g in ref_grads.items():
-        torch.testing.assert_close(grads[name], g, atol=1e-5, rtol=1e-4, msg=name)
+    assert_packed_equals_padded(hybrid_client, loss_fn, share, max_tokens, trunk)
 
 
 def test_a_hybrids_packed_pass_in_bf16_is_its_padded_pass_within_rounding(native_ops, tmp_path) -> None:
     """In bf16 the two paths round in other places (the padded path's left padding, the packed one's
     windows): logprobs agree within bf16's rounding of a tiny model's."""
-    model, tokenizer = tiny_qwen3_5()
-    model.save_pretrained(tmp_path)
-    tokenizer.save_pretrained(tmp_path)
-    svc = ServiceClient(checkpoint_dir=tmp_path / "ckpt", device="cpu", dtype="bf16")
-    client = svc.create_lora_training_client(str(tmp_path), seed=0)
-    perturb_adapter(client, 1)
+    client = _hybrid_client(tmp_path, "bf16")
     prepared = trainer.prepare(grpo_batch(seed=5), "ppo", client.engine.vocab_size, client.engine.check_tokens)
-    ref, _ = _run(client, prepared, "ppo", None, True, packed=False)
-    got, grads = _run(client, prepared, "ppo", None, True, packed=True)
+    ref, _ = run_trainer(client, prepared, "ppo", None, True, packed=False)
+    got, grads = run_trainer(client, prepared, "ppo", None, True, packed=True)
     assert grads
     worst = max(float((a["logprobs"].to_torch() - b["logprobs"].to_torch()).abs().max())
                 for a, b in zip(got.loss_fn_outputs, ref.loss_fn_outputs, strict=True))

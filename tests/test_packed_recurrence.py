@@ -91,8 +91,9 @@ def _random_ids(gen: torch.Generator, lengths: list[int]) -> list[torch.Tensor]:
 
 
 def test_a_hybrids_packed_pass_computes_each_sequence_as_alone(native_ops, hybrid) -> None:
-    """A system prompt of two tokens (fewer than the convolution's window), two prompts continuing it,
-    answers continuing the prompts, and a lone sequence, in one row: every answer's hidden states
+    """A system prompt of two tokens (fewer than the convolution's window), two prompts continuing it
+    (one through a sequence of no tokens), answers continuing the prompts, and a lone sequence, in one
+    row: every answer's hidden states
     are those of its whole sequence run alone, and the parameters' gradients of a loss on the
     answers are those of the same loss on the whole sequences."""
     assert packed_attention.supports(hybrid)
@@ -101,20 +102,21 @@ def test_a_hybrids_packed_pass_computes_each_sequence_as_alone(native_ops, hybri
     trunk, prompts, lone = _random_ids(gen, [2])[0], _random_ids(gen, [6, 1]), _random_ids(gen, [9])[0]
     owners, answer_lengths = [0, 1, 0, 1], [4, 7, 1, 3]
     answers = _random_ids(gen, answer_lengths)
-    # trunk, lone, the prompts (continuing the trunk), the answers (continuing their prompt)
-    lengths = [2, 9, 6, 1, *answer_lengths]
-    packed = packed_attention.PackedPass(lengths, CPU, continues=[None, None, 0, 0, *[2 + o for o in owners]])
+    # trunk, lone, an empty sequence, the prompts (continuing the trunk, the first through the empty one),
+    # the answers (continuing their prompt)
+    lengths = [2, 9, 0, 6, 1, *answer_lengths]
+    packed = packed_attention.PackedPass(lengths, CPU, continues=[None, None, 0, 2, 0, *[3 + o for o in owners]])
     params = [p for p in decoder.parameters() if p.requires_grad]
     weights = [torch.randn(n, hybrid.config.hidden_size, generator=gen) for n in answer_lengths]
 
     hidden = torch.split(packed.run(decoder, torch.cat([trunk, lone, *prompts, *answers])), lengths)
     assert packed.recurrent_calls == 3 and packed.calls == 1
-    got = torch.autograd.grad(sum((h * w).sum() for h, w in zip(hidden[4:], weights, strict=True)), params)
+    got = torch.autograd.grad(sum((h * w).sum() for h, w in zip(hidden[5:], weights, strict=True)), params)
 
     wholes = [torch.cat([trunk, prompts[o], a]) for o, a in zip(owners, answers, strict=True)]
     alone = [decoder(input_ids=ids[None]).last_hidden_state[0, -n:] for ids, n in zip(wholes, answer_lengths,
                                                                                       strict=True)]
-    for h, want in zip(hidden[4:], alone, strict=True):
+    for h, want in zip(hidden[5:], alone, strict=True):
         torch.testing.assert_close(h, want, atol=1e-5, rtol=1e-4)
     torch.testing.assert_close(hidden[1], decoder(input_ids=lone[None]).last_hidden_state[0], atol=1e-5, rtol=1e-4)
     want = torch.autograd.grad(sum((h * w).sum() for h, w in zip(alone, weights, strict=True)), params)

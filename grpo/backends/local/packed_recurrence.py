@@ -39,8 +39,8 @@ class RecurrencePlan:
         for parent in source:
             depth.append(0 if parent is None else depth[parent] + 1)
         continued = {parent for parent in source if parent is not None}
-        # per level, the kernel's segments [row, start, length, chunk?, state]: state indexes the final
-        # states kept so far (those of the sequences others continue, level by level), -1 none
+        # the sequences (with tokens) by level of continuation; the final states kept (those of the
+        # sequences others start from), indexed level by level
         self.levels: list[list[int]] = [[] for _ in range(max(depth, default=-1) + 1)]
         for i, d in enumerate(depth):
             if packed.lengths[i] > 0:
@@ -53,7 +53,7 @@ class RecurrencePlan:
                     self.final_index[i] = len(self.final_index)
         self.keeps_final = [any(i in continued for i in level) for level in self.levels]
         self._windows: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        self._segments: dict[object, list[torch.Tensor]] = {}
+        self._segments: dict[object, list[tuple[torch.Tensor, torch.Tensor]]] = {}
 
     def windows(self, taps: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """``gather``: rows of the pass (its length: a zero row) laid out as each sequence's

@@ -9,7 +9,7 @@ from collections import deque
 
 import pytest
 import torch
-from backend_helpers import adapter_tensors, perturb_adapter, rl_datum
+from backend_helpers import adapter_tensors, perturb_adapter, rl_datum, tiny_qwen3_5
 
 from grpo import models, types
 from grpo.backends.local import ServiceClient, heap, memory, sampler, trainer
@@ -106,14 +106,13 @@ def test_budget_settings_and_their_errors() -> None:
         ServiceClient(micro_batch_tokens=0)
 
 
-def test_training_bytes_per_token_cover_what_autograd_saves(tmp_path) -> None:
-    """The estimate the micro-batch size comes from is not below what autograd really keeps per
-    processed token (saved tensors counted by a hook), nor more than twice it."""
-    svc = ServiceClient(checkpoint_dir=tmp_path, device="cpu", dtype="float32", memory_budget_mb=0)
-    client = svc.create_lora_training_client("tiny", seed=0, rank=16, train_unembed=False)
+def _saved_per_token(client, decode, responses: int = 4, length: int = 120) -> float:
+    """What autograd keeps per processed token of a group (PROMPTS[5] and ``responses`` answers of
+    ``length`` tokens) through ``decode`` (the trainer's shared decoder call), counted by a hook:
+    each saved storage once, the parameters' not."""
     gen = torch.Generator().manual_seed(0)
-    datums = [rl_datum(PROMPTS[5], torch.randint(100, 20000, (120,), generator=gen).tolist(), 0.1 * k, [-2.0] * 120)
-              for k in range(4)]
+    datums = [rl_datum(PROMPTS[5], torch.randint(100, 2000, (length,), generator=gen).tolist(), 0.1 * k,
+                       [-2.0] * length) for k in range(responses)]
     prepared = trainer.prepare(datums, "ppo", client.engine.vocab_size, client.engine.check_tokens)
     params = {p.untyped_storage().data_ptr() for p in client.engine.peft_model.parameters()}
     seen: dict[int, int] = {}
@@ -125,15 +124,35 @@ def test_training_bytes_per_token_cover_what_autograd_saves(tmp_path) -> None:
         return t
 
     with client.engine.use(client.adapter), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        model = client.engine.causal_lm()
         # the decoder only: the unembedding holds one chunk of positions at a time (trainer.py)
-        dec_out = trainer.run_decoder_shared(model, trainer.shared_micro_batches(trainer.plan_sharing(prepared)[0], None)[0],
-                                        client.engine.device)
-    processed = len(PROMPTS[5]) + 4 * 120
-    measured = sum(seen.values()) / processed
-    estimate = memory.train_bytes_per_token(model.config, torch.float32)
-    assert measured <= estimate <= 2 * measured, (measured, estimate)
+        units = trainer.shared_micro_batches(trainer.plan_sharing(prepared)[0], None)[0]
+        dec_out = decode(client.engine.causal_lm(), units, client.engine.device)
     del dec_out
+    return sum(seen.values()) / (len(PROMPTS[5]) + responses * length)
+
+
+def test_training_bytes_per_token_cover_what_autograd_saves(tmp_path) -> None:
+    """The estimate the micro-batch size comes from is not below what autograd really keeps per
+    processed token (saved tensors counted by a hook), nor more than twice it."""
+    svc = ServiceClient(checkpoint_dir=tmp_path, device="cpu", dtype="float32", memory_budget_mb=0)
+    client = svc.create_lora_training_client("tiny", seed=0, rank=16, train_unembed=False)
+    measured = _saved_per_token(client, trainer.run_decoder_shared)
+    estimate = memory.train_bytes_per_token(client.engine.causal_lm().config, torch.float32)
+    assert measured <= estimate <= 2 * measured, (measured, estimate)
+
+
+def test_a_hybrids_training_bytes_per_token_count_its_linear_layers(tmp_path) -> None:
+    """A Qwen3.5's linear-attention layers keep more per token than attention layers do (their
+    convolution's input and output, their gated norm's): the estimate covers them, on the packed
+    path hybrids train on, and stays within twice what they keep."""
+    model, tokenizer = tiny_qwen3_5()
+    model.save_pretrained(tmp_path / "model")
+    tokenizer.save_pretrained(tmp_path / "model")
+    svc = ServiceClient(checkpoint_dir=tmp_path / "ckpt", device="cpu", dtype="float32", memory_budget_mb=0)
+    client = svc.create_lora_training_client(str(tmp_path / "model"), seed=0, rank=16, train_unembed=False)
+    measured = _saved_per_token(client, trainer.run_decoder_shared_packed)
+    estimate = memory.train_bytes_per_token(client.engine.causal_lm().config, torch.float32)
+    assert measured <= estimate <= 2 * measured, (measured, estimate)
 
 
 def test_partition_cuts_where_padding_costs_more_than_a_batch() -> None:

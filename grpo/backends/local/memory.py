@@ -92,11 +92,30 @@ def train_bytes_per_token(config: Any, dtype: torch.dtype) -> int:
     q/k, the attention output, the MLP's gate/up/activation -- about ten hidden-sized and four
     intermediate-sized vectors -- and the LoRA branches' rank-sized inputs (seven, counted at
     rank 64). A saved-tensor hook measures 1.2-1.5 MiB per token for SmolLM2-135M in fp32 (this
-    gives 1.5 MiB); tests/test_memory_budget.py checks the estimate against the tiny model.
+    gives 1.5 MiB); tests/test_memory_budget.py checks the estimate against the tiny model. A
+    hybrid's linear-attention layer keeps its short convolution's input and output (q, k and v
+    side by side) and its gated norm's input, gate and output instead of attention's q/k/v, and
+    the attention layers between them (Qwen3.5's, Qwen3-Next's) are gated -- their q projection
+    gives the queries and a gate -- and normalise q and k, which keeps ~6 query widths and 3 key
+    widths (a hook on the tiny Qwen3.5). A Qwen3.5 of Qwen3.5-0.8B's sizes keeps 1.66 MiB a token
+    in a packed bf16 pass, which the attention-only count put at 1.29 (this gives 1.84).
     """
     hidden, intermediate, q_dim, kv_dim, layers = _dims(config)
-    per_layer = 8 * hidden + 2 * q_dim + 2 * kv_dim + 4 * intermediate + 7 * LORA_RANK_COUNTED
-    return layers * per_layer * dtype.itemsize
+    linear = _linear_attention_layers(config)
+    shared = 8 * hidden + 4 * intermediate + 7 * LORA_RANK_COUNTED
+    attention = 6 * q_dim + 3 * kv_dim if linear else 2 * q_dim + 2 * kv_dim
+    return ((layers - linear) * (shared + attention) + linear * (shared + _linear_attention_saved(config))) * dtype.itemsize
+
+
+def _linear_attention_saved(config: Any) -> int:
+    """What a gated-delta-rule layer keeps per token beside the MLP and norms, in elements: the
+    convolution's input and output (two key widths and the value width each), and the gated norm's
+    input, gate and output (the value width each)."""
+    config = models.text_config(config)
+    key_width = int(getattr(config, "linear_num_key_heads", 0) or 0) * int(getattr(config, "linear_key_head_dim", 0) or 0)
+    value_width = int(getattr(config, "linear_num_value_heads", 0) or 0) * int(
+        getattr(config, "linear_value_head_dim", 0) or 0)
+    return 2 * (2 * key_width + value_width) + 3 * value_width
 
 
 def sample_bytes_per_row(config: Any, dtype: torch.dtype, length: int) -> int:

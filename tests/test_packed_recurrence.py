@@ -11,6 +11,7 @@ import torch
 from backend_helpers import perturb_adapter, reference_function, tiny_qwen3_5
 from test_packed_attention import assert_packed_equals_padded, run_trainer
 from test_prefix_sharing import grpo_batch
+from test_recurrent_prefix import tiny_qwen3_next
 from transformers.models.qwen3_5 import modeling_qwen3_5
 
 from grpo.backends.local import (
@@ -159,9 +160,12 @@ def test_a_pass_whose_linear_layers_miss_it_is_refused(native_ops, hybrid, monke
 # --------------------------------------------------------------------------- the trainer, packed vs padded
 
 
-def _hybrid_client(directory, dtype: str):
-    """A training client on the tiny Qwen3.5 (saved in ``directory``), its adapter perturbed."""
+def _hybrid_client(directory, dtype: str, family: str = "qwen3_5"):
+    """A training client on the tiny Qwen3.5 (or Qwen3-Next, saved in ``directory``), its adapter
+    perturbed."""
     model, tokenizer = tiny_qwen3_5()
+    if family == "qwen3_next":  # (on the same tokenizer)
+        model = tiny_qwen3_next(len(tokenizer))
     model.save_pretrained(directory)
     tokenizer.save_pretrained(directory)
     svc = ServiceClient(checkpoint_dir=directory / "ckpt", device="cpu", dtype=dtype)
@@ -184,6 +188,14 @@ def test_a_hybrids_packed_micro_batches_equal_padded_ones(native_ops, hybrid_cli
     budget or not: the packed path's logprobs, loss and gradients are the padded path's."""
     assert packed_attention.supports(hybrid_client.engine.causal_lm())
     assert_packed_equals_padded(hybrid_client, loss_fn, share, max_tokens, trunk)
+
+
+@pytest.mark.parametrize(("share", "max_tokens"), [(True, None), (True, 60), (False, None)])
+def test_qwen3_nexts_packed_micro_batches_equal_padded_ones(native_ops, tmp_path, share, max_tokens) -> None:
+    """Qwen3-Next's linear layers (a and b from one projection, experts after them) pack as Qwen3.5's."""
+    client = _hybrid_client(tmp_path, "float32", "qwen3_next")
+    assert packed_attention.supports(client.engine.causal_lm())
+    assert_packed_equals_padded(client, "ppo", share, max_tokens, trunk=5)
 
 
 def test_a_hybrids_packed_pass_in_bf16_is_its_padded_pass_within_rounding(native_ops, tmp_path) -> None:

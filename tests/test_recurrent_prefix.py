@@ -38,12 +38,12 @@ def _kernels(monkeypatch, path: str, module=modeling_qwen3_5) -> None:
         assert delta_rule.fit_prefill(tiny_qwen3_5()[0] if module is modeling_qwen3_5 else tiny_qwen3_next()) == 2
 
 
-def tiny_qwen3_next():
+def tiny_qwen3_next(vocab_size: int = 2048):
     """A random Qwen3-Next: two gated-delta-rule layers (their a and b from one projection,
     ``in_proj_ba``), one attention layer, small experts."""
     config = transformers.Qwen3NextConfig(
         hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
-        vocab_size=2048, layer_types=["linear_attention", "linear_attention", "full_attention"], num_experts=4,
+        vocab_size=vocab_size, layer_types=["linear_attention", "linear_attention", "full_attention"], num_experts=4,
         num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32, linear_num_key_heads=2,
         linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16)
     torch.manual_seed(0)

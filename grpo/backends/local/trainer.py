@@ -100,7 +100,10 @@ def prepare(data: Sequence[Datum], loss_fn: str, vocab_size: int, check_tokens) 
 # What one more decoder call costs beyond its tokens, in tokens: Python and kernel-launch
 # overhead of a forward and backward through every layer, and the matmuls' lower efficiency on
 # few rows. Keeps the partition below from cutting a batch to save a handful of padded tokens.
-MICRO_BATCH_OVERHEAD_TOKENS = 32
+# Measured on a CPU (AMD EPYC, bf16; docs/benchmark.md): ~55 tokens' time for SmolLM2 packed and
+# for a Qwen3.5 hybrid, ~118 for SmolLM2 padded; 32 had the padded path cut the bench's groups
+# into four micro-batches where two ran 0.90x the time.
+MICRO_BATCH_OVERHEAD_TOKENS = 64
 # How far back the partition looks for a batch start: bounds its cost on very large calls.
 PARTITION_LOOKBACK = 512
 

@@ -101,7 +101,7 @@ def train_bytes_per_token(config: Any, dtype: torch.dtype) -> int:
     in a packed bf16 pass, which the attention-only count put at 1.29 (this gives 1.84).
     """
     hidden, intermediate, q_dim, kv_dim, layers = _dims(config)
-    linear = _linear_attention_layers(config)
+    linear = linear_attention_layers(config)
     shared = 8 * hidden + 4 * intermediate + 7 * LORA_RANK_COUNTED
     attention = 6 * q_dim + 3 * kv_dim if linear else 2 * q_dim + 2 * kv_dim
     return ((layers - linear) * (shared + attention) + linear * (shared + _linear_attention_saved(config))) * dtype.itemsize
@@ -111,11 +111,8 @@ def _linear_attention_saved(config: Any) -> int:
     """What a gated-delta-rule layer keeps per token beside the MLP and norms, in elements: the
     convolution's input and output (two key widths and the value width each), and the gated norm's
     input, gate and output (the value width each)."""
-    config = models.text_config(config)
-    key_width = int(getattr(config, "linear_num_key_heads", 0) or 0) * int(getattr(config, "linear_key_head_dim", 0) or 0)
-    value_width = int(getattr(config, "linear_num_value_heads", 0) or 0) * int(
-        getattr(config, "linear_value_head_dim", 0) or 0)
-    return 2 * (2 * key_width + value_width) + 3 * value_width
+    key_heads, value_heads, key_dim, value_dim = _linear_attention_heads(config)
+    return 2 * (2 * key_heads * key_dim + value_heads * value_dim) + 3 * value_heads * value_dim
 
 
 def sample_bytes_per_row(config: Any, dtype: torch.dtype, length: int) -> int:
@@ -124,18 +121,27 @@ def sample_bytes_per_row(config: Any, dtype: torch.dtype, length: int) -> int:
     makes, and its float32 logits, softmax and float64 CDF over the vocabulary; a hybrid's
     linear-attention layers hold a recurrent state instead of keys and values."""
     hidden, _, q_dim, kv_dim, layers = _dims(config)
-    linear = _linear_attention_layers(config)
+    linear = linear_attention_layers(config)
     kv = 2 * kv_dim * (layers - linear) * length * dtype.itemsize
     expanded = 2 * q_dim * length * dtype.itemsize
     vocab = int(models.text_config(config).vocab_size)
     return kv + expanded + vocab * (4 + 4 + 4 + 8) + linear * _recurrent_state_bytes(config, dtype)
 
 
-def _linear_attention_layers(config: Any) -> int:
-    """A hybrid's gated-delta-rule layers (Qwen3.5, Qwen3-Next), which keep a recurrent state per
-    row instead of keys and values."""
-    kinds = getattr(models.text_config(config), "layer_types", None) or []
+def linear_attention_layers(config: Any) -> int:
+    """How many of the decoder's layers are a hybrid's gated-delta-rule layers (Qwen3.5, Qwen3-Next),
+    which keep a recurrent state per row instead of keys and values."""
+    text = models.text_config(config)
+    kinds = (getattr(text, "layer_types", None) or [])[:int(text.num_hidden_layers)]
     return sum(kind == "linear_attention" for kind in kinds)
+
+
+def _linear_attention_heads(config: Any) -> tuple[int, int, int, int]:
+    """A gated-delta-rule layer's key heads, value heads, key dim and value dim (0s for a model
+    without such layers)."""
+    text = models.text_config(config)
+    return tuple(int(getattr(text, name, 0) or 0) for name in (  # type: ignore[return-value]
+        "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim"))
 
 
 def _recurrent_state_bytes(config: Any, dtype: torch.dtype) -> int:
@@ -143,10 +149,8 @@ def _recurrent_state_bytes(config: Any, dtype: torch.dtype) -> int:
     key dim x value dim) twice -- a batch that sheds finished rows copies it, and rows that join a
     running batch are prefilled beside it (recurrent_sampler.py) -- and the short convolution's
     window of q, k and v."""
-    config = models.text_config(config)
-    heads, key_dim, value_dim = (int(getattr(config, name, 0) or 0) for name in (
-        "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim"))
-    key_heads, kernel = int(getattr(config, "linear_num_key_heads", 0) or 0), int(getattr(config, "linear_conv_kernel_dim", 0) or 0)
+    key_heads, heads, key_dim, value_dim = _linear_attention_heads(config)
+    kernel = int(getattr(models.text_config(config), "linear_conv_kernel_dim", 0) or 0)
     conv = (2 * key_heads * key_dim + heads * value_dim) * kernel * dtype.itemsize
     return 2 * heads * key_dim * value_dim * 4 + conv
 

@@ -37,6 +37,7 @@ import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 from transformers import AttentionInterface
 
+from grpo.backends.local import memory
 from grpo.backends.local.trial import trial_run
 
 IMPLEMENTATION = "grpo_packed"
@@ -316,7 +317,8 @@ class PackedPass:
             yield
         finally:
             config._attn_implementation = before
-        attention, recurrent = _layer_counts(config)
+        recurrent = memory.linear_attention_layers(config)
+        attention = int(config.get_text_config(decoder=True).num_hidden_layers) - recurrent
         if self.tokens and self.calls != attention:
             raise RuntimeError(f"packed attention ran in {self.calls} of {attention} layers: this model's attention does "
                                "not go through transformers' attention interface; train it with packing off")
@@ -330,14 +332,6 @@ class PackedPass:
             out = decoder(input_ids=input_ids[None], position_ids=self.position_ids, use_cache=False,
                           grpo_packed=self)
         return out.last_hidden_state[0]
-
-
-def _layer_counts(config) -> tuple[int, int]:
-    """How many of the decoder's layers attend, and how many are linear attention (a hybrid's)."""
-    text = config.get_text_config(decoder=True)
-    layers = int(text.num_hidden_layers)
-    recurrent = sum(kind == "linear_attention" for kind in (getattr(text, "layer_types", None) or [])[:layers])
-    return layers - recurrent, recurrent
 
 
 class _NativeAttention(torch.autograd.Function):

@@ -51,7 +51,6 @@ class RecurrencePlan:
             for i in level:
                 if i in continued:
                     self.final_index[i] = len(self.final_index)
-        self.keeps_final = [any(i in continued for i in level) for level in self.levels]
         self._windows: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._segments: dict[object, list[tuple[torch.Tensor, torch.Tensor]]] = {}
 
@@ -118,9 +117,10 @@ def delta_rule(packed, query, key, value, g, beta, l2norm: bool, chunk_of, run_s
     packed.recurrent_calls += 1
     out = None
     states = None  # the final states kept so far, in plan.final_index's order
-    for (segments, kept), keeps_final in zip(plan.segments(chunk_of), plan.keeps_final, strict=True):
+    for segments, kept in plan.segments(chunk_of):
         if not len(segments):
             continue
+        keeps_final = len(kept) > 0  # (some sequence of the next level starts from one of these)
         level_out, final = run_segments(query, key, value, g, beta, states, segments, keeps_final, l2norm)
         out = level_out if out is None else out + level_out
         if keeps_final:

@@ -43,7 +43,7 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer, LinearAttentionLayer
 
-from grpo.backends.local import delta_rule, recurrent_prefix, sampler
+from grpo.backends.local import cached_attention, delta_rule, recurrent_prefix, sampler
 from grpo.backends.local.prefix_cache import PrefixCache, left_padded
 from grpo.backends.local.sections import section
 from grpo.types import SampledSequence
@@ -93,7 +93,9 @@ def generate_lockstep(model, requests: list[sampler.GenerationRequest], tokenize
     pending = deque(requests)
     rows: list[sampler._Row] = []  # every row, in the order they draw
     batch: _Lockstep | None = None
-    with delta_rule.routed(model) if device.type == "cpu" else contextlib.nullcontext():
+    on_cpu = device.type == "cpu"  # (the linear layers' and the attention layers' decoding steps through grpo's kernels)
+    with delta_rule.routed(model) if on_cpu else contextlib.nullcontext(), \
+            cached_attention.routed() if on_cpu else contextlib.nullcontext():
         while True:
             live = batch.live() if batch is not None else []
             free = limit - len(live) if join or not live else 0

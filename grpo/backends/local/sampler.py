@@ -14,6 +14,7 @@ top-p shape only the choice of token.
 
 from __future__ import annotations
 
+import contextlib
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -21,7 +22,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers import DynamicCache
 
-from grpo.backends.local import graph_decode, native_decode
+from grpo.backends.local import cached_attention, graph_decode, native_decode
 from grpo.backends.local.kv_cache import SlotCache, attention_layers, attention_only
 from grpo.backends.local.lean_decode import lean_decoder
 from grpo.backends.local.prefix_cache import PrefixCache, left_padded
@@ -215,9 +216,10 @@ def generate(model, requests: list[GenerationRequest], tokenizer, device: torch.
                 logits = graphed(tokens, cache.lengths)
             elif lean is not None:
                 logits = lean(tokens[:, None], mask, positions, cache)
-            else:
-                logits = model(input_ids=tokens[:, None], attention_mask=mask, position_ids=positions, cache=cache,
-                               use_cache=True).logits[:, -1].float()
+            else:  # (its attention layers through grpo's kernel on a CPU: cached_attention.py)
+                with cached_attention.routed() if device.type == "cpu" else contextlib.nullcontext():
+                    logits = model(input_ids=tokens[:, None], attention_mask=mask, position_ids=positions,
+                                   cache=cache, use_cache=True).logits[:, -1].float()
         # a finished row riding along keeps its length: its slot never outgrows the capacity
         cache.lengths = [n + (not row.done) for n, row in zip(cache.lengths, batch, strict=True)]
         stats.decode_steps += 1

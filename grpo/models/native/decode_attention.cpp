@@ -1,8 +1,10 @@
-// A decoding step's attention (rope_attend): the new keys and values rotated into the caches, each
-// row's queries over its columns.
+// A decoding step's attention: over grpo's slot caches, the new keys and values rotated into them
+// (rope_attend); over the caches transformers keeps, through its attention interface (cached_attend).
 
 #include "ops.h"
 #include "simd.h"
+
+#include <limits>
 
 namespace grpo_native {
 
@@ -399,6 +401,163 @@ at::Tensor rope_attend(const at::Tensor& q, const at::Tensor& k, const at::Tenso
     if (dim == 64) run(rope_attend_impl<scalar_t, 64>);
     else if (dim == 128) run(rope_attend_impl<scalar_t, 128>);
     else run(rope_attend_impl<scalar_t, 0>);
+  });
+  return out;
+}
+
+// A decoding step's attention over keys and values a model's own cache keeps (cached_attention.py: a
+// hybrid's attention layers in the lockstep sampler, and any decoder sampled through its own forward):
+// each row's query heads over the columns its mask keeps, through key head h / (heads / kv_heads), in
+// float32 (keys and values widened as read), the output rounded to T once. PyTorch's CPU SDPA takes a
+// single query position through its flash kernel, blocked for long queries: 3.4-17 ms a call at 32 rows
+// of 60-300 columns (8 heads over 2, 256 dims, bf16; AMD EPYC Zen 4, 2 cores), where the arithmetic is a
+// few tenths of a millisecond (docs/benchmark.md). The kept columns are taken in runs (a left-padded
+// batch's row: one; a prompt restored from the prefix cache behind padding: two), the masked ones
+// never read.
+template <typename T, int64_t HEAD_DIM>
+void cached_attend_impl(const T* q, int64_t q_row, int64_t q_head, const T* k, int64_t k_row, int64_t k_head,
+                        const T* v, int64_t v_row, int64_t v_head, const bool* mask, int64_t mask_row,
+                        int64_t mask_col, T* out, int64_t rows, int64_t heads, int64_t kv_heads, int64_t columns,
+                        int64_t head_dim, float scale) {
+  const int64_t dim = HEAD_DIM > 0 ? HEAD_DIM : head_dim;
+  const int64_t group = heads / kv_heads;
+  at::parallel_for(0, rows * kv_heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> queries(group * dim), scores(group * columns), acc(group * dim), widened(dim), totals(group);
+    std::vector<float*> weights(group);
+    std::vector<int64_t> runs;  // [first, last) pairs of kept columns
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t r = task / kv_heads, g = task % kv_heads;
+      runs.clear();
+      for (int64_t p = 0; p < columns;) {
+        if (mask != nullptr && !mask[r * mask_row + p * mask_col]) {
+          ++p;
+          continue;
+        }
+        const int64_t first = p;
+        while (p < columns && (mask == nullptr || mask[r * mask_row + p * mask_col])) ++p;
+        runs.insert(runs.end(), {first, p});
+      }
+      T* outs = out + (r * heads + g * group) * dim;
+      if (runs.empty()) {  // (no column to attend to: zeros, where SDPA's softmax gives NaN)
+        std::fill(outs, outs + group * dim, static_cast<T>(0.f));
+        continue;
+      }
+      const T* keys = k + r * k_row + g * k_head;
+      const T* values = v + r * v_row + g * v_head;
+      for (int64_t j = 0; j < group; ++j) {
+        to_float(q + r * q_row + (g * group + j) * q_head, queries.data() + j * dim, dim);
+        weights[j] = scores.data() + j * columns;
+      }
+      bool done = false;
+#if defined(ATTEND_AVX512)
+      if constexpr (HEAD_DIM > 0 && HEAD_DIM % 16 == 0) {
+        for (size_t u = 0; u < runs.size(); u += 2)
+          attend_scores<HEAD_DIM>(queries.data(), group, keys, runs[u], runs[u + 1], weights.data(), scale);
+        done = true;
+      }
+#endif
+      if (!done)
+        for (size_t u = 0; u < runs.size(); u += 2)
+          for (int64_t p = runs[u]; p < runs[u + 1]; ++p) {
+            const float* kp = as_float(keys + p * dim, widened.data(), dim);
+            for (int64_t j = 0; j < group; ++j) {
+              const float* qj = queries.data() + j * dim;
+              float dot = 0.f;
+#pragma omp simd reduction(+ : dot)
+              for (int64_t i = 0; i < dim; ++i) dot += qj[i] * kp[i];
+              weights[j][p] = dot * scale;
+            }
+          }
+      // softmax's numerators over the kept columns, exp(score - the largest), and their totals
+      for (int64_t j = 0; j < group; ++j) {
+        float top = -std::numeric_limits<float>::infinity();
+        for (size_t u = 0; u < runs.size(); u += 2)
+          top = std::max(top, row_max(weights[j] + runs[u], runs[u + 1] - runs[u]));
+        totals[j] = 0.f;
+        for (size_t u = 0; u < runs.size(); u += 2)
+          totals[j] += exp_shifted_total(weights[j] + runs[u], runs[u + 1] - runs[u], top);
+      }
+      done = false;
+#if defined(ATTEND_AVX512)
+      if constexpr (HEAD_DIM > 0 && HEAD_DIM % 16 == 0) {
+        constexpr int CHUNKS = static_cast<int>(HEAD_DIM / 16);
+        constexpr int NQ = CHUNKS >= 24 ? 1 : 24 / CHUNKS;  // (24 accumulators: 6 queries of 64 dims, 1 of 256)
+        float buffer[HEAD_DIM];
+        for (int64_t qa = 0; qa < group; qa += NQ) {
+          const int hi = static_cast<int>(std::min<int64_t>(NQ, group - qa));
+          __m512 sums[NQ][CHUNKS];
+          for (int i = 0; i < NQ; ++i)
+            for (int c = 0; c < CHUNKS; ++c) sums[i][c] = _mm512_setzero_ps();
+          for (size_t u = 0; u < runs.size(); u += 2)
+            attend_values<HEAD_DIM, NQ>(sums, 0, hi, weights.data() + qa, values, runs[u], runs[u + 1]);
+          for (int i = 0; i < hi; ++i) {
+            const __m512 inverse = _mm512_set1_ps(1.f / totals[qa + i]);
+            for (int c = 0; c < CHUNKS; ++c) _mm512_storeu_ps(buffer + 16 * c, _mm512_mul_ps(sums[i][c], inverse));
+            from_float(buffer, outs + (qa + i) * dim, dim);
+          }
+        }
+        done = true;
+      }
+#endif
+      if (done) continue;
+      std::fill(acc.begin(), acc.end(), 0.f);
+      for (size_t u = 0; u < runs.size(); u += 2)
+        for (int64_t p = runs[u]; p < runs[u + 1]; ++p) {
+          const float* vp = as_float(values + p * dim, widened.data(), dim);
+          for (int64_t j = 0; j < group; ++j) {
+            float* a = acc.data() + j * dim;
+            const float weight = weights[j][p];
+#pragma omp simd
+            for (int64_t i = 0; i < dim; ++i) a[i] += weight * vp[i];
+          }
+        }
+      for (int64_t j = 0; j < group; ++j) {
+        float* a = acc.data() + j * dim;
+        const float inv = 1.f / totals[j];
+#pragma omp simd
+        for (int64_t i = 0; i < dim; ++i) a[i] *= inv;
+        from_float(a, outs + j * dim, dim);
+      }
+    }
+  });
+}
+
+at::Tensor cached_attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                         const c10::optional<at::Tensor>& mask, double scale) {
+  TORCH_CHECK(q.dim() == 3 && k.dim() == 4 && v.sizes() == k.sizes() && q.size(0) == k.size(0) &&
+                  q.size(2) == k.size(3) && k.size(1) > 0 && q.size(1) % k.size(1) == 0,
+              "cached_attend: q must be [rows, heads, dim] and k, v [rows, kv_heads, columns, dim] of one shape, "
+              "heads a multiple of kv_heads; got ", q.sizes(), ", ", k.sizes(), ", ", v.sizes());
+  TORCH_CHECK(q.device().is_cpu() && k.device().is_cpu() && v.device().is_cpu(), "cached_attend: CPU tensors only");
+  TORCH_CHECK(k.scalar_type() == q.scalar_type() && v.scalar_type() == q.scalar_type(),
+              "cached_attend: q, k and v must have one dtype, got ", q.scalar_type(), ", ", k.scalar_type(), ", ",
+              v.scalar_type());
+  const int64_t rows = q.size(0), heads = q.size(1), dim = q.size(2), kv_heads = k.size(1), columns = k.size(2);
+  TORCH_CHECK(q.stride(2) == 1 && k.stride(3) == 1 && v.stride(3) == 1 && (columns <= 1 || (k.stride(2) == dim &&
+                  v.stride(2) == dim)),
+              "cached_attend: each head's values must be contiguous and a head's columns back to back, got strides ",
+              q.strides(), ", ", k.strides(), ", ", v.strides());
+  const bool* mp = nullptr;
+  int64_t mask_row = 0, mask_col = 0;
+  if (mask.has_value()) {
+    TORCH_CHECK(mask->dim() == 2 && mask->size(0) == rows && mask->size(1) == columns &&
+                    mask->scalar_type() == at::kBool && mask->device().is_cpu(),
+                "cached_attend: mask must be a bool CPU [rows, columns] tensor ([", rows, ", ", columns, "]), got ",
+                mask->scalar_type(), " ", mask->sizes());
+    mp = mask->data_ptr<bool>(), mask_row = mask->stride(0), mask_col = mask->stride(1);
+  }
+  auto out = at::empty({rows, heads, dim}, q.options());
+  if (rows == 0 || heads == 0 || dim == 0) return out;
+  DISPATCH_SAMPLER_TYPES(q.scalar_type(), "cached_attend", [&] {
+    auto run = [&](auto impl) {
+      impl(q.data_ptr<scalar_t>(), q.stride(0), q.stride(1), k.data_ptr<scalar_t>(), k.stride(0), k.stride(1),
+           v.data_ptr<scalar_t>(), v.stride(0), v.stride(1), mp, mask_row, mask_col, out.data_ptr<scalar_t>(), rows,
+           heads, kv_heads, columns, dim, static_cast<float>(scale));
+    };
+    if (dim == 64) run(cached_attend_impl<scalar_t, 64>);
+    else if (dim == 128) run(cached_attend_impl<scalar_t, 128>);
+    else if (dim == 256) run(cached_attend_impl<scalar_t, 256>);
+    else run(cached_attend_impl<scalar_t, 0>);
   });
   return out;
 }

@@ -4,7 +4,7 @@
 //   loss head (native_layers.py): one pass over memory each where autograd takes several; the
 //   sampler's residual add + RMSNorm and SiLU * up;
 // - decode_attention.cpp: a decoding step's attention, the new keys and values rotated into the
-//   caches (rope_attend);
+//   caches (rope_attend), and over the caches a model's own forward keeps (cached_attend);
 // - decode_layers.cpp: a decoding step's layers in one call (native_decode.py): at a decoding
 //   step's few rows each of PyTorch's small operators (an RMSNorm is eight of them, the rotary
 //   embedding ten, the KV-cache writes and grouped-query attention a dozen more) costs more in
@@ -62,6 +62,8 @@ at::Tensor rope_attend(const at::Tensor& q, const at::Tensor& k, const at::Tenso
                        int64_t heads, double scale, const c10::optional<at::Tensor>& shared_from,
                        const c10::optional<at::Tensor>& shared, bool dot, const c10::optional<at::Tensor>& q_norm,
                        const c10::optional<at::Tensor>& k_norm, double norm_eps);
+at::Tensor cached_attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                         const c10::optional<at::Tensor>& mask, double scale);
 
 // weight_pool.cpp: an empty tensor for a packed weight (in the 2 MiB-page chunks where they are
 // had), and the chunks kept for the next pack given back

@@ -16,6 +16,7 @@ TORCH_LIBRARY(grpo_native, m) {
   m.def("rope_attend(Tensor q, Tensor k, Tensor v, Tensor cos, Tensor sin, Tensor(a!) k_cache, Tensor(b!) v_cache, "
         "Tensor lengths, int heads, float scale, Tensor? shared_from=None, Tensor? shared=None, bool dot=False, "
         "Tensor? q_norm=None, Tensor? k_norm=None, float norm_eps=0.0) -> Tensor");
+  m.def("cached_attend(Tensor q, Tensor k, Tensor v, Tensor? mask, float scale) -> Tensor");
   m.def("stream_pack(Tensor weight, bool pairs=False) -> Tensor");
   m.def("stream_dot_available() -> bool", grpo_native::stream_dot_available);
   m.def("release_kept_chunks() -> int", grpo_native::release_kept_chunks);  // (no tensor to dispatch on: one kernel)
@@ -53,6 +54,7 @@ TORCH_LIBRARY_IMPL(grpo_native, CPU, m) {
   m.impl("target_logprobs", grpo_native::target_logprobs);
   m.impl("target_logprobs_backward_", grpo_native::target_logprobs_backward_);
   m.impl("rope_attend", grpo_native::rope_attend);
+  m.impl("cached_attend", grpo_native::cached_attend);
   m.impl("decode_layers", grpo_native::decode_layers);
   m.impl("stream_pack", grpo_native::stream_pack);
   m.impl("stream_linear", grpo_native::stream_linear);

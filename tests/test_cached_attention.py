@@ -57,7 +57,7 @@ def _masks(rows: int, columns: int) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("dim", [64, 128, 256, 40])  # (the kernel's compiled widths, and any other)
+@pytest.mark.parametrize("dim", [64, 80, 96, 128, 256, 40])  # (the widths compiled in, and any other)
 @pytest.mark.parametrize(("heads", "kv_heads"), [(4, 4), (6, 2), (8, 1)])
 def test_the_kernel_is_softmax_attention_over_each_rows_kept_columns(ops, dtype, dim, heads, kv_heads) -> None:
     torch.manual_seed(0)

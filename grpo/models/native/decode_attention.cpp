@@ -554,7 +554,11 @@ at::Tensor cached_attend(const at::Tensor& q, const at::Tensor& k, const at::Ten
            v.data_ptr<scalar_t>(), v.stride(0), v.stride(1), mp, mask_row, mask_col, out.data_ptr<scalar_t>(), rows,
            heads, kv_heads, columns, dim, static_cast<float>(scale));
     };
+    // (the head widths of the families that decode through their own forward: Phi-2's 80, Phi-3-mini's 96,
+    // Gemma's and Qwen3.5's 256; any other through the loops of a width known at run time, ~3x slower)
     if (dim == 64) run(cached_attend_impl<scalar_t, 64>);
+    else if (dim == 80) run(cached_attend_impl<scalar_t, 80>);
+    else if (dim == 96) run(cached_attend_impl<scalar_t, 96>);
     else if (dim == 128) run(cached_attend_impl<scalar_t, 128>);
     else if (dim == 256) run(cached_attend_impl<scalar_t, 256>);
     else run(cached_attend_impl<scalar_t, 0>);

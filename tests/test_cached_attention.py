@@ -13,7 +13,12 @@ import types
 import pytest
 import torch
 import transformers
-from backend_helpers import ULP, assert_logprobs_of_a_plain_forward, tiny_qwen3_5, worst_relative_error
+from backend_helpers import (
+    ULP,
+    assert_logprobs_of_a_plain_forward,
+    tiny_qwen3_5,
+    worst_relative_error,
+)
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from grpo import models

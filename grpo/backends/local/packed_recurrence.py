@@ -100,10 +100,12 @@ def conv(packed, hidden_states: torch.Tensor, weight: torch.Tensor, convolve) ->
     if hidden_states.shape[0] != 1 or hidden_states.shape[2] != packed.tokens:
         raise ValueError(f"a packed pass of {packed.tokens} positions in one row, got {tuple(hidden_states.shape)}")
     gather, keep = plan_of(packed).windows(weight.shape[-1], hidden_states.device)
-    rows = hidden_states[0].transpose(0, 1)  # positions x channels
+    # (squeeze, not [0]: a select's backward writes the gradient into a zeroed copy of the input's
+    # shape, ~0.2 s of a hybrid's bench-shaped forward_backward; a squeeze's is a view)
+    rows = hidden_states.squeeze(0).transpose(0, 1)  # positions x channels
     laid_out = torch.cat([rows, rows.new_zeros(1, rows.shape[1])]).index_select(0, gather)
     out = convolve(laid_out.transpose(0, 1)[None])  # (1, channels, windows and sequences)
-    return out[0].transpose(0, 1).index_select(0, keep).transpose(0, 1)[None]
+    return out.squeeze(0).transpose(0, 1).index_select(0, keep).transpose(0, 1)[None]
 
 
 def delta_rule(packed, query, key, value, g, beta, l2norm: bool, chunk_of, run_segments) -> torch.Tensor:

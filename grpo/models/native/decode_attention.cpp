@@ -140,6 +140,15 @@ void attend_chunk_of(int64_t nq, int64_t qa, int64_t group, const float* const* 
 #define ATTEND_AVX512 1
 #endif
 
+// out = acc / total rounded to T: a query's weighted sum of values over its softmax's total (acc scaled in place)
+template <typename T>
+inline void write_normalised(float* acc, float total, T* out, int64_t dim) {
+  const float inverse = 1.f / total;
+#pragma omp simd
+  for (int64_t i = 0; i < dim; ++i) acc[i] *= inverse;
+  from_float(acc, out, dim);
+}
+
 // One decoding step's attention in a layer: q and k rotated (rotate_half convention, each product
 // and the sum rounded to T, as transformers' apply_rotary_pos_emb), the new key and value written
 // to each row's next cache column (lengths[r]), then each query head attends over its row's
@@ -321,13 +330,7 @@ void rope_attend_impl(const T* q, int64_t q_stride, const T* k, int64_t k_stride
           for (int64_t i = 0; i < dim; ++i) a[i] += weight * vp[i];
         }
       });
-      for (int64_t i = 0; i < nq; ++i) {
-        float* a = acc.data() + i * dim;
-        const float inv = 1.f / totals[i];
-#pragma omp simd
-        for (int64_t d = 0; d < dim; ++d) a[d] *= inv;
-        from_float(a, outs[i], dim);
-      }
+      for (int64_t i = 0; i < nq; ++i) write_normalised(acc.data() + i * dim, totals[i], outs[i], dim);
     }
   });
 }
@@ -511,13 +514,7 @@ void cached_attend_impl(const T* q, int64_t q_row, int64_t q_head, const T* k, i
             for (int64_t i = 0; i < dim; ++i) a[i] += weight * vp[i];
           }
         }
-      for (int64_t j = 0; j < group; ++j) {
-        float* a = acc.data() + j * dim;
-        const float inv = 1.f / totals[j];
-#pragma omp simd
-        for (int64_t i = 0; i < dim; ++i) a[i] *= inv;
-        from_float(a, outs + j * dim, dim);
-      }
+      for (int64_t j = 0; j < group; ++j) write_normalised(acc.data() + j * dim, totals[j], outs + j * dim, dim);
     }
   });
 }

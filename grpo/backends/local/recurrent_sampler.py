@@ -26,7 +26,8 @@ With a prefix cache, a multi-turn episode's next turn starts from the states its
 (recurrent_prefix.py): every prompt and every finished row is stored with its layers' states, and
 a prompt that extends a stored sequence runs only its new tokens, in the same batch as prompts
 found nowhere (their states zero). On a CPU, Qwen3.5's linear-attention layers take their decoding
-steps through grpo's kernels (delta_rule.py); there is no native decoding step for the other layers.
+steps through grpo's kernels (delta_rule.py), and its attention layers their attention over the
+cache (cached_attention.py); the rest of a step is the model's own forward.
 
 Before this, requests ran one after another, each prompt prefilled once per row: the weights
 were read once per request for every decoding step (docs/benchmark.md has the numbers).

@@ -109,21 +109,19 @@ def train_bytes_per_token(config: Any, dtype: torch.dtype, layer_norms: int = 2)
     (a norm before and after attention and the MLP) keep ~3 hidden widths each beyond a Llama's two,
     which a hook on Gemma-3-1B's and Gemma-2-2B's widths found 8-11% above the two-norm count.
     """
-    hidden, _, q_dim, kv_dim, layers = _dims(config)
+    hidden, intermediate, q_dim, kv_dim, layers = _dims(config)
     linear = linear_attention_layers(config)
-    shared = 8 * hidden + _mlp_saved(config) + 7 * LORA_RANK_COUNTED + 3 * hidden * max(0, layer_norms - 2)
+    shared = 8 * hidden + _mlp_saved(config, hidden, intermediate) + 7 * LORA_RANK_COUNTED + 3 * hidden * max(0, layer_norms - 2)
     attention = 6 * q_dim + 3 * kv_dim if linear else 2 * q_dim + 2 * kv_dim
     return ((layers - linear) * (shared + attention) + linear * (shared + _linear_attention_saved(config))) * dtype.itemsize
 
 
-def _mlp_saved(config: Any) -> int:
+def _mlp_saved(config: Any, hidden: int, intermediate: int) -> int:
     """What a layer's MLP keeps per token, in elements: gate, up, the activation and the down
     projection's input of a dense MLP (four intermediate widths), or of each expert a token is routed
     to (Mixtral's, Qwen-MoE's, DeepSeek's ``num_experts_per_tok``) with its gathered input, and of the
-    shared experts, and the router's logits."""
+    shared experts, and the router's logits. ``hidden``, ``intermediate``: the widths ``_dims`` read."""
     text = models.text_config(config)
-    hidden = int(text.hidden_size)
-    intermediate = int(getattr(text, "intermediate_size", None) or 4 * hidden)
     routed = int(getattr(text, "num_experts_per_tok", None) or 0)
     if routed <= 0:
         return 4 * intermediate

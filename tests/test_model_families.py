@@ -45,6 +45,10 @@ FAMILIES = {  # name: (config class, causal LM class, config arguments)
     # Gemma 3 from 4B on is a multimodal checkpoint, which AutoModelForCausalLM loads whole: its
     # sizes sit in a nested text config (the memory budget read them from the top level: loading raised)
     "gemma3_multimodal": ("Gemma3Config", "Gemma3ForConditionalGeneration", {}),
+    # Gemma 3's text decoders (270M, 1B) sample through grpo's step for them (gemma_decode.py) where
+    # their window holds a row, and through their own forward where it does not
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", dict(head_dim=16, sliding_window=64)),
+    "gemma3_windowed": ("Gemma3TextConfig", "Gemma3ForCausalLM", dict(head_dim=16, sliding_window=4)),
     # a hybrid: Qwen3.5's gated-delta-rule layers keep a recurrent state no slot holds (sampling
     # raised; recurrent_sampler.py samples it), and a prefix cannot be fanned out to a group
     "qwen3_5": ("Qwen3_5TextConfig", "Qwen3_5ForCausalLM", dict(layer_types=["linear_attention", "full_attention"])),

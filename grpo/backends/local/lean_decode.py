@@ -35,6 +35,8 @@ class LeanDecoder:
     """``model(input_ids=[rows, 1], attention_mask=mask, position_ids=positions, cache=cache)``
     of a decoding step, as plain calls; returns the float32 next-token logits ``[rows, vocab]``."""
 
+    reads_mask = True  # (SDPA over the slot cache's columns, through its decode mask)
+
     def __init__(self, causal_lm: nn.Module):
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
         from transformers.models.llama.modeling_llama import apply_rotary_pos_emb

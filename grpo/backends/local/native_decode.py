@@ -39,6 +39,8 @@ ONE_CALL = True
 class NativeDecoder(LeanDecoder):
     """``LeanDecoder``'s step with each layer's non-matmul work in four native calls."""
 
+    reads_mask = False  # (its attention takes each row's length from the slot cache's step)
+
     def __init__(self, causal_lm, ops):
         super().__init__(causal_lm)
         self.ops = ops

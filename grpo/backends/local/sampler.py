@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers import DynamicCache
 
-from grpo.backends.local import cached_attention, graph_decode, native_decode
+from grpo.backends.local import cached_attention, gemma_decode, graph_decode, native_decode
 from grpo.backends.local.kv_cache import SlotCache, attention_layers, attention_only
 from grpo.backends.local.lean_decode import lean_decoder
 from grpo.backends.local.prefix_cache import PrefixCache, left_padded
@@ -168,8 +168,10 @@ def generate(model, requests: list[GenerationRequest], tokenizer, device: torch.
         # without graphs the GPU runs the model's own forward, as before graphs: the lean step
         # eager measured no faster there (1.77 against 1.59 s a sampling call on an H100)
         lean = None
-    else:  # on a CPU, the step's non-matmul work in native kernels where they build (native_decode.py)
+    elif lean is not None:  # on a CPU, the step's non-matmul work in native kernels where they build (native_decode.py)
         lean = native_decode.native_decoder(lean, device)
+    else:  # (Gemma 3's layers: gemma_decode.py; any other family's, None: the model's own forward)
+        lean = gemma_decode.gemma_decoder(model, cache.step.capacity, device)
     ops = native_kernels.kernels() if device.type == "cpu" else None  # (token choice's, looked up once)
 
     while True:
@@ -210,7 +212,7 @@ def generate(model, requests: list[GenerationRequest], tokenizer, device: torch.
             logits = None
             continue  # admit what is pending, or end
         if graphed is None:  # (the native step reads no mask: its attention takes each row's length)
-            positions, mask = cache.set_step(mask=not isinstance(lean, native_decode.NativeDecoder))
+            positions, mask = cache.set_step(mask=getattr(lean, "reads_mask", True))
         with section("grpo.sample.decode_forward"):
             if graphed is not None:  # its own positions and mask, at its static shapes
                 logits = graphed(tokens, cache.lengths)

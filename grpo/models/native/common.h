@@ -100,6 +100,14 @@ inline void rms_norm_row(const float* h, const float* w, float* y, int64_t dim, 
   for (int64_t i = 0; i < dim; ++i) y[i] = in_dtype<T>(w[i] * in_dtype<T>(h[i] * scale));
 }
 
+// The zero-centred RMSNorm of one row (Gemma's, Qwen3.5's): y = T(h r (1 + w)), rounded once
+template <typename T>
+inline void zero_centred_row(const float* h, const float* w, float* y, int64_t dim, float eps) {
+  const float scale = inverse_rms(h, dim, eps);
+#pragma omp simd
+  for (int64_t i = 0; i < dim; ++i) y[i] = in_dtype<T>(h[i] * scale * (1.f + w[i]));
+}
+
 // exp(x) in a form the compiler vectorizes (libm's expf is a call per value): 2^n * exp(r) with
 // |r| <= ln(2)/2, Cephes' polynomial for exp(r), within ~2 float ulps of expf. Large arguments are
 // clamped below expf's overflow, NaN passes through.

@@ -153,7 +153,7 @@ inline void write_normalised(float* acc, float total, T* out, int64_t dim) {
 // and the sum rounded to T, as transformers' apply_rotary_pos_emb), the new key and value written
 // to each row's next cache column (lengths[r]), then each query head attends over its row's
 // columns 0..lengths[r] through key head h / (heads / kv_heads), in float32, output rounded to T.
-// HEAD_DIM: the head dimension known when compiling (64, 128: loops of fixed length, unrolled
+// HEAD_DIM: the head dimension known when compiling (64, 80, 96, 128, 256: loops of fixed length, unrolled
 // and without remainders), or 0 for any other, taken from ``head_dim``.
 //
 // Rows that share their first columns (a GRPO group's samples of one prompt, each slot holding
@@ -180,7 +180,8 @@ void rope_attend_impl(const T* q, int64_t q_stride, const T* k, int64_t k_stride
                       const T* cos, int64_t cos_stride, const T* sin, int64_t sin_stride, T* k_cache, T* v_cache,
                       int64_t slot_stride, int64_t head_stride, const int64_t* lengths, const int64_t* from,
                       const int64_t* shared, T* out, int64_t rows, int64_t heads, int64_t kv_heads, int64_t head_dim,
-                      float scale, bool dot, const T* q_norm, const T* k_norm, float norm_eps) {
+                      float scale, bool dot, const T* q_norm, const T* k_norm, float norm_eps,
+                      bool zero_centred) {
   const int64_t dim = HEAD_DIM > 0 ? HEAD_DIM : head_dim;
   const int64_t group = heads / kv_heads;
   // the rows in sets that read one row's shared columns (that row first), and the work: a run of
@@ -202,11 +203,12 @@ void rope_attend_impl(const T* q, int64_t q_stride, const T* k, int64_t k_stride
       }
   }
   const int64_t tasks = static_cast<int64_t>(runs.size() / 2) * kv_heads;
-  // a head of q or k widened, normalised where the model normalises it (Qwen3's q_norm / k_norm:
-  // `norm` its weight as floats, else null), rotated
+  // a head of q or k widened, normalised where the model normalises it (`norm` its weight as floats,
+  // else null: Qwen3's q_norm / k_norm, T(w T(x r)); Gemma 3's, zero-centred, T(x r (1 + w))), rotated
   auto rotate_row = [&](const T* x, const float* norm, const float* c, const float* s, float* xf, float* y) {
     to_float(x, xf, dim);
-    if (norm != nullptr) rms_norm_row<T>(xf, norm, xf, dim, norm_eps);
+    if (norm != nullptr && zero_centred) zero_centred_row<T>(xf, norm, xf, dim, norm_eps);
+    else if (norm != nullptr) rms_norm_row<T>(xf, norm, xf, dim, norm_eps);
     rotate<T>(xf, c, s, y, dim);
   };
   at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
@@ -339,7 +341,7 @@ at::Tensor rope_attend(const at::Tensor& q, const at::Tensor& k, const at::Tenso
                        const at::Tensor& sin, at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& lengths,
                        int64_t heads, double scale, const c10::optional<at::Tensor>& shared_from,
                        const c10::optional<at::Tensor>& shared, bool dot, const c10::optional<at::Tensor>& q_norm,
-                       const c10::optional<at::Tensor>& k_norm, double norm_eps) {
+                       const c10::optional<at::Tensor>& k_norm, double norm_eps, bool zero_centred_norms) {
   TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous() &&
                   v_cache.sizes() == k_cache.sizes() && k_cache.device().is_cpu(),
               "rope_attend: the caches must be contiguous CPU [slots, kv_heads, capacity, head_dim] tensors of one "
@@ -399,10 +401,14 @@ at::Tensor rope_attend(const at::Tensor& q, const at::Tensor& k, const at::Tenso
            k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(), k_cache.stride(0), k_cache.stride(1), lp, fp,
            sp, out.data_ptr<scalar_t>(), rows, heads, kv_heads, dim, static_cast<float>(scale), dot,
            q_norm.has_value() ? q_norm->data_ptr<scalar_t>() : nullptr,
-           k_norm.has_value() ? k_norm->data_ptr<scalar_t>() : nullptr, static_cast<float>(norm_eps));
+           k_norm.has_value() ? k_norm->data_ptr<scalar_t>() : nullptr, static_cast<float>(norm_eps),
+           zero_centred_norms);
     };
     if (dim == 64) run(rope_attend_impl<scalar_t, 64>);
+    else if (dim == 80) run(rope_attend_impl<scalar_t, 80>);
+    else if (dim == 96) run(rope_attend_impl<scalar_t, 96>);
     else if (dim == 128) run(rope_attend_impl<scalar_t, 128>);
+    else if (dim == 256) run(rope_attend_impl<scalar_t, 256>);  // (Gemma's)
     else run(rope_attend_impl<scalar_t, 0>);
   });
   return out;

@@ -65,10 +65,23 @@ std::vector<at::Tensor> add_rms_norm(const at::Tensor& residual, const c10::opti
   return {hidden, out};
 }
 
-// T(silu(gate)) * up, rounded to T: the Llama MLP's activation and product
-template <typename T>
-void silu_mul_impl(const T* gate, int64_t gate_stride, const T* up, int64_t up_stride, T* out, int64_t rows,
-                   int64_t width) {
+// The MLPs' activations of the gate, as float32 functions of one value the compiler vectorizes
+struct Silu {  // Llama's, Qwen's
+  static float apply(float x) { return x / (1.f + vexp(-x)); }
+};
+struct GeluTanh {  // Gemma's (gelu_pytorch_tanh): 0.5 x (1 + tanh(u)), u = sqrt(2 / pi) (x + 0.044715 x^3),
+  // as x sigmoid(2u), the same function (1 + tanh(u) = 2 sigmoid(2u)) through vexp, where tanhf is a
+  // call per value; within a few float ulps of PyTorch's
+  static float apply(float x) {
+    const float u = 0.7978845608028654f * (x + 0.044715f * x * x * x);
+    return x / (1.f + vexp(-2.f * u));
+  }
+};
+
+// T(act(gate)) * up, rounded to T: an MLP's activation and product (Llama's SiLU, Gemma's GELU)
+template <typename Act, typename T>
+void activation_mul_impl(const T* gate, int64_t gate_stride, const T* up, int64_t up_stride, T* out, int64_t rows,
+                         int64_t width) {
   if constexpr (std::is_same_v<T, float>) {  // one pass, no copies: 0.7x the time at [32, 1536]
     at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
       for (int64_t r = begin; r < end; ++r) {
@@ -76,7 +89,7 @@ void silu_mul_impl(const T* gate, int64_t gate_stride, const T* up, int64_t up_s
         const float* upp = up + r * up_stride;
         float* op = out + r * width;
 #pragma omp simd
-        for (int64_t i = 0; i < width; ++i) op[i] = gp[i] / (1.f + vexp(-gp[i])) * upp[i];
+        for (int64_t i = 0; i < width; ++i) op[i] = Act::apply(gp[i]) * upp[i];
       }
     });
     return;
@@ -89,25 +102,32 @@ void silu_mul_impl(const T* gate, int64_t gate_stride, const T* up, int64_t up_s
       float* gp = g.data();
       const float* upp = u.data();
 #pragma omp simd
-      for (int64_t i = 0; i < width; ++i) gp[i] = gp[i] / (1.f + vexp(-gp[i]));
+      for (int64_t i = 0; i < width; ++i) gp[i] = Act::apply(gp[i]);
       for (int64_t i = 0; i < width; ++i) gp[i] = in_dtype<T>(gp[i]) * upp[i];
       from_float(gp, out + r * width, width);
     }
   });
 }
 
-at::Tensor silu_mul(const at::Tensor& gate, const at::Tensor& up) {
-  TORCH_CHECK(gate.dim() == 2, "silu_mul: gate must be [rows, width], got ", gate.sizes());
+template <typename Act>
+at::Tensor activation_mul(const at::Tensor& gate, const at::Tensor& up, const char* name) {
+  TORCH_CHECK(gate.dim() == 2, name, ": gate must be [rows, width], got ", gate.sizes());
   const int64_t rows = gate.size(0), width = gate.size(1);
-  check_rows(gate, rows, width, "silu_mul: gate");
-  check_rows(up, rows, width, "silu_mul: up");
-  TORCH_CHECK(gate.scalar_type() == up.scalar_type(), "silu_mul: gate and up differ in dtype");
+  check_rows(gate, rows, width, (std::string(name) + ": gate").c_str());
+  check_rows(up, rows, width, (std::string(name) + ": up").c_str());
+  TORCH_CHECK(gate.scalar_type() == up.scalar_type(), name, ": gate and up differ in dtype");
   auto out = at::empty({rows, width}, gate.options());
-  DISPATCH_SAMPLER_TYPES(gate.scalar_type(), "silu_mul", [&] {
-    silu_mul_impl<scalar_t>(gate.data_ptr<scalar_t>(), gate.stride(0), up.data_ptr<scalar_t>(), up.stride(0),
-                            out.data_ptr<scalar_t>(), rows, width);
+  DISPATCH_SAMPLER_TYPES(gate.scalar_type(), name, [&] {
+    activation_mul_impl<Act, scalar_t>(gate.data_ptr<scalar_t>(), gate.stride(0), up.data_ptr<scalar_t>(),
+                                       up.stride(0), out.data_ptr<scalar_t>(), rows, width);
   });
   return out;
+}
+
+at::Tensor silu_mul(const at::Tensor& gate, const at::Tensor& up) { return activation_mul<Silu>(gate, up, "silu_mul"); }
+
+at::Tensor gelu_tanh_mul(const at::Tensor& gate, const at::Tensor& up) {
+  return activation_mul<GeluTanh>(gate, up, "gelu_tanh_mul");
 }
 
 // The input gradient of weight * T(x * rsqrt(mean(x^2) + eps)) with the weight frozen (LoRA

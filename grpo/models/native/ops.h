@@ -2,7 +2,7 @@
 //
 // - layers.cpp: the trainer's RMSNorms, SiLU * up and rotary embeddings, forward and backward, and its
 //   loss head (native_layers.py): one pass over memory each where autograd takes several; the
-//   sampler's residual add + RMSNorm and SiLU * up;
+//   sampler's residual add + RMSNorm and SiLU * up (GELU * up for Gemma);
 // - decode_attention.cpp: a decoding step's attention, the new keys and values rotated into the
 //   caches (rope_attend), and over the caches a model's own forward keeps (cached_attend);
 // - decode_layers.cpp: a decoding step's layers in one call (native_decode.py): at a decoding
@@ -24,7 +24,8 @@
 //   backward: the channels read where they lie, where PyTorch pads, convolves, activates and rounds in
 //   passes of their own;
 // - zero_centred_norms.cpp: the RMSNorm that scales by 1 + weight (Qwen3.5's, Qwen3-Next's, Gemma's) and
-//   Qwen3.5's gated norm, forward and backward, for the trainer and the sampler's copy (native_layers.py);
+//   Qwen3.5's gated norm, forward and backward, for the trainer and the sampler's copy (native_layers.py),
+//   and Gemma 3's norm-add-norm between sublayers for its decoding step (gemma_decode.py);
 // - sample_tokens.cpp: the sampler's token choice (sampler.py): one pass over a row's logits where
 //   PyTorch takes five;
 // - register.cpp: the operators' schemas, registered as torch.ops.grpo_native.
@@ -45,6 +46,7 @@ namespace grpo_native {
 std::vector<at::Tensor> add_rms_norm(const at::Tensor& residual, const c10::optional<at::Tensor>& x,
                                      const at::Tensor& weight, double eps);
 at::Tensor silu_mul(const at::Tensor& gate, const at::Tensor& up);
+at::Tensor gelu_tanh_mul(const at::Tensor& gate, const at::Tensor& up);
 at::Tensor rms_norm_backward(const at::Tensor& grad, const at::Tensor& x, const at::Tensor& weight, double eps);
 std::vector<at::Tensor> silu_mul_backward(const at::Tensor& grad, const at::Tensor& gate, const at::Tensor& up);
 at::Tensor rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, int64_t heads, bool backward);
@@ -61,7 +63,7 @@ at::Tensor rope_attend(const at::Tensor& q, const at::Tensor& k, const at::Tenso
                        const at::Tensor& sin, at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& lengths,
                        int64_t heads, double scale, const c10::optional<at::Tensor>& shared_from,
                        const c10::optional<at::Tensor>& shared, bool dot, const c10::optional<at::Tensor>& q_norm,
-                       const c10::optional<at::Tensor>& k_norm, double norm_eps);
+                       const c10::optional<at::Tensor>& k_norm, double norm_eps, bool zero_centred_norms);
 at::Tensor cached_attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                          const c10::optional<at::Tensor>& mask, double scale);
 
@@ -110,6 +112,8 @@ std::vector<at::Tensor> short_conv_backward(const at::Tensor& grad, const at::Te
 
 // zero_centred_norms.cpp
 at::Tensor zero_centred_rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
+std::vector<at::Tensor> add_zero_centred_norms(const at::Tensor& residual, const at::Tensor& x,
+                                               const at::Tensor& post_weight, const at::Tensor& pre_weight, double eps);
 at::Tensor zero_centred_rms_norm_backward(const at::Tensor& grad, const at::Tensor& x, const at::Tensor& weight,
                                           double eps);
 at::Tensor gated_rms_norm(const at::Tensor& x, const at::Tensor& gate, const at::Tensor& weight, double eps);

@@ -7,6 +7,7 @@
 TORCH_LIBRARY(grpo_native, m) {
   m.def("add_rms_norm(Tensor residual, Tensor? x, Tensor weight, float eps) -> Tensor[]");
   m.def("silu_mul(Tensor gate, Tensor up) -> Tensor");
+  m.def("gelu_tanh_mul(Tensor gate, Tensor up) -> Tensor");
   m.def("rms_norm_backward(Tensor grad, Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("silu_mul_backward(Tensor grad, Tensor gate, Tensor up) -> Tensor[]");
   m.def("sample_tokens(Tensor logits, Tensor temperatures, Tensor uniforms) -> Tensor[]");
@@ -15,7 +16,7 @@ TORCH_LIBRARY(grpo_native, m) {
   m.def("target_logprobs_backward_(Tensor grad, Tensor(a!) logits, Tensor targets, Tensor stats) -> Tensor(a!)");
   m.def("rope_attend(Tensor q, Tensor k, Tensor v, Tensor cos, Tensor sin, Tensor(a!) k_cache, Tensor(b!) v_cache, "
         "Tensor lengths, int heads, float scale, Tensor? shared_from=None, Tensor? shared=None, bool dot=False, "
-        "Tensor? q_norm=None, Tensor? k_norm=None, float norm_eps=0.0) -> Tensor");
+        "Tensor? q_norm=None, Tensor? k_norm=None, float norm_eps=0.0, bool zero_centred_norms=False) -> Tensor");
   m.def("cached_attend(Tensor q, Tensor k, Tensor v, Tensor? mask, float scale) -> Tensor");
   m.def("stream_pack(Tensor weight, bool pairs=False) -> Tensor");
   m.def("stream_dot_available() -> bool", grpo_native::stream_dot_available);
@@ -35,6 +36,8 @@ TORCH_LIBRARY(grpo_native, m) {
   m.def("short_conv_backward(Tensor grad, Tensor x, Tensor weight, Tensor? bias, bool silu, bool weight_grads) "
         "-> Tensor[]");
   m.def("zero_centred_rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
+  m.def("add_zero_centred_norms(Tensor residual, Tensor x, Tensor post_weight, Tensor pre_weight, float eps) "
+        "-> Tensor[]");
   m.def("zero_centred_rms_norm_backward(Tensor grad, Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("gated_rms_norm(Tensor x, Tensor gate, Tensor weight, float eps) -> Tensor");
   m.def("gated_rms_norm_backward(Tensor grad, Tensor x, Tensor gate, Tensor weight, float eps) -> Tensor[]");
@@ -47,6 +50,7 @@ TORCH_LIBRARY(grpo_native, m) {
 TORCH_LIBRARY_IMPL(grpo_native, CPU, m) {
   m.impl("add_rms_norm", grpo_native::add_rms_norm);
   m.impl("silu_mul", grpo_native::silu_mul);
+  m.impl("gelu_tanh_mul", grpo_native::gelu_tanh_mul);
   m.impl("rms_norm_backward", grpo_native::rms_norm_backward);
   m.impl("silu_mul_backward", grpo_native::silu_mul_backward);
   m.impl("sample_tokens", grpo_native::sample_tokens);
@@ -65,6 +69,7 @@ TORCH_LIBRARY_IMPL(grpo_native, CPU, m) {
   m.impl("short_conv", grpo_native::short_conv);
   m.impl("short_conv_backward", grpo_native::short_conv_backward);
   m.impl("zero_centred_rms_norm", grpo_native::zero_centred_rms_norm);
+  m.impl("add_zero_centred_norms", grpo_native::add_zero_centred_norms);
   m.impl("zero_centred_rms_norm_backward", grpo_native::zero_centred_rms_norm_backward);
   m.impl("gated_rms_norm", grpo_native::gated_rms_norm);
   m.impl("gated_rms_norm_backward", grpo_native::gated_rms_norm_backward);

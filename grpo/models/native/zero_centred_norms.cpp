@@ -2,7 +2,8 @@
 // sampler's copy of the model (native_layers.py routes a module to them after it computed the same):
 //
 // - the zero-centred norm (Qwen3.5's, Qwen3-Next's, Gemma's): y = T(x r (1 + w)), in float32 throughout,
-//   with r = 1 / sqrt(mean(x^2) + eps) and one rounding to the dtype at the end;
+//   with r = 1 / sqrt(mean(x^2) + eps) and one rounding to the dtype at the end; and for the sampler's
+//   Gemma 3 step (gemma_decode.py), a sublayer's norm, the residual add and the next norm in one pass;
 // - Qwen3.5's gated norm after the delta rule: y = T(T(w T(x r)) silu(gate)), the norm rounded to the
 //   dtype, times the weight (rounded), times SiLU of the gate in float32.
 //
@@ -33,12 +34,30 @@ void zero_centred_forward(const T* x, const T* weight, T* out, int64_t rows, int
     to_float(weight, w.data(), dim);
     for (int64_t r = begin; r < end; ++r) {
       to_float(x + r * dim, h.data(), dim);
-      const float inv = inverse_rms(h.data(), dim, eps);
-      float* hp = h.data();
-      const float* wp = w.data();
-#pragma omp simd
-      for (int64_t i = 0; i < dim; ++i) hp[i] = hp[i] * inv * (1.f + wp[i]);
-      from_float(hp, out + r * dim, dim);
+      zero_centred_row<T>(h.data(), w.data(), h.data(), dim, eps);
+      from_float(h.data(), out + r * dim, dim);
+    }
+  });
+}
+
+// hidden = T(residual + T(x r (1 + post))), out = T(hidden r' (1 + pre)): Gemma 3's norm after a sublayer
+// (post-attention, post-feedforward), the residual add, and the norm before the next sublayer, in one pass
+// where the eager step takes ~20 operators; each rounded where they store the dtype
+template <typename T>
+void add_zero_centred_norms_impl(const T* res, const T* x, int64_t x_stride, const T* post, const T* pre, T* hidden,
+                                 T* out, int64_t rows, int64_t dim, float eps) {
+  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> h(dim), y(dim), wpost(dim), wpre(dim);
+    to_float(post, wpost.data(), dim);
+    to_float(pre, wpre.data(), dim);
+    for (int64_t r = begin; r < end; ++r) {
+      to_float(x + r * x_stride, y.data(), dim);
+      zero_centred_row<T>(y.data(), wpost.data(), y.data(), dim, eps);
+      to_float(res + r * dim, h.data(), dim);
+      for (int64_t i = 0; i < dim; ++i) h[i] = in_dtype<T>(h[i] + y[i]);
+      from_float(h.data(), hidden + r * dim, dim);
+      zero_centred_row<T>(h.data(), wpre.data(), y.data(), dim, eps);
+      from_float(y.data(), out + r * dim, dim);
     }
   });
 }
@@ -141,6 +160,22 @@ at::Tensor zero_centred_rms_norm(const at::Tensor& x, const at::Tensor& weight, 
                                    x.size(0), x.size(1), static_cast<float>(eps));
   });
   return out;
+}
+
+std::vector<at::Tensor> add_zero_centred_norms(const at::Tensor& residual, const at::Tensor& x,
+                                               const at::Tensor& post_weight, const at::Tensor& pre_weight, double eps) {
+  check_norm("add_zero_centred_norms", residual, post_weight);
+  check_norm("add_zero_centred_norms", residual, pre_weight);
+  check_rows(x, residual.size(0), residual.size(1), "add_zero_centred_norms: x");
+  TORCH_CHECK(x.scalar_type() == residual.scalar_type(), "add_zero_centred_norms: x and residual differ in dtype");
+  auto hidden = at::empty_like(residual), out = at::empty_like(residual);
+  DISPATCH_SAMPLER_TYPES(residual.scalar_type(), "add_zero_centred_norms", [&] {
+    add_zero_centred_norms_impl<scalar_t>(residual.data_ptr<scalar_t>(), x.data_ptr<scalar_t>(), x.stride(0),
+                                          post_weight.data_ptr<scalar_t>(), pre_weight.data_ptr<scalar_t>(),
+                                          hidden.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(), residual.size(0),
+                                          residual.size(1), static_cast<float>(eps));
+  });
+  return {hidden, out};
 }
 
 at::Tensor zero_centred_rms_norm_backward(const at::Tensor& grad, const at::Tensor& x, const at::Tensor& weight,

@@ -1,0 +1,151 @@
+"""The CPU decoding step for Gemma 3's text decoders (Gemma-3-270M, -1B; the language model of the
+larger ones), without transformers' per-call machinery.
+
+Only Llama-shaped layers (Llama, Mistral, Qwen2, Qwen3) decode through grpo's own step
+(lean_decode.py, native_decode.py); every other family decodes through transformers' forward, where
+a Gemma-3-270M-shaped model's bf16 step at 32 rows spent ~18 ms of ~47 in Python and small
+operators beside ~24 ms of products (docs/benchmark.md): per layer the rotary embedding (~10
+operators), the slot cache's writes, the attention interface and the wrappers around each module.
+``GemmaDecoder`` calls the layer's projections (stacked where the sampler stacked them) and does
+the rest in three native calls a layer: ``rope_attend`` (each head of q and k through Gemma's
+zero-centred norm, the rotary embedding, the cache write and the attention over each row's columns,
+a GRPO group's prompt read once, as for Llama's shape), ``add_zero_centred_norms`` twice (a
+sublayer's post-norm, the residual add and the next sublayer's pre-norm) and ``gelu_tanh_mul``.
+Each rounds to the model's dtype where the eager operators do; the attention sums in float32 in its
+own order and GELU's tanh is computed otherwise, so the logits agree with the model's forward to
+rounding, not bit for bit (tests/test_gemma_decode.py).
+
+It takes a model only when every part is what it was written against -- ``Gemma3ForCausalLM``
+(as such or under peft) with SDPA attention, causal, no attention soft-cap, float32 or bf16
+throughout, rotary embeddings that depend on the position alone -- and whose sliding windows
+(512 tokens for Gemma-3-270M / -1B) are no shorter than the sampling call's slots: the kernel
+attends to every column of a row, so a longer call decodes through the model's forward, which
+masks the window. Returns None otherwise, and the sampler calls the model's own forward.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from grpo.backends.local.kv_cache import SlotCache, attention_layers
+from grpo.backends.local.lean_decode import _stacked
+from grpo.models import native_kernels
+
+DTYPES = (torch.float32, torch.bfloat16)
+
+
+class GemmaDecoder:
+    """``model(input_ids=[rows, 1], position_ids=positions, cache=cache)`` of a decoding step on the
+    slot cache, as plain calls; returns the float32 next-token logits ``[rows, vocab]``."""
+
+    reads_mask = False  # (each row attends to its columns 0..its length: the slot cache's step says which)
+
+    def __init__(self, causal_lm: nn.Module, ops):
+        self.causal_lm, self.ops = causal_lm, ops
+        self.decoder = causal_lm.model
+        self.heads = int(causal_lm.config.num_attention_heads)
+        self.kinds = attention_layers(causal_lm.config)[0]  # each layer's kind: its rotary table
+        self.softcap = causal_lm.config.final_logit_softcapping
+        self.groups = [(_stacked(layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj),
+                        _stacked(layer.mlp.gate_proj, layer.mlp.up_proj)) for layer in self.decoder.layers]
+        self._tables: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.eps = float(causal_lm.config.rms_norm_eps)  # (every norm's: gemma_decoder checked)
+        # GELU's tanh approximation through the kernel (every Gemma 3 checkpoint's); another activation eager
+        self.gelu_tanh = all(_gelu_tanh(layer.mlp.act_fn) for layer in self.decoder.layers)
+
+    def __call__(self, input_ids: torch.Tensor, mask, positions: torch.Tensor, cache: SlotCache) -> torch.Tensor:
+        ops, decoder, layers = self.ops, self.decoder, self.decoder.layers
+        # Modules' ``forward`` is called directly where their ``__call__`` would only add hooks
+        hidden = decoder.embed_tokens.forward(input_ids)[:, 0]  # [rows, hidden], scaled by sqrt(hidden)
+        lengths = cache.step.lengths_tensor  # each row's new column: its position
+        rotary = {kind: self._cos_sin(kind, hidden, positions[:, 0], cache.step.capacity) for kind in set(self.kinds)}
+        x = layers[0].input_layernorm.forward(hidden)
+        for index, (layer, (qkv, gate_up)) in enumerate(zip(layers, self.groups, strict=True)):
+            attn, mlp = layer.self_attn, layer.mlp
+            q, k, v = qkv.full(x) if qkv is not None else (attn.q_proj(x), attn.k_proj(x), attn.v_proj(x))
+            cos, sin = rotary[self.kinds[index]]
+            slot = cache.layers[index]
+            # each head of q and k normalised (Gemma's norm: rounded once, after its 1 + weight), rotated,
+            # written to the cache; then attended
+            out = ops.rope_attend(q, k, v, cos, sin, slot._keys, slot._values, lengths, self.heads, attn.scaling,
+                                  cache.step.shared_from, cache.step.shared,
+                                  qkv is not None and qkv.layout == "stream_dot", attn.q_norm.weight,
+                                  attn.k_norm.weight, self.eps, zero_centred_norms=True)
+            hidden, x = ops.add_zero_centred_norms(hidden, attn.o_proj(out), layer.post_attention_layernorm.weight,
+                                                   layer.pre_feedforward_layernorm.weight, self.eps)
+            gate, up = gate_up.full(x) if gate_up is not None else (mlp.gate_proj(x), mlp.up_proj(x))
+            act = ops.gelu_tanh_mul(gate, up) if self.gelu_tanh else mlp.act_fn(gate) * up
+            norm = layers[index + 1].input_layernorm if index + 1 < len(layers) else decoder.norm
+            hidden, x = ops.add_zero_centred_norms(hidden, mlp.down_proj(act), layer.post_feedforward_layernorm.weight,
+                                                   norm.weight, self.eps)
+        logits = self.causal_lm.lm_head(x)
+        if self.softcap is not None:  # (as Gemma3ForCausalLM.forward, in the model's dtype)
+            logits = torch.tanh(logits / self.softcap) * self.softcap
+        return logits.float()
+
+    def _cos_sin(self, kind: str, hidden: torch.Tensor, positions: torch.Tensor, capacity: int
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each row's rotary cos and sin for layers of ``kind`` ``[rows, head_dim]``: rows of a table
+        the model's rotary embedding computed once for every column (each a function of its position
+        alone, gemma_decoder checked), as NativeDecoder's."""
+        table = self._tables.get(kind)
+        if table is None or table[0].shape[0] < capacity or table[0].dtype != hidden.dtype:
+            cos, sin = self.decoder.rotary_emb(hidden[:1], torch.arange(capacity, device=hidden.device)[None], kind)
+            table = self._tables[kind] = (cos[0], sin[0])
+        return table[0].index_select(0, positions), table[1].index_select(0, positions)
+
+
+def gemma_decoder(model: nn.Module, capacity: int, device: torch.device) -> GemmaDecoder | None:
+    """A ``GemmaDecoder`` for ``model`` (a causal LM, or a peft model around one) where it computes
+    what the model's own forward does and the native kernels are built, else None. ``capacity``:
+    the most positions a row of the sampling call holds (sliding windows must be no shorter)."""
+    if device.type != "cpu":
+        return None
+    try:
+        from transformers.models.gemma3 import modeling_gemma3 as gemma3
+    except ImportError:
+        return None
+    causal_lm = model.get_base_model() if hasattr(model, "get_base_model") else model
+    if type(causal_lm) is not gemma3.Gemma3ForCausalLM:
+        return None
+    config, decoder = causal_lm.config, causal_lm.model
+    if (config._attn_implementation != "sdpa" or getattr(config, "use_bidirectional_attention", False)
+            or config.attn_logit_softcapping is not None or type(decoder) is not gemma3.Gemma3TextModel
+            or type(decoder.embed_tokens) is not gemma3.Gemma3TextScaledWordEmbedding):
+        return None
+    dtype = decoder.embed_tokens.weight.dtype
+    if dtype not in DTYPES or decoder.embed_tokens.weight.device.type != "cpu":
+        return None
+    try:
+        kinds, window = attention_layers(config)
+    except ValueError:
+        return None
+    if len(kinds) != len(decoder.layers) or (window is not None and capacity > window):
+        return None
+    rotary = decoder.rotary_emb
+    if type(rotary) is not gemma3.Gemma3RotaryEmbedding or any(
+            "dynamic" in str(kind) or kind == "longrope" for kind in getattr(rotary, "rope_type", {}).values()):
+        return None  # (cos and sin that depend on the sequence's length, not only the position)
+    norms = [decoder.norm]
+    for layer in decoder.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        if not (type(layer) is gemma3.Gemma3DecoderLayer and type(attn) is gemma3.Gemma3Attention
+                and type(mlp) is gemma3.Gemma3MLP and attn.layer_type in ("full_attention", "sliding_attention")):
+            return None
+        norms += [layer.input_layernorm, layer.post_attention_layernorm, layer.pre_feedforward_layernorm,
+                  layer.post_feedforward_layernorm, attn.q_norm, attn.k_norm]
+    if any(type(n) is not gemma3.Gemma3RMSNorm or n.weight.dtype != dtype or n.eps != config.rms_norm_eps
+           for n in norms):
+        return None  # (the kernels take one epsilon for every norm)
+    ops = native_kernels.kernels()  # None where switched off or not built
+    return None if ops is None else GemmaDecoder(causal_lm, ops)
+
+
+def _gelu_tanh(act: nn.Module) -> bool:
+    """Whether ``act`` is PyTorch's GELU with the tanh approximation (Gemma's ``gelu_pytorch_tanh``)."""
+    from transformers.activations import GELUTanh
+
+    inner = getattr(act, "act", None)
+    return (type(act) is GELUTanh and getattr(inner, "func", None) is torch.nn.functional.gelu
+            and getattr(inner, "keywords", None) == {"approximate": "tanh"})

@@ -1,0 +1,214 @@
+"""Gemma 3's decoding step through grpo's kernels (gemma_decode.py) computes what transformers'
+Gemma 3 layers compute, and the sampler takes it exactly where it applies.
+
+Each new kernel is checked against the eager operators it replaces (Gemma3RMSNorm twice with the
+residual add between; GELU's tanh approximation times up; rope_attend's zero-centred norms of q's
+and k's heads), in float32 to float rounding and in bf16 to a unit in the last place; the whole
+step against the model's own forward through real sampling calls.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from backend_helpers import (
+    DECODE_PROMPTS,
+    ULP,
+    assert_greedy_alike,
+    perturb_adapter,
+    sample_each,
+    worst_relative_error,
+)
+from transformers import Gemma3TextConfig
+from transformers.models.gemma3.modeling_gemma3 import Gemma3ForCausalLM, Gemma3RMSNorm
+
+from grpo.backends.local import ServiceClient, gemma_decode, sampler
+from grpo.models import native_kernels
+from grpo.types import ModelInput, SamplingParams
+
+DTYPES = [torch.float32, torch.bfloat16]
+# float32: sums in another order and 1 / sqrt for rsqrt move the last few bits; bf16: one rounding
+# step lands the other way now and then
+ROUNDING_ULPS = {torch.float32: 8, torch.bfloat16: 1}
+CPU = torch.device("cpu")
+
+
+@pytest.fixture
+def ops(native_ops):
+    return native_ops
+
+
+def _within(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype, ulps: float) -> None:
+    worst = worst_relative_error(got, want)
+    assert worst <= ulps * ULP[dtype], f"{worst:.3g} > {ulps} ulps of {dtype}"
+
+
+def _norm(dim: int, dtype: torch.dtype, seed: int) -> Gemma3RMSNorm:
+    """A Gemma 3 norm whose weight is not zero (a fresh one's is: 1 + 0 would hide the weight)."""
+    norm = Gemma3RMSNorm(dim, eps=1e-6).to(dtype)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(dim, generator=torch.Generator().manual_seed(seed)) * 0.5)
+    return norm
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_add_zero_centred_norms_is_gemmas_post_norm_the_residual_add_and_the_next_pre_norm(ops, dtype) -> None:
+    torch.manual_seed(0)
+    post, pre = _norm(48, dtype, 1), _norm(48, dtype, 2)
+    residual = torch.randn(5, 48, dtype=dtype) * 3
+    wide = torch.randn(5, 96, dtype=dtype) * 20  # x as the rows of a wider tensor (a row stride), large
+    x = wide[:, 48:]
+    with torch.no_grad():
+        want_hidden = residual + post(x)
+        want_normed = pre(want_hidden)
+    hidden, normed = ops.add_zero_centred_norms(residual, x, post.weight, pre.weight, 1e-6)
+    _within(hidden, want_hidden, dtype, ulps=ROUNDING_ULPS[dtype])
+    _within(normed, want_normed, dtype, ulps=2 * ROUNDING_ULPS[dtype])  # (two norms' roundings)
+    assert not torch.equal(normed, Gemma3RMSNorm(48, eps=1e-6).to(dtype)(hidden))  # (the weight is used)
+    with pytest.raises(RuntimeError, match=r"add_zero_centred_norms: weight must be a contiguous \[48\]"):
+        ops.add_zero_centred_norms(residual, x, post.weight[:24], pre.weight, 1e-6)
+    with pytest.raises(RuntimeError, match=r"add_zero_centred_norms: x: expected \[5, 48\]"):
+        ops.add_zero_centred_norms(residual, wide, post.weight, pre.weight, 1e-6)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gelu_tanh_mul_is_gemmas_activation_times_up(ops, dtype) -> None:
+    torch.manual_seed(1)
+    gate_up = torch.randn(6, 2 * 80, dtype=dtype) * 4
+    gate_up[0, :8] = torch.tensor([-30.0, -12.0, -1e-3, 0.0, 1e-3, 2.0, 12.0, 30.0])  # the tails and around 0
+    gate, up = gate_up[:, :80], gate_up[:, 80:]
+    want = torch.nn.functional.gelu(gate, approximate="tanh") * up
+    # (x sigmoid(2u) for 0.5 x (1 + tanh(u)): a few float ulps; a bf16 rounding lands the other way now and then)
+    _within(ops.gelu_tanh_mul(gate, up), want, dtype, ulps=2 if dtype == torch.bfloat16 else 64)
+    with pytest.raises(RuntimeError, match="gelu_tanh_mul: gate and up differ in dtype"):
+        ops.gelu_tanh_mul(gate, up.double())
+
+
+@pytest.mark.parametrize("dim", [40, 256])  # 256: Gemma 3's, compiled as a fixed length; 40 the general loops
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rope_attend_normalises_each_head_of_q_and_k_as_gemmas_norms_do(ops, dtype, dim) -> None:
+    """Gemma 3's q_norm and k_norm scale by 1 + weight in float32 and round once (Qwen3's round
+    before the weight): rope_attend told so writes the keys the zero-centred norm kernel's heads
+    rotate to, to the bit, and those are Gemma3RMSNorm's to rounding."""
+    torch.manual_seed(3)
+    rows, heads, kv_heads, capacity = 3, 4, 1, 24
+    lengths = torch.tensor([5, 0, 23])
+    q = torch.randn(rows, heads * dim, dtype=dtype) * 3
+    k, v = torch.randn(rows, kv_heads * dim, dtype=dtype) * 3, torch.randn(rows, kv_heads * dim, dtype=dtype)
+    angle = lengths[:, None].float() * torch.linspace(0.1, 1.0, dim // 2)[None]
+    cos, sin = torch.cat([angle, angle], -1).cos().to(dtype), torch.cat([angle, angle], -1).sin().to(dtype)
+    q_norm, k_norm = _norm(dim, dtype, 4), _norm(dim, dtype, 5)
+    kernel_q = ops.zero_centred_rms_norm(q.view(-1, dim), q_norm.weight.detach(), 1e-6).view(rows, -1)
+    kernel_k = ops.zero_centred_rms_norm(k.view(-1, dim), k_norm.weight.detach(), 1e-6).view(rows, -1)
+    with torch.no_grad():
+        _within(kernel_q, q_norm(q.view(rows, heads, dim)).reshape(rows, -1), dtype, ulps=ROUNDING_ULPS[dtype])
+    keys = torch.randn(rows, kv_heads, capacity, dim, dtype=dtype)
+    values = torch.randn(rows, kv_heads, capacity, dim, dtype=dtype)
+    theirs_k, theirs_v, ours_k, ours_v = keys.clone(), values.clone(), keys.clone(), values.clone()
+    want = ops.rope_attend(kernel_q, kernel_k, v, cos, sin, theirs_k, theirs_v, lengths, heads, 256**-0.5)
+    got = ops.rope_attend(q, k, v, cos, sin, ours_k, ours_v, lengths, heads, 256**-0.5, q_norm=q_norm.weight.detach(),
+                          k_norm=k_norm.weight.detach(), norm_eps=1e-6, zero_centred_norms=True)
+    assert torch.equal(ours_k, theirs_k) and torch.equal(ours_v, theirs_v) and not torch.equal(ours_k, keys)
+    assert torch.equal(got, want)
+    qwen3s = ops.rope_attend(q, k, v, cos, sin, keys.clone(), values.clone(), lengths, heads, 256**-0.5,
+                             q_norm=q_norm.weight.detach(), k_norm=k_norm.weight.detach(), norm_eps=1e-6)
+    assert not torch.equal(qwen3s, got)  # (the flag is what makes them Gemma's)
+
+
+def _tiny_gemma3(vocab: int, dtype: torch.dtype, head_dim: int = 256, window: int = 512) -> Gemma3ForCausalLM:
+    """Two layers, a sliding one and a full one (each its own rotary base), 4 query heads over 1 key
+    head as Gemma-3-270M's, random non-zero norm weights."""
+    config = Gemma3TextConfig(vocab_size=vocab, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                              num_attention_heads=4, num_key_value_heads=1, head_dim=head_dim, sliding_window=window,
+                              query_pre_attn_scalar=head_dim, layer_types=["sliding_attention", "full_attention"])
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    model = Gemma3ForCausalLM(config)
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if name.endswith("norm.weight"):
+                parameter.uniform_(-0.5, 0.5)
+    return model.to(dtype).eval()
+
+
+@pytest.mark.parametrize("head_dim", [256, 16])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_the_sampler_decodes_gemma3_through_the_kernels_as_through_its_own_forward(tokenizer, monkeypatch, ops,
+                                                                                   dtype, head_dim) -> None:
+    """Greedy, rows stopping at different steps (riding along after), a group's prompt shared: the
+    tokens and logprobs of the model's own forward (the kernels switched off) up to near-ties."""
+    model = _tiny_gemma3(len(tokenizer), dtype, head_dim)
+    stop = sorted(frozenset(range(0, len(tokenizer), 7)))  # a seventh of the vocabulary ends a row
+    decoders: list = []
+    found = gemma_decode.gemma_decoder
+    monkeypatch.setattr(gemma_decode, "gemma_decoder", lambda *a: decoders.append(found(*a)) or decoders[-1])
+
+    def run() -> list[tuple[list[int], list[float], str]]:
+        requests = [sampler.GenerationRequest(p, 2, SamplingParams(max_tokens=16, temperature=0.0, seed=5 + i,
+                                                                   stop=stop))
+                    for i, p in enumerate(DECODE_PROMPTS)]
+        with torch.inference_mode():
+            sampler.generate(model, requests, tokenizer, CPU)
+        return [(list(s.tokens), list(s.logprobs), s.stop_reason) for r in requests for s in r.sequences]
+
+    native = run()
+    assert decoders and all(type(d) is gemma_decode.GemmaDecoder for d in decoders)
+    monkeypatch.setenv(native_kernels.ENV_SWITCH, "off")
+    eager = run()
+    assert decoders[-1] is None
+    assert len({len(tokens) for tokens, *_ in eager}) > 1  # rows finished at different steps
+    assert_greedy_alike(native, eager, bound=1e-4 if dtype == torch.float32 else 0.1)
+
+
+@pytest.mark.parametrize(("train_dtype", "sample_dtype"), [("fp32", "fp32"), ("fp32", "bf16")])
+def test_a_gemma3_through_the_client_samples_logprobs_the_trainer_computes(tmp_path, monkeypatch, tokenizer,
+                                                                           train_dtype, sample_dtype) -> None:
+    """Through the client: fp32, the trainer's model with LoRA folded; bf16, the sampler's copy
+    (stacked projections, LoRA side paths). At temperature 1 the sampled logprobs are the trainer's
+    (fp32: to float rounding; bf16: to the precisions' gap), and the step was Gemma's."""
+    directory = tmp_path / "gemma3"
+    _tiny_gemma3(len(tokenizer), torch.float32).save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    decoders: list = []
+    found = gemma_decode.gemma_decoder
+    monkeypatch.setattr(gemma_decode, "gemma_decoder", lambda *a: decoders.append(found(*a)) or decoders[-1])
+    service = ServiceClient(checkpoint_dir=tmp_path / "checkpoints", device="cpu", train_dtype=train_dtype,
+                            sample_dtype=sample_dtype)
+    tc = service.create_lora_training_client(str(directory), rank=4, seed=0)
+    perturb_adapter(tc, seed=3)
+    drawn = sample_each(tc, temperature=1.0, seed=7)
+    assert decoders and all(type(d) is gemma_decode.GemmaDecoder for d in decoders)
+    sampling = tc.save_weights_and_get_sampling_client("weights")
+    bound = 1e-5 if sample_dtype == "fp32" else 0.15
+    for i, (tokens, logprobs) in enumerate(drawn):  # (three samples a prompt)
+        prompt = DECODE_PROMPTS[i // 3]
+        computed = sampling.compute_logprobs(ModelInput.from_ints(prompt + tokens)).result()[len(prompt):]
+        assert computed == pytest.approx(logprobs, abs=bound)
+    assert len({tuple(tokens) for tokens, _ in drawn}) > 3
+    service.close()
+
+
+def test_models_outside_what_the_step_computes_keep_the_models_own_forward(tokenizer, monkeypatch, ops) -> None:
+    vocab = len(tokenizer)
+    model = _tiny_gemma3(vocab, torch.bfloat16, head_dim=16, window=64)
+    assert type(gemma_decode.gemma_decoder(model, 64, CPU)) is gemma_decode.GemmaDecoder
+    # a call whose rows outgrow the window: the kernel would attend past it
+    assert gemma_decode.gemma_decoder(model, 65, CPU) is None
+    assert gemma_decode.gemma_decoder(model.double(), 64, CPU) is None  # float64: not a sampler precision
+    mixed = _tiny_gemma3(vocab, torch.bfloat16, head_dim=16)
+    mixed.model.norm.float()  # a norm kept in float32 beside bf16 weights
+    assert gemma_decode.gemma_decoder(mixed, 64, CPU) is None
+    capped = _tiny_gemma3(vocab, torch.float32, head_dim=16)
+    capped.config.attn_logit_softcapping = 50.0  # (Gemma 2's; SDPA would be refused it too)
+    assert gemma_decode.gemma_decoder(capped, 64, CPU) is None
+    assert gemma_decode.gemma_decoder(_tiny_gemma3(vocab, torch.float32, head_dim=16), 64, torch.device("meta")) is None
+    from transformers import Gemma2Config, Gemma2ForCausalLM, LlamaConfig, LlamaForCausalLM
+
+    assert gemma_decode.gemma_decoder(Gemma2ForCausalLM(Gemma2Config(
+        vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=16)), 64, CPU) is None
+    assert gemma_decode.gemma_decoder(LlamaForCausalLM(LlamaConfig(
+        vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2)),
+        64, CPU) is None
+    monkeypatch.setenv(native_kernels.ENV_SWITCH, "off")
+    assert gemma_decode.gemma_decoder(model, 64, CPU) is None

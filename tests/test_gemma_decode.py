@@ -115,6 +115,39 @@ def test_rope_attend_normalises_each_head_of_q_and_k_as_gemmas_norms_do(ops, dty
     assert not torch.equal(qwen3s, got)  # (the flag is what makes them Gemma's)
 
 
+@pytest.mark.parametrize("dot", [False, True])
+@pytest.mark.parametrize("dim", [40, 256])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rope_attend_with_a_window_attends_each_rows_last_columns_only(ops, dtype, dim, dot) -> None:
+    """A sliding layer's row sees its last ``window`` columns: the same outputs, to the bit, as the
+    call without a window on a cache holding only those columns (the rotation comes from cos and sin,
+    not the column), and the columns before them are never mixed in (they hold huge values here)."""
+    torch.manual_seed(6)
+    rows, heads, kv_heads, capacity, window = 4, 4, 1, 40, 7
+    lengths = torch.tensor([3, 6, 17, 39])  # the first two inside their window, the others past it
+    q = torch.randn(rows, heads * dim, dtype=dtype)
+    k, v = torch.randn(rows, kv_heads * dim, dtype=dtype), torch.randn(rows, kv_heads * dim, dtype=dtype)
+    angle = lengths[:, None].float() * torch.linspace(0.1, 1.0, dim // 2)[None]
+    cos, sin = torch.cat([angle, angle], -1).cos().to(dtype), torch.cat([angle, angle], -1).sin().to(dtype)
+    keys = torch.randn(rows, kv_heads, capacity, dim, dtype=dtype)
+    values = torch.randn(rows, kv_heads, capacity, dim, dtype=dtype)
+    first = (lengths + 1 - window).clamp(min=0)  # each row's first column in its window
+    for r in range(rows):
+        keys[r, :, :first[r]], values[r, :, :first[r]] = 1e4, 1e4
+    shifted_k, shifted_v = torch.zeros_like(keys), torch.zeros_like(values)
+    for r in range(rows):  # the window's columns (the new one's included) from column 0
+        shifted_k[r, :, :lengths[r] - first[r]] = keys[r, :, first[r]:lengths[r]]
+        shifted_v[r, :, :lengths[r] - first[r]] = values[r, :, first[r]:lengths[r]]
+    want = ops.rope_attend(q, k, v, cos, sin, shifted_k, shifted_v, lengths - first, heads, dim**-0.5, dot=dot)
+    got = ops.rope_attend(q, k, v, cos, sin, keys, values, lengths, heads, dim**-0.5, dot=dot, window=window)
+    assert torch.equal(got, want)
+    assert torch.equal(keys[torch.arange(rows), :, lengths], shifted_k[torch.arange(rows), :, lengths - first])
+    unwindowed = ops.rope_attend(q, k, v, cos, sin, keys.clone(), values.clone(), lengths, heads, dim**-0.5, dot=dot)
+    assert torch.equal(unwindowed[:2], got[:2]) and not torch.equal(unwindowed[2:], got[2:])
+    with pytest.raises(RuntimeError, match="rope_attend: window must be 0 \\(none\\) or the number of columns"):
+        ops.rope_attend(q, k, v, cos, sin, keys, values, lengths, heads, 1.0, window=-1)
+
+
 def _tiny_gemma3(vocab: int, dtype: torch.dtype, head_dim: int = 256, window: int = 512) -> Gemma3ForCausalLM:
     """Two layers, a sliding one and a full one (each its own rotary base), 4 query heads over 1 key
     head as Gemma-3-270M's, random non-zero norm weights."""
@@ -131,13 +164,15 @@ def _tiny_gemma3(vocab: int, dtype: torch.dtype, head_dim: int = 256, window: in
     return model.to(dtype).eval()
 
 
-@pytest.mark.parametrize("head_dim", [256, 16])
+@pytest.mark.parametrize(("head_dim", "window"), [(256, 512), (16, 512), (256, 6), (16, 6)])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_the_sampler_decodes_gemma3_through_the_kernels_as_through_its_own_forward(tokenizer, monkeypatch, ops,
-                                                                                   dtype, head_dim) -> None:
-    """Greedy, rows stopping at different steps (riding along after), a group's prompt shared: the
-    tokens and logprobs of the model's own forward (the kernels switched off) up to near-ties."""
-    model = _tiny_gemma3(len(tokenizer), dtype, head_dim)
+                                                                                   dtype, head_dim, window) -> None:
+    """Greedy, rows stopping at different steps (riding along after), a group's prompt shared; with
+    a window of 512 no row reaches, and of 6, which every row outgrows (prompts of 3-19 tokens, 16
+    sampled): the tokens and logprobs of the model's own forward (the kernels switched off) up to
+    near-ties."""
+    model = _tiny_gemma3(len(tokenizer), dtype, head_dim, window)
     stop = sorted(frozenset(range(0, len(tokenizer), 7)))  # a seventh of the vocabulary ends a row
     decoders: list = []
     found = gemma_decode.gemma_decoder
@@ -191,24 +226,25 @@ def test_a_gemma3_through_the_client_samples_logprobs_the_trainer_computes(tmp_p
 def test_models_outside_what_the_step_computes_keep_the_models_own_forward(tokenizer, monkeypatch, ops) -> None:
     vocab = len(tokenizer)
     model = _tiny_gemma3(vocab, torch.bfloat16, head_dim=16, window=64)
-    assert type(gemma_decode.gemma_decoder(model, 64, CPU)) is gemma_decode.GemmaDecoder
-    # a call whose rows outgrow the window: the kernel would attend past it
-    assert gemma_decode.gemma_decoder(model, 65, CPU) is None
-    assert gemma_decode.gemma_decoder(model.double(), 64, CPU) is None  # float64: not a sampler precision
+    assert type(gemma_decode.gemma_decoder(model, CPU)) is gemma_decode.GemmaDecoder
+    assert gemma_decode.gemma_decoder(model.double(), CPU) is None  # float64: not a sampler precision
     mixed = _tiny_gemma3(vocab, torch.bfloat16, head_dim=16)
     mixed.model.norm.float()  # a norm kept in float32 beside bf16 weights
-    assert gemma_decode.gemma_decoder(mixed, 64, CPU) is None
+    assert gemma_decode.gemma_decoder(mixed, CPU) is None
+    other_eps = _tiny_gemma3(vocab, torch.float32, head_dim=16)
+    other_eps.model.layers[1].self_attn.k_norm.eps = 1e-5  # (the kernels take one epsilon)
+    assert gemma_decode.gemma_decoder(other_eps, CPU) is None
     capped = _tiny_gemma3(vocab, torch.float32, head_dim=16)
     capped.config.attn_logit_softcapping = 50.0  # (Gemma 2's; SDPA would be refused it too)
-    assert gemma_decode.gemma_decoder(capped, 64, CPU) is None
-    assert gemma_decode.gemma_decoder(_tiny_gemma3(vocab, torch.float32, head_dim=16), 64, torch.device("meta")) is None
+    assert gemma_decode.gemma_decoder(capped, CPU) is None
+    assert gemma_decode.gemma_decoder(_tiny_gemma3(vocab, torch.float32, head_dim=16), torch.device("meta")) is None
     from transformers import Gemma2Config, Gemma2ForCausalLM, LlamaConfig, LlamaForCausalLM
 
     assert gemma_decode.gemma_decoder(Gemma2ForCausalLM(Gemma2Config(
         vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
-        num_key_value_heads=1, head_dim=16)), 64, CPU) is None
+        num_key_value_heads=1, head_dim=16)), CPU) is None
     assert gemma_decode.gemma_decoder(LlamaForCausalLM(LlamaConfig(
         vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2)),
-        64, CPU) is None
+        CPU) is None
     monkeypatch.setenv(native_kernels.ENV_SWITCH, "off")
-    assert gemma_decode.gemma_decoder(model, 64, CPU) is None
+    assert gemma_decode.gemma_decoder(model, CPU) is None

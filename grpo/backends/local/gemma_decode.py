@@ -15,12 +15,13 @@ Each rounds to the model's dtype where the eager operators do; the attention sum
 own order and GELU's tanh is computed otherwise, so the logits agree with the model's forward to
 rounding, not bit for bit (tests/test_gemma_decode.py).
 
+A sliding layer (five of six; a window of 512 tokens in Gemma-3-270M and -1B) attends to each
+row's last ``window`` columns, as the slot cache's mask for that kind says.
+
 It takes a model only when every part is what it was written against -- ``Gemma3ForCausalLM``
 (as such or under peft) with SDPA attention, causal, no attention soft-cap, float32 or bf16
-throughout, rotary embeddings that depend on the position alone -- and whose sliding windows
-(512 tokens for Gemma-3-270M / -1B) are no shorter than the sampling call's slots: the kernel
-attends to every column of a row, so a longer call decodes through the model's forward, which
-masks the window. Returns None otherwise, and the sampler calls the model's own forward.
+throughout, one epsilon for every norm, rotary embeddings that depend on the position alone --
+and returns None otherwise: the sampler then calls the model's own forward.
 """
 
 from __future__ import annotations
@@ -71,7 +72,8 @@ class GemmaDecoder:
             out = ops.rope_attend(q, k, v, cos, sin, slot._keys, slot._values, lengths, self.heads, attn.scaling,
                                   cache.step.shared_from, cache.step.shared,
                                   qkv is not None and qkv.layout == "stream_dot", attn.q_norm.weight,
-                                  attn.k_norm.weight, self.eps, zero_centred_norms=True)
+                                  attn.k_norm.weight, self.eps, zero_centred_norms=True,
+                                  window=attn.sliding_window or 0)
             hidden, x = ops.add_zero_centred_norms(hidden, attn.o_proj(out), layer.post_attention_layernorm.weight,
                                                    layer.pre_feedforward_layernorm.weight, self.eps)
             gate, up = gate_up.full(x) if gate_up is not None else (mlp.gate_proj(x), mlp.up_proj(x))
@@ -96,10 +98,9 @@ class GemmaDecoder:
         return table[0].index_select(0, positions), table[1].index_select(0, positions)
 
 
-def gemma_decoder(model: nn.Module, capacity: int, device: torch.device) -> GemmaDecoder | None:
+def gemma_decoder(model: nn.Module, device: torch.device) -> GemmaDecoder | None:
     """A ``GemmaDecoder`` for ``model`` (a causal LM, or a peft model around one) where it computes
-    what the model's own forward does and the native kernels are built, else None. ``capacity``:
-    the most positions a row of the sampling call holds (sliding windows must be no shorter)."""
+    what the model's own forward does and the native kernels are built, else None."""
     if device.type != "cpu":
         return None
     try:
@@ -121,7 +122,7 @@ def gemma_decoder(model: nn.Module, capacity: int, device: torch.device) -> Gemm
         kinds, window = attention_layers(config)
     except ValueError:
         return None
-    if len(kinds) != len(decoder.layers) or (window is not None and capacity > window):
+    if len(kinds) != len(decoder.layers):
         return None
     rotary = decoder.rotary_emb
     if type(rotary) is not gemma3.Gemma3RotaryEmbedding or any(
@@ -131,8 +132,9 @@ def gemma_decoder(model: nn.Module, capacity: int, device: torch.device) -> Gemm
     for layer in decoder.layers:
         attn, mlp = layer.self_attn, layer.mlp
         if not (type(layer) is gemma3.Gemma3DecoderLayer and type(attn) is gemma3.Gemma3Attention
-                and type(mlp) is gemma3.Gemma3MLP and attn.layer_type in ("full_attention", "sliding_attention")):
-            return None
+                and type(mlp) is gemma3.Gemma3MLP and attn.layer_type in ("full_attention", "sliding_attention")
+                and attn.sliding_window == (window if attn.layer_type == "sliding_attention" else None)):
+            return None  # (the window each layer applies is the one the slot cache masks for its kind)
         norms += [layer.input_layernorm, layer.post_attention_layernorm, layer.pre_feedforward_layernorm,
                   layer.post_feedforward_layernorm, attn.q_norm, attn.k_norm]
     if any(type(n) is not gemma3.Gemma3RMSNorm or n.weight.dtype != dtype or n.eps != config.rms_norm_eps

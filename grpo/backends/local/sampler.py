@@ -171,7 +171,7 @@ def generate(model, requests: list[GenerationRequest], tokenizer, device: torch.
     elif lean is not None:  # on a CPU, the step's non-matmul work in native kernels where they build (native_decode.py)
         lean = native_decode.native_decoder(lean, device)
     else:  # (Gemma 3's layers: gemma_decode.py; any other family's, None: the model's own forward)
-        lean = gemma_decode.gemma_decoder(model, cache.step.capacity, device)
+        lean = gemma_decode.gemma_decoder(model, device)
     ops = native_kernels.kernels() if device.type == "cpu" else None  # (token choice's, looked up once)
 
     while True:

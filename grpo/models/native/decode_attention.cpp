@@ -152,7 +152,8 @@ inline void write_normalised(float* acc, float total, T* out, int64_t dim) {
 // One decoding step's attention in a layer: q and k rotated (rotate_half convention, each product
 // and the sum rounded to T, as transformers' apply_rotary_pos_emb), the new key and value written
 // to each row's next cache column (lengths[r]), then each query head attends over its row's
-// columns 0..lengths[r] through key head h / (heads / kv_heads), in float32, output rounded to T.
+// columns 0..lengths[r] (with a sliding `window`, its last `window` of them) through key head
+// h / (heads / kv_heads), in float32, output rounded to T.
 // HEAD_DIM: the head dimension known when compiling (64, 80, 96, 128, 256: loops of fixed length, unrolled
 // and without remainders), or 0 for any other, taken from ``head_dim``.
 //
@@ -181,7 +182,7 @@ void rope_attend_impl(const T* q, int64_t q_stride, const T* k, int64_t k_stride
                       int64_t slot_stride, int64_t head_stride, const int64_t* lengths, const int64_t* from,
                       const int64_t* shared, T* out, int64_t rows, int64_t heads, int64_t kv_heads, int64_t head_dim,
                       float scale, bool dot, const T* q_norm, const T* k_norm, float norm_eps,
-                      bool zero_centred) {
+                      bool zero_centred, int64_t window) {
   const int64_t dim = HEAD_DIM > 0 ? HEAD_DIM : head_dim;
   const int64_t group = heads / kv_heads;
   // the rows in sets that read one row's shared columns (that row first), and the work: a run of
@@ -254,13 +255,16 @@ void rope_attend_impl(const T* q, int64_t q_stride, const T* k, int64_t k_stride
         weights[i] = scores.data() + offsets[u] + j * columns(u);
         outs[i] = out + members[u] * heads * dim + (g * group + j) * dim;
       }
-      // each query's scores -> softmax's numerators, exp(score - the largest), and their totals
+      // each query's scores -> softmax's numerators, exp(score - the largest), and their totals; with a
+      // sliding window, a row's columns before its last `window` weigh nothing (scored, then dropped:
+      // the shared columns are scored for the run's rows together, and the values' sums run over them)
       auto numerators = [&] {
         for (int64_t i = 0; i < nq; ++i) {
-          const int64_t n = columns(i / group);
+          const int64_t n = columns(i / group), outside = window > 0 ? std::max<int64_t>(0, n - window) : 0;
           float* sp = weights[i];
-          const float top = row_max(sp, n);
-          totals[i] = exp_shifted_total(sp, n, top);
+          std::fill(sp, sp + outside, 0.f);
+          const float top = row_max(sp + outside, n - outside);
+          totals[i] = exp_shifted_total(sp + outside, n - outside, top);
         }
       };
 #if defined(ATTEND_AVX512)
@@ -341,7 +345,8 @@ at::Tensor rope_attend(const at::Tensor& q, const at::Tensor& k, const at::Tenso
                        const at::Tensor& sin, at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& lengths,
                        int64_t heads, double scale, const c10::optional<at::Tensor>& shared_from,
                        const c10::optional<at::Tensor>& shared, bool dot, const c10::optional<at::Tensor>& q_norm,
-                       const c10::optional<at::Tensor>& k_norm, double norm_eps, bool zero_centred_norms) {
+                       const c10::optional<at::Tensor>& k_norm, double norm_eps, bool zero_centred_norms,
+                       int64_t window) {
   TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous() &&
                   v_cache.sizes() == k_cache.sizes() && k_cache.device().is_cpu(),
               "rope_attend: the caches must be contiguous CPU [slots, kv_heads, capacity, head_dim] tensors of one "
@@ -362,6 +367,7 @@ at::Tensor rope_attend(const at::Tensor& q, const at::Tensor& k, const at::Tenso
   const auto dtype = k_cache.scalar_type();
   for (const at::Tensor* t : std::initializer_list<const at::Tensor*>{&q, &k, &v, &cos, &sin, &v_cache})
     TORCH_CHECK(t->scalar_type() == dtype, "rope_attend: every tensor must have the caches' dtype ", dtype);
+  TORCH_CHECK(window >= 0, "rope_attend: window must be 0 (none) or the number of columns a row sees, got ", window);
   TORCH_CHECK(q_norm.has_value() == k_norm.has_value(), "rope_attend: q_norm and k_norm go together");
   for (const auto* norm : {&q_norm, &k_norm})
     TORCH_CHECK(!norm->has_value() || ((*norm)->dim() == 1 && (*norm)->size(0) == dim && (*norm)->is_contiguous() &&
@@ -402,7 +408,7 @@ at::Tensor rope_attend(const at::Tensor& q, const at::Tensor& k, const at::Tenso
            sp, out.data_ptr<scalar_t>(), rows, heads, kv_heads, dim, static_cast<float>(scale), dot,
            q_norm.has_value() ? q_norm->data_ptr<scalar_t>() : nullptr,
            k_norm.has_value() ? k_norm->data_ptr<scalar_t>() : nullptr, static_cast<float>(norm_eps),
-           zero_centred_norms);
+           zero_centred_norms, window);
     };
     if (dim == 64) run(rope_attend_impl<scalar_t, 64>);
     else if (dim == 80) run(rope_attend_impl<scalar_t, 80>);

@@ -78,7 +78,7 @@ at::Tensor decode_layers(const at::Tensor& hidden_in, const at::Tensor& cos, con
     at::Tensor k_cache = k_caches[i], v_cache = v_caches[i];
     auto attended = rope_attend(q, k, v, cos, sin, k_cache, v_cache, lengths, heads, scale, shared_from, shared, dot,
                                 normed ? c10::optional<at::Tensor>(head_norms[2 * i]) : c10::nullopt,
-                                normed ? c10::optional<at::Tensor>(head_norms[2 * i + 1]) : c10::nullopt, eps, false);
+                                normed ? c10::optional<at::Tensor>(head_norms[2 * i + 1]) : c10::nullopt, eps, false, 0);
     state = add_rms_norm(state[0], linear(attended, i, 1), norms[2 * i + 1], eps);
     auto gate_up = linear(state[1], i, 2);
     const int64_t inter = gate_up.size(1) / 2;

@@ -63,7 +63,8 @@ at::Tensor rope_attend(const at::Tensor& q, const at::Tensor& k, const at::Tenso
                        const at::Tensor& sin, at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& lengths,
                        int64_t heads, double scale, const c10::optional<at::Tensor>& shared_from,
                        const c10::optional<at::Tensor>& shared, bool dot, const c10::optional<at::Tensor>& q_norm,
-                       const c10::optional<at::Tensor>& k_norm, double norm_eps, bool zero_centred_norms);
+                       const c10::optional<at::Tensor>& k_norm, double norm_eps, bool zero_centred_norms,
+                       int64_t window);
 at::Tensor cached_attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                          const c10::optional<at::Tensor>& mask, double scale);
 

@@ -16,7 +16,7 @@ TORCH_LIBRARY(grpo_native, m) {
   m.def("target_logprobs_backward_(Tensor grad, Tensor(a!) logits, Tensor targets, Tensor stats) -> Tensor(a!)");
   m.def("rope_attend(Tensor q, Tensor k, Tensor v, Tensor cos, Tensor sin, Tensor(a!) k_cache, Tensor(b!) v_cache, "
         "Tensor lengths, int heads, float scale, Tensor? shared_from=None, Tensor? shared=None, bool dot=False, "
-        "Tensor? q_norm=None, Tensor? k_norm=None, float norm_eps=0.0, bool zero_centred_norms=False) -> Tensor");
+        "Tensor? q_norm=None, Tensor? k_norm=None, float norm_eps=0.0, bool zero_centred_norms=False, int window=0) -> Tensor");
   m.def("cached_attend(Tensor q, Tensor k, Tensor v, Tensor? mask, float scale) -> Tensor");
   m.def("stream_pack(Tensor weight, bool pairs=False) -> Tensor");
   m.def("stream_dot_available() -> bool", grpo_native::stream_dot_available);

@@ -1,4 +1,4 @@
-"""The trainer's RMSNorms, SiLU MLPs, rotary embeddings and loss head through the native kernels
+"""The trainer's RMSNorms, gated MLPs (SiLU, GELU-tanh), rotary embeddings and loss head through the native kernels
 compute what transformers' modules and the trainer's PyTorch path compute, forward and backward,
 and only where they apply.
 
@@ -57,6 +57,25 @@ def test_silu_mul_backward_is_autograds_through_llamas_activation(native_ops, dt
     d_gate, d_up = native_ops.silu_mul_backward(grad, gate.detach(), up.detach())
     assert worst_relative_error(d_gate, gate.grad) <= 8 * ULP[dtype]
     assert worst_relative_error(d_up, up.grad) <= 8 * ULP[dtype]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gelu_tanh_mul_backward_is_autograds_through_gemmas_activation(native_ops, dtype) -> None:
+    """Gemma's MLP (gelu_pytorch_tanh): the kernel's derivative, s + 2 x s (1 - s) u' with
+    s = sigmoid(2u), is PyTorch's 0.5 (1 + tanh u) + 0.5 x (1 - tanh^2 u) u' in other float steps."""
+    torch.manual_seed(0)
+    gate = (torch.randn(29, 96) * 4).to(dtype)
+    gate[0, :6] = torch.tensor([-30.0, -0.7518, -1e-3, 0.0, 1e-3, 30.0])  # the tails, the slope's zero, around 0
+    gate.requires_grad_()
+    up = torch.randn(29, 96).to(dtype).requires_grad_()
+    grad = torch.randn(29, 96).to(dtype)
+    (nn.functional.gelu(gate, approximate="tanh") * up).backward(grad)
+    d_gate, d_up = native_ops.gelu_tanh_mul_backward(grad, gate.detach(), up.detach())
+    ulps = 64 if dtype == torch.float32 else 2
+    assert worst_relative_error(d_gate, gate.grad) <= ulps * ULP[dtype]
+    assert worst_relative_error(d_up, up.grad) <= ulps * ULP[dtype]
+    with pytest.raises(RuntimeError, match="gelu_tanh_mul_backward: grad, gate and up must be contiguous"):
+        native_ops.gelu_tanh_mul_backward(grad, gate.detach(), torch.randn(96, 29).to(dtype).t())
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -202,6 +221,30 @@ def test_installed_a_models_outputs_and_gradients_are_its_own(native_ops, dtype)
     native_layers.uninstall(model)
     assert not any("forward" in vars(m) for m in model.modules())
     assert torch.equal(_forward_backward(model, tokens)[0], eager[0])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gemma3s_norms_and_gelu_mlps_are_taken_and_compute_the_same(native_ops, dtype) -> None:
+    """Gemma 3 (270M, 1B): its four zero-centred norms a layer, q's and k's, the final one and its
+    GELU-tanh MLPs are routed (its attention, which normalises q and k, keeps its own forward); the
+    outputs and every gradient stay its own."""
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+    from transformers.models.gemma3.modeling_gemma3 import Gemma3MLP, Gemma3RMSNorm
+
+    config = Gemma3TextConfig(vocab_size=97, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
+                              num_attention_heads=4, num_key_value_heads=1, head_dim=16, sliding_window=4)
+    torch.manual_seed(0)
+    model = Gemma3ForCausalLM(config).to(dtype)
+    for module in model.modules():
+        if isinstance(module, Gemma3RMSNorm):  # (a fresh one's weight is zero: 1 + 0 would hide it)
+            module.weight.data.uniform_(-0.5, 0.5)
+            module.weight.requires_grad_(False)
+    tokens = torch.randint(0, 97, (3, 11), generator=torch.Generator().manual_seed(1))
+    reference = _forward_backward(copy.deepcopy(model).double(), tokens)
+    eager = _forward_backward(model, tokens)
+    assert native_layers.install(model) == 2 * (4 + 2) + 1 + 2
+    assert all(type(vars(m).get("forward")) is types.MethodType for m in model.modules() if isinstance(m, Gemma3MLP))
+    _assert_as_exact_as_its_own_forward(reference, eager, _forward_backward(model, tokens))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

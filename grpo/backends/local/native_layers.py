@@ -1,5 +1,5 @@
-"""A model's RMSNorms, SiLU-gated MLPs, rotary embeddings and loss head through grpo's native
-kernels, forward and backward.
+"""A model's RMSNorms, gated MLPs (SiLU, Gemma's GELU), rotary embeddings and loss head through
+grpo's native kernels, forward and backward.
 
 In a training pass of SmolLM2-135M (bench shape, ~800 packed tokens, Intel Xeon with AMX) each
 RMSNorm is eight small operators forward and about as many backward (in bf16 two of them copies to
@@ -82,18 +82,22 @@ class _GatedRMSNorm(torch.autograd.Function):
         return (d_x if ctx.needs_input_grad[0] else None), (d_gate if ctx.needs_input_grad[1] else None), None, None
 
 
-class _SiluMul(torch.autograd.Function):
+class _ActivationMul(torch.autograd.Function):
+    """``act(gate) * up`` through a kernel and its backward (``silu_mul``, ``gelu_tanh_mul``): gate
+    and up saved, not the activation as well."""
+
     @staticmethod
-    def forward(ctx, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    def forward(ctx, gate: torch.Tensor, up: torch.Tensor, kernel, kernel_backward) -> torch.Tensor:
         ctx.save_for_backward(gate, up)
-        return _ops.silu_mul(gate, up)
+        ctx.kernel_backward = kernel_backward
+        return kernel(gate, up)
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad: torch.Tensor):
         gate, up = ctx.saved_tensors
-        d_gate, d_up = _ops.silu_mul_backward(grad.contiguous(), gate, up)
-        return (d_gate if ctx.needs_input_grad[0] else None), (d_up if ctx.needs_input_grad[1] else None)
+        d_gate, d_up = ctx.kernel_backward(grad.contiguous(), gate, up)
+        return (d_gate if ctx.needs_input_grad[0] else None), (d_up if ctx.needs_input_grad[1] else None), None, None
 
 
 class _TargetLogprobs(torch.autograd.Function):
@@ -207,21 +211,36 @@ def _native_gated_rms_norm(self: nn.Module, hidden_states: torch.Tensor, gate: t
 def silu_mlp_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """``down_proj(silu(gate_proj(x)) * up_proj(x))``, the activation and product through the
     kernels where they apply (bound by ``install``)."""
+    return _gated_mlp(self, x, _ops.silu_mul, _ops.silu_mul_backward)
+
+
+def gelu_tanh_mlp_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """``down_proj(gelu_tanh(gate_proj(x)) * up_proj(x))`` (Gemma's MLP), the same way."""
+    return _gated_mlp(self, x, _ops.gelu_tanh_mul, _ops.gelu_tanh_mul_backward)
+
+
+def _gated_mlp(self: nn.Module, x: torch.Tensor, kernel, kernel_backward) -> torch.Tensor:
     gate, up = self.gate_proj(x), self.up_proj(x)
     if gate.shape != up.shape or not _native(gate, up):
         return self.down_proj(self.act_fn(gate) * up)
-    return self.down_proj(_native_silu_mul(gate, up))
+    return self.down_proj(_native_activation_mul(gate, up, kernel, kernel_backward))
 
 
-def _native_silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+def _native_activation_mul(gate: torch.Tensor, up: torch.Tensor, kernel, kernel_backward) -> torch.Tensor:
     g, u = _rows(gate), _rows(up)
     if torch.is_grad_enabled() and (g.requires_grad or u.requires_grad):
-        return _SiluMul.apply(g, u).view(gate.shape)
-    return _ops.silu_mul(g, u).view(gate.shape)
+        return _ActivationMul.apply(g, u, kernel, kernel_backward).view(gate.shape)
+    return kernel(g, u).view(gate.shape)
 
 
 def _native_silu_mlp(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    return self.down_proj(_native_silu_mul(self.gate_proj(x), self.up_proj(x)))
+    return self.down_proj(_native_activation_mul(self.gate_proj(x), self.up_proj(x), _ops.silu_mul,
+                                                 _ops.silu_mul_backward))
+
+
+def _native_gelu_tanh_mlp(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return self.down_proj(_native_activation_mul(self.gate_proj(x), self.up_proj(x), _ops.gelu_tanh_mul,
+                                                 _ops.gelu_tanh_mul_backward))
 
 
 def rotary_attention_forward(self: nn.Module, hidden_states: torch.Tensor, position_embeddings=None,
@@ -334,12 +353,22 @@ def _is_gated_rms_norm(module: nn.Module) -> bool:
     return parameters[1:] == ["hidden_states", "gate"] and getattr(module, "activation", None) == "silu"
 
 
-def _is_silu_mlp(module: nn.Module) -> bool:
-    from transformers.activations import SiLUActivation
+def _gated_mlp_activation(module: nn.Module) -> str | None:
+    """"silu" or "gelu_tanh" for an MLP of gate, up and down projections with that activation
+    (Llama's, Gemma's), else None."""
+    from transformers.activations import GELUTanh, SiLUActivation
 
-    return (all(isinstance(getattr(module, name, None), nn.Module) for name in ("gate_proj", "up_proj", "down_proj"))
-            and isinstance(getattr(module.gate_proj, "in_features", None), int)
-            and type(getattr(module, "act_fn", None)) in (SiLUActivation, nn.SiLU))
+    if not (all(isinstance(getattr(module, name, None), nn.Module) for name in ("gate_proj", "up_proj", "down_proj"))
+            and isinstance(getattr(module.gate_proj, "in_features", None), int)):
+        return None
+    act = getattr(module, "act_fn", None)
+    if type(act) in (SiLUActivation, nn.SiLU):
+        return "silu"
+    inner = getattr(act, "act", None)  # (GELUTanh's partial of F.gelu)
+    if (type(act) is GELUTanh and getattr(inner, "func", None) is torch.nn.functional.gelu
+            and getattr(inner, "keywords", None) == {"approximate": "tanh"}):
+        return "gelu_tanh"
+    return None
 
 
 def _route(module: nn.Module):
@@ -352,13 +381,14 @@ def _route(module: nn.Module):
         return rms_norm_forward
     if _is_zero_centred_rms_norm(module):
         return zero_centred_rms_norm_forward
-    if _is_silu_mlp(module):
-        return silu_mlp_forward
+    activation = _gated_mlp_activation(module)
+    if activation is not None:
+        return silu_mlp_forward if activation == "silu" else gelu_tanh_mlp_forward
     return None
 
 
 FORWARDS = (rms_norm_forward, zero_centred_rms_norm_forward, gated_rms_norm_forward, silu_mlp_forward,
-            rotary_attention_forward)
+            gelu_tanh_mlp_forward, rotary_attention_forward)
 
 
 def _trial(module: nn.Module, forward, dtype: torch.dtype) -> tuple:
@@ -369,7 +399,7 @@ def _trial(module: nn.Module, forward, dtype: torch.dtype) -> tuple:
         return ((torch.randn(1, 3, module.weight.shape[0], generator=generator) * 2).to(dtype),)
     if forward is gated_rms_norm_forward:
         return tuple((torch.randn(1, 3, module.weight.shape[0], generator=generator) * 2).to(dtype) for _ in range(2))
-    if forward is silu_mlp_forward:
+    if forward in (silu_mlp_forward, gelu_tanh_mlp_forward):
         return ((torch.randn(1, 3, module.gate_proj.in_features, generator=generator) * 2).to(dtype),)
     x = torch.randn(1, 4, module.q_proj.in_features, generator=generator).to(dtype)
     angles = torch.rand(1, 4, module.head_dim // 2, generator=generator) * 6
@@ -380,6 +410,7 @@ def _trial(module: nn.Module, forward, dtype: torch.dtype) -> tuple:
 # each routed forward -> its kernel path alone, which a class's first instance is checked on
 _KERNEL_PATH = {rms_norm_forward: _native_rms_norm, zero_centred_rms_norm_forward: _native_zero_centred_rms_norm,
                 gated_rms_norm_forward: _native_gated_rms_norm, silu_mlp_forward: _native_silu_mlp,
+                gelu_tanh_mlp_forward: _native_gelu_tanh_mlp,
                 rotary_attention_forward: _native_rotary_attention}
 
 

@@ -65,16 +65,30 @@ std::vector<at::Tensor> add_rms_norm(const at::Tensor& residual, const c10::opti
   return {hidden, out};
 }
 
-// The MLPs' activations of the gate, as float32 functions of one value the compiler vectorizes
+// The MLPs' activations of the gate, as float32 functions of one value the compiler vectorizes: `apply`
+// the activation, `with_slope` the activation (as the backward recomputes it) and its derivative
 struct Silu {  // Llama's, Qwen's
   static float apply(float x) { return x / (1.f + vexp(-x)); }
+  static float with_slope(float x, float& slope) {
+    const float s = 1.f / (1.f + vexp(-x));
+    slope = s * (1.f + x * (1.f - s));
+    return x * s;
+  }
 };
 struct GeluTanh {  // Gemma's (gelu_pytorch_tanh): 0.5 x (1 + tanh(u)), u = sqrt(2 / pi) (x + 0.044715 x^3),
   // as x sigmoid(2u), the same function (1 + tanh(u) = 2 sigmoid(2u)) through vexp, where tanhf is a
-  // call per value; within a few float ulps of PyTorch's
+  // call per value; within a few float ulps of PyTorch's. Its derivative, PyTorch's
+  // 0.5 (1 + tanh(u)) + 0.5 x (1 - tanh(u)^2) u', is s + 2 x s (1 - s) u' with s = sigmoid(2u).
+  static constexpr float kBeta = 0.7978845608028654f, kKappa = 0.044715f;
   static float apply(float x) {
-    const float u = 0.7978845608028654f * (x + 0.044715f * x * x * x);
+    const float u = kBeta * (x + kKappa * x * x * x);
     return x / (1.f + vexp(-2.f * u));
+  }
+  static float with_slope(float x, float& slope) {
+    const float u = kBeta * (x + kKappa * x * x * x);
+    const float s = 1.f / (1.f + vexp(-2.f * u));
+    slope = s + 2.f * x * s * (1.f - s) * kBeta * (1.f + 3.f * kKappa * x * x);
+    return x * s;
   }
 };
 
@@ -177,11 +191,11 @@ at::Tensor rms_norm_backward(const at::Tensor& grad, const at::Tensor& x, const 
   return dx;
 }
 
-// The gradients of T(silu(gate)) * up for gate and up, as autograd computes them through the Llama
-// MLP's activation and product: d_up = grad * T(silu(gate)), d_gate = silu'(gate) * T(grad * up).
-template <typename T>
-void silu_mul_backward_impl(const T* grad, const T* gate, const T* up, T* d_gate, T* d_up, int64_t rows,
-                            int64_t width) {
+// The gradients of T(act(gate)) * up for gate and up, as autograd computes them through an MLP's
+// activation and product: d_up = grad * T(act(gate)), d_gate = act'(gate) * T(grad * up).
+template <typename Act, typename T>
+void activation_mul_backward_impl(const T* grad, const T* gate, const T* up, T* d_gate, T* d_up, int64_t rows,
+                                  int64_t width) {
   at::parallel_for(0, rows, 8, [&](int64_t begin, int64_t end) {
     std::vector<float> g(width), a(width), u(width);
     float* gp = g.data();
@@ -193,11 +207,11 @@ void silu_mul_backward_impl(const T* grad, const T* gate, const T* up, T* d_gate
       to_float(up + r * width, upp, width);
 #pragma omp simd
       for (int64_t i = 0; i < width; ++i) {
-        const float x = ap[i];
-        const float s = 1.f / (1.f + vexp(-x));
+        float slope;
+        const float act = Act::with_slope(ap[i], slope);
         const float d_act = in_dtype<T>(gp[i] * upp[i]);
-        upp[i] = gp[i] * in_dtype<T>(x * s);
-        ap[i] = d_act * (s * (1.f + x * (1.f - s)));
+        upp[i] = gp[i] * in_dtype<T>(act);
+        ap[i] = d_act * slope;
       }
       from_float(ap, d_gate + r * width, width);
       from_float(upp, d_up + r * width, width);
@@ -205,21 +219,31 @@ void silu_mul_backward_impl(const T* grad, const T* gate, const T* up, T* d_gate
   });
 }
 
-std::vector<at::Tensor> silu_mul_backward(const at::Tensor& grad, const at::Tensor& gate, const at::Tensor& up) {
-  TORCH_CHECK(gate.dim() == 2, "silu_mul_backward: gate must be [rows, width], got ", gate.sizes());
+template <typename Act>
+std::vector<at::Tensor> activation_mul_backward(const at::Tensor& grad, const at::Tensor& gate, const at::Tensor& up,
+                                                const char* name) {
+  TORCH_CHECK(gate.dim() == 2, name, ": gate must be [rows, width], got ", gate.sizes());
   TORCH_CHECK(grad.is_contiguous() && gate.is_contiguous() && up.is_contiguous() && grad.sizes() == gate.sizes() &&
                   up.sizes() == gate.sizes(),
-              "silu_mul_backward: grad, gate and up must be contiguous and of one shape, got ", grad.sizes(), ", ",
-              gate.sizes(), ", ", up.sizes());
-  TORCH_CHECK(grad.scalar_type() == gate.scalar_type() && up.scalar_type() == gate.scalar_type(),
-              "silu_mul_backward: grad, gate and up must share one dtype");
+              name, ": grad, gate and up must be contiguous and of one shape, got ", grad.sizes(), ", ", gate.sizes(),
+              ", ", up.sizes());
+  TORCH_CHECK(grad.scalar_type() == gate.scalar_type() && up.scalar_type() == gate.scalar_type(), name,
+              ": grad, gate and up must share one dtype");
   auto d_gate = at::empty_like(gate), d_up = at::empty_like(up);
-  DISPATCH_SAMPLER_TYPES(gate.scalar_type(), "silu_mul_backward", [&] {
-    silu_mul_backward_impl<scalar_t>(grad.data_ptr<scalar_t>(), gate.data_ptr<scalar_t>(), up.data_ptr<scalar_t>(),
-                                     d_gate.data_ptr<scalar_t>(), d_up.data_ptr<scalar_t>(), gate.size(0),
-                                     gate.size(1));
+  DISPATCH_SAMPLER_TYPES(gate.scalar_type(), name, [&] {
+    activation_mul_backward_impl<Act, scalar_t>(grad.data_ptr<scalar_t>(), gate.data_ptr<scalar_t>(),
+                                                up.data_ptr<scalar_t>(), d_gate.data_ptr<scalar_t>(),
+                                                d_up.data_ptr<scalar_t>(), gate.size(0), gate.size(1));
   });
   return {d_gate, d_up};
+}
+
+std::vector<at::Tensor> silu_mul_backward(const at::Tensor& grad, const at::Tensor& gate, const at::Tensor& up) {
+  return activation_mul_backward<Silu>(grad, gate, up, "silu_mul_backward");
+}
+
+std::vector<at::Tensor> gelu_tanh_mul_backward(const at::Tensor& grad, const at::Tensor& gate, const at::Tensor& up) {
+  return activation_mul_backward<GeluTanh>(grad, gate, up, "gelu_tanh_mul_backward");
 }
 
 // transformers' rotary embedding (rotate_half convention) of each head of each row, and its

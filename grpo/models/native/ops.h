@@ -49,6 +49,8 @@ at::Tensor silu_mul(const at::Tensor& gate, const at::Tensor& up);
 at::Tensor gelu_tanh_mul(const at::Tensor& gate, const at::Tensor& up);
 at::Tensor rms_norm_backward(const at::Tensor& grad, const at::Tensor& x, const at::Tensor& weight, double eps);
 std::vector<at::Tensor> silu_mul_backward(const at::Tensor& grad, const at::Tensor& gate, const at::Tensor& up);
+std::vector<at::Tensor> gelu_tanh_mul_backward(const at::Tensor& grad, const at::Tensor& gate,
+                                               const at::Tensor& up);
 at::Tensor rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, int64_t heads, bool backward);
 std::vector<at::Tensor> target_logprobs(const at::Tensor& logits, const at::Tensor& targets);
 at::Tensor target_logprobs_backward_(const at::Tensor& grad, at::Tensor& logits, const at::Tensor& targets,

@@ -10,6 +10,7 @@ TORCH_LIBRARY(grpo_native, m) {
   m.def("gelu_tanh_mul(Tensor gate, Tensor up) -> Tensor");
   m.def("rms_norm_backward(Tensor grad, Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("silu_mul_backward(Tensor grad, Tensor gate, Tensor up) -> Tensor[]");
+  m.def("gelu_tanh_mul_backward(Tensor grad, Tensor gate, Tensor up) -> Tensor[]");
   m.def("sample_tokens(Tensor logits, Tensor temperatures, Tensor uniforms) -> Tensor[]");
   m.def("rope(Tensor x, Tensor cos, Tensor sin, int heads, bool backward) -> Tensor");
   m.def("target_logprobs(Tensor logits, Tensor targets) -> Tensor[]");
@@ -53,6 +54,7 @@ TORCH_LIBRARY_IMPL(grpo_native, CPU, m) {
   m.impl("gelu_tanh_mul", grpo_native::gelu_tanh_mul);
   m.impl("rms_norm_backward", grpo_native::rms_norm_backward);
   m.impl("silu_mul_backward", grpo_native::silu_mul_backward);
+  m.impl("gelu_tanh_mul_backward", grpo_native::gelu_tanh_mul_backward);
   m.impl("sample_tokens", grpo_native::sample_tokens);
   m.impl("rope", grpo_native::rope);
   m.impl("target_logprobs", grpo_native::target_logprobs);

@@ -129,6 +129,38 @@ def assert_logprobs_of_a_plain_forward(model, requests_done) -> None:
 ULP = {torch.float32: 2.0**-23, torch.bfloat16: 2.0**-7}
 
 
+# How far a native kernel may be from the eager operators it replaces: float32, sums in another order
+# and 1 / sqrt for rsqrt move the last few bits; bf16, one rounding step lands the other way now and then
+ROUNDING_ULPS = {torch.float32: 8, torch.bfloat16: 1}
+
+
+def assert_within_ulps(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype, ulps: float) -> None:
+    worst = worst_relative_error(got, want)
+    assert worst <= ulps * ULP[dtype], f"{worst:.3g} > {ulps} ulps of {dtype}"
+
+
+def rotary_rows(lengths: torch.Tensor, dim: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's cos and sin ``[rows, dim]`` (rotate_half's layout) at its position ``lengths[r]``."""
+    angle = lengths[:, None].float() * torch.linspace(0.1, 1.0, dim // 2)[None]
+    angle = torch.cat([angle, angle], -1)
+    return angle.cos().to(dtype), angle.sin().to(dtype)
+
+
+def greedy_rows(model, tokenizer) -> list[tuple[list[int], list[float], str]]:
+    """``sampler.generate`` on ``model`` itself: DECODE_PROMPTS, two greedy rows each of up to 16
+    tokens, a seventh of the vocabulary ending a row (so rows finish at different steps): each row's
+    tokens, logprobs and stop reason."""
+    from grpo.backends.local import sampler
+
+    stop = sorted(range(0, len(tokenizer), 7))
+    requests = [sampler.GenerationRequest(p, 2, types.SamplingParams(max_tokens=16, temperature=0.0, seed=5 + i,
+                                                                     stop=stop))
+                for i, p in enumerate(DECODE_PROMPTS)]
+    with torch.inference_mode():
+        sampler.generate(model, requests, tokenizer, torch.device("cpu"))
+    return [(list(s.tokens), list(s.logprobs), s.stop_reason) for r in requests for s in r.sequences]
+
+
 def worst_relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
     """The largest difference relative to the reference's scale (its mean magnitude at least)."""
     got, want = got.float(), want.float()

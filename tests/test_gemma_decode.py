@@ -13,34 +13,23 @@ import pytest
 import torch
 from backend_helpers import (
     DECODE_PROMPTS,
-    ULP,
+    ROUNDING_ULPS,
     assert_greedy_alike,
+    assert_within_ulps,
+    greedy_rows,
     perturb_adapter,
+    rotary_rows,
     sample_each,
-    worst_relative_error,
 )
 from transformers import Gemma3TextConfig
 from transformers.models.gemma3.modeling_gemma3 import Gemma3ForCausalLM, Gemma3RMSNorm
 
-from grpo.backends.local import ServiceClient, gemma_decode, sampler
+from grpo.backends.local import ServiceClient, gemma_decode
 from grpo.models import native_kernels
-from grpo.types import ModelInput, SamplingParams
+from grpo.types import ModelInput
 
 DTYPES = [torch.float32, torch.bfloat16]
-# float32: sums in another order and 1 / sqrt for rsqrt move the last few bits; bf16: one rounding
-# step lands the other way now and then
-ROUNDING_ULPS = {torch.float32: 8, torch.bfloat16: 1}
 CPU = torch.device("cpu")
-
-
-@pytest.fixture
-def ops(native_ops):
-    return native_ops
-
-
-def _within(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype, ulps: float) -> None:
-    worst = worst_relative_error(got, want)
-    assert worst <= ulps * ULP[dtype], f"{worst:.3g} > {ulps} ulps of {dtype}"
 
 
 def _norm(dim: int, dtype: torch.dtype, seed: int) -> Gemma3RMSNorm:
@@ -52,7 +41,7 @@ def _norm(dim: int, dtype: torch.dtype, seed: int) -> Gemma3RMSNorm:
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_add_zero_centred_norms_is_gemmas_post_norm_the_residual_add_and_the_next_pre_norm(ops, dtype) -> None:
+def test_add_zero_centred_norms_is_gemmas_post_norm_the_residual_add_and_the_next_pre_norm(native_ops, dtype) -> None:
     torch.manual_seed(0)
     post, pre = _norm(48, dtype, 1), _norm(48, dtype, 2)
     residual = torch.randn(5, 48, dtype=dtype) * 3
@@ -61,32 +50,32 @@ def test_add_zero_centred_norms_is_gemmas_post_norm_the_residual_add_and_the_nex
     with torch.no_grad():
         want_hidden = residual + post(x)
         want_normed = pre(want_hidden)
-    hidden, normed = ops.add_zero_centred_norms(residual, x, post.weight, pre.weight, 1e-6)
-    _within(hidden, want_hidden, dtype, ulps=ROUNDING_ULPS[dtype])
-    _within(normed, want_normed, dtype, ulps=2 * ROUNDING_ULPS[dtype])  # (two norms' roundings)
+    hidden, normed = native_ops.add_zero_centred_norms(residual, x, post.weight, pre.weight, 1e-6)
+    assert_within_ulps(hidden, want_hidden, dtype, ulps=ROUNDING_ULPS[dtype])
+    assert_within_ulps(normed, want_normed, dtype, ulps=2 * ROUNDING_ULPS[dtype])  # (two norms' roundings)
     assert not torch.equal(normed, Gemma3RMSNorm(48, eps=1e-6).to(dtype)(hidden))  # (the weight is used)
     with pytest.raises(RuntimeError, match=r"add_zero_centred_norms: weight must be a contiguous \[48\]"):
-        ops.add_zero_centred_norms(residual, x, post.weight[:24], pre.weight, 1e-6)
+        native_ops.add_zero_centred_norms(residual, x, post.weight[:24], pre.weight, 1e-6)
     with pytest.raises(RuntimeError, match=r"add_zero_centred_norms: x: expected \[5, 48\]"):
-        ops.add_zero_centred_norms(residual, wide, post.weight, pre.weight, 1e-6)
+        native_ops.add_zero_centred_norms(residual, wide, post.weight, pre.weight, 1e-6)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_gelu_tanh_mul_is_gemmas_activation_times_up(ops, dtype) -> None:
+def test_gelu_tanh_mul_is_gemmas_activation_times_up(native_ops, dtype) -> None:
     torch.manual_seed(1)
     gate_up = torch.randn(6, 2 * 80, dtype=dtype) * 4
     gate_up[0, :8] = torch.tensor([-30.0, -12.0, -1e-3, 0.0, 1e-3, 2.0, 12.0, 30.0])  # the tails and around 0
     gate, up = gate_up[:, :80], gate_up[:, 80:]
     want = torch.nn.functional.gelu(gate, approximate="tanh") * up
     # (x sigmoid(2u) for 0.5 x (1 + tanh(u)): a few float ulps; a bf16 rounding lands the other way now and then)
-    _within(ops.gelu_tanh_mul(gate, up), want, dtype, ulps=2 if dtype == torch.bfloat16 else 64)
+    assert_within_ulps(native_ops.gelu_tanh_mul(gate, up), want, dtype, ulps=2 if dtype == torch.bfloat16 else 64)
     with pytest.raises(RuntimeError, match="gelu_tanh_mul: gate and up differ in dtype"):
-        ops.gelu_tanh_mul(gate, up.double())
+        native_ops.gelu_tanh_mul(gate, up.double())
 
 
 @pytest.mark.parametrize("dim", [40, 256])  # 256: Gemma 3's, compiled as a fixed length; 40 the general loops
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_rope_attend_normalises_each_head_of_q_and_k_as_gemmas_norms_do(ops, dtype, dim) -> None:
+def test_rope_attend_normalises_each_head_of_q_and_k_as_gemmas_norms_do(native_ops, dtype, dim) -> None:
     """Gemma 3's q_norm and k_norm scale by 1 + weight in float32 and round once (Qwen3's round
     before the weight): rope_attend told so writes the keys the zero-centred norm kernel's heads
     rotate to, to the bit, and those are Gemma3RMSNorm's to rounding."""
@@ -95,22 +84,21 @@ def test_rope_attend_normalises_each_head_of_q_and_k_as_gemmas_norms_do(ops, dty
     lengths = torch.tensor([5, 0, 23])
     q = torch.randn(rows, heads * dim, dtype=dtype) * 3
     k, v = torch.randn(rows, kv_heads * dim, dtype=dtype) * 3, torch.randn(rows, kv_heads * dim, dtype=dtype)
-    angle = lengths[:, None].float() * torch.linspace(0.1, 1.0, dim // 2)[None]
-    cos, sin = torch.cat([angle, angle], -1).cos().to(dtype), torch.cat([angle, angle], -1).sin().to(dtype)
+    cos, sin = rotary_rows(lengths, dim, dtype)
     q_norm, k_norm = _norm(dim, dtype, 4), _norm(dim, dtype, 5)
-    kernel_q = ops.zero_centred_rms_norm(q.view(-1, dim), q_norm.weight.detach(), 1e-6).view(rows, -1)
-    kernel_k = ops.zero_centred_rms_norm(k.view(-1, dim), k_norm.weight.detach(), 1e-6).view(rows, -1)
+    kernel_q = native_ops.zero_centred_rms_norm(q.view(-1, dim), q_norm.weight.detach(), 1e-6).view(rows, -1)
+    kernel_k = native_ops.zero_centred_rms_norm(k.view(-1, dim), k_norm.weight.detach(), 1e-6).view(rows, -1)
     with torch.no_grad():
-        _within(kernel_q, q_norm(q.view(rows, heads, dim)).reshape(rows, -1), dtype, ulps=ROUNDING_ULPS[dtype])
+        assert_within_ulps(kernel_q, q_norm(q.view(rows, heads, dim)).reshape(rows, -1), dtype, ulps=ROUNDING_ULPS[dtype])
     keys = torch.randn(rows, kv_heads, capacity, dim, dtype=dtype)
     values = torch.randn(rows, kv_heads, capacity, dim, dtype=dtype)
     theirs_k, theirs_v, ours_k, ours_v = keys.clone(), values.clone(), keys.clone(), values.clone()
-    want = ops.rope_attend(kernel_q, kernel_k, v, cos, sin, theirs_k, theirs_v, lengths, heads, 256**-0.5)
-    got = ops.rope_attend(q, k, v, cos, sin, ours_k, ours_v, lengths, heads, 256**-0.5, q_norm=q_norm.weight.detach(),
+    want = native_ops.rope_attend(kernel_q, kernel_k, v, cos, sin, theirs_k, theirs_v, lengths, heads, 256**-0.5)
+    got = native_ops.rope_attend(q, k, v, cos, sin, ours_k, ours_v, lengths, heads, 256**-0.5, q_norm=q_norm.weight.detach(),
                           k_norm=k_norm.weight.detach(), norm_eps=1e-6, zero_centred_norms=True)
     assert torch.equal(ours_k, theirs_k) and torch.equal(ours_v, theirs_v) and not torch.equal(ours_k, keys)
     assert torch.equal(got, want)
-    qwen3s = ops.rope_attend(q, k, v, cos, sin, keys.clone(), values.clone(), lengths, heads, 256**-0.5,
+    qwen3s = native_ops.rope_attend(q, k, v, cos, sin, keys.clone(), values.clone(), lengths, heads, 256**-0.5,
                              q_norm=q_norm.weight.detach(), k_norm=k_norm.weight.detach(), norm_eps=1e-6)
     assert not torch.equal(qwen3s, got)  # (the flag is what makes them Gemma's)
 
@@ -118,7 +106,7 @@ def test_rope_attend_normalises_each_head_of_q_and_k_as_gemmas_norms_do(ops, dty
 @pytest.mark.parametrize("dot", [False, True])
 @pytest.mark.parametrize("dim", [40, 256])
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_rope_attend_with_a_window_attends_each_rows_last_columns_only(ops, dtype, dim, dot) -> None:
+def test_rope_attend_with_a_window_attends_each_rows_last_columns_only(native_ops, dtype, dim, dot) -> None:
     """A sliding layer's row sees its last ``window`` columns: the same outputs, to the bit, as the
     call without a window on a cache holding only those columns (the rotation comes from cos and sin,
     not the column), and the columns before them are never mixed in (they hold huge values here)."""
@@ -127,8 +115,7 @@ def test_rope_attend_with_a_window_attends_each_rows_last_columns_only(ops, dtyp
     lengths = torch.tensor([3, 6, 17, 39])  # the first two inside their window, the others past it
     q = torch.randn(rows, heads * dim, dtype=dtype)
     k, v = torch.randn(rows, kv_heads * dim, dtype=dtype), torch.randn(rows, kv_heads * dim, dtype=dtype)
-    angle = lengths[:, None].float() * torch.linspace(0.1, 1.0, dim // 2)[None]
-    cos, sin = torch.cat([angle, angle], -1).cos().to(dtype), torch.cat([angle, angle], -1).sin().to(dtype)
+    cos, sin = rotary_rows(lengths, dim, dtype)
     keys = torch.randn(rows, kv_heads, capacity, dim, dtype=dtype)
     values = torch.randn(rows, kv_heads, capacity, dim, dtype=dtype)
     first = (lengths + 1 - window).clamp(min=0)  # each row's first column in its window
@@ -138,14 +125,14 @@ def test_rope_attend_with_a_window_attends_each_rows_last_columns_only(ops, dtyp
     for r in range(rows):  # the window's columns (the new one's included) from column 0
         shifted_k[r, :, :lengths[r] - first[r]] = keys[r, :, first[r]:lengths[r]]
         shifted_v[r, :, :lengths[r] - first[r]] = values[r, :, first[r]:lengths[r]]
-    want = ops.rope_attend(q, k, v, cos, sin, shifted_k, shifted_v, lengths - first, heads, dim**-0.5, dot=dot)
-    got = ops.rope_attend(q, k, v, cos, sin, keys, values, lengths, heads, dim**-0.5, dot=dot, window=window)
+    want = native_ops.rope_attend(q, k, v, cos, sin, shifted_k, shifted_v, lengths - first, heads, dim**-0.5, dot=dot)
+    got = native_ops.rope_attend(q, k, v, cos, sin, keys, values, lengths, heads, dim**-0.5, dot=dot, window=window)
     assert torch.equal(got, want)
     assert torch.equal(keys[torch.arange(rows), :, lengths], shifted_k[torch.arange(rows), :, lengths - first])
-    unwindowed = ops.rope_attend(q, k, v, cos, sin, keys.clone(), values.clone(), lengths, heads, dim**-0.5, dot=dot)
+    unwindowed = native_ops.rope_attend(q, k, v, cos, sin, keys.clone(), values.clone(), lengths, heads, dim**-0.5, dot=dot)
     assert torch.equal(unwindowed[:2], got[:2]) and not torch.equal(unwindowed[2:], got[2:])
     with pytest.raises(RuntimeError, match="rope_attend: window must be 0 \\(none\\) or the number of columns"):
-        ops.rope_attend(q, k, v, cos, sin, keys, values, lengths, heads, 1.0, window=-1)
+        native_ops.rope_attend(q, k, v, cos, sin, keys, values, lengths, heads, 1.0, window=-1)
 
 
 def _tiny_gemma3(vocab: int, dtype: torch.dtype, head_dim: int = 256, window: int = 512) -> Gemma3ForCausalLM:
@@ -166,30 +153,20 @@ def _tiny_gemma3(vocab: int, dtype: torch.dtype, head_dim: int = 256, window: in
 
 @pytest.mark.parametrize(("head_dim", "window"), [(256, 512), (16, 512), (256, 6), (16, 6)])
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_the_sampler_decodes_gemma3_through_the_kernels_as_through_its_own_forward(tokenizer, monkeypatch, ops,
+def test_the_sampler_decodes_gemma3_through_the_kernels_as_through_its_own_forward(tokenizer, monkeypatch, native_ops,
                                                                                    dtype, head_dim, window) -> None:
     """Greedy, rows stopping at different steps (riding along after), a group's prompt shared; with
     a window of 512 no row reaches, and of 6, which every row outgrows (prompts of 3-19 tokens, 16
     sampled): the tokens and logprobs of the model's own forward (the kernels switched off) up to
     near-ties."""
     model = _tiny_gemma3(len(tokenizer), dtype, head_dim, window)
-    stop = sorted(frozenset(range(0, len(tokenizer), 7)))  # a seventh of the vocabulary ends a row
     decoders: list = []
     found = gemma_decode.gemma_decoder
     monkeypatch.setattr(gemma_decode, "gemma_decoder", lambda *a: decoders.append(found(*a)) or decoders[-1])
-
-    def run() -> list[tuple[list[int], list[float], str]]:
-        requests = [sampler.GenerationRequest(p, 2, SamplingParams(max_tokens=16, temperature=0.0, seed=5 + i,
-                                                                   stop=stop))
-                    for i, p in enumerate(DECODE_PROMPTS)]
-        with torch.inference_mode():
-            sampler.generate(model, requests, tokenizer, CPU)
-        return [(list(s.tokens), list(s.logprobs), s.stop_reason) for r in requests for s in r.sequences]
-
-    native = run()
+    native = greedy_rows(model, tokenizer)
     assert decoders and all(type(d) is gemma_decode.GemmaDecoder for d in decoders)
     monkeypatch.setenv(native_kernels.ENV_SWITCH, "off")
-    eager = run()
+    eager = greedy_rows(model, tokenizer)
     assert decoders[-1] is None
     assert len({len(tokens) for tokens, *_ in eager}) > 1  # rows finished at different steps
     assert_greedy_alike(native, eager, bound=1e-4 if dtype == torch.float32 else 0.1)
@@ -223,7 +200,7 @@ def test_a_gemma3_through_the_client_samples_logprobs_the_trainer_computes(tmp_p
     service.close()
 
 
-def test_models_outside_what_the_step_computes_keep_the_models_own_forward(tokenizer, monkeypatch, ops) -> None:
+def test_models_outside_what_the_step_computes_keep_the_models_own_forward(tokenizer, monkeypatch, native_ops) -> None:
     vocab = len(tokenizer)
     model = _tiny_gemma3(vocab, torch.bfloat16, head_dim=16, window=64)
     assert type(gemma_decode.gemma_decoder(model, CPU)) is gemma_decode.GemmaDecoder

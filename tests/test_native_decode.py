@@ -11,12 +11,13 @@ from __future__ import annotations
 import pytest
 import torch
 from backend_helpers import (
-    DECODE_PROMPTS,
-    ULP,
+    ROUNDING_ULPS,
     assert_greedy_alike,
+    assert_within_ulps,
+    greedy_rows,
     perturb_adapter,
+    rotary_rows,
     sample_each,
-    worst_relative_error,
 )
 from transformers import LlamaConfig
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
@@ -25,22 +26,13 @@ from transformers.models.llama.modeling_llama import LlamaRMSNorm, apply_rotary_
 from grpo.backends.local import ServiceClient, native_decode, sampler
 from grpo.models import native_kernels
 from grpo.models.cpu_linear import packing_works, stream_dot_available
-from grpo.types import SamplingParams
 
 DTYPES = [torch.float32, torch.bfloat16]
-# float32: sums in another order and 1 / sqrt for rsqrt move the last few bits; bf16: one rounding
-# step lands the other way now and then
-ROUNDING_ULPS = {torch.float32: 8, torch.bfloat16: 1}
 
 
 @pytest.fixture
 def ops(native_ops):
     return native_ops
-
-
-def _within(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype, ulps: float) -> None:
-    worst = worst_relative_error(got, want)
-    assert worst <= ulps * ULP[dtype], f"{worst:.3g} > {ulps} ulps of {dtype}"
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -51,13 +43,13 @@ def test_add_rms_norm_is_the_residual_add_and_llamas_rms_norm(ops, dtype) -> Non
     residual, x = torch.randn(5, 48, dtype=dtype) * 3, torch.randn(5, 48, dtype=dtype)
     hidden, normed = ops.add_rms_norm(residual, x, norm.weight, norm.variance_epsilon)
     assert torch.equal(hidden, residual + x)  # one rounding of the sum either way
-    _within(normed, norm(residual + x), dtype, ulps=ROUNDING_ULPS[dtype])
+    assert_within_ulps(normed, norm(residual + x), dtype, ulps=ROUNDING_ULPS[dtype])
     same, alone = ops.add_rms_norm(residual, None, norm.weight, norm.variance_epsilon)
     assert same is residual  # no add: the residual is returned as it is
-    _within(alone, norm(residual), dtype, ulps=ROUNDING_ULPS[dtype])
+    assert_within_ulps(alone, norm(residual), dtype, ulps=ROUNDING_ULPS[dtype])
     # rows of a wider tensor (a view with a row stride), as a stacked projection's slice
     wide = torch.randn(5, 96, dtype=dtype)
-    _within(ops.add_rms_norm(wide[:, 48:], None, norm.weight, 1e-5)[1], norm(wide[:, 48:]), dtype, ulps=ROUNDING_ULPS[dtype])
+    assert_within_ulps(ops.add_rms_norm(wide[:, 48:], None, norm.weight, 1e-5)[1], norm(wide[:, 48:]), dtype, ulps=ROUNDING_ULPS[dtype])
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -65,7 +57,7 @@ def test_silu_mul_is_llamas_activation_times_up(ops, dtype) -> None:
     torch.manual_seed(1)
     gate_up = torch.randn(6, 2 * 80, dtype=dtype) * 4
     gate, up = gate_up[:, :80], gate_up[:, 80:]
-    _within(ops.silu_mul(gate, up), torch.nn.functional.silu(gate) * up, dtype, ulps=ROUNDING_ULPS[dtype])
+    assert_within_ulps(ops.silu_mul(gate, up), torch.nn.functional.silu(gate) * up, dtype, ulps=ROUNDING_ULPS[dtype])
 
 
 def _eager_step(q, k, v, cos, sin, keys, values, lengths, heads, scale):
@@ -103,15 +95,14 @@ def test_rope_attend_is_rotary_cache_write_and_grouped_query_attention(ops, dtyp
     q = torch.randn(rows, heads * dim, dtype=dtype)
     kv = torch.randn(rows, 2 * kv_heads * dim, dtype=dtype)  # k and v side by side, as a stacked product
     k, v = kv[:, :kv_heads * dim], kv[:, kv_heads * dim:]
-    angle = lengths[:, None].float() * torch.linspace(0.1, 1.0, dim // 2)[None]
-    cos, sin = torch.cat([angle, angle], -1).cos().to(dtype), torch.cat([angle, angle], -1).sin().to(dtype)
+    cos, sin = rotary_rows(lengths, dim, dtype)
     keys = torch.randn(rows + 1, kv_heads, capacity, dim, dtype=dtype)  # a spare slot beyond the rows
     values = torch.randn(rows + 1, kv_heads, capacity, dim, dtype=dtype)
     ours_k, ours_v = keys.clone(), values.clone()
     want = _eager_step(q, k, v, cos, sin, keys, values, lengths, heads, dim**-0.5)
     got = ops.rope_attend(q, k, v, cos, sin, ours_k, ours_v, lengths, heads, dim**-0.5, dot=dot)
     assert torch.equal(ours_k, keys) and torch.equal(ours_v, values)  # the same writes, the same rounding
-    _within(got, want, dtype, ulps=2 if dtype == torch.bfloat16 else 64)
+    assert_within_ulps(got, want, dtype, ulps=2 if dtype == torch.bfloat16 else 64)
 
 
 @pytest.mark.parametrize("dim", [40, 128])
@@ -127,8 +118,7 @@ def test_rope_attend_normalises_each_head_of_q_and_k_as_qwen3s_norms_do(ops, dty
     lengths = torch.tensor([5, 0, 23])
     q = torch.randn(rows, heads * dim, dtype=dtype) * 3
     k, v = torch.randn(rows, kv_heads * dim, dtype=dtype) * 3, torch.randn(rows, kv_heads * dim, dtype=dtype)
-    angle = lengths[:, None].float() * torch.linspace(0.1, 1.0, dim // 2)[None]
-    cos, sin = torch.cat([angle, angle], -1).cos().to(dtype), torch.cat([angle, angle], -1).sin().to(dtype)
+    cos, sin = rotary_rows(lengths, dim, dtype)
     q_norm, k_norm = Qwen3RMSNorm(dim, eps=1e-6).to(dtype), Qwen3RMSNorm(dim, eps=1e-6).to(dtype)
     with torch.no_grad():
         q_norm.weight.uniform_(0.5, 1.5)
@@ -144,8 +134,8 @@ def test_rope_attend_normalises_each_head_of_q_and_k_as_qwen3s_norms_do(ops, dty
     assert torch.equal(ours_v, theirs_v) and not torch.equal(ours_k, keys)  # (the rows' new columns written)
     # the kernel's sum of squares in another order than PyTorch's mean, and 1 / sqrt for rsqrt: float32's
     # last bits move, and now and then a bf16 rounding lands the other way
-    _within(ours_k, theirs_k, dtype, ulps=ROUNDING_ULPS[dtype])
-    _within(got, want, dtype, ulps=2 if dtype == torch.bfloat16 else 64)
+    assert_within_ulps(ours_k, theirs_k, dtype, ulps=ROUNDING_ULPS[dtype])
+    assert_within_ulps(got, want, dtype, ulps=2 if dtype == torch.bfloat16 else 64)
     with pytest.raises(RuntimeError, match="q_norm and k_norm go together"):
         ops.rope_attend(q, k, v, cos, sin, ours_k, ours_v, lengths, heads, 1.0, q_norm=q_norm.weight.detach())
     with pytest.raises(RuntimeError, match=rf"q_norm and k_norm must be contiguous CPU \[{dim}\] tensors"):
@@ -425,23 +415,13 @@ def test_a_model_with_smollm2s_head_shapes_samples_alike_with_and_without_the_ke
             if name.endswith("norm.weight"):
                 parameter.uniform_(0.5, 1.5)
     model = model.to(dtype).eval()
-    prompts = DECODE_PROMPTS
-    stop = frozenset(range(0, len(tokenizer), 7))  # a seventh of the vocabulary ends a row
-
-    def run() -> list[tuple[list[int], list[float], str]]:
-        requests = [sampler.GenerationRequest(p, 2, SamplingParams(max_tokens=16, temperature=0.0, seed=5 + i,
-                                                                   stop=sorted(stop)))
-                    for i, p in enumerate(prompts)]
-        with torch.inference_mode():
-            sampler.generate(model, requests, tokenizer, torch.device("cpu"))
-        return [(list(s.tokens), list(s.logprobs), s.stop_reason) for r in requests for s in r.sequences]
 
     from grpo.backends.local.lean_decode import lean_decoder
 
     assert type(native_decode.native_decoder(lean_decoder(model), torch.device("cpu"))) is native_decode.NativeDecoder
-    native = run()
+    native = greedy_rows(model, tokenizer)
     monkeypatch.setenv(native_kernels.ENV_SWITCH, "off")
-    eager = run()
+    eager = greedy_rows(model, tokenizer)
     assert len({len(tokens) for tokens, *_ in eager}) > 1  # rows finished at different steps, riding along after
     assert_greedy_alike(native, eager, bound=1e-4 if dtype == torch.float32 else 0.1)
 

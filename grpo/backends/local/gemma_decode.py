@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from grpo.backends.local.kv_cache import SlotCache, attention_layers
-from grpo.backends.local.lean_decode import _stacked
+from grpo.backends.local.lean_decode import stacked_groups
 from grpo.models import native_kernels
 
 DTYPES = (torch.float32, torch.bfloat16)
@@ -48,8 +48,7 @@ class GemmaDecoder:
         self.heads = int(causal_lm.config.num_attention_heads)
         self.kinds = attention_layers(causal_lm.config)[0]  # each layer's kind: its rotary table
         self.softcap = causal_lm.config.final_logit_softcapping
-        self.groups = [(_stacked(layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj),
-                        _stacked(layer.mlp.gate_proj, layer.mlp.up_proj)) for layer in self.decoder.layers]
+        self.groups = stacked_groups(self.decoder.layers)  # (q/k/v, gate/up: one product each where stacked)
         self._tables: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         self.eps = float(causal_lm.config.rms_norm_eps)  # (every norm's: gemma_decoder checked)
         # GELU's tanh approximation through the kernel (every Gemma 3 checkpoint's); another activation eager

@@ -50,8 +50,7 @@ class LeanDecoder:
         self.kinds = attention_layers(causal_lm.config)[0]
         # each layer's stacked q/k/v and gate/up groups (None: its own Linears), fixed for the
         # sampling call this decoder is made for
-        self.groups = [(_stacked(layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj),
-                        _stacked(layer.mlp.gate_proj, layer.mlp.up_proj)) for layer in self.decoder.layers]
+        self.groups = stacked_groups(self.decoder.layers)
 
     def __call__(self, input_ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor,
                  cache: SlotCache) -> torch.Tensor:
@@ -83,6 +82,13 @@ class LeanDecoder:
             hidden = residual + mlp.down_proj(mlp.act_fn(gate) * up)
         hidden = decoder.norm.forward(hidden)
         return self.causal_lm.lm_head(hidden)[:, -1].float()
+
+
+def stacked_groups(layers) -> list[tuple[FusedProjections | None, FusedProjections | None]]:
+    """Each decoder layer's stacked q/k/v and gate/up groups (None: its own Linears), as the
+    sampler stacked them (fused_projections.py)."""
+    return [(_stacked(layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj),
+             _stacked(layer.mlp.gate_proj, layer.mlp.up_proj)) for layer in layers]
 
 
 def _stacked(*members: nn.Module) -> FusedProjections | None:

@@ -168,7 +168,7 @@ def generate(model, requests: list[GenerationRequest], tokenizer, device: torch.
         # without graphs the GPU runs the model's own forward, as before graphs: the lean step
         # eager measured no faster there (1.77 against 1.59 s a sampling call on an H100)
         lean = None
-    elif lean is not None:  # on a CPU, the step's non-matmul work in native kernels where they build (native_decode.py)
+    elif lean is not None:  # on a CPU, the step's non-matmul work in native kernels where built (native_decode.py)
         lean = native_decode.native_decoder(lean, device)
     else:  # (Gemma 3's layers: gemma_decode.py; any other family's, None: the model's own forward)
         lean = gemma_decode.gemma_decoder(model, device)

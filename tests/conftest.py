@@ -14,6 +14,9 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("WANDB_SILENT", "true")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# The Tinker SDK sends telemetry to its service unless told not to: a test talking to grpo.serve
+# in-process otherwise logged a failed connection's traceback into the suite's output
+os.environ.setdefault("TINKER_TELEMETRY", "0")
 # ``auto`` precision is fp32 on a CPU without timing the model (grpo/models/dtype_probe.py): what a
 # test computes must not depend on this machine's timing, nor write to the user's cache.
 # tests/test_precision.py turns the probe on with fake and real timers.

@@ -31,6 +31,8 @@ from torch import nn
 
 from grpo.backends.local.kv_cache import SlotCache, attention_layers
 from grpo.backends.local.lean_decode import stacked_groups
+from grpo.backends.local.native_decode import RotaryTable
+from grpo.backends.local.native_layers import is_gelu_tanh
 from grpo.models import native_kernels
 
 DTYPES = (torch.float32, torch.bfloat16)
@@ -49,17 +51,18 @@ class GemmaDecoder:
         self.kinds = attention_layers(causal_lm.config)[0]  # each layer's kind: its rotary table
         self.softcap = causal_lm.config.final_logit_softcapping
         self.groups = stacked_groups(self.decoder.layers)  # (q/k/v, gate/up: one product each where stacked)
-        self._tables: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        # each kind's rotary rows (sliding and full layers rotate by their own frequencies)
+        self.rotary = {kind: RotaryTable(self.decoder.rotary_emb, kind) for kind in set(self.kinds)}
         self.eps = float(causal_lm.config.rms_norm_eps)  # (every norm's: gemma_decoder checked)
         # GELU's tanh approximation through the kernel (every Gemma 3 checkpoint's); another activation eager
-        self.gelu_tanh = all(_gelu_tanh(layer.mlp.act_fn) for layer in self.decoder.layers)
+        self.gelu_tanh = all(is_gelu_tanh(layer.mlp.act_fn) for layer in self.decoder.layers)
 
     def __call__(self, input_ids: torch.Tensor, mask, positions: torch.Tensor, cache: SlotCache) -> torch.Tensor:
         ops, decoder, layers = self.ops, self.decoder, self.decoder.layers
         # Modules' ``forward`` is called directly where their ``__call__`` would only add hooks
         hidden = decoder.embed_tokens.forward(input_ids)[:, 0]  # [rows, hidden], scaled by sqrt(hidden)
         lengths = cache.step.lengths_tensor  # each row's new column: its position
-        rotary = {kind: self._cos_sin(kind, hidden, positions[:, 0], cache.step.capacity) for kind in set(self.kinds)}
+        rotary = {kind: table.rows(hidden, positions[:, 0], cache.step.capacity) for kind, table in self.rotary.items()}
         x = layers[0].input_layernorm.forward(hidden)
         for index, (layer, (qkv, gate_up)) in enumerate(zip(layers, self.groups, strict=True)):
             attn, mlp = layer.self_attn, layer.mlp
@@ -84,17 +87,6 @@ class GemmaDecoder:
         if self.softcap is not None:  # (as Gemma3ForCausalLM.forward, in the model's dtype)
             logits = torch.tanh(logits / self.softcap) * self.softcap
         return logits.float()
-
-    def _cos_sin(self, kind: str, hidden: torch.Tensor, positions: torch.Tensor, capacity: int
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Each row's rotary cos and sin for layers of ``kind`` ``[rows, head_dim]``: rows of a table
-        the model's rotary embedding computed once for every column (each a function of its position
-        alone, gemma_decoder checked), as NativeDecoder's."""
-        table = self._tables.get(kind)
-        if table is None or table[0].shape[0] < capacity or table[0].dtype != hidden.dtype:
-            cos, sin = self.decoder.rotary_emb(hidden[:1], torch.arange(capacity, device=hidden.device)[None], kind)
-            table = self._tables[kind] = (cos[0], sin[0])
-        return table[0].index_select(0, positions), table[1].index_select(0, positions)
 
 
 def gemma_decoder(model: nn.Module, device: torch.device) -> GemmaDecoder | None:
@@ -142,11 +134,3 @@ def gemma_decoder(model: nn.Module, device: torch.device) -> GemmaDecoder | None
     ops = native_kernels.kernels()  # None where switched off or not built
     return None if ops is None else GemmaDecoder(causal_lm, ops)
 
-
-def _gelu_tanh(act: nn.Module) -> bool:
-    """Whether ``act`` is PyTorch's GELU with the tanh approximation (Gemma's ``gelu_pytorch_tanh``)."""
-    from transformers.activations import GELUTanh
-
-    inner = getattr(act, "act", None)
-    return (type(act) is GELUTanh and getattr(inner, "func", None) is torch.nn.functional.gelu
-            and getattr(inner, "keywords", None) == {"approximate": "tanh"})

@@ -46,7 +46,7 @@ class NativeDecoder(LeanDecoder):
         self.ops = ops
         self.heads = int(causal_lm.config.num_attention_heads)
         self.plan = _one_call_plan(self) if ONE_CALL else None
-        self._rotary_table: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._rotary_table = RotaryTable(self.decoder.rotary_emb)
 
     def __call__(self, input_ids: torch.Tensor, mask: torch.Tensor | None, positions: torch.Tensor,
                  cache: SlotCache) -> torch.Tensor:
@@ -94,12 +94,27 @@ class NativeDecoder(LeanDecoder):
         if "dynamic" in kind or kind == "longrope":
             cos, sin = rotary(hidden, positions)
             return cos[:, 0], sin[:, 0]
-        table = self._rotary_table
+        return self._rotary_table.rows(hidden, positions[:, 0], capacity)
+
+
+class RotaryTable:
+    """Rows' rotary cos and sin as rows of a table ``rotary(hidden, positions, *args)`` computed once
+    for every column of the sampling call's cache (a model's rotary embedding, and for Gemma 3 the
+    layer kind whose frequencies it takes): valid for embeddings whose cos and sin are a function of
+    the position alone, which the decoders check."""
+
+    def __init__(self, rotary, *args):
+        self.rotary, self.args = rotary, args
+        self.table: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def rows(self, hidden: torch.Tensor, positions: torch.Tensor, capacity: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin ``[rows, head_dim]`` at ``positions`` ``[rows]``, in ``hidden``'s dtype; the
+        table is made again where it is shorter than ``capacity`` or of another dtype."""
+        table = self.table
         if table is None or table[0].shape[0] < capacity or table[0].dtype != hidden.dtype:
-            cos, sin = rotary(hidden[:1], torch.arange(capacity, device=hidden.device)[None])
-            table = self._rotary_table = (cos[0], sin[0])
-        rows = positions[:, 0]
-        return table[0].index_select(0, rows), table[1].index_select(0, rows)
+            cos, sin = self.rotary(hidden[:1], torch.arange(capacity, device=hidden.device)[None], *self.args)
+            table = self.table = (cos[0], sin[0])
+        return table[0].index_select(0, positions), table[1].index_select(0, positions)
 
 
 class _Plan:

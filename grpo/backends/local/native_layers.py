@@ -356,7 +356,7 @@ def _is_gated_rms_norm(module: nn.Module) -> bool:
 def _gated_mlp_activation(module: nn.Module) -> str | None:
     """"silu" or "gelu_tanh" for an MLP of gate, up and down projections with that activation
     (Llama's, Gemma's), else None."""
-    from transformers.activations import GELUTanh, SiLUActivation
+    from transformers.activations import SiLUActivation
 
     if not (all(isinstance(getattr(module, name, None), nn.Module) for name in ("gate_proj", "up_proj", "down_proj"))
             and isinstance(getattr(module.gate_proj, "in_features", None), int)):
@@ -364,11 +364,16 @@ def _gated_mlp_activation(module: nn.Module) -> str | None:
     act = getattr(module, "act_fn", None)
     if type(act) in (SiLUActivation, nn.SiLU):
         return "silu"
+    return "gelu_tanh" if is_gelu_tanh(act) else None
+
+
+def is_gelu_tanh(act) -> bool:
+    """Whether ``act`` is PyTorch's GELU with the tanh approximation (Gemma's ``gelu_pytorch_tanh``)."""
+    from transformers.activations import GELUTanh
+
     inner = getattr(act, "act", None)  # (GELUTanh's partial of F.gelu)
-    if (type(act) is GELUTanh and getattr(inner, "func", None) is torch.nn.functional.gelu
-            and getattr(inner, "keywords", None) == {"approximate": "tanh"}):
-        return "gelu_tanh"
-    return None
+    return (type(act) is GELUTanh and getattr(inner, "func", None) is torch.nn.functional.gelu
+            and getattr(inner, "keywords", None) == {"approximate": "tanh"})
 
 
 def _route(module: nn.Module):

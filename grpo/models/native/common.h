@@ -130,9 +130,11 @@ inline float vexp(float x) {
 
 inline float sigmoid(float x) { return 1.f / (1.f + vexp(-x)); }
 
-inline void check_rows(const at::Tensor& t, int64_t rows, int64_t width, const char* what) {
-  TORCH_CHECK(t.device().is_cpu(), what, ": a CPU tensor is expected");
-  TORCH_CHECK(t.dim() == 2 && t.size(0) == rows && t.size(1) == width && t.stride(1) == 1, what,
+// `what`, then `operand` (a kernel's name, then which of its inputs: ": gate"), name the tensor in the
+// message, which is put together only where a check fails
+inline void check_rows(const at::Tensor& t, int64_t rows, int64_t width, const char* what, const char* operand = "") {
+  TORCH_CHECK(t.device().is_cpu(), what, operand, ": a CPU tensor is expected");
+  TORCH_CHECK(t.dim() == 2 && t.size(0) == rows && t.size(1) == width && t.stride(1) == 1, what, operand,
               ": expected [", rows, ", ", width, "] with contiguous rows, got ", t.sizes(), " strides ", t.strides());
 }
 

@@ -127,8 +127,8 @@ template <typename Act>
 at::Tensor activation_mul(const at::Tensor& gate, const at::Tensor& up, const char* name) {
   TORCH_CHECK(gate.dim() == 2, name, ": gate must be [rows, width], got ", gate.sizes());
   const int64_t rows = gate.size(0), width = gate.size(1);
-  check_rows(gate, rows, width, (std::string(name) + ": gate").c_str());
-  check_rows(up, rows, width, (std::string(name) + ": up").c_str());
+  check_rows(gate, rows, width, name, ": gate");
+  check_rows(up, rows, width, name, ": up");
   TORCH_CHECK(gate.scalar_type() == up.scalar_type(), name, ": gate and up differ in dtype");
   auto out = at::empty({rows, width}, gate.options());
   DISPATCH_SAMPLER_TYPES(gate.scalar_type(), name, [&] {

@@ -1,8 +1,8 @@
 """Check the local backend on whatever device it picks (CUDA bf16 when a GPU is present).
 
-    python scripts/cuda_check.py [base_model]      # default: smollm2
+    python scripts/cuda_check.py [base_model] [--sample-dtype bf16] [--train-dtype fp32] [--steps 20]
 
-Prints the device and dtype, sampling throughput (on CUDA also without CUDA graphs), how far the
+``base_model`` defaults to smollm2; the dtypes to ``auto`` (bf16 for both on CUDA). Prints the device and dtypes, sampling throughput (on CUDA also without CUDA graphs), how far the
 trainer's logprobs are from the sampler's on the sampled tokens (the on-policy importance ratio's
 error), and whether 20 cross-entropy steps on a fixed batch cut the loss — the engine's behaviour,
 not a benchmark.
@@ -10,8 +10,8 @@ not a benchmark.
 
 from __future__ import annotations
 
+import argparse
 import os
-import sys
 import time
 
 import torch
@@ -25,11 +25,11 @@ QUESTIONS = [f"What is {a} + {b}? Give only the answer." for a, b in
              [(3, 4), (12, 9), (7, 8), (25, 17), (6, 6), (40, 2), (9, 1), (33, 33)]]
 
 
-def main(base_model: str) -> None:
-    service = mint.ServiceClient()
+def main(base_model: str, sample_dtype: str, train_dtype: str, steps: int) -> None:
+    service = mint.ServiceClient(sample_dtype=sample_dtype, train_dtype=train_dtype)
     training = service.create_lora_training_client(base_model=base_model, rank=16, seed=0)
     engine = training.engine
-    print(f"base_model={base_model} device={engine.device} dtype={engine.dtype} "
+    print(f"base_model={base_model} device={engine.device} train_dtype={engine.dtype} sample_dtype={engine.sample_dtype} "
           f"gpu={torch.cuda.get_device_name() if engine.device.type == 'cuda' else '-'}")
     tokenizer = training.get_tokenizer()
     prompts = [chat_prompt_tokens(tokenizer, [{"role": "user", "content": q}]) for q in QUESTIONS]
@@ -76,17 +76,19 @@ def main(base_model: str) -> None:
     print(f"sampler vs trainer logprobs on {len(diffs)} tokens: max |diff| {max(diffs):.2e}, "
           f"mean {sum(diffs) / len(diffs):.2e}")
 
+    if steps <= 0:
+        return
     first = last = None
     _sync(engine)
     t0 = time.perf_counter()
-    for _ in range(20):
+    for _ in range(steps):
         fb = training.forward_backward(datums, loss_fn="cross_entropy").result()
         training.optim_step(types.AdamParams(learning_rate=1e-3)).result()
         first = fb.metrics["loss:sum"] if first is None else first
         last = fb.metrics["loss:sum"]
     _sync(engine)
-    per_step = (time.perf_counter() - t0) / 20
-    print(f"cross_entropy on {len(datums)} sequences: loss {first:.1f} -> {last:.1f} after 20 steps "
+    per_step = (time.perf_counter() - t0) / steps
+    print(f"cross_entropy on {len(datums)} sequences: loss {first:.1f} -> {last:.1f} after {steps} steps "
           f"({last / first:.2f}x), {per_step * 1000:.0f} ms per forward_backward + optim_step")
     if engine.device.type == "cuda":
         print(f"peak GPU memory: {torch.cuda.max_memory_allocated() / 2**20:.0f} MiB")
@@ -112,4 +114,10 @@ def _sync(engine) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1] if len(sys.argv) > 1 else "smollm2")
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("base_model", nargs="?", default="smollm2")
+    parser.add_argument("--sample-dtype", default="auto", help="auto | fp32 | bf16")
+    parser.add_argument("--train-dtype", default="auto", help="auto | fp32 | bf16")
+    parser.add_argument("--steps", type=int, default=20, help="cross-entropy steps timed (0: stop after the logprob gap)")
+    args = parser.parse_args()
+    main(args.base_model, args.sample_dtype, args.train_dtype, args.steps)

@@ -5,6 +5,7 @@ Usage (from the repository root):
     .venv/bin/python scripts/profile_step.py                       # fp32, the bench shape
     .venv/bin/python scripts/profile_step.py --precision bf16       # train and sample in bf16
     .venv/bin/python scripts/profile_step.py --precision bf16-sample --ops 20 --trace step.json
+    python scripts/profile_step.py --device cuda --precision bf16 --model OUT   # on a GPU (random model: random_model.py)
 
 The step is scripts/bench.py's (8 two-digit addition prompts x 4 samples, 32 tokens, SmolLM2-135M,
 LoRA r16 on every decoder Linear, ``forward_backward(ppo)`` + ``optim_step``), run through the
@@ -16,6 +17,9 @@ moves and masks), and "outside the engine" is the wall time no range covers (fut
 datums, the tokenizer). ``--ops`` lists the heaviest operators of the decoding forward and of a
 training call, each profiled on the computing thread (grpo/models/computing.py) where it
 runs: profiled from the main thread, a second OpenMP team slowed every kernel of it by ~1.5x.
+On CUDA an operator's seconds are its host time (launching, not running, its kernels: a small
+model's step is bound by launches there), and each profile also counts the GPU kernels and their
+GPU time against the profiled wall time.
 """
 
 from __future__ import annotations
@@ -46,6 +50,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--precision", choices=sorted(PRECISIONS), default="fp32")
     parser.add_argument("--model", default="smollm2")
+    parser.add_argument("--device", default="cpu", help="cpu | cuda")
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--group", type=int, default=4)
     parser.add_argument("--max-tokens", type=int, default=32)
@@ -61,7 +66,7 @@ def main() -> None:
     from grpo.types import AdamParams, SamplingParams
 
     train_dtype, sample_dtype = PRECISIONS[args.precision]
-    service = ServiceClient(device="cpu", train_dtype=train_dtype, sample_dtype=sample_dtype)
+    service = ServiceClient(device=args.device, train_dtype=train_dtype, sample_dtype=sample_dtype)
     tc = service.create_lora_training_client(args.model, rank=16, seed=0, train_unembed=False)
     tokenizer = tc.get_tokenizer()
     adam = AdamParams(learning_rate=2e-5, grad_clip_norm=1.0)
@@ -113,11 +118,12 @@ def decode_operators(tc, tokenizer, params, args) -> None:
     torch.profiler on the engine's computing thread (the profiler records the thread that starts
     it; run from another thread, a second OpenMP team would slow every kernel, computing.py)."""
     from bench import make_problems
-    from torch.profiler import ProfilerActivity, profile
+    from torch.profiler import profile
 
     from grpo.backends.local import sampler as local_sampler
 
     engine = tc.engine
+    activities = _activities(engine.device)
     problems = make_problems(args.prompts, seed=1)
     requests = [local_sampler.GenerationRequest(
         tokenizer.apply_chat_template(p.messages, add_generation_prompt=True, tokenize=True, return_dict=False),
@@ -126,8 +132,11 @@ def decode_operators(tc, tokenizer, params, args) -> None:
     def profiled_call():  # on the engine's computing thread, where sampling runs
         with engine.sampling_model(tc.adapter) as model:
             local_sampler.generate(model, requests, tokenizer, engine.device)  # warm
-            with profile(activities=[ProfilerActivity.CPU]) as prof:
+            with profile(activities=activities) as prof:
+                wall0 = time.perf_counter()
                 local_sampler.generate(model, requests, tokenizer, engine.device)
+                _synchronize(engine.device)
+                prof.wall_s = time.perf_counter() - wall0
         return prof
 
     prof = tc.handle.call(profiled_call)
@@ -138,28 +147,35 @@ def decode_operators(tc, tokenizer, params, args) -> None:
     print()
     print(f"Decoding forward under torch.profiler (same call on the computing thread): {forward:.3f} s over "
           f"{len(spans)} steps, {1000 * forward / max(len(spans), 1):.1f} ms a step")
+    _gpu_line(prof, prof.wall_s, "the sampling call")
     _operator_table(prof.events(), spans, "the decoding forward", args.ops)
 
 
 def training_operators(tc, tokenizer, params, adam, args, step) -> None:
     """The heaviest operators of one ``forward_backward`` of a step: the profiler is started and
     stopped on the computing thread, where training runs."""
-    from torch.profiler import ProfilerActivity, profile
+    from torch.profiler import profile
 
     from grpo.types import APIFuture
 
     holder = {}
 
     def start():
-        holder["prof"] = profile(activities=[ProfilerActivity.CPU])
+        holder["prof"] = profile(activities=_activities(tc.engine.device))
         holder["prof"].__enter__()
+        holder["wall0"] = time.perf_counter()
+
+    def stop():
+        _synchronize(tc.engine.device)
+        holder["wall_s"] = time.perf_counter() - holder["wall0"]
+        holder["prof"].__exit__(None, None, None)
 
     real_forward_backward = tc.forward_backward
 
     def profiled_forward_backward(*a, **kw):
         tc.handle.call(start)
         result = real_forward_backward(*a, **kw).result()
-        tc.handle.call(holder["prof"].__exit__, None, None, None)
+        tc.handle.call(stop)
         return APIFuture.completed(result)  # what the step reads back
 
     tc.forward_backward = profiled_forward_backward
@@ -172,27 +188,65 @@ def training_operators(tc, tokenizer, params, adam, args, step) -> None:
     total = sum(end - start for start, end in spans) / 1e6
     print()
     print(f"forward_backward under torch.profiler (decoder forward, unembedding, loss, backward): {total:.3f} s")
+    _gpu_line(holder["prof"], holder["wall_s"], "the forward_backward call")
     _operator_table(events, spans, "forward_backward", args.ops)
 
 
+def _activities(device) -> list:
+    from torch.profiler import ProfilerActivity
+
+    return [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+
+
+def _synchronize(device) -> None:
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _gpu_line(prof, wall_s: float, what: str) -> None:
+    """On CUDA: how many kernels ``what`` launched and how busy they kept the GPU."""
+    import torch
+
+    # (the ranges grpo marks appear on the GPU's timeline too, as annotations: not kernels)
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
+               and not getattr(e, "is_user_annotation", False) and not e.name.startswith("grpo.")]
+    if not kernels:
+        return
+    gpu_s = sum(e.self_device_time_total for e in kernels) / 1e6
+    syncs = sum(1 for e in prof.events() if e.name in ("cudaStreamSynchronize", "cudaDeviceSynchronize"))
+    print(f"{what}: {wall_s:.3f} s wall, {len(kernels)} GPU kernels, {gpu_s * 1000:.1f} ms of GPU time "
+          f"({gpu_s / wall_s:.0%} busy), {syncs} host synchronisations")
+
+
 def _spans(events, names: tuple[str, ...]) -> list[tuple[int, int]]:
-    return [(e.time_range.start, e.time_range.end) for e in events if e.name in names]
+    """The host-side ranges of ``names`` (on CUDA each range is also recorded on the GPU's timeline)."""
+    import torch
+
+    return [(e.time_range.start, e.time_range.end) for e in events
+            if e.name in names and e.device_type == torch.autograd.DeviceType.CPU]
 
 
 def _operator_table(events, spans: list[tuple[int, int]], what: str, limit: int) -> None:
     """The ``limit`` heaviest operators (self time) inside ``spans``, and the time between them."""
     total = sum(end - start for start, end in spans) / 1e6
+    import torch
+
     ops: dict[str, float] = defaultdict(float)
+    calls: dict[str, int] = defaultdict(int)
     for e in events:
-        if not e.name.startswith("grpo.") and any(s <= e.time_range.start and e.time_range.end <= t for s, t in spans):
+        if (not e.name.startswith("grpo.") and e.device_type == torch.autograd.DeviceType.CPU
+                and any(s <= e.time_range.start and e.time_range.end <= t for s, t in spans)):
             ops[e.name] += e.self_cpu_time_total / 1e6
+            calls[e.name] += 1
     print()
-    print(f"| operator in {what} | seconds (self) | share |")
-    print("| --- | --- | --- |")
+    print(f"| operator in {what} | seconds (self) | share | calls |")
+    print("| --- | --- | --- | --- |")
     for name, secs in sorted(ops.items(), key=lambda kv: -kv[1])[:limit]:
-        print(f"| {name} | {secs:.3f} | {secs / total:.0%} |")
+        print(f"| {name} | {secs:.3f} | {secs / total:.0%} | {calls[name]} |")
     other = max(total - sum(ops.values()), 0.0)
-    print(f"| (between operators: Python, dispatch) | {other:.3f} | {other / total:.0%} |")
+    print(f"| (between operators: Python, dispatch) | {other:.3f} | {other / total:.0%} | |")
 
 
 if __name__ == "__main__":

@@ -107,8 +107,9 @@ def test_profile_of_a_step_names_every_section():
     assert proc.returncode == 0, proc.stderr[-2000:]
     out = proc.stdout
     step = float(re.search(r"# step ([0-9.]+) s", out).group(1))
-    # the sections' table has a fourth column (calls); the operator tables have three
-    rows = dict(re.findall(r"^\| ([^|]+?) \| ([0-9.]+) \| [0-9]+% \| [0-9]* \|$", out, flags=re.M))
+    # the sections' table: from its header to the first blank line (the operator tables follow)
+    sections = out[out.index("| section | seconds |"):].split("\n\n")[0]
+    rows = dict(re.findall(r"^\| ([^|]+?) \| ([0-9.]+) \| [0-9]+% \| [0-9]* \|$", sections, flags=re.M))
     for section in ("sampling: prefill", "sampling: decoding forward (the model)", "training: decoder forward",
                     "training: decoder backward", "training: optimizer"):
         assert float(rows[section]) > 0, section
@@ -116,3 +117,5 @@ def test_profile_of_a_step_names_every_section():
     assert sum(float(v) for v in rows.values()) == pytest.approx(step, rel=0.05, abs=0.05)
     assert "| operator in the decoding forward |" in out
     assert "| operator in forward_backward |" in out
+    training_ops = out[out.index("| operator in forward_backward |"):]
+    assert re.search(r"^\| \S+ \| [0-9.]+ \| [0-9]+% \| [1-9][0-9]* \|$", training_ops, flags=re.M)  # with its calls

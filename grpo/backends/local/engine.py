@@ -23,7 +23,7 @@ from torch import nn
 
 from grpo import models
 from grpo.backends.local import delta_rule, long_lived, native_layers, packed_attention
-from grpo.backends.local.folded_lora import FoldedAdapter, can_fold
+from grpo.backends.local.folded_lora import FoldedAdapter, SidePathAdapter, can_fold, can_side_path
 from grpo.backends.local.logit_head import check_logit_head
 from grpo.backends.local.sampler_precision import SamplerCopy, takes_adapter
 from grpo.backends.local.sections import section
@@ -182,9 +182,11 @@ class Engine:
         self.specs: dict[str, LoraSpec] = {}
         self.versions: dict[str, int] = {}
         self._active: str | None = None
-        # Sampling folds LoRA into the base weights where that is exact (float32, folded_lora.py).
+        # Sampling folds LoRA into the base weights where that is exact (float32, folded_lora.py),
+        # and elsewhere takes it as side paths made once per weights; off: the trainer's LoRA layers.
         self.fold_lora_for_sampling = True
         self._folded: FoldedAdapter | None = None  # the last folded weights, reused while current
+        self._side_paths: SidePathAdapter | None = None  # (where folding is not exact: bf16 on a GPU)
         self._parameters: dict[str, dict[str, nn.Parameter]] = {}  # adapter_parameters, per adapter
 
     # ------------------------------------------------------------------ adapters
@@ -256,6 +258,8 @@ class Engine:
                 self._sampler_copy.forget()
             if self._folded is not None and self._folded.key[0] == name:
                 self._folded = None
+            if self._side_paths is not None and self._side_paths.key[0] == name:
+                self._side_paths = None
             if len(self.versions) == 1:
                 # peft has no model without an adapter (its active config would name the deleted
                 # one): take the LoRA layers out, and the next adapter wraps the model afresh
@@ -344,10 +348,12 @@ class Engine:
                        ) -> Iterator[nn.Module]:
         """``use()`` for sampling: gradient-free, so LoRA may be folded into the base weights.
 
-        Folded wherever ``folded_lora.can_fold`` allows (float32 weights) unless
-        ``fold_lora_for_sampling`` is turned off. One folded copy is kept, keyed by the snapshot
-        it came from (or the adapter's version), so that every sampling call of a training step
-        after the first reuses it.
+        The sampler's own copy where it has one (sampler_precision.py); else folded wherever
+        ``folded_lora.can_fold`` allows (float32 weights), and elsewhere (bf16 on a GPU) side paths
+        cast and scaled once (``folded_lora.SidePathAdapter``), unless ``fold_lora_for_sampling`` is
+        turned off (then the trainer's own LoRA layers). One folded or side-path set is kept, keyed
+        by the snapshot it came from (or the adapter's version), so that every sampling call of a
+        training step after the first reuses it.
         """
         with self.lock:
             weights = snapshot[1] if snapshot is not None else None
@@ -368,6 +374,17 @@ class Engine:
                                                      layout=self.fp32_layout)
                 self._activate(adapter)
                 with self._folded.installed(self.peft_model) as model:
+                    yield model
+                return
+            if adapter is not None and self.fold_lora_for_sampling and can_side_path(self.peft_model, adapter):
+                # not foldable (bf16 base weights) and no copy of the sampler's own: the LoRA layers
+                # as side paths cast and scaled once per weights key (folded_lora.SidePathAdapter)
+                if self._side_paths is None or self._side_paths.key != key:
+                    self._side_paths = None
+                    with section("grpo.sample.install_lora"):
+                        self._side_paths = SidePathAdapter(self.peft_model, adapter, weights, key)
+                self._activate(adapter)
+                with self._side_paths.installed(self.peft_model) as model:
                     yield model
                 return
             with self.use(adapter, snapshot) as model:

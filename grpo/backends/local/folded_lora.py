@@ -17,6 +17,15 @@ themselves are never written to, so nothing drifts (peft's merge/unmerge adds an
 delta in place, which does not restore ``W`` exactly). Folding is only done in float32: in bf16
 a small LoRA delta rounds away against the base weight, and the sampler would draw from a policy
 that is not the trainer's.
+
+Where the base weights cannot take the fold and the sampler has no copy of its own (bf16 on a
+GPU: sampler_precision.py makes its copy on a CPU only), ``SidePathAdapter`` swaps each adapted
+Linear for its own base Linear plus the LoRA product as a side path (``LoraSidePath``): A cast to
+the base's dtype and the scale put into B once per set of adapter weights, where the trainer's
+LoRA layer casts both and scales the rank-side product again at every call. On a GPU a small
+model's decoding step is bound by its kernels (~2,900 a step for SmolLM2-135M, each LoRA layer six
+of them), and the side path is three: the base product, ``x @ A.T``, and ``addmm_`` into the output.
+The base weights are shared, not copied.
 """
 
 from __future__ import annotations
@@ -29,6 +38,7 @@ from torch import nn
 
 from grpo.models.cpu_linear import OneDNNLinear, PackedLinear, can_pack
 from grpo.models.fused_projections import FusedMember, FusedProjections, sibling_sets, stackable
+from grpo.models.lora_linear import LoraSidePath
 
 
 class FoldedAdapter:
@@ -98,18 +108,42 @@ class FoldedAdapter:
                 folded.bias = base.bias
                 self.replacements[name] = folded
 
-    @contextlib.contextmanager
-    def installed(self, peft_model: nn.Module) -> Iterator[nn.Module]:
+    def installed(self, peft_model: nn.Module) -> contextlib.AbstractContextManager[nn.Module]:
         """The model with the folded Linears in place of the LoRA layers, restored on exit."""
-        originals: dict[str, nn.Module] = {}
-        try:
-            for name, folded in self.replacements.items():
-                originals[name] = peft_model.get_submodule(name)
-                peft_model.set_submodule(name, folded)
-            yield peft_model
-        finally:
-            for name, original in originals.items():
-                peft_model.set_submodule(name, original)
+        return _swapped(peft_model, self.replacements)
+
+
+class SidePathAdapter:
+    """One adapter's LoRA layers as their base Linears with the LoRA product beside them
+    (``LoraSidePath``, in the base's dtype), for sampling where the fold is not exact (see above)."""
+
+    def __init__(self, peft_model: nn.Module, adapter: str, weights: dict[str, torch.Tensor] | None, key: tuple):
+        self.key = key
+        self.weights = weights  # held so that an id() in ``key`` cannot be reused while cached
+        self.replacements: dict[str, LoraSidePath] = {}
+        with torch.no_grad():
+            for name, module in lora_layers(peft_model, adapter):
+                a = weights[f"{name}.lora_A.{adapter}.weight"] if weights else module.lora_A[adapter].weight
+                b = weights[f"{name}.lora_B.{adapter}.weight"] if weights else module.lora_B[adapter].weight
+                base = module.base_layer
+                self.replacements[name] = LoraSidePath(base, a, b, module.scaling[adapter], base.weight.dtype)
+
+    def installed(self, peft_model: nn.Module) -> contextlib.AbstractContextManager[nn.Module]:
+        """The model with the side paths in place of the LoRA layers, restored on exit."""
+        return _swapped(peft_model, self.replacements)
+
+
+@contextlib.contextmanager
+def _swapped(peft_model: nn.Module, replacements: dict[str, nn.Module]) -> Iterator[nn.Module]:
+    originals: dict[str, nn.Module] = {}
+    try:
+        for name, replacement in replacements.items():
+            originals[name] = peft_model.get_submodule(name)
+            peft_model.set_submodule(name, replacement)
+        yield peft_model
+    finally:
+        for name, original in originals.items():
+            peft_model.set_submodule(name, original)
 
 
 def lora_layers(peft_model: nn.Module, adapter: str) -> list[tuple[str, nn.Module]]:
@@ -120,17 +154,25 @@ def lora_layers(peft_model: nn.Module, adapter: str) -> list[tuple[str, nn.Modul
 def can_fold(peft_model: nn.Module, adapter: str) -> bool:
     """True when every layer of ``adapter`` is a plain LoRA on a float32 ``nn.Linear``.
 
-    Anything else (DoRA, fan-in-fan-out Conv1D, quantised or half-precision bases, LoRA on an
-    embedding) is sampled through peft's own layers instead.
+    Half-precision bases take side paths instead (``can_side_path``); anything else (DoRA,
+    fan-in-fan-out Conv1D, quantised bases, LoRA on an embedding) is sampled through peft's own layers.
     """
+    layers = lora_layers(peft_model, adapter)
+    return bool(layers) and all(_plain(m, adapter) and m.base_layer.weight.dtype == torch.float32 for _, m in layers)
+
+
+def can_side_path(peft_model: nn.Module, adapter: str) -> bool:
+    """True when every layer of ``adapter`` is a plain LoRA on an ``nn.Linear`` of any float dtype:
+    what ``SidePathAdapter`` computes."""
+    layers = lora_layers(peft_model, adapter)
+    return bool(layers) and all(_plain(m, adapter) for _, m in layers)
+
+
+def _plain(m: nn.Module, adapter: str) -> bool:
     from peft.tuners.lora import Linear as LoraLinear
 
-    layers = lora_layers(peft_model, adapter)
-    return bool(layers) and all(
-        type(m) is LoraLinear
-        and type(m.base_layer) in (nn.Linear, OneDNNLinear)
-        and m.base_layer.weight.dtype == torch.float32
-        and not m.fan_in_fan_out
-        and not m.use_dora.get(adapter, False)
-        and m.lora_B[adapter].bias is None
-        for _, m in layers)
+    return (type(m) is LoraLinear
+            and type(m.base_layer) in (nn.Linear, OneDNNLinear)
+            and not m.fan_in_fan_out
+            and not m.use_dora.get(adapter, False)
+            and m.lora_B[adapter].bias is None)

@@ -68,9 +68,36 @@ def test_a_token_of_probability_zero_is_never_drawn(native_ops) -> None:
     assert torch.isfinite(logprobs).all()
 
 
+@pytest.mark.parametrize("temperature", [1.0, 0.6, 0.0])
+def test_bf16_logits_are_drawn_as_their_float32_widening(native_ops, temperature) -> None:
+    """A bf16 model's logits read as they are: the same tokens and logprobs, bit for bit, as from the
+    float32 copy the sampler made of them before; rows that are views of a wider tensor too."""
+    gen = torch.Generator().manual_seed(4)
+    wide = (torch.randn(9, 3100, generator=gen) * 5).bfloat16()
+    logits = wide[:, :3001]  # (a vocabulary that is no multiple of the kernel's blocks; rows strided)
+    temperatures = torch.full((9,), temperature, dtype=torch.float64)
+    u = torch.rand(9, dtype=torch.float64, generator=gen)
+    tokens, logprobs = native_ops.sample_tokens(logits, temperatures, u)
+    want_tokens, want_logprobs = native_ops.sample_tokens(logits.float().contiguous(), temperatures, u)
+    assert logprobs.dtype == torch.float32
+    assert torch.equal(tokens, want_tokens) and torch.equal(logprobs, want_logprobs)
+
+
+def test_the_sampler_takes_bf16_logits_with_the_kernels_and_without(monkeypatch, native_ops) -> None:
+    logits = (torch.randn(6, 2000, generator=torch.Generator().manual_seed(6)) * 3).bfloat16()
+    params = [SamplingParams(max_tokens=4, temperature=[1.0, 0.0][i % 2], seed=10 + i) for i in range(6)]
+    native = sampler._choose_tokens(logits, _rows(params), torch.device("cpu"))
+    widened = sampler._choose_tokens(logits.float(), _rows(params), torch.device("cpu"))
+    assert torch.equal(native[0], widened[0]) and torch.equal(native[1], widened[1])
+    monkeypatch.setattr(native_kernels, "kernels", lambda: None)  # PyTorch's path: it widens them first
+    eager = sampler._choose_tokens(logits, _rows(params), torch.device("cpu"))
+    assert eager[1].dtype == torch.float32
+    assert torch.equal(eager[0], native[0]) and (eager[1] - native[1]).abs().max() < 1e-5
+
+
 def test_bad_input_is_refused_with_what_was_expected(native_ops) -> None:
     ones = torch.ones(2, dtype=torch.float64)
-    with pytest.raises(RuntimeError, match="sample_tokens: logits must be float32"):
+    with pytest.raises(RuntimeError, match="sample_tokens: logits must be float32 or bfloat16"):
         native_ops.sample_tokens(torch.zeros(2, 5, dtype=torch.float64), ones, ones)
     with pytest.raises(RuntimeError, match=r"temperatures and uniforms must be float64 \[2\]"):
         native_ops.sample_tokens(torch.zeros(2, 5), ones[:1], ones)

@@ -40,7 +40,8 @@ DTYPES = (torch.float32, torch.bfloat16)
 
 class GemmaDecoder:
     """``model(input_ids=[rows, 1], position_ids=positions, cache=cache)`` of a decoding step on the
-    slot cache, as plain calls; returns the float32 next-token logits ``[rows, vocab]``."""
+    slot cache, as plain calls; returns the next-token logits ``[rows, vocab]`` in the unembedding's
+    dtype (as ``NativeDecoder``: the token choice widens bf16 as it reads it)."""
 
     reads_mask = False  # (each row attends to its columns 0..its length: the slot cache's step says which)
 
@@ -86,7 +87,7 @@ class GemmaDecoder:
         logits = self.causal_lm.lm_head(x)
         if self.softcap is not None:  # (as Gemma3ForCausalLM.forward, in the model's dtype)
             logits = torch.tanh(logits / self.softcap) * self.softcap
-        return logits.float()
+        return logits
 
 
 def gemma_decoder(model: nn.Module, device: torch.device) -> GemmaDecoder | None:

@@ -37,7 +37,10 @@ ONE_CALL = True
 
 
 class NativeDecoder(LeanDecoder):
-    """``LeanDecoder``'s step with each layer's non-matmul work in four native calls."""
+    """``LeanDecoder``'s step with each layer's non-matmul work in four native calls. Its logits are
+    the unembedding's own, bf16 for a bf16 model: the sampler's token choice widens them as it reads
+    them (sample_tokens.cpp), where a float32 copy wrote 34 MB a step at 32 rows of a 262,144-token
+    vocabulary (~1.3 ms of a Gemma-3-270M-shaped step of ~56 ms; the same tokens, docs/benchmark.md)."""
 
     reads_mask = False  # (its attention takes each row's length from the slot cache's step)
 
@@ -60,7 +63,7 @@ class NativeDecoder(LeanDecoder):
                                   [slot._keys for slot in cache.layers], [slot._values for slot in cache.layers],
                                   plan.qkv_sizes, self.heads, plan.scale, plan.eps, plan.head_norms,
                                   cache.step.shared_from, cache.step.shared)
-            return self.causal_lm.lm_head(x).float()
+            return self.causal_lm.lm_head(x)
         norm = layers[0].input_layernorm
         hidden, x = ops.add_rms_norm(hidden[:, 0], None, norm.weight, norm.variance_epsilon)
         for index, (layer, (qkv, gate_up)) in enumerate(zip(layers, self.groups, strict=True)):
@@ -79,7 +82,7 @@ class NativeDecoder(LeanDecoder):
             norm = layers[index + 1].input_layernorm if index + 1 < len(layers) else decoder.norm
             hidden, x = ops.add_rms_norm(hidden, mlp.down_proj(ops.silu_mul(gate, up)), norm.weight,
                                          norm.variance_epsilon)
-        return self.causal_lm.lm_head(x).float()
+        return self.causal_lm.lm_head(x)
 
     def _cos_sin(self, hidden: torch.Tensor, positions: torch.Tensor, capacity: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Each row's rotary cos and sin ``[rows, head_dim]``: rows of a table the model's own rotary

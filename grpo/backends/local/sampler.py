@@ -450,7 +450,7 @@ def _choose_tokens(logits: torch.Tensor, rows: list[_Row], device: torch.device,
         groups.setdefault((p.temperature, p.top_k, p.top_p, id(row.generator)), []).append(b)
     if ops is _LOOK_UP:
         ops = native_kernels.kernels() if device.type == "cpu" else None
-    if logits.dtype != torch.float32:
+    if logits.dtype not in (torch.float32, torch.bfloat16):
         ops = None
     if ops is not None and not any(_filters(top_k, top_p, logits.shape[-1]) for _, top_k, top_p, _ in groups):
         # one native pass per row (grpo/models/native/sample_tokens.cpp): the same draw as below -- the same uniforms
@@ -458,6 +458,7 @@ def _choose_tokens(logits: torch.Tensor, rows: list[_Row], device: torch.device,
         temperatures, uniforms = _draw_inputs(groups, rows)
         return tuple(ops.sample_tokens(logits if logits.stride(-1) == 1 else logits.contiguous(), temperatures,
                                        uniforms))
+    logits = logits.float()  # (a native decoder's are bf16 for a bf16 model: widened, as the kernel reads them)
     logprobs_all = torch.log_softmax(logits, dim=-1)
     chosen = torch.empty(len(rows), dtype=torch.long, device=device)
     for (temperature, top_k, top_p, _), members in groups.items():

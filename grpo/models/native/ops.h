@@ -26,7 +26,7 @@
 // - zero_centred_norms.cpp: the RMSNorm that scales by 1 + weight (Qwen3.5's, Qwen3-Next's, Gemma's) and
 //   Qwen3.5's gated norm, forward and backward, for the trainer and the sampler's copy (native_layers.py),
 //   and Gemma 3's norm-add-norm between sublayers for its decoding step (gemma_decode.py);
-// - sample_tokens.cpp: the sampler's token choice (sampler.py): one pass over a row's logits where
+// - sample_tokens.cpp: the sampler's token choice (sampler.py): one pass over a row's logits (float32, or bf16 widened as read) where
 //   PyTorch takes five;
 // - register.cpp: the operators' schemas, registered as torch.ops.grpo_native.
 //

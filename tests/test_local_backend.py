@@ -18,6 +18,7 @@ from backend_helpers import (
 
 from grpo import models, types
 from grpo.backends.local import ServiceClient, trainer
+from grpo.models import native_kernels
 
 PROMPT = [1, 504, 3458, 314, 253, 1345, 28]
 RESPONSE = [216, 1023, 30, 4589, 17, 2]
@@ -388,12 +389,13 @@ def test_training_input_errors_name_the_problem(svc) -> None:
 
 
 def test_cpu_logit_chunks_stay_under_the_heap_ceiling() -> None:
-    """On a CPU a chunk's float32 logits stay under CPU_LOGIT_CHUNK_BYTES (reused heap memory,
-    heap.py) within [CPU_MIN_CHUNK_POSITIONS, LOGIT_CHUNK_POSITIONS]; elsewhere chunks are
-    LOGIT_CHUNK_POSITIONS long. Together the slices cover every position once."""
-    def widths(vocab: int, device: str = "cpu", n: int = 1000) -> set[int]:
+    """On a CPU, where PyTorch's operators take the logits, a chunk's float32 logits stay under
+    CPU_LOGIT_CHUNK_BYTES (reused heap memory, heap.py) within [CPU_MIN_CHUNK_POSITIONS,
+    LOGIT_CHUNK_POSITIONS]; the native loss head and other devices take LOGIT_CHUNK_POSITIONS.
+    Together the slices cover every position once."""
+    def widths(vocab: int, device: str = "cpu", n: int = 1000, native_head: bool = False) -> set[int]:
         lm_head = torch.nn.Linear(4, vocab, bias=False, device="meta")
-        slices = trainer._chunks(n, lm_head, torch.empty(n, 4, device=device))
+        slices = trainer._chunks(n, lm_head, torch.empty(n, 4, device=device), native_head)
         assert [i for sl in slices for i in range(n)[sl]] == list(range(n))
         return {len(range(n)[sl]) for sl in slices[:-1]}
 
@@ -402,6 +404,29 @@ def test_cpu_logit_chunks_stay_under_the_heap_ceiling() -> None:
     assert widths(1000) == {trainer.LOGIT_CHUNK_POSITIONS}
     assert widths(1_000_000) == {trainer.CPU_MIN_CHUNK_POSITIONS}
     assert widths(49152, device="meta") == {trainer.LOGIT_CHUNK_POSITIONS}
+    assert widths(262144, native_head=True) == widths(49152, native_head=True) == {trainer.LOGIT_CHUNK_POSITIONS}
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_the_native_loss_head_takes_whole_chunks_and_computes_the_same(dtype, monkeypatch) -> None:
+    """The counted positions reach the native loss head in whole chunks on a CPU; the logprobs are
+    those of smaller chunks (the same rows, other slices)."""
+    if native_kernels.kernels() is None:
+        pytest.skip("grpo's native kernels are not built here")
+    client = ServiceClient(device="cpu", dtype=dtype).create_lora_training_client("tiny", seed=0, rank=4)
+    widths: list[int] = []
+    real = trainer._chunks
+    monkeypatch.setattr(trainer, "_chunks", lambda n, lm_head, hidden, native_head=False: widths.append(native_head)
+                        or real(n, lm_head, hidden, native_head))
+    data = [types.Datum(model_input=types.ModelInput.from_ints(list(range(3, 3 + n))),
+                        loss_fn_inputs={"target_tokens": list(range(4, 4 + n)), "weights": [1.0] * n})
+            for n in (150, 170, 90)]
+    whole = client.forward(data, "cross_entropy").result()
+    assert any(widths)  # (the counted positions through the native head; a shared prefix's through PyTorch's)
+    monkeypatch.setattr(trainer, "LOGIT_CHUNK_POSITIONS", 64)
+    split = client.forward(data, "cross_entropy").result()
+    for a, b in zip(whole.loss_fn_outputs, split.loss_fn_outputs, strict=True):  # (a product's rows may sum in
+        assert a["logprobs"].tolist() == pytest.approx(b["logprobs"].tolist(), abs=1e-5)  # another order)
 
 
 # --------------------------------------------------------------------------- unloading (1)

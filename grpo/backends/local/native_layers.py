@@ -125,10 +125,14 @@ def target_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.
     chunk of the unembedding's output, through the kernels; None where they do not apply (not
     built or switched off, not on a CPU, another dtype). The logits' memory is taken over for the
     gradient: they must be a tensor nothing else reads after the backward (a Linear's output)."""
-    if logits.device.type != "cpu" or logits.dtype not in DTYPES or logits.dim() != 2 or not logits.is_contiguous():
+    if not takes_logits(logits) or logits.dim() != 2 or not logits.is_contiguous():
         return None
-    ops = native_kernels.kernels()
-    return None if ops is None else _TargetLogprobs.apply(logits, targets.contiguous(), ops)
+    return _TargetLogprobs.apply(logits, targets.contiguous(), native_kernels.kernels())
+
+
+def takes_logits(like: torch.Tensor) -> bool:
+    """Whether ``target_logprobs`` computes the loss head of logits of ``like``'s device and dtype."""
+    return like.device.type == "cpu" and like.dtype in DTYPES and native_kernels.kernels() is not None
 
 
 class _Rope(torch.autograd.Function):

@@ -222,12 +222,18 @@ def _chunk_logprobs_only(lm_head, hidden: torch.Tensor, targets: torch.Tensor) -
     return logits.gather(-1, targets[:, None])[:, 0] - torch.logsumexp(logits, dim=-1)
 
 
-def _chunks(n: int, lm_head, hidden: torch.Tensor) -> list[slice]:
-    """Slices of at most LOGIT_CHUNK_POSITIONS positions, the unembedding's unit of work; on a
-    CPU as many as keep a chunk's float32 logits under CPU_LOGIT_CHUNK_BYTES."""
+def _chunks(n: int, lm_head, hidden: torch.Tensor, native_head: bool = False) -> list[slice]:
+    """Slices of at most LOGIT_CHUNK_POSITIONS positions, the unembedding's unit of work. On a CPU,
+    where PyTorch's operators take the logits (each pass a logits-sized float32 tensor of its own),
+    as many as keep a chunk's float32 logits under CPU_LOGIT_CHUNK_BYTES. The native loss head
+    (``native_head``: native_layers.target_logprobs) keeps no tensor beside the logits and takes the
+    whole unit: at vocabularies of 151,936 and 262,144 tokens (Qwen's, Gemma 3's), 256 positions a
+    chunk against the 64 the cap gave took 0.89x and 0.87x the time of a bf16 ``forward_backward``
+    (the unembedding's product runs at ~270 GFLOP/s at 64 rows, ~320-380 at 256; SmolLM2's 49,152
+    the same either way: docs/benchmark.md)."""
     width = LOGIT_CHUNK_POSITIONS
     vocab = getattr(lm_head, "out_features", None)
-    if hidden.device.type == "cpu" and vocab:
+    if hidden.device.type == "cpu" and vocab and not native_head:
         width = min(width, max(CPU_MIN_CHUNK_POSITIONS, CPU_LOGIT_CHUNK_BYTES // (4 * vocab)))
     return [slice(i, i + width) for i in range(0, n, width)]
 
@@ -308,16 +314,17 @@ def unembed_counted(lm_head, dec_out: DecoderOutput, chunk_loss=None) -> float |
     gradients to its gradient. Only one chunk of logits exists at a time, and none is recomputed
     in backward, as activation checkpointing of the unembedding would.
     """
+    native_head = native_layers.takes_logits(dec_out.hidden)  # (the logits take the hidden states' dtype)
     if chunk_loss is None:
         with torch.no_grad():
-            for sl in _chunks(dec_out.counted.numel(), lm_head, dec_out.hidden):
+            for sl in _chunks(dec_out.counted.numel(), lm_head, dec_out.hidden, native_head):
                 lp, ent = _chunk_logprobs(lm_head, dec_out.hidden[sl], dec_out.targets[sl])
                 dec_out.logprobs[dec_out.counted[sl]] = lp
                 dec_out.entropy[dec_out.counted[sl]] = ent
         return None
     grad_hidden = torch.zeros_like(dec_out.hidden)
     total = 0.0
-    for sl in _chunks(dec_out.counted.numel(), lm_head, dec_out.hidden):
+    for sl in _chunks(dec_out.counted.numel(), lm_head, dec_out.hidden, native_head):
         h = dec_out.hidden[sl].detach().requires_grad_(True)
         lp, ent = _chunk_logprobs(lm_head, h, dec_out.targets[sl])
         loss = chunk_loss(lp, dec_out.counted[sl])

@@ -130,6 +130,16 @@ def target_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.
     return _TargetLogprobs.apply(logits, targets.contiguous(), native_kernels.kernels())
 
 
+def logit_stats(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's max and the log of its sum of exp(logit - max), float32, by the pass
+    ``target_logprobs`` makes (float64 across blocks): a row's logprob of token t is then
+    ``(logits[t] - max) - log_total``, the same bits as ``target_logprobs`` gives for t. For logits
+    ``takes_logits`` accepts; no gradient."""
+    zeros = torch.zeros(logits.shape[0], dtype=torch.long, device=logits.device)
+    stats = native_kernels.kernels().target_logprobs(logits, zeros)[2]
+    return stats[:, 0], stats[:, 1]
+
+
 def takes_logits(like: torch.Tensor) -> bool:
     """Whether ``target_logprobs`` computes the loss head of logits of ``like``'s device and dtype."""
     return like.device.type == "cpu" and like.dtype in DTYPES and native_kernels.kernels() is not None

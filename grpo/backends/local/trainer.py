@@ -509,12 +509,17 @@ def _fill_prefix_logprobs(lm_head, dec_out: DecoderOutput, units: list[SharedGro
     targets_t = torch.tensor(targets, dtype=torch.long, device=device)
     out_t = torch.tensor(out, dtype=torch.long, device=device)
     hidden = hidden.detach()
-    for sl in _chunks(hidden.shape[0], lm_head, hidden):
-        logits = lm_head(hidden[sl]).float()
-        logz = torch.logsumexp(logits, dim=-1)
+    native_head = native_layers.takes_logits(hidden)
+    for sl in _chunks(hidden.shape[0], lm_head, hidden, native_head):
+        logits = lm_head(hidden[sl])
         here = ((rows_t >= sl.start) & (rows_t < sl.start + logits.shape[0])).nonzero()[:, 0]
         local = rows_t[here] - sl.start
-        dec_out.logprobs[out_t[here]] = logits[local, targets_t[here]] - logz[local]
+        picked = logits[local, targets_t[here]].float()
+        if native_head:  # each row's normaliser in one pass over its logits as they are, no float32 copy
+            top, log_total = native_layers.logit_stats(logits)
+            dec_out.logprobs[out_t[here]] = (picked - top[local]) - log_total[local]
+        else:
+            dec_out.logprobs[out_t[here]] = picked - torch.logsumexp(logits.float(), dim=-1)[local]
 
 
 def run_decoder_shared(model, units: list[SharedGroup], device: torch.device) -> DecoderOutput:

@@ -240,8 +240,12 @@ def _chunks(n: int, lm_head, hidden: torch.Tensor, native_head: bool = False) ->
 
 @torch.no_grad()
 def _uncounted_logprobs(lm_head, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    parts = [_chunk_logprobs_only(lm_head, hidden[sl], targets[sl])
-             for sl in _chunks(hidden.shape[0], lm_head, hidden)]
+    """Logprobs of positions no loss reads: the native loss head's forward where it runs (whole
+    chunks, the logits read as they are), else log_softmax's value by logsumexp."""
+    native_head = native_layers.takes_logits(hidden)
+    parts = [_chunk_logprobs(lm_head, hidden[sl], targets[sl])[0] if native_head
+             else _chunk_logprobs_only(lm_head, hidden[sl], targets[sl])
+             for sl in _chunks(hidden.shape[0], lm_head, hidden, native_head)]
     return torch.cat(parts) if parts else hidden.new_empty(0, dtype=torch.float32)
 
 

@@ -520,7 +520,7 @@ def _fill_prefix_logprobs(lm_head, dec_out: DecoderOutput, units: list[SharedGro
         local = rows_t[here] - sl.start
         picked = logits[local, targets_t[here]].float()
         if native_head:  # each row's normaliser in one pass over its logits as they are, no float32 copy
-            top, log_total = native_layers.logit_stats(logits)
+            top, log_total = native_layers.logit_stats(logits.contiguous())  # (a logit head's output may be a view)
             dec_out.logprobs[out_t[here]] = (picked - top[local]) - log_total[local]
         else:
             dec_out.logprobs[out_t[here]] = picked - torch.logsumexp(logits.float(), dim=-1)[local]

@@ -61,8 +61,7 @@ class FoldedAdapter:
         def fold(name: str, out: torch.Tensor) -> None:
             """W + scaling * B @ A of layer ``name``, in one kernel, into ``out``."""
             module = layers.pop(name)
-            a = weights[f"{name}.lora_A.{adapter}.weight"] if weights else module.lora_A[adapter].weight
-            b = weights[f"{name}.lora_B.{adapter}.weight"] if weights else module.lora_B[adapter].weight
+            a, b = lora_weights(name, module, adapter, weights)
             base = module.base_layer
             torch.addmm(base.weight, b.to(base.weight.dtype), a.to(base.weight.dtype), alpha=module.scaling[adapter],
                         out=out)
@@ -123,8 +122,7 @@ class SidePathAdapter:
         self.replacements: dict[str, LoraSidePath] = {}
         with torch.no_grad():
             for name, module in lora_layers(peft_model, adapter):
-                a = weights[f"{name}.lora_A.{adapter}.weight"] if weights else module.lora_A[adapter].weight
-                b = weights[f"{name}.lora_B.{adapter}.weight"] if weights else module.lora_B[adapter].weight
+                a, b = lora_weights(name, module, adapter, weights)
                 base = module.base_layer
                 self.replacements[name] = LoraSidePath(base, a, b, module.scaling[adapter], base.weight.dtype)
 
@@ -144,6 +142,15 @@ def _swapped(peft_model: nn.Module, replacements: dict[str, nn.Module]) -> Itera
     finally:
         for name, original in originals.items():
             peft_model.set_submodule(name, original)
+
+
+def lora_weights(name: str, module: nn.Module, adapter: str, weights: dict[str, torch.Tensor] | None
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """A and B of ``adapter`` at the LoRA layer ``name`` (a path in the peft model): from the
+    snapshot ``weights`` (keyed by the peft model's parameter names) where given, else the live ones."""
+    if weights:
+        return weights[f"{name}.lora_A.{adapter}.weight"], weights[f"{name}.lora_B.{adapter}.weight"]
+    return module.lora_A[adapter].weight, module.lora_B[adapter].weight
 
 
 def lora_layers(peft_model: nn.Module, adapter: str) -> list[tuple[str, nn.Module]]:

@@ -229,8 +229,8 @@ def _chunks(n: int, lm_head, hidden: torch.Tensor, native_head: bool = False) ->
     (``native_head``: native_layers.target_logprobs) keeps no tensor beside the logits and takes the
     whole unit: at vocabularies of 151,936 and 262,144 tokens (Qwen's, Gemma 3's), 256 positions a
     chunk against the 64 the cap gave took 0.89x and 0.87x the time of a bf16 ``forward_backward``
-    (the unembedding's product runs at ~270 GFLOP/s at 64 rows, ~320-380 at 256; SmolLM2's 49,152
-    the same either way: docs/benchmark.md)."""
+    (Gemma's bf16 unembedding product alone: ~270 GFLOP/s at 64 rows, ~316 at 256; its input
+    gradient ~260 and ~384; SmolLM2's 49,152 the same either way: docs/benchmark.md)."""
     width = LOGIT_CHUNK_POSITIONS
     vocab = getattr(lm_head, "out_features", None)
     if hidden.device.type == "cpu" and vocab and not native_head:

@@ -353,6 +353,17 @@ def test_the_real_probe_returns_a_choice_per_role_and_caches_it(tmp_path, monkey
     assert dtype_probe.timings(shapes, timer=no_timing, cache=tmp_path / "p.json") == first
 
 
+def test_the_probe_command_measures_and_prints_the_line_auto_would(capsys) -> None:
+    """``python -m grpo.models.dtype_probe``: the real probe's result (which carries its per-layout and
+    per-kernel variants beside the two roles) printed as one line, and nothing cached."""
+    cache = dtype_probe.cache_file()
+    before = cache.read_bytes() if cache.exists() else None
+    dtype_probe.main(["tiny"])
+    (line,) = capsys.readouterr().out.splitlines()
+    assert line.startswith("auto precision on ") and "sample_dtype " in line and "train_dtype " in line
+    assert (cache.read_bytes() if cache.exists() else None) == before
+
+
 @pytest.mark.parametrize(("onednn_s", "torch_s", "stream_s", "bf16_stream_s", "bf16_dot_s"),
                          [(4.0, 2.0, 0.5, 0.25, 0.125), (2.0, 4.0, 2.0, 3.0, 4.0)])
 def test_each_precision_is_timed_through_its_faster_kernel_and_packed_layout(monkeypatch, onednn_s, torch_s,

@@ -666,7 +666,8 @@ def main(argv: list[str] | None = None) -> None:
     if shapes is None:
         raise SystemExit(f"grpo: the config of {name!r} names no decoder shapes; auto is fp32 for it")
     busy = machine_busy()
-    result = {role: Timing(*seconds) for role, seconds in measure(shapes).items()}
+    seconds = measure(shapes)  # each role's (fp32, bf16), beside the per-kernel and per-layout variants
+    result = {role: Timing(*seconds[role]) for role in ROLES}
     print(summary(result, machine_key(shapes)) + (f" (busy machine: {busy}; auto would not measure now)" if busy else ""))
 
 

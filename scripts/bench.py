@@ -724,7 +724,8 @@ def against_hardware(events: list[dict[str, Any]], floors: dict[str, Any], step_
     table.append((f"step / hardware floor ({med['seconds']:.2f} s / {floor['step_s']:.2f} s: sampling "
                   f"{floor['sample_s']:.2f} s, training {floor['train_s']:.2f} s)", f"{med['seconds'] / floor['step_s']:.2f}x",
                   "-", "-", None))
-    print(f"\n== grpo against TRL and the hardware ({machine.peak_gflops:.0f} {machine.dtype} GFLOP/s matmul peak, "
+    kernel = {"onednn": "oneDNN's", "torch": "torch.mm's"}.get(machine.kernel, machine.kernel)
+    print(f"\n== grpo against TRL and the hardware ({machine.peak_gflops:.0f} {machine.dtype} GFLOP/s matmul peak, {kernel}, "
           f"{machine.bandwidth_gbs:.1f} GB/s copy, measured in this run)")
     print("| what | measured | the matmul kernels alone | goal | met |")
     print("| --- | --- | --- | --- | --- |")

@@ -1,8 +1,11 @@
 """What the hardware allows a GRPO step, to hold grpo's measured step against (scripts/bench.py).
 
-Two numbers of the machine, measured in the same run as the step: the matmul peak (GFLOP/s of a
-plain ``torch.mm`` at the model's MLP shape over 1,024 rows, in the precision the step ran in) and
-the copy bandwidth (GB/s of a 256 MiB ``copy_``, read plus write). From them:
+Two numbers of the machine, measured in the same run as the step: the matmul peak (GFLOP/s of the
+fastest dense kernel this torch has -- ``torch.mm`` or oneDNN's linear, cpu_linear.dense_products --
+at the model's MLP shape over 1,024 rows, in the precision the step ran in) and the copy bandwidth
+(GB/s of a 256 MiB ``copy_``, read plus write). The fastest, because one kernel's rate is not the
+machine's: on an AMD EPYC Zen 5 a float32 ``torch.mm`` (MKL) ran 220 GFLOP/s and oneDNN's 490, and
+a peak read from ``torch.mm`` alone had grpo's training at 113% of it. From them:
 
 - a decoding step cannot take less than the larger of streaming every weight once
   (``weight bytes / bandwidth``) and its rows' matmuls (``2 x matmul parameters x rows / peak``);
@@ -17,8 +20,8 @@ the matmuls on SmolLM2), so the floors are a little low, never high.
 And what the kernels alone allow (``kernels_alone``): the step's own matmuls at its own shapes,
 everything else free -- a decoding step's Linears at its mean rows through the sampler's kernel
 (oneDNN's packed layout where it packs, grpo/models/cpu_linear.py), and a training pass's forward
-and input-gradient products through ``torch.mm`` (the kernel the peak is measured with), every
-Linear's weight distinct as in the model. Where these alone miss a goal, the goal is out of reach
+and input-gradient products through each dense kernel (the faster pass counting, as for the
+peak), every Linear's weight distinct as in the model. Where these alone miss a goal, the goal is out of reach
 of the kernel library on this machine, whatever grpo does around them; the distance between them
 and grpo's step is grpo's own.
 """
@@ -36,27 +39,35 @@ class Machine:
     peak_gflops: float
     bandwidth_gbs: float
     dtype: str
+    kernel: str = "torch"  # the dense kernel the peak was measured through (cpu_linear.KERNELS)
 
 
 def measure(hidden: int, intermediate: int, dtype: str = "fp32", seconds: float = 1.0) -> Machine:
+    """The peak through each dense kernel for ``seconds`` (the fastest counting) and the copy bandwidth."""
     import torch
+
+    from grpo.models import cpu_linear
 
     torch_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype]
     x = torch.randn(1024, hidden, dtype=torch_dtype)
-    w = torch.randn(hidden, intermediate, dtype=torch_dtype)
-    best = 0.0
-    for _ in range(3):  # the best of three windows: a floor is what the machine can do
-        torch.mm(x, w)
-        n, t0 = 0, time.perf_counter()
-        while time.perf_counter() - t0 < seconds / 3:
-            torch.mm(x, w)
-            n += 1
-        best = max(best, 2 * 1024 * hidden * intermediate * n / (time.perf_counter() - t0) / 1e9)
+    w = torch.randn(intermediate, hidden, dtype=torch_dtype)
+    flops = 2 * 1024 * hidden * intermediate
+    rates = {}
+    for kernel, product in cpu_linear.dense_products().items():
+        rates[kernel] = 0.0
+        for _ in range(3):  # the best of three windows: a floor is what the machine can do
+            product(x, w)
+            n, t0 = 0, time.perf_counter()
+            while time.perf_counter() - t0 < seconds / 3:
+                product(x, w)
+                n += 1
+            rates[kernel] = max(rates[kernel], flops * n / (time.perf_counter() - t0) / 1e9)
+    kernel = max(rates, key=rates.get)
     src = torch.ones(64 * 2**20)  # 256 MiB of fp32
     dst = torch.empty_like(src)
     dst.copy_(src)
     copy_s = min(_timed(lambda: dst.copy_(src)) for _ in range(5))
-    return Machine(best, 2 * src.numel() * 4 / copy_s / 1e9, dtype)
+    return Machine(rates[kernel], 2 * src.numel() * 4 / copy_s / 1e9, dtype, kernel)
 
 
 def _timed(fn) -> float:
@@ -183,12 +194,13 @@ def kernels_alone(size: ModelSize, dtype: str, rows: float, processed_tokens: in
         for linear, (_, fan_in) in zip(sampler, decode_shapes, strict=True):
             linear(decode_inputs[fan_in])
 
-    def train_pass() -> None:
+    def train_pass(product) -> None:
         for w, (fan_out, fan_in), tokens in zip(weights, size.linear_shapes, [processed_tokens] * len(decoder)
                                                  + [counted_tokens], strict=True):
-            torch.mm(inputs[fan_in][:tokens], w.t())  # forward
-            torch.mm(inputs[fan_out][:tokens], w)  # the input's gradient (the frozen base has none of its own)
+            product(inputs[fan_in][:tokens], w)  # forward
+            product(inputs[fan_out][:tokens], w.t())  # the input's gradient (the frozen base has none of its own)
 
     with torch.inference_mode():
         return {"decode_linears_s": min(_timed(decode_step) for _ in range(reps + 1)),
-                "train_matmuls_s": min(_timed(train_pass) for _ in range(reps + 1))}
+                "train_matmuls_s": min(_timed(lambda p=product: train_pass(p)) for product in
+                                       cpu_linear.dense_products().values() for _ in range(reps + 1))}

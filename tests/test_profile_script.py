@@ -81,6 +81,38 @@ def test_the_kernels_alone_multiply_the_steps_own_shapes(monkeypatch):
     assert products == pass_products * 2  # reps + 1 passes
 
 
+def test_the_peak_is_the_fastest_dense_kernels_and_names_it(monkeypatch):
+    """One kernel's rate is not the machine's (a float32 torch.mm ran at 0.45x oneDNN's on an AMD
+    EPYC Zen 5): each kernel is timed, the faster one is the peak, and the training pass of the
+    kernels alone runs through every kernel too."""
+    import time
+
+    import torch
+
+    from grpo.models import cpu_linear
+
+    def slowed(x, w):
+        time.sleep(0.002)
+        return torch.mm(x, w.t())
+
+    def real(x, w):
+        return torch.nn.functional.linear(x, w)
+
+    for slow, fast in (("torch", "onednn"), ("onednn", "torch")):
+        monkeypatch.setattr(cpu_linear, "dense_products", lambda slow=slow, fast=fast: {slow: slowed, fast: real})
+        machine = hardware_floors.measure(64, 128, "fp32", seconds=0.3)
+        assert machine.kernel == fast
+        assert machine.peak_gflops > 2 * 1024 * 64 * 128 / 0.002 / 1e9  # above what the slowed kernel can reach
+    calls = []
+    monkeypatch.setattr(cpu_linear, "dense_products",
+                        lambda: {"a": lambda x, w: calls.append("a") or real(x, w),
+                                 "b": lambda x, w: calls.append("b") or real(x, w)})
+    size = hardware_floors.ModelSize(decoder_matmul_params=8 * 16, head_params=32 * 8, weight_bytes=0,
+                                     linear_shapes=((16, 8), (32, 8)))
+    hardware_floors.kernels_alone(size, "fp32", rows=2, processed_tokens=5, counted_tokens=3, reps=1)
+    assert calls.count("a") == calls.count("b") == 2 * 2 * 2  # (reps + 1) passes x 2 Linears x 2 products
+
+
 def test_the_kernels_alone_decode_in_the_samplers_precision(monkeypatch):
     """A bf16 sampler beside an fp32 trainer: the decoding step's Linears multiply bf16 weights,
     the training pass's products stay fp32."""

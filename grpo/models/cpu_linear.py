@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import functools
 import os
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -377,6 +378,18 @@ def use_onednn_linears(model: nn.Module) -> int:
 
 # The float32 kernels an ``OneDNNLinear`` multiplies by its own weight through (its ``kernel``)
 KERNELS = ("onednn", "torch")
+
+
+def dense_products() -> dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]]:
+    """``x @ w.T`` (``w`` as a Linear holds it, a transposed view too) through each dense CPU kernel
+    of this build, by ``KERNELS``' names: PyTorch's own ``torch.mm`` (MKL's sgemm for float32 in
+    PyTorch's CPU wheels) and oneDNN's where it works. Which is faster is the machine's to say, not
+    its flags': on an AMD EPYC Zen 5 a float32 ``torch.mm`` ran 220 GFLOP/s against oneDNN's 490 (MKL
+    keeps to a slower path on AMD CPUs), bf16 ~980 both (docs/benchmark.md)."""
+    products = {"torch": lambda x, w: torch.mm(x, w.t())}
+    if onednn_works():
+        products["onednn"] = lambda x, w: _onednn(x, w, None)
+    return products
 
 
 def use_kernel(model: nn.Module, kernel: str) -> int:

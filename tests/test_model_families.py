@@ -95,11 +95,15 @@ def test_the_sampler_the_sampling_client_and_the_trainer_agree_on_the_logprobs(t
     sampler = tc.save_weights_and_get_sampling_client("weights")
     result = sampler.sample(ModelInput.from_ints(PROMPT), num_samples=3,
                             sampling_params=SamplingParams(max_tokens=10, temperature=1.0, seed=1)).result()
+    # the prompt logprobs of every sequence and of one cut two tokens short, asked for together:
+    # one decoder call, the shorter sequence right-padded, which a causal model's logprobs ignore
+    sequences = [PROMPT + list(sequence.tokens) for sequence in result.sequences]
+    futures = [sampler.compute_logprobs(ModelInput.from_ints(tokens)) for tokens in [*sequences, sequences[0][:-2]]]
+    *computed_all, short = [future.result() for future in futures]
+    assert short[1:] == pytest.approx(computed_all[0][1:-2], abs=1e-5)
     data, sampled = [], []
-    for sequence in result.sequences:
-        tokens = PROMPT + list(sequence.tokens)
-        computed = sampler.compute_logprobs(ModelInput.from_ints(tokens)).result()[len(PROMPT):]
-        assert computed == pytest.approx(sequence.logprobs, abs=1e-5)
+    for sequence, tokens, computed in zip(result.sequences, sequences, computed_all, strict=True):
+        assert computed[len(PROMPT):] == pytest.approx(sequence.logprobs, abs=1e-5)
         data.append(Datum(model_input=ModelInput.from_ints(tokens[:-1]),
                           loss_fn_inputs={"target_tokens": torch.tensor(tokens[1:]),
                                           "weights": _answer_weights(len(tokens))}))

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from grpo import models
-from grpo.backends.local import sampler
+from grpo.backends.local import prompt_logprobs, sampler
 from grpo.backends.local.clients import ServiceClient
 from grpo.backends.local.prefix_cache import PrefixCache
 from grpo.backends.local.trunk import common_trunk
@@ -154,7 +154,7 @@ def test_episodes_sample_the_same_through_the_cache_and_prefill_only_new_tokens(
         for (context, a), (_, b) in zip(turn_cached, turn_plain, strict=True):
             assert a.tokens == b.tokens
             # the trainer's numbers: one forward pass over the whole sequence
-            forward = sampler.prompt_logprobs(model, [context + a.tokens], CPU)[0][len(context):]
+            forward = prompt_logprobs.prompt_logprobs(model, [context + a.tokens], CPU)[0][len(context):]
             gaps["cache"] = max(gaps["cache"], *(abs(x - y) for x, y in zip(a.logprobs, b.logprobs, strict=True)))
             gaps["forward"] = max(gaps["forward"], *(abs(x - y) for x, y in zip(b.logprobs, forward, strict=True)))
     # fp32 rounding: keys computed while decoding instead of in a prefill move a logprob by about

@@ -92,6 +92,49 @@ def test_compute_logprobs_and_prompt_logprobs_equal_plain_forward(trained) -> No
                                  include_prompt_logprobs=True).result()
     assert res.prompt_logprobs[0] is None
     assert torch.allclose(torch.tensor(res.prompt_logprobs[1:]), want, atol=1e-5)
+    res = sampling_client.sample(types.ModelInput.from_ints(prompt), 1, types.SamplingParams(max_tokens=2),
+                                 prompt_logprobs_last_n=3).result()
+    assert res.prompt_logprobs[:-3] == [None] * (len(prompt) - 3) and len(res.sequences) == 1
+    assert torch.allclose(torch.tensor(res.prompt_logprobs[-3:]), want[-3:], atol=1e-5)
+
+
+def test_compute_logprobs_called_together_share_a_generation_and_equal_plain_forward(trained, generations,
+                                                                                      monkeypatch) -> None:
+    """A KL penalty's reference logprobs, or the SDK's ``compute_logprobs_async`` under ``gather``:
+    calls issued before any is waited on run in one generation, prompts of different lengths padded
+    together; each equals a plain forward pass of its own prompt alone. The unembedding takes at most
+    a chunk of positions at a time, and with ``prompt_logprobs_last_n`` only the positions asked for."""
+    from grpo.backends.local import prompt_logprobs, trainer
+
+    client, sampling_client = trained
+    head_rows: list[int] = []
+    real_head = prompt_logprobs.logit_head
+
+    def counting_head(model):
+        head = real_head(model)
+        return lambda hidden: head_rows.append(hidden.shape[0]) or head(hidden)
+
+    monkeypatch.setattr(prompt_logprobs, "logit_head", counting_head)
+    long_prompt = [1 + (7 * i) % 500 for i in range(300)]  # more positions than one chunk of the head
+    prompts = [*PROMPTS, [1, 77], long_prompt]
+    futures = [sampling_client.compute_logprobs(types.ModelInput.from_ints(p)) for p in prompts]
+    last = sampling_client.compute_logprobs(types.ModelInput.from_ints(long_prompt), prompt_logprobs_last_n=5)
+    got = [f.result() for f in futures] + [last.result()]
+    assert generations == [len(prompts) + 1]  # one generation, nothing sampled
+    assert max(head_rows) <= trainer.LOGIT_CHUNK_POSITIONS
+    assert sum(head_rows) == sum(len(p) - 1 for p in prompts) + 5
+    for prompt, lp in zip([*prompts, long_prompt], got, strict=True):
+        want = plain_logprobs(client, prompt[:-1], prompt[1:])
+        assert len(lp) == len(prompt) and lp[0] is None
+        if lp is got[-1]:
+            assert lp[:-5] == [None] * (len(prompt) - 5)
+            lp, want = [None, *lp[-5:]], want[-5:]
+        torch.testing.assert_close(torch.tensor(lp[1:]), want, atol=1e-5, rtol=0)
+
+
+def test_prompt_logprobs_of_a_one_token_prompt_are_one_none(trained) -> None:
+    _, sampling_client = trained
+    assert sampling_client.compute_logprobs(types.ModelInput.from_ints([1])).result() == [None]
 
 
 # --------------------------------------------------------------------------- stops and seeds (9)

@@ -756,15 +756,9 @@ class SamplingClient(_ClientFuture):
         _, stop_ids = params.stop_strings_and_ids()
         self.engine.check_tokens(stop_ids, "SamplingParams.stop token ids")
         last_n = _check_last_n(prompt_logprobs_last_n, len(tokens))
-        request = sampler.GenerationRequest(tokens, num_samples, params, include_prompt_logprobs or last_n is not None)
-        fut = APIFuture(self.handle.batcher.submit(request, self.adapter, self.snapshot))
-        if last_n is None:
-            return fut
-
-        def keep_last(response: SampleResponse) -> SampleResponse:
-            response.prompt_logprobs = _last_n(response.prompt_logprobs, last_n)
-            return response
-        return _then(fut, keep_last)
+        request = sampler.GenerationRequest(tokens, num_samples, params, include_prompt_logprobs or last_n is not None,
+                                            last_n)
+        return APIFuture(self.handle.batcher.submit(request, self.adapter, self.snapshot))
 
     sample_async = async_twin("sample", awaited=True)
 
@@ -774,13 +768,10 @@ class SamplingClient(_ClientFuture):
         ``prompt_logprobs_last_n=N`` only the last N are given, earlier entries are None."""
         tokens = _prompt_tokens(prompt, self.engine)
         last_n = _check_last_n(prompt_logprobs_last_n, len(tokens))
-
-        def work():
-            with self.engine.sampling_model(self.adapter, self.snapshot) as model, torch.no_grad():
-                out = sampler.prompt_logprobs(model, [tokens], self.engine.device)[0]
-            return out if last_n is None else _last_n(out, last_n)
-
-        return APIFuture(self.handle.submit(work))
+        # through the sampler's batcher: calls made together share decoder calls (prompt_logprobs.py)
+        request = sampler.GenerationRequest(tokens, 0, SamplingParams(), True, last_n)
+        return APIFuture(self.handle.batcher.submit(request, self.adapter, self.snapshot,
+                                                    answer=lambda response: response.prompt_logprobs))
 
     compute_logprobs_async = async_twin("compute_logprobs", awaited=True)
 
@@ -818,9 +809,13 @@ def _prompt_tokens(prompt: ModelInput, engine: Engine) -> list[int]:
 class _SampleFuture(concurrent.futures.Future):
     """A sample call's future. Waiting on it closes the batch it belongs to (see _SampleBatcher)."""
 
-    def __init__(self, batcher: _SampleBatcher):
+    def __init__(self, batcher: _SampleBatcher, answer: Callable[[SampleResponse], Any] | None = None):
         super().__init__()
         self._batcher = batcher
+        self._answer = answer  # what the caller gets of the response (compute_logprobs: its prompt logprobs)
+
+    def set_answer(self, response: SampleResponse) -> None:
+        self.set_result(response if self._answer is None else self._answer(response))
 
     def result(self, timeout: float | None = None):
         self._batcher.close_batch()
@@ -878,8 +873,10 @@ class _SampleBatcher:
         self.thread = threading.Thread(target=self._loop, name="grpo-sampler", daemon=True)
         self.thread.start()
 
-    def submit(self, request: sampler.GenerationRequest, adapter: str | None, snapshot) -> concurrent.futures.Future:
-        future = _SampleFuture(self)
+    def submit(self, request: sampler.GenerationRequest, adapter: str | None, snapshot,
+               answer: Callable[[SampleResponse], Any] | None = None) -> concurrent.futures.Future:
+        """A future of the request's SampleResponse, or of ``answer(response)``."""
+        future = _SampleFuture(self, answer)
         with self._cond:
             self._open.append((request, adapter, snapshot, future))
             self._last_submit = time.monotonic()
@@ -945,7 +942,7 @@ class _SampleBatcher:
         finally:
             heap.release_free_memory(self.engine.device, self.compute.keep_free)  # before the callers train
         for request, _, _, future in live:
-            future.set_result(SampleResponse(sequences=request.sequences, prompt_logprobs=request.prompt_logprobs))
+            future.set_answer(SampleResponse(sequences=request.sequences, prompt_logprobs=request.prompt_logprobs))
 
     def _bind_prefix_cache(self, adapter: str | None, snapshot) -> None:
         """Name the weights this generation samples with (the engine's key for them; the snapshot
@@ -992,12 +989,6 @@ def _check_last_n(last_n: int | None, n_tokens: int) -> int | None:
     if isinstance(last_n, bool) or not isinstance(last_n, int) or not 1 <= last_n <= n_tokens - 1:
         raise ValueError(f"prompt_logprobs_last_n must be between 1 and len(prompt) - 1 = {n_tokens - 1}, got {last_n!r}")
     return last_n
-
-
-def _last_n(logprobs: list[float | None] | None, n: int) -> list[float | None] | None:
-    if logprobs is None:
-        return None
-    return [None] * (len(logprobs) - n) + list(logprobs[-n:])
 
 
 def _check_optimizer(optimizer: Any) -> None:

@@ -42,6 +42,8 @@ class GenerationRequest:
     num_samples: int
     params: SamplingParams
     include_prompt_logprobs: bool = False
+    prompt_logprobs_last_n: int | None = None  # only the last n prompt logprobs (the rest None)
+    # num_samples 0: the prompt's logprobs only (compute_logprobs), nothing sampled
     # filled in by generate()
     sequences: list[SampledSequence] = field(default_factory=list)
     prompt_logprobs: list[float | None] | None = None
@@ -101,18 +103,6 @@ def batch_rows(requests: list[GenerationRequest], row_bytes: Callable[[int], int
     return min(total, budget // row_bytes(row_capacity(requests, max_context)))
 
 
-@torch.inference_mode()
-def prompt_logprobs(model, prompts: list[list[int]], device: torch.device) -> list[list[float | None]]:
-    """Logprob of every prompt token given the ones before it (None for the first)."""
-    out: list[list[float | None]] = []
-    for prompt in prompts:
-        ids = torch.tensor([prompt], device=device)
-        logits = model(input_ids=ids).logits[0, :-1].float()
-        lp = torch.log_softmax(logits, -1).gather(-1, ids[0, 1:, None])[:, 0]
-        out.append([None, *lp.tolist()])
-    return out
-
-
 # inference_mode rather than no_grad: no version counters or view tracking on the ~1,200
 # operators of a decoding step (a bf16 sampling call of the bench 2.17-2.26 -> 2.06-2.08 s,
 # identical samples). Nothing it makes is ever trained through: the sequences leave as lists, and
@@ -143,9 +133,20 @@ def generate(model, requests: list[GenerationRequest], tokenizer, device: torch.
     if compact not in ("eager", "half"):
         raise ValueError(f"compact must be 'eager' or 'half', got {compact!r}")
     for req in requests:
-        if req.include_prompt_logprobs:
-            req.prompt_logprobs = prompt_logprobs(model, [req.prompt], device)[0]
         req.sequences = []
+    scored = [req for req in requests if req.include_prompt_logprobs or req.num_samples == 0]
+    if scored:  # every request's prompt logprobs in shared decoder calls
+        # (imported here: it imports the trainer, which imports this module)
+        from grpo.backends.local.prompt_logprobs import prompt_logprobs
+
+        with section("grpo.sample.prompt_logprobs"):
+            for req, logprobs in zip(scored, prompt_logprobs(model, [req.prompt for req in scored], device,
+                                                               [req.prompt_logprobs_last_n for req in scored]),
+                                     strict=True):
+                req.prompt_logprobs = logprobs
+    requests = [req for req in requests if req.num_samples > 0]
+    if not requests:
+        return GenerationStats()
     if not attention_only(model.config):  # (linear-attention or state-space layers: recurrent_sampler.py)
         from grpo.backends.local import recurrent_sampler
 

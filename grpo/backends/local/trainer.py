@@ -239,9 +239,10 @@ def _chunks(n: int, lm_head, hidden: torch.Tensor, native_head: bool = False) ->
 
 
 @torch.no_grad()
-def _uncounted_logprobs(lm_head, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Logprobs of positions no loss reads: the native loss head's forward where it runs (whole
-    chunks, the logits read as they are), else log_softmax's value by logsumexp."""
+def gradient_free_logprobs(lm_head, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Logprobs of positions no gradient flows through (those no loss reads; prompt logprobs,
+    prompt_logprobs.py), a chunk of positions at a time: the native loss head's forward where it
+    runs (whole chunks, the logits read as they are), else log_softmax's value by logsumexp."""
     native_head = native_layers.takes_logits(hidden)
     parts = [_chunk_logprobs(lm_head, hidden[sl], targets[sl])[0] if native_head
              else _chunk_logprobs_only(lm_head, hidden[sl], targets[sl])
@@ -255,7 +256,7 @@ def _split_counted(lm_head, flat_hidden: torch.Tensor, flat_targets: torch.Tenso
     ``where`` gives each row of ``flat_hidden`` its index among the batch's ``n`` positions."""
     logprobs = torch.zeros(n, dtype=torch.float32, device=flat_hidden.device)
     uncounted = (~counted_mask).nonzero()[:, 0]
-    logprobs[where[uncounted]] = _uncounted_logprobs(lm_head, flat_hidden[uncounted].detach(), flat_targets[uncounted])
+    logprobs[where[uncounted]] = gradient_free_logprobs(lm_head, flat_hidden[uncounted].detach(), flat_targets[uncounted])
     counted = counted_mask.nonzero()[:, 0]
     return DecoderOutput(logprobs=logprobs, entropy=torch.zeros_like(logprobs), lengths=lengths,
                         counted=where[counted], hidden=flat_hidden[counted], targets=flat_targets[counted])

@@ -1,0 +1,80 @@
+"""Prompt logprobs under the sampler's weights: ``compute_logprobs`` and ``sample(include_prompt_logprobs=True)``.
+
+The logprob of each prompt token given those before it (None for the first). The decoder runs
+once over several prompts, right-padded to the longest of a batch: in a causal model a position
+after a prompt's end cannot reach the prompt's own, so the padding costs its compute and changes
+nothing. The unembedding then takes a chunk of positions at a time through the trainer's head
+(trainer.gradient_free_logprobs: grpo's native loss head on a CPU), with the family's scaling or
+soft-cap (logit_head.py), so no [tokens, vocabulary] tensor is made: the model's own forward made
+three (its logits, their float32 copy, log_softmax), 8.6 GB for one 4,096-token prompt of Gemma 3's
+262,144-token vocabulary. Only the positions asked for (``last_n``) go through the head.
+
+Requests submitted together (a KL penalty's reference logprobs of a whole batch, the SDK's
+``compute_logprobs_async`` under ``asyncio.gather``) arrive here together through the sampler's
+batcher (clients.py) and share decoder calls.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from grpo.backends.local import trainer
+from grpo.backends.local.logit_head import logit_head
+
+# Padded positions one decoder call takes (at least one whole prompt): a batch's activations are
+# this many positions wide, whatever its prompts' lengths
+BATCH_POSITIONS = 8192
+MAX_PADDING = 0.125
+
+
+@torch.inference_mode()
+def prompt_logprobs(model, prompts: Sequence[Sequence[int]], device: torch.device,
+                    last_n: Sequence[int | None] | None = None) -> list[list[float | None]]:
+    """Each prompt's logprobs, ``len(prompt)`` entries, the first None; where ``last_n[i]`` is
+    given, only the last ``last_n[i]`` are computed and the entries before them are None."""
+    last_n = list(last_n) if last_n is not None else [None] * len(prompts)
+    out: list[list[float | None]] = [[] for _ in prompts]
+    decoder, head = model.get_decoder(), logit_head(model)
+    short = [i for i, prompt in enumerate(prompts) if len(prompt) < 2]  # nothing to score
+    for i in short:
+        out[i] = [None] * len(prompts[i])
+    for batch in _batches(prompts, skip=set(short)):
+        width = len(prompts[batch[0]])
+        ids = torch.zeros(len(batch), width, dtype=torch.long)  # padded with token 0: never read
+        for row, i in enumerate(batch):
+            ids[row, :len(prompts[i])] = torch.as_tensor(prompts[i], dtype=torch.long)
+        ids = ids.to(device)
+        hidden = decoder(input_ids=ids, use_cache=False).last_hidden_state
+        # the position before each token asked for: tokens first+1 .. n-1 of a prompt of n
+        spans = [(row, i, _first_scored(len(prompts[i]), last_n[i])) for row, i in enumerate(batch)]
+        rows = torch.cat([hidden[row, first:len(prompts[i]) - 1] for row, i, first in spans])
+        targets = torch.cat([ids[row, first + 1:len(prompts[i])] for row, i, first in spans])
+        values = trainer.gradient_free_logprobs(head, rows, targets).tolist()
+        start = 0
+        for _, i, first in spans:
+            scored = len(prompts[i]) - 1 - first
+            out[i] = [None] * (first + 1) + values[start:start + scored]
+            start += scored
+    return out
+
+
+def _first_scored(length: int, last_n: int | None) -> int:
+    """The first position whose next token is scored: 0, or where the last ``last_n`` tokens begin."""
+    return 0 if last_n is None else max(0, length - 1 - last_n)
+
+
+def _batches(prompts: Sequence[Sequence[int]], skip: set[int] = frozenset()) -> list[list[int]]:
+    """Prompt indices but ``skip`` in batches of like lengths (longest first), each at most
+    ``BATCH_POSITIONS`` padded positions wide unless one prompt alone is wider."""
+    order = sorted((i for i in range(len(prompts)) if i not in skip), key=lambda i: len(prompts[i]), reverse=True)
+    batches: list[list[int]] = []
+    for i in order:
+        width = len(prompts[batches[-1][0]]) if batches else 0
+        if (batches and width * (len(batches[-1]) + 1) <= BATCH_POSITIONS
+                and len(prompts[i]) >= width * (1 - MAX_PADDING)):
+            batches[-1].append(i)
+        else:
+            batches.append([i])
+    return batches

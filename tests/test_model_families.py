@@ -95,12 +95,18 @@ def test_the_sampler_the_sampling_client_and_the_trainer_agree_on_the_logprobs(t
     sampler = tc.save_weights_and_get_sampling_client("weights")
     result = sampler.sample(ModelInput.from_ints(PROMPT), num_samples=3,
                             sampling_params=SamplingParams(max_tokens=10, temperature=1.0, seed=1)).result()
-    # the prompt logprobs of every sequence and of one cut two tokens short, asked for together:
-    # one decoder call, the shorter sequence right-padded, which a causal model's logprobs ignore
+    # the prompt logprobs of every sequence, of one cut two tokens short, and of two prompts that
+    # begin otherwise, asked for together: the sequences' shared beginning run once for them
+    # (trainer.run_decoder_shared), the two others right-padded to each other in one decoder call
     sequences = [PROMPT + list(sequence.tokens) for sequence in result.sequences]
-    futures = [sampler.compute_logprobs(ModelInput.from_ints(tokens)) for tokens in [*sequences, sequences[0][:-2]]]
-    *computed_all, short = [future.result() for future in futures]
+    others = [[(3 + 5 * i) % 300 for i in range(26)], [(7 + 11 * i) % 300 for i in range(24)]]
+    futures = [sampler.compute_logprobs(ModelInput.from_ints(tokens))
+               for tokens in [*sequences, sequences[0][:-2], *others]]
+    *computed_all, short, other_long, other_short = [future.result() for future in futures]
     assert short[1:] == pytest.approx(computed_all[0][1:-2], abs=1e-5)
+    alone = [sampler.compute_logprobs(ModelInput.from_ints(tokens)).result() for tokens in others]
+    assert other_long[1:] == pytest.approx(alone[0][1:], abs=1e-5)
+    assert other_short[1:] == pytest.approx(alone[1][1:], abs=1e-5)
     data, sampled = [], []
     for sequence, tokens, computed in zip(result.sequences, sequences, computed_all, strict=True):
         assert computed[len(PROMPT):] == pytest.approx(sequence.logprobs, abs=1e-5)

@@ -116,20 +116,51 @@ def test_compute_logprobs_called_together_share_a_generation_and_equal_plain_for
 
     monkeypatch.setattr(prompt_logprobs, "logit_head", counting_head)
     long_prompt = [1 + (7 * i) % 500 for i in range(300)]  # more positions than one chunk of the head
-    prompts = [*PROMPTS, [1, 77], long_prompt]
+    other_long = [2 + (11 * i) % 500 for i in range(300)]
+    prompts = [*PROMPTS, [1, 77], long_prompt]  # no two begin alike (see the next test for those)
     futures = [sampling_client.compute_logprobs(types.ModelInput.from_ints(p)) for p in prompts]
-    last = sampling_client.compute_logprobs(types.ModelInput.from_ints(long_prompt), prompt_logprobs_last_n=5)
+    last = sampling_client.compute_logprobs(types.ModelInput.from_ints(other_long), prompt_logprobs_last_n=5)
     got = [f.result() for f in futures] + [last.result()]
     assert generations == [len(prompts) + 1]  # one generation, nothing sampled
     assert max(head_rows) <= trainer.LOGIT_CHUNK_POSITIONS
     assert sum(head_rows) == sum(len(p) - 1 for p in prompts) + 5
-    for prompt, lp in zip([*prompts, long_prompt], got, strict=True):
+    for prompt, lp in zip([*prompts, other_long], got, strict=True):
         want = plain_logprobs(client, prompt[:-1], prompt[1:])
         assert len(lp) == len(prompt) and lp[0] is None
         if lp is got[-1]:
             assert lp[:-5] == [None] * (len(prompt) - 5)
             lp, want = [None, *lp[-5:]], want[-5:]
         torch.testing.assert_close(torch.tensor(lp[1:]), want, atol=1e-5, rtol=0)
+
+
+def test_prompts_that_begin_alike_run_their_beginning_once(trained, monkeypatch) -> None:
+    """A GRPO group's reference logprobs (a KL penalty's): the group's prompt, then each sample's
+    answer. The decoder takes the shared beginning once and each prompt's rest after it, and each
+    prompt's logprobs equal a plain forward pass of it alone."""
+    client, sampling_client = trained
+    shared = [1 + (13 * i) % 400 for i in range(40)]
+    prompts = [shared + [500 + 3 * k + j for j in range(10)] for k in range(4)]
+    positions: list[int] = []
+
+    def count(module, args, kwargs):
+        positions.append(kwargs["input_ids"].shape[0] * kwargs["input_ids"].shape[1])
+
+    def work():
+        with sampling_client.engine.sampling_model(sampling_client.adapter, sampling_client.snapshot) as model:
+            handle = model.get_decoder().register_forward_pre_hook(count, with_kwargs=True)
+        return handle
+
+    handle = sampling_client.handle.submit(work).result()
+    try:
+        futures = [sampling_client.compute_logprobs(types.ModelInput.from_ints(p)) for p in prompts]
+        got = [f.result() for f in futures]
+    finally:
+        handle.remove()
+    # the 40 shared positions once, then each prompt's other 9 (its last token is only a target)
+    assert positions == [40, 4 * 9]
+    for prompt, lp in zip(prompts, got, strict=True):
+        torch.testing.assert_close(torch.tensor(lp[1:]), plain_logprobs(client, prompt[:-1], prompt[1:]),
+                                   atol=1e-5, rtol=0)
 
 
 def test_prompt_logprobs_of_a_one_token_prompt_are_one_none(trained) -> None:

@@ -11,7 +11,9 @@ three (its logits, their float32 copy, log_softmax), 8.6 GB for one 4,096-token 
 
 Requests submitted together (a KL penalty's reference logprobs of a whole batch, the SDK's
 ``compute_logprobs_async`` under ``asyncio.gather``) arrive here together through the sampler's
-batcher (clients.py) and share decoder calls.
+batcher (clients.py) and share decoder calls. Prompts that begin alike (a GRPO group's samples:
+its prompt, then each its own answer) run that beginning once, as the trainer runs a group's
+shared prompt (trainer.run_decoder_shared: the prefix's keys and values fanned out to the rest).
 """
 
 from __future__ import annotations
@@ -40,7 +42,16 @@ def prompt_logprobs(model, prompts: Sequence[Sequence[int]], device: torch.devic
     short = [i for i, prompt in enumerate(prompts) if len(prompt) < 2]  # nothing to score
     for i in short:
         out[i] = [None] * len(prompts[i])
-    for batch in _batches(prompts, skip=set(short)):
+    groups = _shared_prefixes(prompts, skip=set(short))
+    for units in trainer.shared_micro_batches(groups, BATCH_POSITIONS):
+        values = trainer.run_decoder_shared(model, units, device).logprobs.tolist()
+        start = 0
+        for d in (d for unit in units for d in unit.members):
+            first = _first_scored(len(prompts[d.index]), last_n[d.index])
+            out[d.index] = [None] * (first + 1) + values[start + first:start + len(d.input_ids)]
+            start += len(d.input_ids)
+    shared = {d.index for group in groups for d in group.members}
+    for batch in _batches(prompts, skip=set(short) | shared):
         width = len(prompts[batch[0]])
         ids = torch.zeros(len(batch), width, dtype=torch.long)  # padded with token 0: never read
         for row, i in enumerate(batch):
@@ -63,6 +74,39 @@ def prompt_logprobs(model, prompts: Sequence[Sequence[int]], device: torch.devic
 def _first_scored(length: int, last_n: int | None) -> int:
     """The first position whose next token is scored: 0, or where the last ``last_n`` tokens begin."""
     return 0 if last_n is None else max(0, length - 1 - last_n)
+
+
+def _shared_prefixes(prompts: Sequence[Sequence[int]], skip: set[int]) -> list[trainer.SharedGroup]:
+    """Groups of prompts (but ``skip``) that begin with the same ``trainer.MIN_SHARED_PREFIX`` or
+    more tokens, each prompt as a datum of nothing counted. Neighbours in sorted order join a
+    group while that saves more positions than it gives up: four answers to one 45-token prompt
+    stay a group of 45 shared positions rather than joining the next group's over the 25 of a
+    chat template they share with it."""
+    order = sorted((i for i in range(len(prompts)) if i not in skip), key=lambda i: list(prompts[i]))
+    runs: list[tuple[int, list[int]]] = []  # (shared length, members)
+    for i in order:
+        width = len(prompts[i]) - 2  # the positions before the prompt's last, which it scores alone
+        if runs:
+            shared, members = runs[-1]
+            common = min(shared, width, _common_length(prompts[members[-1]], prompts[i]))
+            if common >= trainer.MIN_SHARED_PREFIX and len(members) * common >= (len(members) - 1) * shared:
+                runs[-1] = (common, [*members, i])
+                continue
+        runs.append((width, [i]))
+    return [trainer.SharedGroup(list(prompts[members[0]][:shared]),
+                                [trainer.PreparedDatum(i, list(prompts[i][:-1]), list(prompts[i][1:]),
+                                                       {"weights": torch.zeros(len(prompts[i]) - 1)})
+                                 for i in members])
+            for shared, members in runs if len(members) > 1]
+
+
+def _common_length(a: Sequence[int], b: Sequence[int]) -> int:
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
 
 
 def _batches(prompts: Sequence[Sequence[int]], skip: set[int] = frozenset()) -> list[list[int]]:

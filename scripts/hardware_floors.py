@@ -53,7 +53,7 @@ def measure(hidden: int, intermediate: int, dtype: str = "fp32", seconds: float 
     w = torch.randn(intermediate, hidden, dtype=torch_dtype)
     flops = 2 * 1024 * hidden * intermediate
     rates = {}
-    for kernel, product in cpu_linear.dense_products().items():
+    for kernel, product in cpu_linear.dense_products(torch_dtype).items():
         rates[kernel] = 0.0
         for _ in range(3):  # the best of three windows: a floor is what the machine can do
             product(x, w)
@@ -203,4 +203,4 @@ def kernels_alone(size: ModelSize, dtype: str, rows: float, processed_tokens: in
     with torch.inference_mode():
         return {"decode_linears_s": min(_timed(decode_step) for _ in range(reps + 1)),
                 "train_matmuls_s": min(_timed(lambda p=product: train_pass(p)) for product in
-                                       cpu_linear.dense_products().values() for _ in range(reps + 1))}
+                                       cpu_linear.dense_products(train_dtype).values() for _ in range(reps + 1))}

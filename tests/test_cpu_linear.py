@@ -74,8 +74,10 @@ def test_gradients_equal_nn_linear(train_weight):
 def test_each_dense_product_is_x_times_w_transposed(dtype):
     """What the floors time each kernel by (scripts/hardware_floors.py): the same product, a
     transposed weight view (the input gradient's) too."""
-    products = cpu_linear.dense_products()
-    assert "torch" in products and ("onednn" in products) == cpu_linear.onednn_works()
+    products = cpu_linear.dense_products(dtype)
+    assert "torch" in products and ("onednn" in products) <= cpu_linear.onednn_works()
+    if dtype == torch.float32:
+        assert ("onednn" in products) == cpu_linear.onednn_works()
     gen = torch.Generator().manual_seed(0)
     x, w, g = (torch.randn(shape, generator=gen).to(dtype) for shape in ((7, 16), (24, 16), (7, 24)))
     tol = {"rtol": 1e-4, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 2e-2, "atol": 2e-2}

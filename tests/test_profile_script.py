@@ -99,13 +99,13 @@ def test_the_peak_is_the_fastest_dense_kernels_and_names_it(monkeypatch):
         return torch.nn.functional.linear(x, w)
 
     for slow, fast in (("torch", "onednn"), ("onednn", "torch")):
-        monkeypatch.setattr(cpu_linear, "dense_products", lambda slow=slow, fast=fast: {slow: slowed, fast: real})
+        monkeypatch.setattr(cpu_linear, "dense_products", lambda dtype, slow=slow, fast=fast: {slow: slowed, fast: real})
         machine = hardware_floors.measure(64, 128, "fp32", seconds=0.3)
         assert machine.kernel == fast
         assert machine.peak_gflops > 2 * 1024 * 64 * 128 / 0.002 / 1e9  # above what the slowed kernel can reach
     calls = []
     monkeypatch.setattr(cpu_linear, "dense_products",
-                        lambda: {"a": lambda x, w: calls.append("a") or real(x, w),
+                        lambda dtype: {"a": lambda x, w: calls.append("a") or real(x, w),
                                  "b": lambda x, w: calls.append("b") or real(x, w)})
     size = hardware_floors.ModelSize(decoder_matmul_params=8 * 16, head_params=32 * 8, weight_bytes=0,
                                      linear_shapes=((16, 8), (32, 8)))

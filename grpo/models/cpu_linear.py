@@ -380,16 +380,34 @@ def use_onednn_linears(model: nn.Module) -> int:
 KERNELS = ("onednn", "torch")
 
 
-def dense_products() -> dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]]:
-    """``x @ w.T`` (``w`` as a Linear holds it, a transposed view too) through each dense CPU kernel
-    of this build, by ``KERNELS``' names: PyTorch's own ``torch.mm`` (MKL's sgemm for float32 in
-    PyTorch's CPU wheels) and oneDNN's where it works. Which is faster is the machine's to say, not
-    its flags': on an AMD EPYC Zen 5 a float32 ``torch.mm`` ran 220 GFLOP/s against oneDNN's 490 (MKL
-    keeps to a slower path on AMD CPUs), bf16 ~980 both (docs/benchmark.md)."""
+def dense_products(dtype: torch.dtype = torch.float32) -> dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]]:
+    """``x @ w.T`` in ``dtype`` (``w`` as a Linear holds it, a transposed view too) through each dense
+    CPU kernel of this build, by ``KERNELS``' names: PyTorch's own ``torch.mm`` (MKL's sgemm for
+    float32 in PyTorch's CPU wheels) and oneDNN's where it computes that dtype here (an avx2-only CPU
+    has no bf16 one). Which is faster is the machine's to say, not its flags': on an AMD EPYC Zen 5 a
+    float32 ``torch.mm`` ran 220 GFLOP/s against oneDNN's 490 (MKL keeps to a slower path on AMD
+    CPUs), bf16 ~980 both (docs/benchmark.md)."""
     products = {"torch": lambda x, w: torch.mm(x, w.t())}
-    if onednn_works():
+    if _dense_onednn_works(dtype):
         products["onednn"] = lambda x, w: _onednn(x, w, None)
     return products
+
+
+@_on_computing_thread
+def _dense_onednn_works(dtype: torch.dtype) -> bool:
+    """Whether oneDNN's linear computes ``x @ w.T`` in ``dtype`` from a plain weight, and from its
+    transposed view, here."""
+    if not onednn_works():
+        return False
+    try:
+        gen = torch.Generator().manual_seed(0)
+        x, w, g = (torch.randn(shape, generator=gen).to(dtype) for shape in ((3, 16), (24, 16), (3, 24)))
+        tolerance = 1e-4 if dtype == torch.float32 else 5e-2
+        return (torch.allclose(_onednn(x, w, None).float(), F.linear(x, w).float(), rtol=tolerance, atol=tolerance)
+                and torch.allclose(_onednn(g, w.t(), None).float(), (g.float() @ w.float()), rtol=tolerance,
+                                   atol=tolerance))
+    except (AttributeError, RuntimeError, NotImplementedError):
+        return False
 
 
 def use_kernel(model: nn.Module, kernel: str) -> int:

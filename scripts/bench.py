@@ -64,14 +64,17 @@ def exact_match(text: str, answer: str) -> float:
     return 1.0 if text.strip() == answer else 0.0
 
 
-def trl_default_datums(groups) -> list:
+def trl_default_datums(groups, reference=None, beta: float = 0.0) -> list:
     """Datums for ``forward_backward(ppo)`` with TRL's defaults: rewards scaled by the group std,
-    loss averaged over the batch's tokens, every group kept (scripts/scaling.py uses them too)."""
-    from grpo.rl import advantages
+    loss averaged over the batch's tokens, every group kept (scripts/scaling.py uses them too).
+    ``beta`` > 0: a KL penalty to ``reference`` (the base model's sampling client), whose logprobs
+    of every sample are computed as grpo's loop computes them (``loop.reference_logprobs``)."""
+    from grpo.rl import advantages, loop
 
     group_adv = advantages.compute_advantages(groups, "std", "keep")
     samples = advantages.select_for_training(groups, group_adv, skip_flat_groups=False, overlong="keep")
-    return advantages.build_datums(samples, "ppo", "token_mean")[0]
+    ref = loop.reference_logprobs(reference, samples) if beta > 0 else None
+    return advantages.build_datums(samples, "ppo", "token_mean", beta, ref)[0]
 
 
 def trainable_groups(problems, prompt_ids, responses) -> list:
@@ -229,6 +232,8 @@ def worker_grpo(args: argparse.Namespace) -> None:
     device, dtype, sample_dtype = device_and_dtypes(args)
     service = ServiceClient(device=device, train_dtype=dtype, sample_dtype=sample_dtype)
     tc = service.create_lora_training_client(args.model, rank=args.rank, seed=0, train_unembed=False)
+    # --beta: the KL penalty's reference, the base model (the adapter left out), as grpo's loop has it
+    reference = service.create_sampling_client(base_model=args.model) if args.beta > 0 else None
     tokenizer = tc.get_tokenizer()
     decode = count_decode_steps()
     problems = make_problems(args.prompts * (args.warmup + args.steps))
@@ -255,7 +260,7 @@ def worker_grpo(args: argparse.Namespace) -> None:
                                            [exact_match(r.text, problems[i].answer) for r in rs], [{} for _ in rs], [])
                       for i, rs in zip(batch, responses, strict=True)]
             t1 = time.perf_counter()
-            datums = trl_default_datums(groups)
+            datums = trl_default_datums(groups, reference, args.beta)
             fb = tc.forward_backward(datums, "ppo")
             opt = tc.optim_step(adam)
             fb.result()
@@ -277,6 +282,8 @@ def worker_grpo(args: argparse.Namespace) -> None:
              # each group's prompt is trained once, shared by its samples (trainer.plan_sharing)
              processed_tokens=prompt_tokens + tokens,
              decode_forward_s=seconds.get("grpo.sample.decode_forward", 0.0),
+             # --beta: the reference's logprobs (prompt_logprobs.py), inside train_s
+             reference_s=seconds.get("grpo.sample.prompt_logprobs", 0.0),
              train_compute_s=seconds.get("grpo.train.decoder_forward", 0.0)
              + seconds.get("grpo.train.unembed_loss_backward", 0.0))
     # peak memory is the steps': read before the measurements below allocate weights and buffers of their own
@@ -333,7 +340,7 @@ def worker_trl(args: argparse.Namespace) -> None:
         max_completion_length=args.max_tokens,
         temperature=1.0, top_k=0, top_p=1.0,
         learning_rate=args.lr, lr_scheduler_type="constant", warmup_steps=0,
-        beta=0.0, use_vllm=False, num_iterations=1,
+        beta=args.beta, use_vllm=False, num_iterations=1,
         # TRL defaults to activation checkpointing; grpo does not checkpoint the decoder, so
         # compare like for like (--trl-gradient-checkpointing turns TRL's default back on).
         gradient_checkpointing=args.trl_gradient_checkpointing,
@@ -560,7 +567,8 @@ def forwarded(args: argparse.Namespace) -> list[str]:
     out = ["--model", args.model, "--device", args.device, "--precision", args.precision,
            "--steps", str(args.steps), "--warmup", str(args.warmup),
            "--reps", str(args.reps), "--prompts", str(args.prompts), "--group", str(args.group),
-           "--max-tokens", str(args.max_tokens), "--rank", str(args.rank), "--lr", str(args.lr)]
+           "--max-tokens", str(args.max_tokens), "--rank", str(args.rank), "--lr", str(args.lr),
+           "--beta", str(args.beta)]
     out += ["--resolved", args.resolved] if args.resolved else []
     return out + (["--trl-gradient-checkpointing"] if args.trl_gradient_checkpointing else [])
 
@@ -589,8 +597,9 @@ def run_steps(args: argparse.Namespace, log_dir: Path) -> dict[str, Any]:
             event = children[role].step()
             if i >= args.warmup:
                 steps[role].append(event)
+            reference = f" incl. reference {event['reference_s']:.2f}s" if event.get("reference_s") else ""
             print(f"  step {i:2d} {role:4s} {event['seconds']:6.2f}s  (sample {event['sample_s']:5.2f}s, "
-                  f"train {event['train_s']:5.2f}s, {event['tokens']} tokens, reward {event['reward']:.2f})"
+                  f"train {event['train_s']:5.2f}s{reference}, {event['tokens']} tokens, reward {event['reward']:.2f})"
                   + ("  [warm-up]" if i < args.warmup else ""), flush=True)
     memory = {role: child.finish() for role, child in children.items()}
     return {"steps": steps, "memory": memory}
@@ -751,6 +760,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--rank", type=int, default=16)
     p.add_argument("--lr", type=float, default=2e-5)
+    p.add_argument("--beta", type=float, default=0.0,
+                   help="KL penalty to the base model: TRL's beta, grpo's kl_penalty_coef (each computes the "
+                        "reference's logprobs of every sample; default 0, TRL's own default)")
     p.add_argument("--trl-gradient-checkpointing", action="store_true",
                    help="leave TRL's default activation checkpointing on (off: like grpo)")
     p.add_argument("--no-trl", action="store_true", help="skip TRL (grpo steps and micro-benchmarks only)")
@@ -788,7 +800,8 @@ def main(argv: list[str] | None = None) -> None:
     with tempfile.TemporaryDirectory(prefix="grpo-bench-") as tmp:
         log_dir = Path(tmp)
         print(f"GRPO step: {args.model}, {args.prompts} prompts x {args.group} samples, max_tokens {args.max_tokens}, "
-              f"LoRA r{args.rank}, lr {args.lr}, {args.warmup} warm-up + {args.steps} timed steps each")
+              f"LoRA r{args.rank}, lr {args.lr}, {args.warmup} warm-up + {args.steps} timed steps each"
+              + (f", KL penalty to the base model (beta {args.beta})" if args.beta > 0 else ""))
         step_result = run_steps(args, log_dir)
         micro = None if args.no_micro else (print("\nmicro-benchmarks:"), run_micro(args, log_dir))[1]
     summary = summarize(args, step_result, micro)

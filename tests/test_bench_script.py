@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -102,3 +103,14 @@ def test_a_bench_run_reports_every_goal_with_the_kernels_alone(tmp_path):
     result = json.loads(out.read_text())["against_hardware"]
     assert result["decode_linears_ms"] > 0 and result["train_matmuls_gflops"] > 0
     assert result["decode_ms"] > 0 and result["decode_stream_floor_ms"] > 0
+
+
+def test_a_bench_run_with_a_kl_penalty_computes_the_references_logprobs(tmp_path):
+    """``--beta``: grpo's steps take the base model's logprobs of every sample (TRL's beta beside it)."""
+    proc = subprocess.run([sys.executable, "scripts/bench.py", "--model", "tiny", "--no-trl", "--no-micro", "--steps", "1",
+                           "--warmup", "0", "--prompts", "2", "--group", "2", "--max-tokens", "4", "--precision", "fp32",
+                           "--beta", "0.05"], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "KL penalty to the base model (beta 0.05)" in proc.stdout
+    step = re.search(r"step  0 grpo .*incl. reference ([0-9.]+)s", proc.stdout)
+    assert step is not None, proc.stdout

@@ -39,11 +39,10 @@ STOP_STRING_TAIL_TOKENS = 16
 @dataclass
 class GenerationRequest:
     prompt: list[int]
-    num_samples: int
+    num_samples: int  # 0: the prompt's logprobs only (compute_logprobs), nothing sampled
     params: SamplingParams
     include_prompt_logprobs: bool = False
     prompt_logprobs_last_n: int | None = None  # only the last n prompt logprobs (the rest None)
-    # num_samples 0: the prompt's logprobs only (compute_logprobs), nothing sampled
     # filled in by generate()
     sequences: list[SampledSequence] = field(default_factory=list)
     prompt_logprobs: list[float | None] | None = None

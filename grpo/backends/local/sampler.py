@@ -111,7 +111,9 @@ def generate(model, requests: list[GenerationRequest], tokenizer, device: torch.
              compact: str | None = None, row_bytes: Callable[[int], int] | None = None,
              budget: int | None = None, prefix_cache: PrefixCache | None = None,
              cuda_graphs: bool | None = None) -> GenerationStats:
-    """Sample every request's ``num_samples`` continuations; results go into the requests.
+    """Sample every request's ``num_samples`` continuations; results go into the requests. The
+    prompt logprobs of those asking for them (and of logprobs-only requests, ``num_samples`` 0)
+    come first, in decoder calls they share (prompt_logprobs.py).
 
     At most ``batch_rows(requests, row_bytes, budget)`` rows decode at once; requests are
     admitted in order as rows leave. ``compact`` says when finished rows leave the batch:

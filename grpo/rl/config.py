@@ -81,7 +81,8 @@ class GRPOConfig:
     advantage_norm: str = setting("center", "center: r - mean | std: (r - mean) / std, within each group")
     loss_agg: str = setting("sum", "sum | token_mean | seq_mean, folded into the advantages or the weights, as the loss declares")
     kl_penalty_coef: float = setting(0.0, "> 0: per-token KL to the base model (adapter disabled), folded into "
-                                     "advantages")
+                                     "advantages; the base model's logprobs of a step's samples in one batched pass, "
+                                     "each group's prompt once (part of time/train)")
     skip_flat_groups: bool = setting(True, "leave out groups whose rewards are all equal (no signal)")
     dynamic_sampling_waves: int = setting(0, "replace flat groups with fresh prompts, up to N more waves")
     overlong: str = setting("keep", "truncated responses: keep | drop from training | zero their reward for "

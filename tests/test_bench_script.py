@@ -114,3 +114,15 @@ def test_a_bench_run_with_a_kl_penalty_computes_the_references_logprobs(tmp_path
     assert "KL penalty to the base model (beta 0.05)" in proc.stdout
     step = re.search(r"step  0 grpo .*incl. reference ([0-9.]+)s", proc.stdout)
     assert step is not None, proc.stdout
+
+
+def test_the_prompt_logprobs_bench_agrees_with_its_plain_peer():
+    """scripts/prompt_logprobs_bench.py: grpo's batched, shared reference logprobs and a plain forward
+    per sequence, timed side by side, compute the same numbers (fp32)."""
+    proc = subprocess.run([sys.executable, "scripts/prompt_logprobs_bench.py", "--model", "tiny", "--precision", "fp32",
+                           "--groups", "3", "--group", "2", "--prompt-tokens", "12", "--answer-tokens", "5", "--reps", "1"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "| grpo: compute_logprobs, called together |" in proc.stdout
+    apart = float(re.search(r"logprobs apart: max ([0-9.e+-]+)", proc.stdout).group(1))
+    assert apart < 1e-4, proc.stdout

@@ -177,6 +177,10 @@ def _families() -> dict[str, tuple[type, type, dict]]:
     from transformers import (
         MistralConfig,
         MistralForCausalLM,
+        Olmo2Config,
+        Olmo2ForCausalLM,
+        Phi3Config,
+        Phi3ForCausalLM,
         Qwen2Config,
         Qwen2ForCausalLM,
         Qwen3Config,
@@ -184,11 +188,16 @@ def _families() -> dict[str, tuple[type, type, dict]]:
     )
 
     return {"mistral": (MistralConfig, MistralForCausalLM, {}), "qwen2": (Qwen2Config, Qwen2ForCausalLM, {}),
-            "qwen3": (Qwen3Config, Qwen3ForCausalLM, {"head_dim": 32})}
+            "qwen3": (Qwen3Config, Qwen3ForCausalLM, {"head_dim": 32}),
+            # q/k/v and gate/up one Linear each; Phi-4-mini rotates 3/4 of each head's dims
+            "phi3": (Phi3Config, Phi3ForCausalLM, {"sliding_window": None}),
+            "phi4_mini": (Phi3Config, Phi3ForCausalLM, {"sliding_window": None, "partial_rotary_factor": 0.75}),
+            # norms after each sublayer, q and k normalised whole, rotation in float32
+            "olmo2": (Olmo2Config, Olmo2ForCausalLM, {})}
 
 
 def save_tiny_model(directory, family: str, seed: int = 0) -> str:
-    """A tiny random ``family`` model ("mistral", "qwen2", "qwen3") of the tiny Llama's sizes and the SmolLM2
+    """A tiny random ``family`` model (``_families``: "mistral", "qwen2", "qwen3", "phi3", ...) of the tiny Llama's sizes and the SmolLM2
     tokenizer, saved in ``directory`` for ``create_lora_training_client(directory)``. Every norm's
     weight and every bias is drawn away from its initial value (ones, zeros), so that a step that
     skipped one would compute something else."""

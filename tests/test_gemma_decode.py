@@ -1,5 +1,5 @@
-"""Gemma 3's decoding step through grpo's kernels (gemma_decode.py) computes what transformers'
-Gemma 3 layers compute, and the sampler takes it exactly where it applies.
+"""Gemma 3's and Gemma 2's decoding step through grpo's kernels (gemma_decode.py) computes what
+transformers' Gemma layers compute, and the sampler takes it exactly where it applies.
 
 Each new kernel is checked against the eager operators it replaces (Gemma3RMSNorm twice with the
 residual add between; GELU's tanh approximation times up; rope_attend's zero-centred norms of q's
@@ -21,7 +21,7 @@ from backend_helpers import (
     rotary_rows,
     sample_each,
 )
-from transformers import Gemma3TextConfig
+from transformers import Gemma2Config, Gemma2ForCausalLM, Gemma3TextConfig
 from transformers.models.gemma3.modeling_gemma3 import Gemma3ForCausalLM, Gemma3RMSNorm
 
 from grpo.backends.local import ServiceClient, gemma_decode
@@ -95,7 +95,7 @@ def test_rope_attend_normalises_each_head_of_q_and_k_as_gemmas_norms_do(native_o
     theirs_k, theirs_v, ours_k, ours_v = keys.clone(), values.clone(), keys.clone(), values.clone()
     want = native_ops.rope_attend(kernel_q, kernel_k, v, cos, sin, theirs_k, theirs_v, lengths, heads, 256**-0.5)
     got = native_ops.rope_attend(q, k, v, cos, sin, ours_k, ours_v, lengths, heads, 256**-0.5, q_norm=q_norm.weight.detach(),
-                          k_norm=k_norm.weight.detach(), norm_eps=1e-6, zero_centred_norms=True)
+                          k_norm=k_norm.weight.detach(), norm_eps=1e-6, norms="zero_centred")
     assert torch.equal(ours_k, theirs_k) and torch.equal(ours_v, theirs_v) and not torch.equal(ours_k, keys)
     assert torch.equal(got, want)
     qwen3s = native_ops.rope_attend(q, k, v, cos, sin, keys.clone(), values.clone(), lengths, heads, 256**-0.5,
@@ -172,6 +172,55 @@ def test_the_sampler_decodes_gemma3_through_the_kernels_as_through_its_own_forwa
     assert_greedy_alike(native, eager, bound=1e-4 if dtype == torch.float32 else 0.1)
 
 
+def _tiny_gemma2(vocab: int, dtype: torch.dtype, window: int = 512) -> Gemma2ForCausalLM:
+    """Two layers, a sliding one and a full one (one rotary embedding), 4 query heads over 2 key heads,
+    scores capped at 5 and logits at 3 (Gemma 2's caps are 50 and 30, for its scores' and logits'
+    sizes: a tiny random model's are small, and caps it never reached would not be tested), random
+    non-zero norm weights; transformers' eager attention, the one that applies the cap."""
+    config = Gemma2Config(vocab_size=vocab, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                          num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=window,
+                          query_pre_attn_scalar=16, attn_logit_softcapping=5.0, final_logit_softcapping=3.0,
+                          layer_types=["sliding_attention", "full_attention"])
+    config._attn_implementation = "eager"
+    torch.manual_seed(0)
+    model = Gemma2ForCausalLM(config)
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if name.endswith("norm.weight"):
+                parameter.uniform_(-0.5, 0.5)
+            elif name.endswith(("q_proj.weight", "k_proj.weight")):
+                parameter.mul_(8.0)  # (scores past the cap)
+    return model.to(dtype).eval()
+
+
+@pytest.mark.parametrize("window", [512, 6])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_the_sampler_decodes_gemma2_through_the_kernels_as_through_its_own_forward(tokenizer, monkeypatch, native_ops,
+                                                                                   dtype, window) -> None:
+    """As for Gemma 3, through Gemma 2's eager attention with its scores capped; the cap is applied
+    (left out, the greedy rows would differ)."""
+    model = _tiny_gemma2(len(tokenizer), dtype, window)
+    decoders: list = []
+    found = gemma_decode.gemma_decoder
+    monkeypatch.setattr(gemma_decode, "gemma_decoder", lambda *a: decoders.append(found(*a)) or decoders[-1])
+    native = greedy_rows(model, tokenizer)
+    assert decoders and all(type(d) is gemma_decode.GemmaDecoder and d.attention_softcap == 5.0 for d in decoders)
+    monkeypatch.setenv(native_kernels.ENV_SWITCH, "off")
+    eager = greedy_rows(model, tokenizer)
+    assert decoders[-1] is None
+    assert len({len(tokens) for tokens, *_ in eager}) > 1  # rows finished at different steps
+    assert_greedy_alike(native, eager, bound=1e-4 if dtype == torch.float32 else 0.1)
+    monkeypatch.delenv(native_kernels.ENV_SWITCH)
+
+    def uncapped(*args):
+        decoder = found(*args)
+        decoder.attention_softcap = 0.0
+        return decoder
+
+    monkeypatch.setattr(gemma_decode, "gemma_decoder", uncapped)
+    assert [row[1] for row in greedy_rows(model, tokenizer)] != [row[1] for row in native]  # (the cap matters)
+
+
 @pytest.mark.parametrize(("train_dtype", "sample_dtype"), [("fp32", "fp32"), ("fp32", "bf16")])
 def test_a_gemma3_through_the_client_samples_logprobs_the_trainer_computes(tmp_path, monkeypatch, tokenizer,
                                                                            train_dtype, sample_dtype) -> None:
@@ -212,14 +261,15 @@ def test_models_outside_what_the_step_computes_keep_the_models_own_forward(token
     other_eps.model.layers[1].self_attn.k_norm.eps = 1e-5  # (the kernels take one epsilon)
     assert gemma_decode.gemma_decoder(other_eps, CPU) is None
     capped = _tiny_gemma3(vocab, torch.float32, head_dim=16)
-    capped.config.attn_logit_softcapping = 50.0  # (Gemma 2's; SDPA would be refused it too)
+    capped.config.attn_logit_softcapping = 50.0  # (Gemma 2's; SDPA would leave it out)
     assert gemma_decode.gemma_decoder(capped, CPU) is None
     assert gemma_decode.gemma_decoder(_tiny_gemma3(vocab, torch.float32, head_dim=16), torch.device("meta")) is None
-    from transformers import Gemma2Config, Gemma2ForCausalLM, LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaConfig, LlamaForCausalLM
 
-    assert gemma_decode.gemma_decoder(Gemma2ForCausalLM(Gemma2Config(
-        vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
-        num_key_value_heads=1, head_dim=16)), CPU) is None
+    gemma2 = _tiny_gemma2(vocab, torch.float32)
+    assert type(gemma_decode.gemma_decoder(gemma2, CPU)) is gemma_decode.GemmaDecoder
+    gemma2.config._attn_implementation = "sdpa"  # (which leaves its scores' cap out: its own forward, as it is)
+    assert gemma_decode.gemma_decoder(gemma2, CPU) is None
     assert gemma_decode.gemma_decoder(LlamaForCausalLM(LlamaConfig(
         vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2)),
         CPU) is None

@@ -17,6 +17,10 @@ from transformers import (
     MistralForCausalLM,
     MixtralConfig,
     MixtralForCausalLM,
+    Olmo2Config,
+    Olmo2ForCausalLM,
+    Phi3Config,
+    Phi3ForCausalLM,
     Qwen2Config,
     Qwen2ForCausalLM,
     Qwen3Config,
@@ -27,14 +31,15 @@ from grpo.backends.local import ServiceClient, lean_decode, sampler
 from grpo.models import native_kernels
 
 
-@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3"])
+@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3", "phi3", "phi4_mini", "olmo2"])
 @pytest.mark.parametrize(("train_dtype", "sample_dtype"), [("fp32", "fp32"), ("fp32", "bf16")])
 def test_lean_decoding_steps_sample_what_the_models_forward_samples(tmp_path, monkeypatch, tiny_of, train_dtype,
                                                                     sample_dtype, family):
     """fp32: the trainer's model with LoRA folded (under peft); bf16: the sampler's own copy with
     stacked projections and LoRA side paths. Each family the lean step takes: Llama, Mistral (its
     layers windowed, the window longer than the rows), Qwen2 (biases on q/k/v), Qwen3 (each head of
-    q and k normalised)."""
+    q and k normalised), Phi-3 (q/k/v and gate/up one Linear each; Phi-4-mini's partial rotary), OLMo2
+    (norms after each sublayer, q and k normalised whole, rotated in float32)."""
     # the eager lean step (the native one: test_native_decode.py), and the model's own modules
     # (switched on, its norms and MLPs would compute through native_layers.py)
     monkeypatch.setenv(native_kernels.ENV_SWITCH, "off")
@@ -58,7 +63,7 @@ def test_lean_decoding_steps_sample_what_the_models_forward_samples(tmp_path, mo
 
 
 def _tiny(config_class, model_class, **overrides):
-    config = config_class(vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+    config = config_class(vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=2, pad_token_id=0,
                           num_attention_heads=4, num_key_value_heads=2, **overrides)
     config._attn_implementation = overrides.pop("attn_implementation", "sdpa")
     return model_class(config)
@@ -69,6 +74,13 @@ def test_only_the_architectures_it_was_written_for_take_the_lean_step():
     assert lean_decode.lean_decoder(_tiny(Qwen2Config, Qwen2ForCausalLM)) is not None
     assert lean_decode.lean_decoder(_tiny(Qwen3Config, Qwen3ForCausalLM)) is not None
     assert lean_decode.lean_decoder(_tiny(MistralConfig, MistralForCausalLM, sliding_window=None)) is not None
+    # Phi-3's and OLMo2's layers, each with its layout (on a CPU)
+    phi3 = lean_decode.lean_decoder(_tiny(Phi3Config, Phi3ForCausalLM, sliding_window=None, partial_rotary_factor=0.5))
+    olmo2 = lean_decode.lean_decoder(_tiny(Olmo2Config, Olmo2ForCausalLM))
+    assert phi3.layout == lean_decode.Layout(fused=True) and olmo2.layout == lean_decode.Layout(post_norms=True)
+    dropping = _tiny(Phi3Config, Phi3ForCausalLM, sliding_window=None, resid_pdrop=0.1)
+    assert lean_decode.lean_decoder(dropping.train()) is None  # (its dropout on each sublayer's output)
+    assert lean_decode.lean_decoder(dropping.eval()) is not None
     # A layer attending to its last keys only: taken where no row holds more keys than its window
     # (the native step attends to all of a row's keys), the rows' capacity said by the sampler.
     for windowed in (_tiny(Qwen2Config, Qwen2ForCausalLM, use_sliding_window=True, sliding_window=4, max_window_layers=1),

@@ -53,6 +53,30 @@ def test_add_rms_norm_is_the_residual_add_and_llamas_rms_norm(ops, dtype) -> Non
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+def test_post_norm_add_is_olmo2s_norm_of_a_sublayers_output_then_the_residual_add(ops, dtype) -> None:
+    """OLMo2 normalises a sublayer's output (its norm: the weight times the float32 norm, rounded once)
+    and then adds the residual; its final norm has no residual."""
+    from transformers.models.olmo2.modeling_olmo2 import Olmo2RMSNorm
+
+    torch.manual_seed(0)
+    norm = Olmo2RMSNorm(48, eps=1e-6).to(dtype)
+    norm.weight.data.uniform_(0.5, 1.5)
+    residual, x = torch.randn(5, 48, dtype=dtype) * 3, torch.randn(5, 96, dtype=dtype)[:, 48:]  # (a row stride)
+    with torch.no_grad():
+        want_norm, want = norm(x), residual + norm(x)
+    assert_within_ulps(ops.post_norm_add(x, norm.weight, 1e-6, "once"), want_norm, dtype, ulps=ROUNDING_ULPS[dtype])
+    assert_within_ulps(ops.post_norm_add(x, norm.weight, 1e-6, "once", residual), want, dtype,
+                       ulps=ROUNDING_ULPS[dtype])
+    if dtype == torch.bfloat16:  # (Llama's rounding of the same norm is another)
+        assert not torch.equal(ops.post_norm_add(x, norm.weight, 1e-6, "llama"), ops.post_norm_add(x, norm.weight, 1e-6,
+                                                                                                 "once"))
+    with pytest.raises(RuntimeError, match="norms must be 'llama', 'zero_centred' or 'once'"):
+        ops.post_norm_add(x, norm.weight, 1e-6, "t5")
+    with pytest.raises(RuntimeError, match=r"residual must be a contiguous CPU .*\[5, 48\]"):
+        ops.post_norm_add(x, norm.weight, 1e-6, "once", residual[:4])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_silu_mul_is_llamas_activation_times_up(ops, dtype) -> None:
     torch.manual_seed(1)
     gate_up = torch.randn(6, 2 * 80, dtype=dtype) * 4
@@ -138,9 +162,126 @@ def test_rope_attend_normalises_each_head_of_q_and_k_as_qwen3s_norms_do(ops, dty
     assert_within_ulps(got, want, dtype, ulps=2 if dtype == torch.bfloat16 else 64)
     with pytest.raises(RuntimeError, match="q_norm and k_norm go together"):
         ops.rope_attend(q, k, v, cos, sin, ours_k, ours_v, lengths, heads, 1.0, q_norm=q_norm.weight.detach())
-    with pytest.raises(RuntimeError, match=rf"q_norm and k_norm must be contiguous CPU \[{dim}\] tensors"):
+    with pytest.raises(RuntimeError, match=rf"q_norm and k_norm must be contiguous CPU tensors .* a head's \[{dim}\]"):
         ops.rope_attend(q, k, v, cos, sin, ours_k, ours_v, lengths, heads, 1.0, q_norm=torch.ones(dim + 1, dtype=dtype),
                         k_norm=torch.ones(dim + 1, dtype=dtype))
+
+
+def _attend_written(q, keys, values, lengths, heads, scale, softcap=None):
+    """Attention over the caches as rope_attend left them (the new columns written), in float64: each
+    query head of the rotated ``q`` over its row's columns 0..length through its key head, Gemma 2's
+    soft-cap on the scores where given; rounded to q's dtype."""
+    rows, dim = lengths.shape[0], keys.shape[-1]
+    group = heads // keys.shape[1]
+    out = torch.empty(rows, heads, dim, dtype=torch.float64)
+    for r in range(rows):
+        n = int(lengths[r]) + 1
+        qr = q[r].double().view(heads, dim)
+        for h in range(heads):
+            scores = keys[r, h // group, :n].double() @ qr[h] * scale
+            if softcap is not None:
+                scores = softcap * torch.tanh(scores / softcap)
+            out[r, h] = scores.softmax(-1) @ values[r, h // group, :n].double()
+    return out.reshape(rows, -1).to(q.dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rope_attend_normalises_all_heads_together_and_rotates_in_float32_as_olmo2_does(ops, dtype) -> None:
+    """OLMo2's attention normalises q (all its heads: one RMSNorm over q_proj's output) and k alike,
+    its norm the weight times the float32 norm rounded once, and its rotary embedding's cos and sin are
+    float32, so each rotated head is a float32 sum rounded once: given q_norm/k_norm as wide as q and k,
+    norms="once" and float32 cos/sin, rope_attend writes transformers' keys (up to the order of the
+    norm's sum) and attends to them."""
+    from transformers.models.olmo2.modeling_olmo2 import Olmo2RMSNorm
+    from transformers.models.olmo2.modeling_olmo2 import apply_rotary_pos_emb as olmo2_rotary
+
+    torch.manual_seed(4)
+    rows, heads, kv_heads, dim, capacity = 3, 6, 2, 64, 24
+    lengths = torch.tensor([5, 0, 23])
+    q = torch.randn(rows, heads * dim, dtype=dtype) * 3
+    k, v = torch.randn(rows, kv_heads * dim, dtype=dtype) * 3, torch.randn(rows, kv_heads * dim, dtype=dtype)
+    cos, sin = rotary_rows(lengths, dim, torch.float32)  # (OLMo2's rotary embedding hands float32)
+    q_norm, k_norm = Olmo2RMSNorm(heads * dim, eps=1e-6).to(dtype), Olmo2RMSNorm(kv_heads * dim, eps=1e-6).to(dtype)
+    with torch.no_grad():
+        q_norm.weight.uniform_(0.5, 1.5)
+        k_norm.weight.uniform_(0.5, 1.5)
+        normed_q = q_norm(q).view(rows, heads, 1, dim)
+        normed_k = k_norm(k).view(rows, kv_heads, 1, dim)
+        want_q, want_k = olmo2_rotary(normed_q, normed_k, cos[:, None], sin[:, None])
+    keys = torch.randn(rows, kv_heads, capacity, dim, dtype=dtype)
+    values = torch.randn(rows, kv_heads, capacity, dim, dtype=dtype)
+    ours_k, ours_v = keys.clone(), values.clone()
+    got = ops.rope_attend(q, k, v, cos, sin, ours_k, ours_v, lengths, heads, dim**-0.5, q_norm=q_norm.weight.detach(),
+                          k_norm=k_norm.weight.detach(), norm_eps=1e-6, norms="once")
+    index = torch.arange(rows)
+    assert_within_ulps(ours_k[index, :, lengths], want_k[:, :, 0], dtype, ulps=ROUNDING_ULPS[dtype])
+    assert torch.equal(ours_v[index, :, lengths], v.view(rows, kv_heads, dim))
+    want = _attend_written(want_q.reshape(rows, -1), ours_k, ours_v, lengths, heads, dim**-0.5)
+    assert_within_ulps(got, want, dtype, ulps=2 if dtype == torch.bfloat16 else 64)
+    if dtype == torch.bfloat16:  # the norms' kind decides the keys: Llama's rounding of the same weights differs
+        other_k = keys.clone()
+        ops.rope_attend(q, k, v, cos, sin, other_k, values.clone(), lengths, heads, dim**-0.5,
+                        q_norm=q_norm.weight.detach(), k_norm=k_norm.weight.detach(), norm_eps=1e-6, norms="llama")
+        assert not torch.equal(other_k, ours_k)
+    with pytest.raises(RuntimeError, match="norms must be 'llama', 'zero_centred' or 'once', got 'olmo'"):
+        ops.rope_attend(q, k, v, cos, sin, ours_k, ours_v, lengths, heads, 1.0, q_norm=q_norm.weight.detach(),
+                        k_norm=k_norm.weight.detach(), norms="olmo")
+    with pytest.raises(RuntimeError, match=r"q's \[384\] and k's \[128\]"):  # (q's norm wide, k's a head's)
+        ops.rope_attend(q, k, v, cos, sin, ours_k, ours_v, lengths, heads, 1.0, q_norm=q_norm.weight.detach(),
+                        k_norm=torch.ones(dim, dtype=dtype))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("dim", [64, 96])
+def test_rope_attend_rotates_only_cos_width_of_each_head_as_phi4_minis_partial_rotary(ops, dtype, dim) -> None:
+    """Phi-4-mini rotates the first 3/4 of each head's dims (its cos and sin are that wide) and passes
+    the rest through: rope_attend given the narrow cos and sin writes the keys of Phi-3's
+    apply_rotary_pos_emb to the bit and attends to them."""
+    from transformers.models.phi3.modeling_phi3 import apply_rotary_pos_emb as phi3_rotary
+
+    torch.manual_seed(5)
+    rows, heads, kv_heads, capacity = 4, 6, 2, 40
+    lengths = torch.tensor([3, 0, 17, 39])
+    q = torch.randn(rows, heads * dim, dtype=dtype)
+    k, v = torch.randn(rows, kv_heads * dim, dtype=dtype), torch.randn(rows, kv_heads * dim, dtype=dtype)
+    cos, sin = rotary_rows(lengths, dim * 3 // 4, dtype)
+    want_q, want_k = phi3_rotary(q.view(rows, heads, 1, dim), k.view(rows, kv_heads, 1, dim), cos[:, None], sin[:, None])
+    keys = torch.randn(rows, kv_heads, capacity, dim, dtype=dtype)
+    values = torch.randn(rows, kv_heads, capacity, dim, dtype=dtype)
+    ours_k, ours_v = keys.clone(), values.clone()
+    got = ops.rope_attend(q, k, v, cos, sin, ours_k, ours_v, lengths, heads, dim**-0.5)
+    index = torch.arange(rows)
+    assert torch.equal(ours_k[index, :, lengths], want_k[:, :, 0])
+    want = _attend_written(want_q.reshape(rows, -1), ours_k, ours_v, lengths, heads, dim**-0.5)
+    assert_within_ulps(got, want, dtype, ulps=2 if dtype == torch.bfloat16 else 64)
+    with pytest.raises(RuntimeError, match=r"cos and sin must be \[rows, r\] with r even and at most"):
+        ops.rope_attend(q, k, v, cos[:, :-1], sin[:, :-1], ours_k, ours_v, lengths, heads, 1.0)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rope_attend_soft_caps_the_scores_as_gemma2_does(ops, dtype) -> None:
+    """Gemma 2 caps each attention score at cap * tanh(score / cap) before the softmax: with softcap,
+    rope_attend's outputs are float64 attention's with the cap, and far from those without (the scores
+    here reach a few times the cap)."""
+    torch.manual_seed(6)
+    rows, heads, kv_heads, dim, capacity, cap = 4, 6, 2, 64, 40, 5.0
+    lengths = torch.tensor([3, 0, 17, 39])
+    q = torch.randn(rows, heads * dim, dtype=dtype) * 2
+    k, v = torch.randn(rows, kv_heads * dim, dtype=dtype) * 2, torch.randn(rows, kv_heads * dim, dtype=dtype)
+    cos, sin = rotary_rows(lengths, dim, dtype)
+    keys = torch.randn(rows, kv_heads, capacity, dim, dtype=dtype) * 2
+    values = torch.randn(rows, kv_heads, capacity, dim, dtype=dtype)
+    ours_k, ours_v = keys.clone(), values.clone()
+    got = ops.rope_attend(q, k, v, cos, sin, ours_k, ours_v, lengths, heads, 0.5, softcap=cap)
+    rotated_q, _ = apply_rotary_pos_emb(q.view(rows, heads, 1, dim), k.view(rows, kv_heads, 1, dim), cos[:, None],
+                                        sin[:, None])
+    rotated_q = rotated_q.reshape(rows, -1)
+    want = _attend_written(rotated_q, ours_k, ours_v, lengths, heads, 0.5, softcap=cap)
+    assert_within_ulps(got, want, dtype, ulps=2 if dtype == torch.bfloat16 else 256)
+    uncapped = _attend_written(rotated_q, ours_k, ours_v, lengths, heads, 0.5)
+    assert (got.double() - uncapped.double()).abs().max() > 0.1
+    with pytest.raises(RuntimeError, match="softcap must be 0"):
+        ops.rope_attend(q, k, v, cos, sin, ours_k, ours_v, lengths, heads, 1.0, softcap=-1.0)
 
 
 @pytest.mark.parametrize("dot", [False, True])
@@ -249,14 +390,16 @@ def test_kernels_refuse_bad_input_with_what_was_expected(ops) -> None:
                           [keys.clone()], [8, 8, 8], 1, 1.0, 1e-5, [torch.ones(8)])
 
 
-@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3"])
+@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3", "phi3", "phi4_mini", "olmo2"])
 @pytest.mark.parametrize(("train_dtype", "sample_dtype"), [("fp32", "fp32"), ("fp32", "bf16")])
 def test_the_sampler_decodes_through_the_kernels_as_it_does_without_them(tmp_path, monkeypatch, ops, tiny_of,
                                                                          train_dtype, sample_dtype, family):
     """fp32: the trainer's model with LoRA folded; bf16: the sampler's copy with stacked projections
     and LoRA side paths. Greedy tokens equal up to near-ties; logprobs within float (fp32) or bf16
     rounding. Each family the kernels take: Llama, Mistral (windowed, the window longer than the
-    rows), Qwen2 (biases on q/k/v), Qwen3 (q's and k's heads normalised)."""
+    rows), Qwen2 (biases on q/k/v), Qwen3 (q's and k's heads normalised), Phi-3 (q/k/v and gate/up
+    one Linear each; Phi-4-mini rotating 3/4 of a head), OLMo2 (norms after each sublayer, q and k
+    normalised whole, rotated in float32)."""
     tc, decoders = _client_whose_decoders_are_kept(tmp_path, monkeypatch, train_dtype, sample_dtype, tiny_of(family))
     native = sample_each(tc, temperature=0.0)
     assert decoders and all(type(d) is native_decode.NativeDecoder for d in decoders)
@@ -266,7 +409,7 @@ def test_the_sampler_decodes_through_the_kernels_as_it_does_without_them(tmp_pat
     assert_greedy_alike(native, eager, bound=1e-5 if sample_dtype == "fp32" else 0.05)
 
 
-@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3"])
+@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3", "phi3", "phi4_mini", "olmo2"])
 @pytest.mark.parametrize(("train_dtype", "sample_dtype"), [("fp32", "fp32"), pytest.param("fp32", "bf16", marks=(
     pytest.mark.skipif(not packing_works(torch.bfloat16), reason="this CPU packs no bf16 weights: no packed layout")))])
 def test_the_layers_in_one_native_call_sample_bit_for_bit_what_the_per_layer_loop_samples(
@@ -274,11 +417,11 @@ def test_the_layers_in_one_native_call_sample_bit_for_bit_what_the_per_layer_loo
     """``decode_layers`` makes the Python loop's kernel calls in its order, from C++: the same
     tokens and the same logprobs, to the bit, at temperature 1 (fp32: LoRA folded into packed
     weights; bf16: the sampler's copy with packed LoRA side paths), Qwen3's norms of q's and k's
-    heads and Qwen2's biases included."""
+    heads, Qwen2's biases, Phi-3's fused Linears and OLMo2's norms after each sublayer included."""
     tc, decoders = _client_whose_decoders_are_kept(tmp_path, monkeypatch, train_dtype, sample_dtype, tiny_of(family))
     one_call = sample_each(tc, temperature=1.0, seed=11)
     assert decoders and all(d.plan is not None for d in decoders)
-    assert len(decoders[-1].plan.head_norms) == (4 if family == "qwen3" else 0)  # (2 layers, q's and k's)
+    assert len(decoders[-1].plan.head_norms) == (4 if family in ("qwen3", "olmo2") else 0)  # (2 layers, q's and k's)
     if family == "qwen2":
         assert decoders[-1].plan.extras[0] is not None  # q/k/v's stacked biases travel in the plan
     if sample_dtype == "bf16":  # the side paths travel in the plan

@@ -1,7 +1,7 @@
 """The CPU decoding step for Gemma 3's text decoders (Gemma-3-270M, -1B; the language model of the
-larger ones), without transformers' per-call machinery.
+larger ones) and Gemma 2's, without transformers' per-call machinery.
 
-Only Llama-shaped layers (Llama, Mistral, Qwen2, Qwen3) decode through grpo's own step
+Llama-shaped layers (Llama, Mistral, Qwen2, Qwen3, Phi-3, OLMo2's) decode through grpo's own step
 (lean_decode.py, native_decode.py); every other family decodes through transformers' forward, where
 a Gemma-3-270M-shaped model's bf16 step at 32 rows spent ~18 ms of ~47 in Python and small
 operators beside ~24 ms of products (docs/benchmark.md): per layer the rotary embedding (~10
@@ -18,10 +18,18 @@ rounding, not bit for bit (tests/test_gemma_decode.py).
 A sliding layer (five of six; a window of 512 tokens in Gemma-3-270M and -1B) attends to each
 row's last ``window`` columns, as the slot cache's mask for that kind says.
 
+Gemma 2's layer is Gemma 3's without the norms of q's and k's heads, with one rotary embedding for
+both kinds of layer (windows of 4,096, every other layer), and with its attention's scores capped
+(``attn_logit_softcapping``: cap * tanh(score / cap), 50 in its checkpoints), which rope_attend
+applies before the softmax; transformers runs it through its eager attention only (SDPA has no cap).
+A Gemma-2-2B-shaped bf16 step (SmolLM2-135M's sizes, its layer) took 1.8-2x Llama's through the
+model's forward (docs/benchmark.md).
+
 It takes a model only when every part is what it was written against -- ``Gemma3ForCausalLM``
-(as such or under peft) with SDPA attention, causal, no attention soft-cap, float32 or bf16
-throughout, one epsilon for every norm, rotary embeddings that depend on the position alone --
-and returns None otherwise: the sampler then calls the model's own forward.
+(as such or under peft) with SDPA attention, causal, no attention soft-cap; ``Gemma2ForCausalLM``
+with its eager attention; float32 or bf16 throughout, one epsilon for every norm, rotary embeddings
+that depend on the position alone -- and returns None otherwise: the sampler then calls the model's
+own forward.
 """
 
 from __future__ import annotations
@@ -45,15 +53,23 @@ class GemmaDecoder:
 
     reads_mask = False  # (each row attends to its columns 0..its length: the slot cache's step says which)
 
-    def __init__(self, causal_lm: nn.Module, ops):
+    def __init__(self, causal_lm: nn.Module, ops, version: int = 3):
         self.causal_lm, self.ops = causal_lm, ops
         self.decoder = causal_lm.model
         self.heads = int(causal_lm.config.num_attention_heads)
         self.kinds = attention_layers(causal_lm.config)[0]  # each layer's kind: its rotary table
         self.softcap = causal_lm.config.final_logit_softcapping
+        # Gemma 2's cap on the attention's scores (0: none); Gemma 3 normalises q's and k's heads instead
+        self.attention_softcap = float(causal_lm.config.attn_logit_softcapping or 0.0) if version == 2 else 0.0
+        self.head_norms = version == 3
         self.groups = stacked_groups(self.decoder.layers)  # (q/k/v, gate/up: one product each where stacked)
-        # each kind's rotary rows (sliding and full layers rotate by their own frequencies)
-        self.rotary = {kind: RotaryTable(self.decoder.rotary_emb, kind) for kind in set(self.kinds)}
+        # each kind's rotary rows (Gemma 3's sliding and full layers rotate by their own frequencies; Gemma 2's
+        # by one embedding's)
+        if version == 3:
+            self.rotary = {kind: RotaryTable(self.decoder.rotary_emb, kind) for kind in set(self.kinds)}
+        else:
+            self.rotary = {"all": RotaryTable(self.decoder.rotary_emb)}
+            self.kinds = ["all"] * len(self.kinds)
         self.eps = float(causal_lm.config.rms_norm_eps)  # (every norm's: gemma_decoder checked)
         # GELU's tanh approximation through the kernel (every Gemma 3 checkpoint's); another activation eager
         self.gelu_tanh = all(is_gelu_tanh(layer.mlp.act_fn) for layer in self.decoder.layers)
@@ -72,11 +88,11 @@ class GemmaDecoder:
             slot = cache.layers[index]
             # each head of q and k normalised (Gemma's norm: rounded once, after its 1 + weight), rotated,
             # written to the cache; then attended
+            norms = (attn.q_norm.weight, attn.k_norm.weight, self.eps) if self.head_norms else (None, None, 0.0)
             out = ops.rope_attend(q, k, v, cos, sin, slot._keys, slot._values, lengths, self.heads, attn.scaling,
                                   cache.step.shared_from, cache.step.shared,
-                                  qkv is not None and qkv.layout == "stream_dot", attn.q_norm.weight,
-                                  attn.k_norm.weight, self.eps, zero_centred_norms=True,
-                                  window=attn.sliding_window or 0)
+                                  qkv is not None and qkv.layout == "stream_dot", *norms, norms="zero_centred",
+                                  window=attn.sliding_window or 0, softcap=self.attention_softcap)
             hidden, x = ops.add_zero_centred_norms(hidden, attn.o_proj(out), layer.post_attention_layernorm.weight,
                                                    layer.pre_feedforward_layernorm.weight, self.eps)
             gate, up = gate_up.full(x) if gate_up is not None else (mlp.gate_proj(x), mlp.up_proj(x))
@@ -85,7 +101,7 @@ class GemmaDecoder:
             hidden, x = ops.add_zero_centred_norms(hidden, mlp.down_proj(act), layer.post_feedforward_layernorm.weight,
                                                    norm.weight, self.eps)
         logits = self.causal_lm.lm_head(x)
-        if self.softcap is not None:  # (as Gemma3ForCausalLM.forward, in the model's dtype)
+        if self.softcap is not None:  # (as Gemma3ForCausalLM.forward and Gemma 2's, in the model's dtype)
             logits = torch.tanh(logits / self.softcap) * self.softcap
         return logits
 
@@ -95,17 +111,18 @@ def gemma_decoder(model: nn.Module, device: torch.device) -> GemmaDecoder | None
     what the model's own forward does and the native kernels are built, else None."""
     if device.type != "cpu":
         return None
-    try:
-        from transformers.models.gemma3 import modeling_gemma3 as gemma3
-    except ImportError:
-        return None
     causal_lm = model.get_base_model() if hasattr(model, "get_base_model") else model
-    if type(causal_lm) is not gemma3.Gemma3ForCausalLM:
+    version, classes = _version(causal_lm)
+    if version is None:
         return None
+    model_class, embedding_class, layer_class, attention_class, mlp_class, norm_class, rotary_class = classes
     config, decoder = causal_lm.config, causal_lm.model
-    if (config._attn_implementation != "sdpa" or getattr(config, "use_bidirectional_attention", False)
-            or config.attn_logit_softcapping is not None or type(decoder) is not gemma3.Gemma3TextModel
-            or type(decoder.embed_tokens) is not gemma3.Gemma3TextScaledWordEmbedding):
+    if version == 3 and (config._attn_implementation != "sdpa" or config.attn_logit_softcapping is not None):
+        return None
+    if version == 2 and config._attn_implementation != "eager":
+        return None  # (its scores' cap is applied by its eager attention alone: SDPA would leave it out)
+    if (getattr(config, "use_bidirectional_attention", False) or type(decoder) is not model_class
+            or type(decoder.embed_tokens) is not embedding_class):
         return None
     dtype = decoder.embed_tokens.weight.dtype
     if dtype not in DTYPES or decoder.embed_tokens.weight.device.type != "cpu":
@@ -117,21 +134,38 @@ def gemma_decoder(model: nn.Module, device: torch.device) -> GemmaDecoder | None
     if len(kinds) != len(decoder.layers):
         return None
     rotary = decoder.rotary_emb
-    if type(rotary) is not gemma3.Gemma3RotaryEmbedding or any(
-            "dynamic" in str(kind) or kind == "longrope" for kind in getattr(rotary, "rope_type", {}).values()):
+    rope_types = getattr(rotary, "rope_type", {})
+    if type(rotary) is not rotary_class or any(
+            "dynamic" in str(kind) or kind == "longrope"
+            for kind in (rope_types.values() if isinstance(rope_types, dict) else [rope_types])):
         return None  # (cos and sin that depend on the sequence's length, not only the position)
     norms = [decoder.norm]
     for layer in decoder.layers:
         attn, mlp = layer.self_attn, layer.mlp
-        if not (type(layer) is gemma3.Gemma3DecoderLayer and type(attn) is gemma3.Gemma3Attention
-                and type(mlp) is gemma3.Gemma3MLP and attn.layer_type in ("full_attention", "sliding_attention")
+        if not (type(layer) is layer_class and type(attn) is attention_class
+                and type(mlp) is mlp_class and attn.layer_type in ("full_attention", "sliding_attention")
                 and attn.sliding_window == (window if attn.layer_type == "sliding_attention" else None)):
             return None  # (the window each layer applies is the one the slot cache masks for its kind)
         norms += [layer.input_layernorm, layer.post_attention_layernorm, layer.pre_feedforward_layernorm,
-                  layer.post_feedforward_layernorm, attn.q_norm, attn.k_norm]
-    if any(type(n) is not gemma3.Gemma3RMSNorm or n.weight.dtype != dtype or n.eps != config.rms_norm_eps
-           for n in norms):
+                  layer.post_feedforward_layernorm, *((attn.q_norm, attn.k_norm) if version == 3 else ())]
+    if any(type(n) is not norm_class or n.weight.dtype != dtype or n.eps != config.rms_norm_eps for n in norms):
         return None  # (the kernels take one epsilon for every norm)
     ops = native_kernels.kernels()  # None where switched off or not built
-    return None if ops is None else GemmaDecoder(causal_lm, ops)
+    return None if ops is None else GemmaDecoder(causal_lm, ops, version)
 
+
+def _version(causal_lm: nn.Module) -> tuple[int | None, tuple[type, ...]]:
+    """Which Gemma ``causal_lm`` is (3, 2, or None: neither), with the classes its parts must be:
+    (decoder, embedding, layer, attention, MLP, RMSNorm, rotary embedding)."""
+    try:
+        from transformers.models.gemma2 import modeling_gemma2 as gemma2
+        from transformers.models.gemma3 import modeling_gemma3 as gemma3
+    except ImportError:
+        return None, ()
+    if type(causal_lm) is gemma3.Gemma3ForCausalLM:
+        return 3, (gemma3.Gemma3TextModel, gemma3.Gemma3TextScaledWordEmbedding, gemma3.Gemma3DecoderLayer,
+                   gemma3.Gemma3Attention, gemma3.Gemma3MLP, gemma3.Gemma3RMSNorm, gemma3.Gemma3RotaryEmbedding)
+    if type(causal_lm) is gemma2.Gemma2ForCausalLM:
+        return 2, (gemma2.Gemma2Model, gemma2.Gemma2TextScaledWordEmbedding, gemma2.Gemma2DecoderLayer,
+                   gemma2.Gemma2Attention, gemma2.Gemma2MLP, gemma2.Gemma2RMSNorm, gemma2.Gemma2RotaryEmbedding)
+    return None, ()

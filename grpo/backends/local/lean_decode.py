@@ -1,5 +1,5 @@
-"""The sampler's decoding step for Llama-shaped decoders (Llama, Mistral, Qwen2, Qwen3), without
-transformers' per-call machinery.
+"""The sampler's decoding step for Llama-shaped decoders (Llama, Mistral, Qwen2, Qwen3; on a CPU also
+Phi-3 and OLMo2), without transformers' per-call machinery.
 
 A decoding step of SmolLM2-135M in bf16 on a 2-core CPU costs ~62 ms, of which the matmuls and
 attention are about half; the rest is ~60 small operators per layer and the Python around them.
@@ -11,11 +11,18 @@ are bit-equal to the model's own forward (tests/test_lean_decode.py), only Pytho
 Where the sampler stacked q/k/v and gate/up (fused_projections.py), it takes the siblings'
 outputs from one call rather than one member lookup each.
 
+Two families differ from Llama's layer in ways the step follows (``Layout``): Phi-3 (and Phi-4-mini)
+computes q/k/v and gate/up as one Linear each, and may rotate only part of each head (its own
+``apply_rotary_pos_emb``); OLMo2 normalises each sublayer's output rather than its input
+(``post_attention_layernorm``, ``post_feedforward_layernorm``), q and k over all their heads, and
+rotates in float32 (its rotary embedding hands float32 cos and sin).
+
 It takes a model only when every part is what it was written against -- transformers'
 ``LlamaForCausalLM``, ``MistralForCausalLM``, ``Qwen2ForCausalLM`` or ``Qwen3ForCausalLM`` (as such or
 under peft) with SDPA attention and SiLU MLPs, on a CPU or a CUDA GPU, its sliding windows (Mistral-7B-v0.1's
 4,096 tokens, a Qwen2's upper layers) no shorter than the sampling call's slots, so that no query has a
-key outside its window -- and returns None otherwise:
+key outside its window; ``Phi3ForCausalLM`` and ``Olmo2ForCausalLM`` alike, on a CPU (not yet measured
+under CUDA graphs) -- and returns None otherwise:
 the sampler then calls the model's own forward (a Qwen model's, on a CPU before Qwen was taken here:
 1.5-2.2x the time of the native step built on this one, docs/benchmark.md). On CUDA the sampler takes
 it only to capture it in CUDA graphs (graph_decode.py: it makes no host synchronisation and no
@@ -24,11 +31,22 @@ decision on a tensor's value); run eagerly there it saved nothing.
 
 from __future__ import annotations
 
+import dataclasses
+import importlib
+
 import torch
 from torch import nn
 
 from grpo.backends.local.kv_cache import SlotCache, attention_layers
 from grpo.models.fused_projections import FusedMember, FusedProjections
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """Where a family's layer departs from Llama's (whose is all False)."""
+
+    fused: bool = False  # q/k/v one Linear (``qkv_proj``), gate/up one (``gate_up_proj``): Phi-3's
+    post_norms: bool = False  # a norm after each sublayer, none before (OLMo2's), q and k normalised whole
 
 
 class LeanDecoder:
@@ -37,20 +55,22 @@ class LeanDecoder:
 
     reads_mask = True  # (SDPA over the slot cache's columns, through its decode mask)
 
-    def __init__(self, causal_lm: nn.Module):
+    def __init__(self, causal_lm: nn.Module, layout: Layout = Layout()):
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
-        from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
         self.sdpa = sdpa_attention_forward
-        self.rotary = apply_rotary_pos_emb
         self.causal_lm = causal_lm
+        self.layout = layout
+        # the family's own rotary function (Phi-3's rotates a head's first cos-width dims)
+        self.rotary = importlib.import_module(type(causal_lm).__module__).apply_rotary_pos_emb
         self.decoder = causal_lm.model
         self.head_dim = self.decoder.layers[0].self_attn.head_dim
         # each layer's kind, to read its mask where the cache hands one per kind
         self.kinds = attention_layers(causal_lm.config)[0]
-        # each layer's stacked q/k/v and gate/up groups (None: its own Linears), fixed for the
-        # sampling call this decoder is made for
-        self.groups = stacked_groups(self.decoder.layers)
+        # each layer's q/k/v and gate/up as one product where stacked or fused (None: its own Linears),
+        # fixed for the sampling call this decoder is made for
+        self.groups = fused_groups(self.decoder.layers) if layout.fused else stacked_groups(self.decoder.layers)
+        self.activations = [mlp_activation(layer.mlp) for layer in self.decoder.layers]
 
     def __call__(self, input_ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor,
                  cache: SlotCache) -> torch.Tensor:
@@ -58,16 +78,18 @@ class LeanDecoder:
         decoder = self.decoder
         hidden = decoder.embed_tokens.forward(input_ids)
         cos, sin = decoder.rotary_emb(hidden, positions)
-        rows, dim = hidden.shape[0], self.head_dim
+        rows, dim, post_norms = hidden.shape[0], self.head_dim, self.layout.post_norms
         for index, (layer, (qkv, gate_up)) in enumerate(zip(decoder.layers, self.groups, strict=True)):
             attn, mlp = layer.self_attn, layer.mlp
             layer_mask = mask[self.kinds[index]] if isinstance(mask, dict) else mask
             residual = hidden
-            x = layer.input_layernorm.forward(hidden)
+            x = hidden if post_norms else layer.input_layernorm.forward(hidden)
             q, k, v = qkv.full(x) if qkv is not None else (attn.q_proj(x), attn.k_proj(x), attn.v_proj(x))
-            q, k = q.view(rows, 1, -1, dim), k.view(rows, 1, -1, dim)
             norms = head_norms(attn)
-            if norms:  # (Qwen3: each head of q and k normalised, before the rotary embedding)
+            if norms and post_norms:  # (OLMo2: q and k normalised whole, before they are split into heads)
+                q, k = norms[0].forward(q), norms[1].forward(k)
+            q, k = q.view(rows, 1, -1, dim), k.view(rows, 1, -1, dim)
+            if norms and not post_norms:  # (Qwen3: each head of q and k normalised, before the rotary embedding)
                 q, k = norms[0].forward(q), norms[1].forward(k)
             q, k = q.transpose(1, 2), k.transpose(1, 2)
             v = v.view(rows, 1, -1, dim).transpose(1, 2)
@@ -75,11 +97,14 @@ class LeanDecoder:
             k, v = cache.layers[index].update(k, v)
             dropout = attn.attention_dropout if attn.training else 0.0  # as LlamaAttention.forward
             out, _ = self.sdpa(attn, q, k, v, layer_mask, dropout=dropout, scaling=attn.scaling)
-            hidden = residual + attn.o_proj(out.reshape(rows, 1, -1).contiguous())
+            attended = attn.o_proj(out.reshape(rows, 1, -1).contiguous())
+            hidden = residual + (layer.post_attention_layernorm.forward(attended) if post_norms else attended)
             residual = hidden
-            x = layer.post_attention_layernorm.forward(hidden)
+            x = hidden if post_norms else layer.post_attention_layernorm.forward(hidden)
             gate, up = gate_up.full(x) if gate_up is not None else (mlp.gate_proj(x), mlp.up_proj(x))
-            hidden = residual + mlp.down_proj(mlp.act_fn(gate) * up)
+            # (Phi-3 multiplies up * act(gate): the same product, bit for bit)
+            mixed = mlp.down_proj(self.activations[index](gate) * up)
+            hidden = residual + (layer.post_feedforward_layernorm.forward(mixed) if post_norms else mixed)
         hidden = decoder.norm.forward(hidden)
         return self.causal_lm.lm_head(hidden)[:, -1].float()
 
@@ -89,6 +114,48 @@ def stacked_groups(layers) -> list[tuple[FusedProjections | None, FusedProjectio
     sampler stacked them (fused_projections.py)."""
     return [(_stacked(layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj),
              _stacked(layer.mlp.gate_proj, layer.mlp.up_proj)) for layer in layers]
+
+
+class OneProduct:
+    """A layer's siblings that the model itself computes as one Linear (Phi-3's ``qkv_proj``,
+    ``gate_up_proj``), seen as ``FusedProjections`` are: ``full(x)`` each sibling's output, in order."""
+
+    def __init__(self, module: nn.Module, sizes: list[int]):
+        self.module, self.sizes = module, sizes
+
+    def full(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return self.module(x).split(self.sizes, dim=-1)
+
+    @property
+    def layout(self) -> str | None:
+        """The packed weight's layout (cpu_linear.py), under a LoRA side path or not; None where unpacked."""
+        base = getattr(self.module, "base", self.module)
+        return getattr(base, "layout", None)
+
+
+def fused_groups(layers) -> list[tuple[OneProduct, OneProduct]]:
+    """Each Phi-3 layer's ``qkv_proj`` and ``gate_up_proj`` as its q/k/v and gate/up groups."""
+    groups = []
+    for layer in layers:
+        attn, config = layer.self_attn, layer.self_attn.config
+        kv = config.num_key_value_heads * attn.head_dim
+        inter = config.intermediate_size
+        groups.append((OneProduct(attn.qkv_proj, [config.num_attention_heads * attn.head_dim, kv, kv]),
+                       OneProduct(layer.mlp.gate_up_proj, [inter, inter])))
+    return groups
+
+
+def mlp_activation(mlp: nn.Module) -> nn.Module:
+    """The MLP's activation of the gate (``act_fn``; Phi-3's ``activation_fn``)."""
+    return mlp.act_fn if hasattr(mlp, "act_fn") else mlp.activation_fn
+
+
+def layer_norms(layer: nn.Module, layout: Layout) -> tuple[nn.Module, nn.Module]:
+    """A layer's two norms in the order its step applies them: before attention and before the MLP
+    (Llama's), or after each (OLMo2's)."""
+    if layout.post_norms:
+        return layer.post_attention_layernorm, layer.post_feedforward_layernorm
+    return layer.input_layernorm, layer.post_attention_layernorm
 
 
 def _stacked(*members: nn.Module) -> FusedProjections | None:
@@ -105,9 +172,11 @@ def _families() -> dict[type, tuple[type, ...]]:
     must be: (decoder, layer, attention, MLP, RMSNorm). Mistral's layer is Llama's, windowed or not;
     Qwen2's is Llama's with biases on q/k/v (the Linears carry them); Qwen3's attention normalises
     each head of q and k before the rotary embedding (``q_norm`` / ``k_norm``, applied as its
-    forward does)."""
+    forward does). Phi-3's and OLMo2's (``LAYOUTS``): taken on a CPU only."""
     from transformers.models.llama import modeling_llama as llama
     from transformers.models.mistral import modeling_mistral as mistral
+    from transformers.models.olmo2 import modeling_olmo2 as olmo2
+    from transformers.models.phi3 import modeling_phi3 as phi3
     from transformers.models.qwen2 import modeling_qwen2 as qwen2
     from transformers.models.qwen3 import modeling_qwen3 as qwen3
 
@@ -120,7 +189,15 @@ def _families() -> dict[type, tuple[type, ...]]:
                                  qwen2.Qwen2RMSNorm),
         qwen3.Qwen3ForCausalLM: (qwen3.Qwen3Model, qwen3.Qwen3DecoderLayer, qwen3.Qwen3Attention, qwen3.Qwen3MLP,
                                  qwen3.Qwen3RMSNorm),
+        phi3.Phi3ForCausalLM: (phi3.Phi3Model, phi3.Phi3DecoderLayer, phi3.Phi3Attention, phi3.Phi3MLP,
+                               phi3.Phi3RMSNorm),
+        olmo2.Olmo2ForCausalLM: (olmo2.Olmo2Model, olmo2.Olmo2DecoderLayer, olmo2.Olmo2Attention, olmo2.Olmo2MLP,
+                                 olmo2.Olmo2RMSNorm),
     }
+
+
+# The families whose layer is not Llama's, by their causal LM's class name (``Layout``)
+LAYOUTS = {"Phi3ForCausalLM": Layout(fused=True), "Olmo2ForCausalLM": Layout(post_norms=True)}
 
 
 def lean_decoder(model: nn.Module, capacity: int | None = None) -> LeanDecoder | None:
@@ -142,7 +219,9 @@ def lean_decoder(model: nn.Module, capacity: int | None = None) -> LeanDecoder |
     decoder = causal_lm.model
     if type(decoder) is not model_class or type(decoder.norm) is not norm_class:
         return None
-    if decoder.embed_tokens.weight.device.type not in ("cpu", "cuda"):
+    layout = LAYOUTS.get(type(causal_lm).__name__, Layout())
+    device = decoder.embed_tokens.weight.device.type
+    if device not in ("cpu", "cuda") or (layout != Layout() and device != "cpu"):
         return None
     try:
         kinds, window = attention_layers(causal_lm.config)
@@ -153,12 +232,12 @@ def lean_decoder(model: nn.Module, capacity: int | None = None) -> LeanDecoder |
     for layer in decoder.layers:
         attn, mlp = layer.self_attn, layer.mlp
         if not (type(layer) is layer_class and type(attn) is attention_class
-                and type(mlp) is mlp_class and type(mlp.act_fn) in (SiLUActivation, nn.SiLU)
-                and type(layer.input_layernorm) is norm_class
-                and type(layer.post_attention_layernorm) is norm_class
-                and all(type(n) is norm_class for n in head_norms(attn))):
+                and type(mlp) is mlp_class and type(mlp_activation(mlp)) in (SiLUActivation, nn.SiLU)
+                and all(type(n) is norm_class for n in (*layer_norms(layer, layout), *head_norms(attn)))):
             return None
-    return LeanDecoder(causal_lm)
+        if layout.fused and layer.training and layer.resid_attn_dropout.p > 0:
+            return None  # (Phi-3's dropout on each sublayer's output, which the step leaves out)
+    return LeanDecoder(causal_lm, layout)
 
 
 def head_norms(attention: nn.Module) -> tuple[nn.Module, ...]:

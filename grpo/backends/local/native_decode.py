@@ -4,10 +4,11 @@ A bf16 decoding step of SmolLM2-135M at ~24 rows took ~54 ms on a 2-core Xeon wh
 alone take ~21 ms: the rest was ~60 small PyTorch operators per layer (RMSNorms, the rotary
 embedding, KV-cache writes, grouped-query attention, SiLU), each costing more in dispatch and
 passes over memory than in arithmetic (docs/benchmark.md). ``NativeDecoder`` runs a Llama layer
-(or Qwen2's, Qwen3's: lean_decode.py) as its Linears (the modules themselves, LoRA side paths
+(or Qwen2's, Qwen3's, Phi-3's: lean_decode.py) as its Linears (the modules themselves, LoRA side paths
 included) plus four native calls: the residual add with the next RMSNorm, rotary + cache write +
 attention (for Qwen3 with each head of q and k normalised first), SiLU * up, and the next add +
-RMSNorm. They round to the model's dtype wherever the eager operators do, so they compute what the
+RMSNorm. OLMo2's layer normalises each sublayer's output before the residual add (``post_norm_add``)
+and q and k whole (rope_attend, given norms as wide as q and k), each norm rounded once. They round to the model's dtype wherever the eager operators do, so they compute what the
 model's own forward computes up to the order of float sums (tests/test_native_decode.py).
 Where every layer has the sampler's packed layout (q/k/v and gate/up stacked, each Linear a packed
 weight in oneDNN's layout or the streaming one, LoRA -- if any -- as a side path packed with it),
@@ -24,7 +25,7 @@ from __future__ import annotations
 import torch
 
 from grpo.backends.local.kv_cache import SlotCache
-from grpo.backends.local.lean_decode import LeanDecoder, head_norms
+from grpo.backends.local.lean_decode import Layout, LeanDecoder, OneProduct, head_norms, layer_norms
 from grpo.models import native_kernels
 from grpo.models.cpu_linear import PackedLinear
 from grpo.models.fused_projections import FusedProjections
@@ -44,10 +45,13 @@ class NativeDecoder(LeanDecoder):
 
     reads_mask = False  # (its attention takes each row's length from the slot cache's step)
 
-    def __init__(self, causal_lm, ops):
-        super().__init__(causal_lm)
+    def __init__(self, causal_lm, ops, layout: Layout = Layout()):
+        super().__init__(causal_lm, layout)
         self.ops = ops
         self.heads = int(causal_lm.config.num_attention_heads)
+        # the norms' rounding (native/common.h's NormKind): OLMo2's round once, after the weight
+        self.norms = "once" if layout.post_norms else "llama"
+        self.eps = float(self.decoder.norm.variance_epsilon)
         self.plan = _one_call_plan(self) if ONE_CALL else None
         self._rotary_table = RotaryTable(self.decoder.rotary_emb)
 
@@ -62,8 +66,10 @@ class NativeDecoder(LeanDecoder):
             x = ops.decode_layers(hidden[:, 0], cos, sin, lengths, plan.weights, plan.extras, plan.norms,
                                   [slot._keys for slot in cache.layers], [slot._values for slot in cache.layers],
                                   plan.qkv_sizes, self.heads, plan.scale, plan.eps, plan.head_norms,
-                                  cache.step.shared_from, cache.step.shared)
+                                  cache.step.shared_from, cache.step.shared, post_norms=self.layout.post_norms)
             return self.causal_lm.lm_head(x)
+        if self.layout.post_norms:
+            return self.causal_lm.lm_head(self._post_norm_layers(hidden[:, 0], cos, sin, lengths, cache))
         norm = layers[0].input_layernorm
         hidden, x = ops.add_rms_norm(hidden[:, 0], None, norm.weight, norm.variance_epsilon)
         for index, (layer, (qkv, gate_up)) in enumerate(zip(layers, self.groups, strict=True)):
@@ -83,6 +89,26 @@ class NativeDecoder(LeanDecoder):
             hidden, x = ops.add_rms_norm(hidden, mlp.down_proj(ops.silu_mul(gate, up)), norm.weight,
                                          norm.variance_epsilon)
         return self.causal_lm.lm_head(x)
+
+    def _post_norm_layers(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, lengths: torch.Tensor,
+                          cache: SlotCache) -> torch.Tensor:
+        """OLMo2's layers (each sublayer's output normalised, then added; q and k normalised whole
+        by rope_attend), then its final norm: ``[rows, hidden]``."""
+        ops, eps = self.ops, self.eps
+        for index, (layer, (qkv, gate_up)) in enumerate(zip(self.decoder.layers, self.groups, strict=True)):
+            attn, mlp = layer.self_attn, layer.mlp
+            q, k, v = qkv.full(hidden) if qkv is not None else (attn.q_proj(hidden), attn.k_proj(hidden),
+                                                                  attn.v_proj(hidden))
+            slot = cache.layers[index]
+            out = ops.rope_attend(q, k, v, cos, sin, slot._keys, slot._values, lengths, self.heads, attn.scaling,
+                                  cache.step.shared_from, cache.step.shared,
+                                  qkv is not None and qkv.layout == "stream_dot", attn.q_norm.weight,
+                                  attn.k_norm.weight, eps, norms=self.norms)
+            hidden = ops.post_norm_add(attn.o_proj(out), layer.post_attention_layernorm.weight, eps, self.norms, hidden)
+            gate, up = gate_up.full(hidden) if gate_up is not None else (mlp.gate_proj(hidden), mlp.up_proj(hidden))
+            hidden = ops.post_norm_add(mlp.down_proj(ops.silu_mul(gate, up)), layer.post_feedforward_layernorm.weight,
+                                       eps, self.norms, hidden)
+        return ops.post_norm_add(hidden, self.decoder.norm.weight, eps, self.norms)
 
     def _cos_sin(self, hidden: torch.Tensor, positions: torch.Tensor, capacity: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Each row's rotary cos and sin ``[rows, head_dim]``: rows of a table the model's own rotary
@@ -109,14 +135,17 @@ class RotaryTable:
     def __init__(self, rotary, *args):
         self.rotary, self.args = rotary, args
         self.table: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.made_for: torch.dtype | None = None  # (hidden's dtype; OLMo2's table is float32 whatever it is)
 
     def rows(self, hidden: torch.Tensor, positions: torch.Tensor, capacity: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin ``[rows, head_dim]`` at ``positions`` ``[rows]``, in ``hidden``'s dtype; the
-        table is made again where it is shorter than ``capacity`` or of another dtype."""
+        """cos and sin ``[rows, rotary dims]`` at ``positions`` ``[rows]``, in the dtype the rotary
+        embedding hands for ``hidden``'s; the table is made again where it is shorter than
+        ``capacity`` or was made for another dtype."""
         table = self.table
-        if table is None or table[0].shape[0] < capacity or table[0].dtype != hidden.dtype:
+        if table is None or table[0].shape[0] < capacity or self.made_for != hidden.dtype:
             cos, sin = self.rotary(hidden[:1], torch.arange(capacity, device=hidden.device)[None], *self.args)
             table = self.table = (cos[0], sin[0])
+            self.made_for = hidden.dtype
         return table[0].index_select(0, positions), table[1].index_select(0, positions)
 
 
@@ -135,8 +164,10 @@ class _Plan:
 
     def add(self, module) -> bool:
         """One Linear of the step: a stacked group, a packed Linear, or a packed Linear with a packed
-        LoRA side path; False for anything else."""
+        LoRA side path (as such or as a model's own fused Linear: Phi-3's); False for anything else."""
         lora = None
+        if isinstance(module, OneProduct):
+            module = module.module
         if isinstance(module, FusedProjections):
             weight, bias, lora = module.packed, module.bias, module.lora
         elif type(module) is PackedLinear:
@@ -164,8 +195,8 @@ def _one_call_plan(step: NativeDecoder) -> _Plan | None:
             return None
         if not all(plan.add(m) for m in (qkv, layer.self_attn.o_proj, gate_up, layer.mlp.down_proj)):
             return None
-    # each layer's input and post-attention norms in turn, then the final one
-    norms = [n for layer in decoder.layers for n in (layer.input_layernorm, layer.post_attention_layernorm)]
+    # each layer's two norms in the order they apply (before each sublayer, or OLMo2's after), then the final one
+    norms = [n for layer in decoder.layers for n in layer_norms(layer, step.layout)]
     norms.append(decoder.norm)
     per_head = [head_norms(layer.self_attn) for layer in decoder.layers]
     if len({len(pair) for pair in per_head}) != 1:
@@ -187,11 +218,12 @@ def native_decoder(lean: LeanDecoder | None, device: torch.device) -> LeanDecode
         return lean
     dtype = lean.decoder.embed_tokens.weight.dtype
     norms = [lean.decoder.norm] + [n for layer in lean.decoder.layers
-                                   for n in (layer.input_layernorm, layer.post_attention_layernorm,
-                                             *head_norms(layer.self_attn))]
+                                   for n in (*layer_norms(layer, lean.layout), *head_norms(layer.self_attn))]
     if dtype not in DTYPES or any(n.weight.dtype != dtype for n in norms):
         return lean  # (a model keeping its norms in float32 beside bf16 weights: the eager step)
     if any(len({n.variance_epsilon for n in head_norms(layer.self_attn)}) > 1 for layer in lean.decoder.layers):
         return lean  # (rope_attend normalises q's and k's heads with one epsilon)
+    if lean.layout.post_norms and len({float(n.variance_epsilon) for n in norms}) > 1:
+        return lean  # (OLMo2's step takes one epsilon for every norm)
     ops = native_kernels.kernels()  # None where switched off or not built
-    return lean if ops is None else NativeDecoder(lean.causal_lm, ops)
+    return lean if ops is None else NativeDecoder(lean.causal_lm, ops, lean.layout)

@@ -108,6 +108,37 @@ inline void zero_centred_row(const float* h, const float* w, float* y, int64_t d
   for (int64_t i = 0; i < dim; ++i) y[i] = in_dtype<T>(h[i] * scale * (1.f + w[i]));
 }
 
+// The RMSNorms of a decoding step, by where they round (each rounding where the model's eager norm stores
+// its dtype):
+// - llama: T(w T(h r)) -- Llama's, Mistral's, Qwen2/3's (also each head of Qwen3's q and k);
+// - zero_centred: T(h r (1 + w)) -- Gemma's, Qwen3.5's;
+// - once: T(w h r), the weight times the float32 norm, rounded once -- OLMo2's (T5's norm).
+enum class NormKind { llama, zero_centred, once };
+
+// `name` ("llama", "zero_centred", "once") as a NormKind; anything else refused, naming the valid ones
+inline NormKind norm_kind(c10::string_view name, const char* op) {
+  if (name == "llama") return NormKind::llama;
+  if (name == "zero_centred") return NormKind::zero_centred;
+  TORCH_CHECK(name == "once", op, ": norms must be 'llama', 'zero_centred' or 'once', got '", std::string(name), "'");
+  return NormKind::once;
+}
+
+// y = the norm `kind` of the row h by the weight w, given its scale r = 1 / sqrt(mean(h^2) + eps) (a row's
+// own, or that of a wider row it is part of: OLMo2 normalises all of q's heads together); y may be h
+template <typename T>
+inline void norm_row_scaled(const float* h, const float* w, float* y, int64_t dim, float r, NormKind kind) {
+  if (kind == NormKind::llama) {
+#pragma omp simd
+    for (int64_t i = 0; i < dim; ++i) y[i] = in_dtype<T>(w[i] * in_dtype<T>(h[i] * r));
+  } else if (kind == NormKind::zero_centred) {
+#pragma omp simd
+    for (int64_t i = 0; i < dim; ++i) y[i] = in_dtype<T>(h[i] * r * (1.f + w[i]));
+  } else {
+#pragma omp simd
+    for (int64_t i = 0; i < dim; ++i) y[i] = in_dtype<T>(w[i] * (h[i] * r));
+  }
+}
+
 // exp(x) in a form the compiler vectorizes (libm's expf is a call per value): 2^n * exp(r) with
 // |r| <= ln(2)/2, Cephes' polynomial for exp(r), within ~2 float ulps of expf. Large arguments are
 // clamped below expf's overflow, NaN passes through.
@@ -129,6 +160,13 @@ inline float vexp(float x) {
 }
 
 inline float sigmoid(float x) { return 1.f / (1.f + vexp(-x)); }
+
+// tanh(x) = sign(x) (1 - 2 / (exp(2|x|) + 1)) through vexp, so that a loop of it vectorizes (libm's is a call
+// per value): within ~1e-7 of tanhf absolutely, which is what a soft-cap (cap * tanh(s / cap)) adds to a score
+inline float vtanh(float x) {
+  const float t = 1.f - 2.f / (vexp(2.f * std::fabs(x)) + 1.f);
+  return x < 0.f ? -t : t;
+}
 
 // `what`, then `operand` (a kernel's name, then which of its inputs: ": gate"), name the tensor in the
 // message, which is put together only where a check fails
@@ -172,6 +210,30 @@ inline void rotate(const float* x, const float* c, const float* s, float* y, int
 #pragma omp simd
   for (int64_t i = half; i < dim; ++i)
     y[i] = in_dtype<T>(in_dtype<T>(x[i] * c[i]) + in_dtype<T>(x[i - half] * s[i]));
+}
+
+// A head's rotary embedding where only its first `rotary` of dim values rotate (Phi-4-mini's partial
+// rotary: cos and sin are `rotary` wide; the rest pass through), by the rotate_half convention; each
+// product and the sum rounded to T where cos and sin are T's values (`round_each`: Llama's, Phi-3's), or
+// the float32 sum rounded once where the model's cos and sin are float32 (OLMo2's)
+template <typename T>
+inline void rotate_part(const float* x, const float* c, const float* s, float* y, int64_t dim, int64_t rotary,
+                        bool round_each) {
+  if (round_each && rotary == dim) return rotate<T>(x, c, s, y, dim);
+  const int64_t half = rotary / 2;
+  if (round_each) {
+#pragma omp simd
+    for (int64_t i = 0; i < half; ++i) y[i] = in_dtype<T>(in_dtype<T>(x[i] * c[i]) + in_dtype<T>(-x[i + half] * s[i]));
+#pragma omp simd
+    for (int64_t i = half; i < rotary; ++i)
+      y[i] = in_dtype<T>(in_dtype<T>(x[i] * c[i]) + in_dtype<T>(x[i - half] * s[i]));
+  } else {
+#pragma omp simd
+    for (int64_t i = 0; i < half; ++i) y[i] = in_dtype<T>(x[i] * c[i] + -x[i + half] * s[i]);
+#pragma omp simd
+    for (int64_t i = half; i < rotary; ++i) y[i] = in_dtype<T>(x[i] * c[i] + x[i - half] * s[i]);
+  }
+  for (int64_t i = rotary; i < dim; ++i) y[i] = x[i];
 }
 
 }  // namespace grpo_native

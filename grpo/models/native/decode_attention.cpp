@@ -176,15 +176,35 @@ inline void write_normalised(float* acc, float total, T* out, int64_t dim) {
 // weights are packed in pairs, i.e. where that instruction measured the faster.
 constexpr int64_t ROPE_SHARERS = 8;
 
-template <typename T, int64_t HEAD_DIM>
+//
+// The model's own variations, as its forward computes them: a soft-cap on the scores (`softcap` > 0:
+// cap * tanh(score / cap), Gemma 2's, before the softmax); q's and k's norms (`norms` their kind: NormKind)
+// of each head (Qwen3's, Gemma 3's) or of all heads together (`wide_norms`: OLMo2's, whose q_norm spans
+// every head of q); cos and sin `rotary` wide (fewer than the head's dims: Phi-4-mini's partial rotary) and
+// of T (each product rounded, as Llama's) or float32 (C: OLMo2's, the sum rounded once).
+template <typename T, typename C, int64_t HEAD_DIM>
 void rope_attend_impl(const T* q, int64_t q_stride, const T* k, int64_t k_stride, const T* v, int64_t v_stride,
-                      const T* cos, int64_t cos_stride, const T* sin, int64_t sin_stride, T* k_cache, T* v_cache,
-                      int64_t slot_stride, int64_t head_stride, const int64_t* lengths, const int64_t* from,
-                      const int64_t* shared, T* out, int64_t rows, int64_t heads, int64_t kv_heads, int64_t head_dim,
-                      float scale, bool dot, const T* q_norm, const T* k_norm, float norm_eps,
-                      bool zero_centred, int64_t window) {
+                      const C* cos, int64_t cos_stride, const C* sin, int64_t sin_stride, int64_t rotary, T* k_cache,
+                      T* v_cache, int64_t slot_stride, int64_t head_stride, const int64_t* lengths,
+                      const int64_t* from, const int64_t* shared, T* out, int64_t rows, int64_t heads,
+                      int64_t kv_heads, int64_t head_dim, float scale, bool dot, const T* q_norm, const T* k_norm,
+                      float norm_eps, NormKind norms, bool wide_norms, int64_t window, float softcap) {
   const int64_t dim = HEAD_DIM > 0 ? HEAD_DIM : head_dim;
   const int64_t group = heads / kv_heads;
+  constexpr bool round_each = std::is_same_v<C, T>;  // (cos and sin of T: each product rounded)
+  // with norms over all of a row's heads, each row's scales first (q's, k's)
+  std::vector<float> wide_scales(wide_norms ? 2 * rows : 0);
+  if (wide_norms) {
+    at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+      std::vector<float> xf(heads * dim);
+      for (int64_t r = begin; r < end; ++r) {
+        to_float(q + r * q_stride, xf.data(), heads * dim);
+        wide_scales[2 * r] = inverse_rms(xf.data(), heads * dim, norm_eps);
+        to_float(k + r * k_stride, xf.data(), kv_heads * dim);
+        wide_scales[2 * r + 1] = inverse_rms(xf.data(), kv_heads * dim, norm_eps);
+      }
+    });
+  }
   // the rows in sets that read one row's shared columns (that row first), and the work: a run of
   // up to ROPE_SHARERS of a set's rows, through one key head
   std::vector<int64_t> order, runs;  // runs: {offset into order, count} pairs
@@ -204,13 +224,14 @@ void rope_attend_impl(const T* q, int64_t q_stride, const T* k, int64_t k_stride
       }
   }
   const int64_t tasks = static_cast<int64_t>(runs.size() / 2) * kv_heads;
-  // a head of q or k widened, normalised where the model normalises it (`norm` its weight as floats,
-  // else null: Qwen3's q_norm / k_norm, T(w T(x r)); Gemma 3's, zero-centred, T(x r (1 + w))), rotated
-  auto rotate_row = [&](const T* x, const float* norm, const float* c, const float* s, float* xf, float* y) {
+  // a head of q or k widened, normalised where the model normalises it (`norm` its weight as floats, else
+  // null; `wide_scale` the scale of all the row's heads where the norm spans them), rotated
+  auto rotate_row = [&](const T* x, const float* norm, float wide_scale, const float* c, const float* s, float* xf,
+                        float* y) {
     to_float(x, xf, dim);
-    if (norm != nullptr && zero_centred) zero_centred_row<T>(xf, norm, xf, dim, norm_eps);
-    else if (norm != nullptr) rms_norm_row<T>(xf, norm, xf, dim, norm_eps);
-    rotate<T>(xf, c, s, y, dim);
+    if (norm != nullptr)
+      norm_row_scaled<T>(xf, norm, xf, dim, wide_norms ? wide_scale : inverse_rms(xf, dim, norm_eps), norms);
+    rotate_part<T>(xf, c, s, y, dim, rotary, round_each);
   };
   at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> c(dim), s(dim), xf(dim), rotated(dim), queries(ROPE_SHARERS * group * dim),
@@ -218,11 +239,14 @@ void rope_attend_impl(const T* q, int64_t q_stride, const T* k, int64_t k_stride
     std::vector<c10::BFloat16> query_pairs(dot && std::is_same_v<T, c10::BFloat16> ? ROPE_SHARERS * group * dim : 0);
     std::vector<float*> weights(ROPE_SHARERS * group);  // (query i's scores, then softmax numerators)
     std::vector<T*> outs(ROPE_SHARERS * group);
-    std::vector<float> qn(q_norm != nullptr ? dim : 0), kn(k_norm != nullptr ? dim : 0);  // the heads' norms
-    if (q_norm != nullptr) to_float(q_norm, qn.data(), dim);
-    if (k_norm != nullptr) to_float(k_norm, kn.data(), dim);
-    const float* qn_p = q_norm != nullptr ? qn.data() : nullptr;
-    const float* kn_p = k_norm != nullptr ? kn.data() : nullptr;
+    // the norms' weights: a head's, or every head's where they span the row
+    const int64_t q_width = wide_norms ? heads * dim : dim, k_width = wide_norms ? kv_heads * dim : dim;
+    std::vector<float> qn(q_norm != nullptr ? q_width : 0), kn(k_norm != nullptr ? k_width : 0);
+    if (q_norm != nullptr) to_float(q_norm, qn.data(), q_width);
+    if (k_norm != nullptr) to_float(k_norm, kn.data(), k_width);
+    // head h's weights
+    auto q_weights = [&](int64_t h) { return q_norm == nullptr ? nullptr : qn.data() + (wide_norms ? h * dim : 0); };
+    auto k_weights = [&](int64_t h) { return k_norm == nullptr ? nullptr : kn.data() + (wide_norms ? h * dim : 0); };
     for (int64_t task = begin; task < end; ++task) {
       const int64_t run = task / kv_heads, g = task % kv_heads;
       const int64_t* members = order.data() + runs[2 * run];
@@ -236,16 +260,17 @@ void rope_attend_impl(const T* q, int64_t q_stride, const T* k, int64_t k_stride
       for (int64_t u = 0; u < count; ++u) {
         const int64_t r = members[u];
         offsets[u + 1] = offsets[u] + group * columns(u);
-        to_float(cos + r * cos_stride, c.data(), dim);
-        to_float(sin + r * sin_stride, s.data(), dim);
+        to_float(cos + r * cos_stride, c.data(), rotary);
+        to_float(sin + r * sin_stride, s.data(), rotary);
+        const float q_scale = wide_norms ? wide_scales[2 * r] : 0.f, k_scale = wide_norms ? wide_scales[2 * r + 1] : 0.f;
         T* row_keys = k_cache + r * slot_stride + g * head_stride;
         T* row_values = v_cache + r * slot_stride + g * head_stride;
-        rotate_row(k + r * k_stride + g * dim, kn_p, c.data(), s.data(), xf.data(), rotated.data());
+        rotate_row(k + r * k_stride + g * dim, k_weights(g), k_scale, c.data(), s.data(), xf.data(), rotated.data());
         from_float(rotated.data(), row_keys + lengths[r] * dim, dim);
         std::memcpy(row_values + lengths[r] * dim, v + r * v_stride + g * dim, dim * sizeof(T));
         for (int64_t j = 0; j < group; ++j)
-          rotate_row(q + r * q_stride + (g * group + j) * dim, qn_p, c.data(), s.data(), xf.data(),
-                     queries.data() + (u * group + j) * dim);
+          rotate_row(q + r * q_stride + (g * group + j) * dim, q_weights(g * group + j), q_scale, c.data(), s.data(),
+                     xf.data(), queries.data() + (u * group + j) * dim);
       }
       // query i (row i / group's head g * group + i % group): its scores, by column, and its output
       scores.resize(offsets[count]);
@@ -263,6 +288,11 @@ void rope_attend_impl(const T* q, int64_t q_stride, const T* k, int64_t k_stride
           const int64_t n = columns(i / group), outside = window > 0 ? std::max<int64_t>(0, n - window) : 0;
           float* sp = weights[i];
           std::fill(sp, sp + outside, 0.f);
+          if (softcap > 0.f) {
+            const float inverse = 1.f / softcap;
+#pragma omp simd
+            for (int64_t p = outside; p < n; ++p) sp[p] = softcap * vtanh(sp[p] * inverse);
+          }
           const float top = row_max(sp + outside, n - outside);
           totals[i] = exp_shifted_total(sp + outside, n - outside, top);
         }
@@ -345,8 +375,8 @@ at::Tensor rope_attend(const at::Tensor& q, const at::Tensor& k, const at::Tenso
                        const at::Tensor& sin, at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& lengths,
                        int64_t heads, double scale, const c10::optional<at::Tensor>& shared_from,
                        const c10::optional<at::Tensor>& shared, bool dot, const c10::optional<at::Tensor>& q_norm,
-                       const c10::optional<at::Tensor>& k_norm, double norm_eps, bool zero_centred_norms,
-                       int64_t window) {
+                       const c10::optional<at::Tensor>& k_norm, double norm_eps, c10::string_view norms,
+                       int64_t window, double softcap) {
   TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous() &&
                   v_cache.sizes() == k_cache.sizes() && k_cache.device().is_cpu(),
               "rope_attend: the caches must be contiguous CPU [slots, kv_heads, capacity, head_dim] tensors of one "
@@ -362,18 +392,33 @@ at::Tensor rope_attend(const at::Tensor& q, const at::Tensor& k, const at::Tenso
   check_rows(q, rows, heads * dim, "rope_attend: q");
   check_rows(k, rows, kv_heads * dim, "rope_attend: k");
   check_rows(v, rows, kv_heads * dim, "rope_attend: v");
-  check_rows(cos, rows, dim, "rope_attend: cos");
-  check_rows(sin, rows, dim, "rope_attend: sin");
+  // cos and sin: a head's width, or fewer (an even number: partial rotary), in the caches' dtype or float32
+  const int64_t rotary = cos.dim() == 2 ? cos.size(1) : -1;
+  TORCH_CHECK(rotary > 0 && rotary <= dim && rotary % 2 == 0 && sin.dim() == 2 && sin.size(1) == rotary,
+              "rope_attend: cos and sin must be [rows, r] with r even and at most the head's ", dim,
+              " dims, got ", cos.sizes(), " and ", sin.sizes());
+  check_rows(cos, rows, rotary, "rope_attend: cos");
+  check_rows(sin, rows, rotary, "rope_attend: sin");
   const auto dtype = k_cache.scalar_type();
-  for (const at::Tensor* t : std::initializer_list<const at::Tensor*>{&q, &k, &v, &cos, &sin, &v_cache})
-    TORCH_CHECK(t->scalar_type() == dtype, "rope_attend: every tensor must have the caches' dtype ", dtype);
+  for (const at::Tensor* t : std::initializer_list<const at::Tensor*>{&q, &k, &v, &v_cache})
+    TORCH_CHECK(t->scalar_type() == dtype, "rope_attend: q, k, v and the caches must have one dtype, ", dtype);
+  TORCH_CHECK(sin.scalar_type() == cos.scalar_type() && (cos.scalar_type() == dtype || cos.scalar_type() == at::kFloat),
+              "rope_attend: cos and sin must both be ", dtype, " or both float32, got ", cos.scalar_type(), " and ",
+              sin.scalar_type());
+  TORCH_CHECK(softcap >= 0, "rope_attend: softcap must be 0 (none) or the scores' cap, got ", softcap);
+  const NormKind kind = norm_kind(norms, "rope_attend");
   TORCH_CHECK(window >= 0, "rope_attend: window must be 0 (none) or the number of columns a row sees, got ", window);
   TORCH_CHECK(q_norm.has_value() == k_norm.has_value(), "rope_attend: q_norm and k_norm go together");
-  for (const auto* norm : {&q_norm, &k_norm})
-    TORCH_CHECK(!norm->has_value() || ((*norm)->dim() == 1 && (*norm)->size(0) == dim && (*norm)->is_contiguous() &&
+  // each head's norm ([dim] both), or one over all of a row's heads ([heads * dim] and [kv_heads * dim])
+  const bool wide_norms = q_norm.has_value() && q_norm->dim() == 1 && q_norm->size(0) == heads * dim && heads > 1;
+  for (const auto* norm : {&q_norm, &k_norm}) {
+    const int64_t width = !wide_norms ? dim : norm == &q_norm ? heads * dim : kv_heads * dim;
+    TORCH_CHECK(!norm->has_value() || ((*norm)->dim() == 1 && (*norm)->size(0) == width && (*norm)->is_contiguous() &&
                                        (*norm)->scalar_type() == dtype && (*norm)->device().is_cpu()),
-                "rope_attend: q_norm and k_norm must be contiguous CPU [", dim, "] tensors of the caches' dtype ", dtype,
-                ", got ", (*norm)->scalar_type(), " ", (*norm)->sizes());
+                "rope_attend: q_norm and k_norm must be contiguous CPU tensors of the caches' dtype ", dtype,
+                ", both a head's [", dim, "] or q's [", heads * dim, "] and k's [", kv_heads * dim, "]; got ",
+                (*norm)->scalar_type(), " ", (*norm)->sizes());
+  }
   auto lens = lengths.contiguous();
   const int64_t* lp = lens.data_ptr<int64_t>();
   for (int64_t r = 0; r < rows; ++r)
@@ -401,21 +446,28 @@ at::Tensor rope_attend(const at::Tensor& q, const at::Tensor& k, const at::Tenso
   }
   auto out = at::empty({rows, heads * dim}, q.options());
   DISPATCH_SAMPLER_TYPES(dtype, "rope_attend", [&] {
-    auto run = [&](auto impl) {
-      impl(q.data_ptr<scalar_t>(), q.stride(0), k.data_ptr<scalar_t>(), k.stride(0), v.data_ptr<scalar_t>(),
-           v.stride(0), cos.data_ptr<scalar_t>(), cos.stride(0), sin.data_ptr<scalar_t>(), sin.stride(0),
-           k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(), k_cache.stride(0), k_cache.stride(1), lp, fp,
-           sp, out.data_ptr<scalar_t>(), rows, heads, kv_heads, dim, static_cast<float>(scale), dot,
-           q_norm.has_value() ? q_norm->data_ptr<scalar_t>() : nullptr,
-           k_norm.has_value() ? k_norm->data_ptr<scalar_t>() : nullptr, static_cast<float>(norm_eps),
-           zero_centred_norms, window);
+    auto by_cos = [&](auto* cos_type) {
+      using C = std::remove_pointer_t<decltype(cos_type)>;
+      auto run = [&](auto impl) {
+        impl(q.data_ptr<scalar_t>(), q.stride(0), k.data_ptr<scalar_t>(), k.stride(0), v.data_ptr<scalar_t>(),
+             v.stride(0), cos.data_ptr<C>(), cos.stride(0), sin.data_ptr<C>(), sin.stride(0), rotary,
+             k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(), k_cache.stride(0), k_cache.stride(1), lp, fp,
+             sp, out.data_ptr<scalar_t>(), rows, heads, kv_heads, dim, static_cast<float>(scale), dot,
+             q_norm.has_value() ? q_norm->data_ptr<scalar_t>() : nullptr,
+             k_norm.has_value() ? k_norm->data_ptr<scalar_t>() : nullptr, static_cast<float>(norm_eps), kind,
+             wide_norms, window, static_cast<float>(softcap));
+      };
+      if (dim == 64) run(rope_attend_impl<scalar_t, C, 64>);
+      else if (dim == 80) run(rope_attend_impl<scalar_t, C, 80>);
+      else if (dim == 96) run(rope_attend_impl<scalar_t, C, 96>);
+      else if (dim == 128) run(rope_attend_impl<scalar_t, C, 128>);
+      else if (dim == 256) run(rope_attend_impl<scalar_t, C, 256>);  // (Gemma's)
+      else run(rope_attend_impl<scalar_t, C, 0>);
     };
-    if (dim == 64) run(rope_attend_impl<scalar_t, 64>);
-    else if (dim == 80) run(rope_attend_impl<scalar_t, 80>);
-    else if (dim == 96) run(rope_attend_impl<scalar_t, 96>);
-    else if (dim == 128) run(rope_attend_impl<scalar_t, 128>);
-    else if (dim == 256) run(rope_attend_impl<scalar_t, 256>);  // (Gemma's)
-    else run(rope_attend_impl<scalar_t, 0>);
+    // cos and sin of the caches' dtype, or float32 (where that is another type: bf16 caches)
+    if constexpr (std::is_same_v<scalar_t, float>) by_cos(static_cast<float*>(nullptr));
+    else if (cos.scalar_type() == at::kFloat) by_cos(static_cast<float*>(nullptr));
+    else by_cos(static_cast<scalar_t*>(nullptr));
   });
   return out;
 }

@@ -42,13 +42,17 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& weight, const c1
 // [rows, dim]; returns the final norm's output [rows, dim]. `shared_from` and `shared`: rows that
 // share their first columns, as rope_attend takes them (every layer's caches alike). `head_norms`:
 // none, or each layer's norms of every head of q and of k (Qwen3's q_norm, k_norm), which rope_attend
-// applies before the rotary embedding, as that attention's forward does.
+// applies before the rotary embedding, as that attention's forward does. `post_norms`: OLMo2's layers,
+// whose norms follow each sublayer (`norms`: each layer's post-attention and post-feedforward norm
+// weights in turn, then the final one) and normalise q and k whole (`head_norms` as wide as q and k),
+// every norm rounded once (NormKind::once); cos and sin float32, as its rotary embedding hands them.
 at::Tensor decode_layers(const at::Tensor& hidden_in, const at::Tensor& cos, const at::Tensor& sin,
                          const at::Tensor& lengths, at::TensorList weights,
                          const c10::List<c10::optional<at::Tensor>>& extras, at::TensorList norms,
                          at::TensorList k_caches, at::TensorList v_caches, at::IntArrayRef qkv_sizes,
                          int64_t heads, double scale, double eps, at::TensorList head_norms,
-                         const c10::optional<at::Tensor>& shared_from, const c10::optional<at::Tensor>& shared) {
+                         const c10::optional<at::Tensor>& shared_from, const c10::optional<at::Tensor>& shared,
+                         bool post_norms) {
   const int64_t layers = static_cast<int64_t>(k_caches.size());
   TORCH_CHECK(layers > 0 && static_cast<int64_t>(v_caches.size()) == layers &&
                   static_cast<int64_t>(weights.size()) == 4 * layers &&
@@ -69,7 +73,14 @@ at::Tensor decode_layers(const at::Tensor& hidden_in, const at::Tensor& cos, con
   // the attention's scores by avx512_bf16's dot product where the products take it: the weights packed in
   // pairs, which the sampler does only where kernel_probe.py measured that instruction the faster here
   const bool dot = !weights[0].is_mkldnn() && weights[0].scalar_type() == at::kBFloat16 && stream_pairs(weights[0]);
-  auto state = add_rms_norm(hidden_in, c10::nullopt, norms[0], eps);  // {hidden, normed}
+  const char* kind = post_norms ? "once" : "llama";
+  // {hidden, the next sublayer's input}: its norm before it, or (post_norms) hidden itself
+  std::vector<at::Tensor> state =
+      post_norms ? std::vector<at::Tensor>{hidden_in, hidden_in} : add_rms_norm(hidden_in, c10::nullopt, norms[0], eps);
+  auto post_add = [&](const at::Tensor& out, const at::Tensor& weight) {
+    auto hidden = post_norm_add(out, weight, eps, kind, state[0]);
+    return std::vector<at::Tensor>{hidden, hidden};
+  };
   for (int64_t i = 0; i < layers; ++i) {
     auto qkv = linear(state[1], i, 0);
     auto q = qkv.narrow(1, 0, qkv_sizes[0]);
@@ -78,14 +89,16 @@ at::Tensor decode_layers(const at::Tensor& hidden_in, const at::Tensor& cos, con
     at::Tensor k_cache = k_caches[i], v_cache = v_caches[i];
     auto attended = rope_attend(q, k, v, cos, sin, k_cache, v_cache, lengths, heads, scale, shared_from, shared, dot,
                                 normed ? c10::optional<at::Tensor>(head_norms[2 * i]) : c10::nullopt,
-                                normed ? c10::optional<at::Tensor>(head_norms[2 * i + 1]) : c10::nullopt, eps, false, 0);
-    state = add_rms_norm(state[0], linear(attended, i, 1), norms[2 * i + 1], eps);
+                                normed ? c10::optional<at::Tensor>(head_norms[2 * i + 1]) : c10::nullopt, eps, kind, 0, 0.0);
+    state = post_norms ? post_add(linear(attended, i, 1), norms[2 * i])
+                       : add_rms_norm(state[0], linear(attended, i, 1), norms[2 * i + 1], eps);
     auto gate_up = linear(state[1], i, 2);
     const int64_t inter = gate_up.size(1) / 2;
     auto act = silu_mul(gate_up.narrow(1, 0, inter), gate_up.narrow(1, inter, inter));
-    state = add_rms_norm(state[0], linear(act, i, 3), norms[i + 1 < layers ? 2 * (i + 1) : 2 * layers], eps);
+    state = post_norms ? post_add(linear(act, i, 3), norms[2 * i + 1])
+                       : add_rms_norm(state[0], linear(act, i, 3), norms[i + 1 < layers ? 2 * (i + 1) : 2 * layers], eps);
   }
-  return state[1];
+  return post_norms ? post_norm_add(state[0], norms[2 * layers], eps, kind, c10::nullopt) : state[1];
 }
 
 }  // namespace grpo_native

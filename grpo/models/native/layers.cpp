@@ -65,6 +65,51 @@ std::vector<at::Tensor> add_rms_norm(const at::Tensor& residual, const c10::opti
   return {hidden, out};
 }
 
+// hidden = T(residual + norm(x)), the norm of a sublayer's output before the residual add (OLMo2's
+// post-attention and post-feedforward norms: a layer without norms before its sublayers), or norm(x) alone
+// without a residual (its final norm); the norm of `kind` (NormKind), its sum of squares in float32
+template <typename T>
+void post_norm_add_impl(const T* x, int64_t x_stride, const T* weight, const T* res, T* out, int64_t rows,
+                        int64_t dim, float eps, NormKind kind) {
+  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> y(dim), w(dim), h(dim);
+    to_float(weight, w.data(), dim);
+    for (int64_t r = begin; r < end; ++r) {
+      to_float(x + r * x_stride, y.data(), dim);
+      norm_row_scaled<T>(y.data(), w.data(), y.data(), dim, inverse_rms(y.data(), dim, eps), kind);
+      if (res != nullptr) {
+        to_float(res + r * dim, h.data(), dim);
+        for (int64_t i = 0; i < dim; ++i) y[i] = in_dtype<T>(h[i] + y[i]);
+      }
+      from_float(y.data(), out + r * dim, dim);
+    }
+  });
+}
+
+at::Tensor post_norm_add(const at::Tensor& x, const at::Tensor& weight, double eps, c10::string_view norms,
+                         const c10::optional<at::Tensor>& residual) {
+  TORCH_CHECK(x.dim() == 2, "post_norm_add: x must be [rows, dim], got ", x.sizes());
+  const int64_t rows = x.size(0), dim = x.size(1);
+  check_rows(x, rows, dim, "post_norm_add: x");
+  TORCH_CHECK(weight.dim() == 1 && weight.size(0) == dim && weight.is_contiguous() &&
+                  weight.scalar_type() == x.scalar_type(),
+              "post_norm_add: weight must be a contiguous [", dim, "] of x's dtype");
+  if (residual.has_value()) {
+    TORCH_CHECK(residual->sizes() == x.sizes() && residual->is_contiguous() && residual->device().is_cpu() &&
+                    residual->scalar_type() == x.scalar_type(),
+                "post_norm_add: residual must be a contiguous CPU ", x.scalar_type(), " ", x.sizes(), ", got ",
+                residual->scalar_type(), " ", residual->sizes());
+  }
+  const NormKind kind = norm_kind(norms, "post_norm_add");
+  auto out = at::empty({rows, dim}, x.options());
+  DISPATCH_SAMPLER_TYPES(x.scalar_type(), "post_norm_add", [&] {
+    post_norm_add_impl<scalar_t>(x.data_ptr<scalar_t>(), x.stride(0), weight.data_ptr<scalar_t>(),
+                                 residual.has_value() ? residual->data_ptr<scalar_t>() : nullptr,
+                                 out.data_ptr<scalar_t>(), rows, dim, static_cast<float>(eps), kind);
+  });
+  return out;
+}
+
 // The MLPs' activations of the gate, as float32 functions of one value the compiler vectorizes: `apply`
 // the activation, `with_slope` the activation (as the backward recomputes it) and its derivative
 struct Silu {  // Llama's, Qwen's

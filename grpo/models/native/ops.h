@@ -2,7 +2,8 @@
 //
 // - layers.cpp: the trainer's RMSNorms, SiLU * up and rotary embeddings, forward and backward, and its
 //   loss head (native_layers.py): one pass over memory each where autograd takes several; the
-//   sampler's residual add + RMSNorm and SiLU * up (GELU * up for Gemma);
+//   sampler's residual add + RMSNorm (or a sublayer's norm + the residual add: OLMo2's) and SiLU * up
+//   (GELU * up for Gemma);
 // - decode_attention.cpp: a decoding step's attention, the new keys and values rotated into the
 //   caches (rope_attend), and over the caches a model's own forward keeps (cached_attend);
 // - decode_layers.cpp: a decoding step's layers in one call (native_decode.py): at a decoding
@@ -45,6 +46,8 @@ namespace grpo_native {
 // layers.cpp
 std::vector<at::Tensor> add_rms_norm(const at::Tensor& residual, const c10::optional<at::Tensor>& x,
                                      const at::Tensor& weight, double eps);
+at::Tensor post_norm_add(const at::Tensor& x, const at::Tensor& weight, double eps, c10::string_view norms,
+                         const c10::optional<at::Tensor>& residual);
 at::Tensor silu_mul(const at::Tensor& gate, const at::Tensor& up);
 at::Tensor gelu_tanh_mul(const at::Tensor& gate, const at::Tensor& up);
 at::Tensor rms_norm_backward(const at::Tensor& grad, const at::Tensor& x, const at::Tensor& weight, double eps);
@@ -65,8 +68,8 @@ at::Tensor rope_attend(const at::Tensor& q, const at::Tensor& k, const at::Tenso
                        const at::Tensor& sin, at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& lengths,
                        int64_t heads, double scale, const c10::optional<at::Tensor>& shared_from,
                        const c10::optional<at::Tensor>& shared, bool dot, const c10::optional<at::Tensor>& q_norm,
-                       const c10::optional<at::Tensor>& k_norm, double norm_eps, bool zero_centred_norms,
-                       int64_t window);
+                       const c10::optional<at::Tensor>& k_norm, double norm_eps, c10::string_view norms,
+                       int64_t window, double softcap);
 at::Tensor cached_attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                          const c10::optional<at::Tensor>& mask, double scale);
 
@@ -88,7 +91,8 @@ at::Tensor decode_layers(const at::Tensor& hidden_in, const at::Tensor& cos, con
                          const c10::List<c10::optional<at::Tensor>>& extras, at::TensorList norms,
                          at::TensorList k_caches, at::TensorList v_caches, at::IntArrayRef qkv_sizes,
                          int64_t heads, double scale, double eps, at::TensorList head_norms,
-                         const c10::optional<at::Tensor>& shared_from, const c10::optional<at::Tensor>& shared);
+                         const c10::optional<at::Tensor>& shared_from, const c10::optional<at::Tensor>& shared,
+                         bool post_norms);
 
 // delta_rule.cpp
 at::Tensor gated_delta_step_(at::Tensor& state, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,

@@ -6,6 +6,7 @@
 
 TORCH_LIBRARY(grpo_native, m) {
   m.def("add_rms_norm(Tensor residual, Tensor? x, Tensor weight, float eps) -> Tensor[]");
+  m.def("post_norm_add(Tensor x, Tensor weight, float eps, str norms, Tensor? residual=None) -> Tensor");
   m.def("silu_mul(Tensor gate, Tensor up) -> Tensor");
   m.def("gelu_tanh_mul(Tensor gate, Tensor up) -> Tensor");
   m.def("rms_norm_backward(Tensor grad, Tensor x, Tensor weight, float eps) -> Tensor");
@@ -17,7 +18,8 @@ TORCH_LIBRARY(grpo_native, m) {
   m.def("target_logprobs_backward_(Tensor grad, Tensor(a!) logits, Tensor targets, Tensor stats) -> Tensor(a!)");
   m.def("rope_attend(Tensor q, Tensor k, Tensor v, Tensor cos, Tensor sin, Tensor(a!) k_cache, Tensor(b!) v_cache, "
         "Tensor lengths, int heads, float scale, Tensor? shared_from=None, Tensor? shared=None, bool dot=False, "
-        "Tensor? q_norm=None, Tensor? k_norm=None, float norm_eps=0.0, bool zero_centred_norms=False, int window=0) -> Tensor");
+        "Tensor? q_norm=None, Tensor? k_norm=None, float norm_eps=0.0, str norms=\"llama\", int window=0, "
+        "float softcap=0.0) -> Tensor");
   m.def("cached_attend(Tensor q, Tensor k, Tensor v, Tensor? mask, float scale) -> Tensor");
   m.def("stream_pack(Tensor weight, bool pairs=False) -> Tensor");
   m.def("stream_dot_available() -> bool", grpo_native::stream_dot_available);
@@ -25,7 +27,7 @@ TORCH_LIBRARY(grpo_native, m) {
   m.def("stream_linear(Tensor x, Tensor packed, Tensor? bias, Tensor? lora_a=None, Tensor? lora_b=None) -> Tensor");
   m.def("decode_layers(Tensor hidden, Tensor cos, Tensor sin, Tensor lengths, Tensor[] weights, Tensor?[] extras, "
         "Tensor[] norms, Tensor(a!)[] k_caches, Tensor(b!)[] v_caches, int[] qkv_sizes, int heads, float scale, "
-        "float eps, Tensor[] head_norms, Tensor? shared_from=None, Tensor? shared=None) -> Tensor");
+        "float eps, Tensor[] head_norms, Tensor? shared_from=None, Tensor? shared=None, bool post_norms=False) -> Tensor");
   m.def("gated_delta_step_(Tensor(a!) state, Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta) -> Tensor");
   m.def("causal_conv_step_(Tensor(a!) state, Tensor x, Tensor weight, Tensor? bias, bool silu) -> Tensor");
   m.def("chunk_delta_rule(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor? initial_state, int chunk, "
@@ -50,6 +52,7 @@ TORCH_LIBRARY(grpo_native, m) {
 
 TORCH_LIBRARY_IMPL(grpo_native, CPU, m) {
   m.impl("add_rms_norm", grpo_native::add_rms_norm);
+  m.impl("post_norm_add", grpo_native::post_norm_add);
   m.impl("silu_mul", grpo_native::silu_mul);
   m.impl("gelu_tanh_mul", grpo_native::gelu_tanh_mul);
   m.impl("rms_norm_backward", grpo_native::rms_norm_backward);

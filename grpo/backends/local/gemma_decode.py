@@ -101,8 +101,8 @@ class GemmaDecoder:
             hidden, x = ops.add_zero_centred_norms(hidden, mlp.down_proj(act), layer.post_feedforward_layernorm.weight,
                                                    norm.weight, self.eps)
         logits = self.causal_lm.lm_head(x)
-        if self.softcap is not None:  # (as Gemma3ForCausalLM.forward and Gemma 2's, in the model's dtype)
-            logits = torch.tanh(logits / self.softcap) * self.softcap
+        if self.softcap is not None:  # (as Gemma3ForCausalLM.forward and Gemma 2's, in the model's dtype; in place)
+            logits = logits.div_(self.softcap).tanh_().mul_(self.softcap)
         return logits
 
 

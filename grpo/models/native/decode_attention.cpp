@@ -288,11 +288,7 @@ void rope_attend_impl(const T* q, int64_t q_stride, const T* k, int64_t k_stride
           const int64_t n = columns(i / group), outside = window > 0 ? std::max<int64_t>(0, n - window) : 0;
           float* sp = weights[i];
           std::fill(sp, sp + outside, 0.f);
-          if (softcap > 0.f) {
-            const float inverse = 1.f / softcap;
-#pragma omp simd
-            for (int64_t p = outside; p < n; ++p) sp[p] = softcap * vtanh(sp[p] * inverse);
-          }
+          if (softcap > 0.f) soft_cap(sp + outside, n - outside, softcap);
           const float top = row_max(sp + outside, n - outside);
           totals[i] = exp_shifted_total(sp + outside, n - outside, top);
         }

@@ -24,8 +24,9 @@ from backend_helpers import (
 from transformers import Gemma2Config, Gemma2ForCausalLM, Gemma3TextConfig
 from transformers.models.gemma3.modeling_gemma3 import Gemma3ForCausalLM, Gemma3RMSNorm
 
-from grpo.backends.local import ServiceClient, gemma_decode
+from grpo.backends.local import ServiceClient, gemma_decode, native_decode
 from grpo.models import native_kernels
+from grpo.models.cpu_linear import packing_works
 from grpo.types import ModelInput
 
 DTYPES = [torch.float32, torch.bfloat16]
@@ -246,6 +247,39 @@ def test_a_gemma3_through_the_client_samples_logprobs_the_trainer_computes(tmp_p
         computed = sampling.compute_logprobs(ModelInput.from_ints(prompt + tokens)).result()[len(prompt):]
         assert computed == pytest.approx(logprobs, abs=bound)
     assert len({tuple(tokens) for tokens, _ in drawn}) > 3
+    service.close()
+
+
+@pytest.mark.parametrize("version", [3, 2])
+@pytest.mark.parametrize(("train_dtype", "sample_dtype"), [("fp32", "fp32"), pytest.param("fp32", "bf16", marks=(
+    pytest.mark.skipif(not packing_works(torch.bfloat16), reason="this CPU packs no bf16 weights: no packed layout")))])
+def test_gemmas_layers_in_one_native_call_sample_bit_for_bit_what_the_per_layer_loop_samples(
+        tmp_path, monkeypatch, tokenizer, train_dtype, sample_dtype, version) -> None:
+    """``decode_gemma_layers`` makes the Python loop's kernel calls in its order, from C++: the same
+    tokens and logprobs, to the bit, at temperature 1 (fp32: LoRA folded into packed weights; bf16:
+    the sampler's copy with packed LoRA side paths), Gemma 3's norms of q's and k's heads and its two
+    rotary kinds, Gemma 2's capped scores, and windows every row outgrows included."""
+    directory = tmp_path / f"gemma{version}"
+    model = _tiny_gemma3(len(tokenizer), torch.float32, head_dim=16, window=6) if version == 3 else \
+        _tiny_gemma2(len(tokenizer), torch.float32, window=6)
+    model.save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    decoders: list = []
+    found = gemma_decode.gemma_decoder
+    monkeypatch.setattr(gemma_decode, "gemma_decoder", lambda *a: decoders.append(found(*a)) or decoders[-1])
+    service = ServiceClient(checkpoint_dir=tmp_path / "checkpoints", device="cpu", train_dtype=train_dtype,
+                            sample_dtype=sample_dtype)
+    tc = service.create_lora_training_client(str(directory), rank=4, seed=0)
+    perturb_adapter(tc, seed=3)
+    one_call = sample_each(tc, temperature=1.0, seed=11)
+    assert decoders and all(d.plan is not None for d in decoders)
+    assert len(decoders[-1].plan.head_norms) == (4 if version == 3 else 0)
+    assert decoders[-1].plan.windows == [6, 0]
+    monkeypatch.setattr(native_decode, "ONE_CALL", False)
+    per_layer = sample_each(tc, temperature=1.0, seed=11)
+    assert decoders[-1].plan is None
+    assert one_call == per_layer
+    assert len({tuple(tokens) for tokens, _ in one_call}) > 3
     service.close()
 
 

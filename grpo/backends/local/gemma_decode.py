@@ -37,9 +37,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from grpo.backends.local import native_decode
 from grpo.backends.local.kv_cache import SlotCache, attention_layers
 from grpo.backends.local.lean_decode import stacked_groups
-from grpo.backends.local.native_decode import RotaryTable
+from grpo.backends.local.native_decode import OneCallPlan, RotaryTable
 from grpo.backends.local.native_layers import is_gelu_tanh
 from grpo.models import native_kernels
 
@@ -73,6 +74,8 @@ class GemmaDecoder:
         self.eps = float(causal_lm.config.rms_norm_eps)  # (every norm's: gemma_decoder checked)
         # GELU's tanh approximation through the kernel (every Gemma 3 checkpoint's); another activation eager
         self.gelu_tanh = all(is_gelu_tanh(layer.mlp.act_fn) for layer in self.decoder.layers)
+        self.kind_order = sorted(set(self.kinds))  # (the one call's cos and sin: one row of each kind's)
+        self.plan = self._one_call_plan() if native_decode.ONE_CALL else None
 
     def __call__(self, input_ids: torch.Tensor, mask, positions: torch.Tensor, cache: SlotCache) -> torch.Tensor:
         ops, decoder, layers = self.ops, self.decoder, self.decoder.layers
@@ -80,7 +83,17 @@ class GemmaDecoder:
         hidden = decoder.embed_tokens.forward(input_ids)[:, 0]  # [rows, hidden], scaled by sqrt(hidden)
         lengths = cache.step.lengths_tensor  # each row's new column: its position
         rotary = {kind: table.rows(hidden, positions[:, 0], cache.step.capacity) for kind, table in self.rotary.items()}
-        x = layers[0].input_layernorm.forward(hidden)
+        if self.plan is not None:  # (every layer in one native call: the same calls in the same order)
+            plan = self.plan
+            cos = torch.stack([rotary[kind][0] for kind in self.kind_order])
+            sin = torch.stack([rotary[kind][1] for kind in self.kind_order])
+            x = ops.decode_gemma_layers(hidden, cos, sin, lengths, plan.weights, plan.extras, plan.norms,
+                                        [slot._keys for slot in cache.layers], [slot._values for slot in cache.layers],
+                                        plan.qkv_sizes, self.heads, plan.scale, self.eps, plan.head_norms, plan.kinds,
+                                        plan.windows, self.attention_softcap, cache.step.shared_from,
+                                        cache.step.shared)
+            return self._capped(self.causal_lm.lm_head(x))
+        x = ops.zero_centred_rms_norm(hidden, layers[0].input_layernorm.weight, self.eps)
         for index, (layer, (qkv, gate_up)) in enumerate(zip(layers, self.groups, strict=True)):
             attn, mlp = layer.self_attn, layer.mlp
             q, k, v = qkv.full(x) if qkv is not None else (attn.q_proj(x), attn.k_proj(x), attn.v_proj(x))
@@ -100,10 +113,37 @@ class GemmaDecoder:
             norm = layers[index + 1].input_layernorm if index + 1 < len(layers) else decoder.norm
             hidden, x = ops.add_zero_centred_norms(hidden, mlp.down_proj(act), layer.post_feedforward_layernorm.weight,
                                                    norm.weight, self.eps)
-        logits = self.causal_lm.lm_head(x)
+        return self._capped(self.causal_lm.lm_head(x))
+
+    def _capped(self, logits: torch.Tensor) -> torch.Tensor:
         if self.softcap is not None:  # (as Gemma3ForCausalLM.forward and Gemma 2's, in the model's dtype; in place)
             logits = logits.div_(self.softcap).tanh_().mul_(self.softcap)
         return logits
+
+    def _one_call_plan(self) -> OneCallPlan | None:
+        """The layers as ``decode_gemma_layers`` takes them, or None where any layer is laid out
+        otherwise (a sibling not stacked, a Linear or a side path not packed), its activation is not
+        GELU's tanh approximation, or the layers differ in their attention scale or q/k/v widths."""
+        plan, layers = OneCallPlan(), self.decoder.layers
+        if not self.gelu_tanh:
+            return None
+        for layer, (qkv, gate_up) in zip(layers, self.groups, strict=True):
+            if qkv is None or gate_up is None or len(gate_up.sizes) != 2 or gate_up.sizes[0] != gate_up.sizes[1]:
+                return None
+            if not all(plan.add(m) for m in (qkv, layer.self_attn.o_proj, gate_up, layer.mlp.down_proj)):
+                return None
+        if len({tuple(qkv.sizes) for qkv, _ in self.groups}) != 1 or len({float(layer.self_attn.scaling)
+                                                                          for layer in layers}) != 1:
+            return None
+        plan.qkv_sizes, plan.scale = list(self.groups[0][0].sizes), float(layers[0].self_attn.scaling)
+        plan.norms = [n.weight for layer in layers for n in (layer.input_layernorm, layer.post_attention_layernorm,
+                                                            layer.pre_feedforward_layernorm,
+                                                            layer.post_feedforward_layernorm)] + [self.decoder.norm.weight]
+        plan.head_norms = [n.weight for layer in layers for n in (layer.self_attn.q_norm, layer.self_attn.k_norm)] \
+            if self.head_norms else []
+        plan.kinds = [self.kind_order.index(kind) for kind in self.kinds]
+        plan.windows = [layer.self_attn.sliding_window or 0 for layer in layers]
+        return plan
 
 
 def gemma_decoder(model: nn.Module, device: torch.device) -> GemmaDecoder | None:

@@ -149,10 +149,11 @@ class RotaryTable:
         return table[0].index_select(0, positions), table[1].index_select(0, positions)
 
 
-class _Plan:
-    """What ``decode_layers`` takes: per layer 4 packed weights (q/k/v, o, gate/up, down), 3 optional
-    tensors a weight (bias, LoRA's packed A and B), the norms' weights in order, each layer's norms of
-    q's and k's heads where it has them (Qwen3), and the constants every layer shares."""
+class OneCallPlan:
+    """What ``decode_layers`` (and ``decode_gemma_layers``: gemma_decode.py) takes: per layer 4 packed
+    weights (q/k/v, o, gate/up, down), 3 optional tensors a weight (bias, LoRA's packed A and B), the
+    norms' weights in order, each layer's norms of q's and k's heads where it has them (Qwen3, OLMo2,
+    Gemma 3), and the constants every layer shares."""
 
     def __init__(self):
         self.weights: list[torch.Tensor] = []
@@ -161,6 +162,8 @@ class _Plan:
         self.head_norms: list[torch.Tensor] = []
         self.qkv_sizes: list[int] = []
         self.scale = self.eps = 0.0
+        self.kinds: list[int] = []  # (Gemma's: each layer's rotary kind and window)
+        self.windows: list[int] = []
 
     def add(self, module) -> bool:
         """One Linear of the step: a stacked group, a packed Linear, or a packed Linear with a packed
@@ -185,11 +188,11 @@ class _Plan:
         return True
 
 
-def _one_call_plan(step: NativeDecoder) -> _Plan | None:
+def _one_call_plan(step: NativeDecoder) -> OneCallPlan | None:
     """``step``'s layers as ``decode_layers`` takes them, or None where any layer is laid out
     otherwise (a sibling not stacked, a Linear not packed, a side path not packed) or the layers
     differ in their attention scale, norm epsilon or q/k/v widths."""
-    plan, decoder = _Plan(), step.decoder
+    plan, decoder = OneCallPlan(), step.decoder
     for layer, (qkv, gate_up) in zip(decoder.layers, step.groups, strict=True):
         if qkv is None or gate_up is None or len(gate_up.sizes) != 2 or gate_up.sizes[0] != gate_up.sizes[1]:
             return None

@@ -1,4 +1,5 @@
-// A whole decoding step's layers in one call (native_decode.py's NativeDecoder): the same calls in
+// A whole decoding step's layers in one call (native_decode.py's NativeDecoder; decode_gemma_layers for
+// gemma_decode.py's GemmaDecoder): the same calls in
 // the same order as its Python loop -- oneDNN's Linear on the sampler's packed weights (with a
 // LoRA side path's two calls where it has one), rope_attend, add_rms_norm, silu_mul -- made from
 // here, so that a step pays one call from Python instead of ~8 a layer (with the modules' own
@@ -99,6 +100,69 @@ at::Tensor decode_layers(const at::Tensor& hidden_in, const at::Tensor& cos, con
                        : add_rms_norm(state[0], linear(act, i, 3), norms[i + 1 < layers ? 2 * (i + 1) : 2 * layers], eps);
   }
   return post_norms ? post_norm_add(state[0], norms[2 * layers], eps, kind, c10::nullopt) : state[1];
+}
+
+// Every layer of a Gemma 3 or Gemma 2 decoder for one decoding step (gemma_decode.py's GemmaDecoder), the
+// calls its Python loop makes in its order: per layer the stacked q/k/v product, rope_attend (Gemma 3's
+// zero-centred norms of q's and k's heads where `head_norms` has them; the layer's kind's cos and sin,
+// `cos[kinds[i]]`; its `windows[i]`; the scores' `softcap`, Gemma 2's), o's product, add_zero_centred_norms
+// (post-attention norm, residual add, pre-feedforward norm), the gate/up product, GELU (tanh) * up, down's
+// product, add_zero_centred_norms (post-feedforward norm, residual add, the next layer's input norm or the
+// final one). `weights`/`extras` as decode_layers'; `norms`: each layer's input, post-attention,
+// pre-feedforward and post-feedforward norm weights in turn, then the final one; `hidden` the scaled
+// embedding [rows, dim]; returns the final norm's output.
+at::Tensor decode_gemma_layers(const at::Tensor& hidden_in, const at::Tensor& cos, const at::Tensor& sin,
+                               const at::Tensor& lengths, at::TensorList weights,
+                               const c10::List<c10::optional<at::Tensor>>& extras, at::TensorList norms,
+                               at::TensorList k_caches, at::TensorList v_caches, at::IntArrayRef qkv_sizes,
+                               int64_t heads, double scale, double eps, at::TensorList head_norms,
+                               at::IntArrayRef kinds, at::IntArrayRef windows, double softcap,
+                               const c10::optional<at::Tensor>& shared_from, const c10::optional<at::Tensor>& shared) {
+  const int64_t layers = static_cast<int64_t>(k_caches.size());
+  TORCH_CHECK(layers > 0 && static_cast<int64_t>(v_caches.size()) == layers &&
+                  static_cast<int64_t>(weights.size()) == 4 * layers &&
+                  static_cast<int64_t>(extras.size()) == 12 * layers &&
+                  static_cast<int64_t>(norms.size()) == 4 * layers + 1 &&
+                  static_cast<int64_t>(kinds.size()) == layers && static_cast<int64_t>(windows.size()) == layers,
+              "decode_gemma_layers: for ", layers, " layers: 4 weights, 12 extras, 4 norms, a kind and a window a "
+              "layer, one final norm; got ", weights.size(), " weights, ", extras.size(), " extras, ", norms.size(),
+              " norms, ", kinds.size(), " kinds, ", windows.size(), " windows, ", v_caches.size(), " value caches");
+  TORCH_CHECK(qkv_sizes.size() == 3, "decode_gemma_layers: qkv_sizes must be [q, k, v] widths");
+  TORCH_CHECK(head_norms.empty() || static_cast<int64_t>(head_norms.size()) == 2 * layers,
+              "decode_gemma_layers: head_norms must be empty or 2 a layer (q's, k's) for ", layers, " layers, got ",
+              head_norms.size());
+  TORCH_CHECK(cos.dim() == 3 && sin.sizes() == cos.sizes(),
+              "decode_gemma_layers: cos and sin must be [kinds, rows, dims] alike, got ", cos.sizes(), " and ",
+              sin.sizes());
+  for (int64_t i = 0; i < layers; ++i)
+    TORCH_CHECK(kinds[i] >= 0 && kinds[i] < cos.size(0), "decode_gemma_layers: layer ", i, "'s kind ", kinds[i],
+                " is not one of cos's ", cos.size(0));
+  const bool normed = !head_norms.empty();
+  auto linear = [&](const at::Tensor& x, int64_t layer, int64_t which) {
+    const int64_t e = 12 * layer + 3 * which;
+    return packed_linear(x, weights[4 * layer + which], extras.get(e), extras.get(e + 1), extras.get(e + 2));
+  };
+  const bool dot = !weights[0].is_mkldnn() && weights[0].scalar_type() == at::kBFloat16 && stream_pairs(weights[0]);
+  at::Tensor hidden = hidden_in, x = zero_centred_rms_norm(hidden_in, norms[0], eps);
+  for (int64_t i = 0; i < layers; ++i) {
+    auto qkv = linear(x, i, 0);
+    auto q = qkv.narrow(1, 0, qkv_sizes[0]);
+    auto k = qkv.narrow(1, qkv_sizes[0], qkv_sizes[1]);
+    auto v = qkv.narrow(1, qkv_sizes[0] + qkv_sizes[1], qkv_sizes[2]);
+    at::Tensor k_cache = k_caches[i], v_cache = v_caches[i];
+    auto attended = rope_attend(q, k, v, cos[kinds[i]], sin[kinds[i]], k_cache, v_cache, lengths, heads, scale,
+                                shared_from, shared, dot,
+                                normed ? c10::optional<at::Tensor>(head_norms[2 * i]) : c10::nullopt,
+                                normed ? c10::optional<at::Tensor>(head_norms[2 * i + 1]) : c10::nullopt, eps,
+                                "zero_centred", windows[i], softcap);
+    auto state = add_zero_centred_norms(hidden, linear(attended, i, 1), norms[4 * i + 1], norms[4 * i + 2], eps);
+    auto gate_up = linear(state[1], i, 2);
+    const int64_t inter = gate_up.size(1) / 2;
+    auto act = gelu_tanh_mul(gate_up.narrow(1, 0, inter), gate_up.narrow(1, inter, inter));
+    state = add_zero_centred_norms(state[0], linear(act, i, 3), norms[4 * i + 3], norms[4 * (i + 1)], eps);
+    hidden = state[0], x = state[1];
+  }
+  return x;
 }
 
 }  // namespace grpo_native

@@ -93,6 +93,13 @@ at::Tensor decode_layers(const at::Tensor& hidden_in, const at::Tensor& cos, con
                          int64_t heads, double scale, double eps, at::TensorList head_norms,
                          const c10::optional<at::Tensor>& shared_from, const c10::optional<at::Tensor>& shared,
                          bool post_norms);
+at::Tensor decode_gemma_layers(const at::Tensor& hidden_in, const at::Tensor& cos, const at::Tensor& sin,
+                               const at::Tensor& lengths, at::TensorList weights,
+                               const c10::List<c10::optional<at::Tensor>>& extras, at::TensorList norms,
+                               at::TensorList k_caches, at::TensorList v_caches, at::IntArrayRef qkv_sizes,
+                               int64_t heads, double scale, double eps, at::TensorList head_norms,
+                               at::IntArrayRef kinds, at::IntArrayRef windows, double softcap,
+                               const c10::optional<at::Tensor>& shared_from, const c10::optional<at::Tensor>& shared);
 
 // delta_rule.cpp
 at::Tensor gated_delta_step_(at::Tensor& state, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,

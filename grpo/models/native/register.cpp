@@ -28,6 +28,10 @@ TORCH_LIBRARY(grpo_native, m) {
   m.def("decode_layers(Tensor hidden, Tensor cos, Tensor sin, Tensor lengths, Tensor[] weights, Tensor?[] extras, "
         "Tensor[] norms, Tensor(a!)[] k_caches, Tensor(b!)[] v_caches, int[] qkv_sizes, int heads, float scale, "
         "float eps, Tensor[] head_norms, Tensor? shared_from=None, Tensor? shared=None, bool post_norms=False) -> Tensor");
+  m.def("decode_gemma_layers(Tensor hidden, Tensor cos, Tensor sin, Tensor lengths, Tensor[] weights, Tensor?[] extras, "
+        "Tensor[] norms, Tensor(a!)[] k_caches, Tensor(b!)[] v_caches, int[] qkv_sizes, int heads, float scale, "
+        "float eps, Tensor[] head_norms, int[] kinds, int[] windows, float softcap, Tensor? shared_from=None, "
+        "Tensor? shared=None) -> Tensor");
   m.def("gated_delta_step_(Tensor(a!) state, Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta) -> Tensor");
   m.def("causal_conv_step_(Tensor(a!) state, Tensor x, Tensor weight, Tensor? bias, bool silu) -> Tensor");
   m.def("chunk_delta_rule(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor? initial_state, int chunk, "
@@ -65,6 +69,7 @@ TORCH_LIBRARY_IMPL(grpo_native, CPU, m) {
   m.impl("rope_attend", grpo_native::rope_attend);
   m.impl("cached_attend", grpo_native::cached_attend);
   m.impl("decode_layers", grpo_native::decode_layers);
+  m.impl("decode_gemma_layers", grpo_native::decode_gemma_layers);
   m.impl("stream_pack", grpo_native::stream_pack);
   m.impl("stream_linear", grpo_native::stream_linear);
   m.impl("gated_delta_step_", grpo_native::gated_delta_step_);
@@ -84,4 +89,7 @@ TORCH_LIBRARY_IMPL(grpo_native, CPU, m) {
 
 // decode_layers takes oneDNN's packed weights (opaque tensors of the MkldnnCPU backend, which the
 // dispatcher then picks for the call) or streaming ones (plain CPU tensors)
-TORCH_LIBRARY_IMPL(grpo_native, MkldnnCPU, m) { m.impl("decode_layers", grpo_native::decode_layers); }
+TORCH_LIBRARY_IMPL(grpo_native, MkldnnCPU, m) {
+  m.impl("decode_layers", grpo_native::decode_layers);
+  m.impl("decode_gemma_layers", grpo_native::decode_gemma_layers);
+}

@@ -175,6 +175,8 @@ def worst_relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
 # hidden / heads, as Qwen3-0.6B's 128 of 1024 / 16).
 def _families() -> dict[str, tuple[type, type, dict]]:
     from transformers import (
+        GraniteConfig,
+        GraniteForCausalLM,
         MistralConfig,
         MistralForCausalLM,
         Olmo2Config,
@@ -193,7 +195,10 @@ def _families() -> dict[str, tuple[type, type, dict]]:
             "phi3": (Phi3Config, Phi3ForCausalLM, {"sliding_window": None}),
             "phi4_mini": (Phi3Config, Phi3ForCausalLM, {"sliding_window": None, "partial_rotary_factor": 0.75}),
             # norms after each sublayer, q and k normalised whole, rotation in float32
-            "olmo2": (Olmo2Config, Olmo2ForCausalLM, {})}
+            "olmo2": (Olmo2Config, Olmo2ForCausalLM, {}),
+            # the embedding, each sublayer's output, the scores and the logits scaled
+            "granite": (GraniteConfig, GraniteForCausalLM, dict(embedding_multiplier=12.0, residual_multiplier=0.22,
+                                                                attention_multiplier=0.015625, logits_scaling=8.0))}
 
 
 def save_tiny_model(directory, family: str, seed: int = 0) -> str:

@@ -175,18 +175,17 @@ def test_everything_else_is_sdpas_own_call(counted) -> None:
     assert counted == []
 
 
-def _granite(directory) -> str:
-    """A tiny random Granite (Llama's layer with multipliers on the embedding, the residual and the
-    scores; every head its own keys): a family grpo has no native decoding step for, so the sampler
-    runs its own forward. (OLMo2 was this test's model until grpo's step took it.)"""
+def _cohere(directory) -> str:
+    """A tiny random Cohere (attention and MLP side by side on one LayerNorm's output, every head its own
+    keys): a family grpo has no native decoding step for, so the sampler runs its own forward. (OLMo2, then
+    Granite, were this test's model until grpo's step took them.)"""
     tokenizer = models.load_tokenizer("tiny")
-    config = transformers.GraniteConfig(vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id,
-                                        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
-                                        embedding_multiplier=4.0, residual_multiplier=0.5, attention_multiplier=0.2,
-                                        logits_scaling=2.0, **models.TINY_CONFIG)
+    config = transformers.CohereConfig(vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id,
+                                       eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+                                       **models.TINY_CONFIG)
     config.num_key_value_heads = config.num_attention_heads
     torch.manual_seed(0)
-    transformers.GraniteForCausalLM(config).save_pretrained(directory)
+    transformers.CohereForCausalLM(config).save_pretrained(directory)
     tokenizer.save_pretrained(directory)
     return str(directory)
 
@@ -205,11 +204,11 @@ def _drawn(model, tokenizer) -> list[tuple[tuple[int, ...], list[float]]]:
     return [(tuple(s.tokens), s.logprobs) for r in done for s in r.sequences]
 
 
-@pytest.mark.parametrize("family", ["granite", "qwen3_5"])
+@pytest.mark.parametrize("family", ["cohere", "qwen3_5"])
 def test_a_model_decoding_through_its_own_forward_draws_through_the_kernel_what_sdpa_drew(
         counted, monkeypatch, tmp_path, family) -> None:
-    if family == "granite":
-        model, tokenizer = models.load_model(_granite(tmp_path / "granite")), models.load_tokenizer("tiny")
+    if family == "cohere":
+        model, tokenizer = models.load_model(_cohere(tmp_path / "cohere")), models.load_tokenizer("tiny")
     else:
         model, tokenizer = tiny_qwen3_5()
     through_kernel = _drawn(model, tokenizer)

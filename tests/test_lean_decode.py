@@ -11,6 +11,8 @@ import pytest
 import torch
 from backend_helpers import perturb_adapter, sample_each
 from transformers import (
+    GraniteConfig,
+    GraniteForCausalLM,
     LlamaConfig,
     LlamaForCausalLM,
     MistralConfig,
@@ -31,7 +33,8 @@ from grpo.backends.local import ServiceClient, lean_decode, sampler
 from grpo.models import native_kernels
 
 
-@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3", "phi3", "phi4_mini", "olmo2"])
+@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3", "phi3", "phi4_mini", "olmo2",
+                                    "granite"])
 @pytest.mark.parametrize(("train_dtype", "sample_dtype"), [("fp32", "fp32"), ("fp32", "bf16")])
 def test_lean_decoding_steps_sample_what_the_models_forward_samples(tmp_path, monkeypatch, tiny_of, train_dtype,
                                                                     sample_dtype, family):
@@ -39,7 +42,7 @@ def test_lean_decoding_steps_sample_what_the_models_forward_samples(tmp_path, mo
     stacked projections and LoRA side paths. Each family the lean step takes: Llama, Mistral (its
     layers windowed, the window longer than the rows), Qwen2 (biases on q/k/v), Qwen3 (each head of
     q and k normalised), Phi-3 (q/k/v and gate/up one Linear each; Phi-4-mini's partial rotary), OLMo2
-    (norms after each sublayer, q and k normalised whole, rotated in float32)."""
+    (norms after each sublayer, q and k normalised whole, rotated in float32), Granite (its multipliers)."""
     # the eager lean step (the native one: test_native_decode.py), and the model's own modules
     # (switched on, its norms and MLPs would compute through native_layers.py)
     monkeypatch.setenv(native_kernels.ENV_SWITCH, "off")
@@ -74,10 +77,12 @@ def test_only_the_architectures_it_was_written_for_take_the_lean_step():
     assert lean_decode.lean_decoder(_tiny(Qwen2Config, Qwen2ForCausalLM)) is not None
     assert lean_decode.lean_decoder(_tiny(Qwen3Config, Qwen3ForCausalLM)) is not None
     assert lean_decode.lean_decoder(_tiny(MistralConfig, MistralForCausalLM, sliding_window=None)) is not None
-    # Phi-3's and OLMo2's layers, each with its layout (on a CPU)
+    # Phi-3's, OLMo2's and Granite's layers, each with its layout (on a CPU)
     phi3 = lean_decode.lean_decoder(_tiny(Phi3Config, Phi3ForCausalLM, sliding_window=None, partial_rotary_factor=0.5))
     olmo2 = lean_decode.lean_decoder(_tiny(Olmo2Config, Olmo2ForCausalLM))
     assert phi3.layout == lean_decode.Layout(fused=True) and olmo2.layout == lean_decode.Layout(post_norms=True)
+    granite = lean_decode.lean_decoder(_tiny(GraniteConfig, GraniteForCausalLM, residual_multiplier=0.5))
+    assert granite.layout == lean_decode.Layout(multipliers=True)
     dropping = _tiny(Phi3Config, Phi3ForCausalLM, sliding_window=None, resid_pdrop=0.1)
     assert lean_decode.lean_decoder(dropping.train()) is None  # (its dropout on each sublayer's output)
     assert lean_decode.lean_decoder(dropping.eval()) is not None

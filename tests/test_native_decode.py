@@ -47,6 +47,10 @@ def test_add_rms_norm_is_the_residual_add_and_llamas_rms_norm(ops, dtype) -> Non
     same, alone = ops.add_rms_norm(residual, None, norm.weight, norm.variance_epsilon)
     assert same is residual  # no add: the residual is returned as it is
     assert_within_ulps(alone, norm(residual), dtype, ulps=ROUNDING_ULPS[dtype])
+    # Granite's layer scales the sublayer's output before the add: T(residual + T(x m))
+    scaled, normed = ops.add_rms_norm(residual, x, norm.weight, norm.variance_epsilon, 0.22)
+    assert torch.equal(scaled, residual + x * 0.22)
+    assert_within_ulps(normed, norm(residual + x * 0.22), dtype, ulps=ROUNDING_ULPS[dtype])
     # rows of a wider tensor (a view with a row stride), as a stacked projection's slice
     wide = torch.randn(5, 96, dtype=dtype)
     assert_within_ulps(ops.add_rms_norm(wide[:, 48:], None, norm.weight, 1e-5)[1], norm(wide[:, 48:]), dtype, ulps=ROUNDING_ULPS[dtype])
@@ -390,7 +394,8 @@ def test_kernels_refuse_bad_input_with_what_was_expected(ops) -> None:
                           [keys.clone()], [8, 8, 8], 1, 1.0, 1e-5, [torch.ones(8)])
 
 
-@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3", "phi3", "phi4_mini", "olmo2"])
+@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3", "phi3", "phi4_mini", "olmo2",
+                                    "granite"])
 @pytest.mark.parametrize(("train_dtype", "sample_dtype"), [("fp32", "fp32"), ("fp32", "bf16")])
 def test_the_sampler_decodes_through_the_kernels_as_it_does_without_them(tmp_path, monkeypatch, ops, tiny_of,
                                                                          train_dtype, sample_dtype, family):
@@ -399,7 +404,7 @@ def test_the_sampler_decodes_through_the_kernels_as_it_does_without_them(tmp_pat
     rounding. Each family the kernels take: Llama, Mistral (windowed, the window longer than the
     rows), Qwen2 (biases on q/k/v), Qwen3 (q's and k's heads normalised), Phi-3 (q/k/v and gate/up
     one Linear each; Phi-4-mini rotating 3/4 of a head), OLMo2 (norms after each sublayer, q and k
-    normalised whole, rotated in float32)."""
+    normalised whole, rotated in float32), Granite (its multipliers)."""
     tc, decoders = _client_whose_decoders_are_kept(tmp_path, monkeypatch, train_dtype, sample_dtype, tiny_of(family))
     native = sample_each(tc, temperature=0.0)
     assert decoders and all(type(d) is native_decode.NativeDecoder for d in decoders)
@@ -409,7 +414,8 @@ def test_the_sampler_decodes_through_the_kernels_as_it_does_without_them(tmp_pat
     assert_greedy_alike(native, eager, bound=1e-5 if sample_dtype == "fp32" else 0.05)
 
 
-@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3", "phi3", "phi4_mini", "olmo2"])
+@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3", "phi3", "phi4_mini", "olmo2",
+                                    "granite"])
 @pytest.mark.parametrize(("train_dtype", "sample_dtype"), [("fp32", "fp32"), pytest.param("fp32", "bf16", marks=(
     pytest.mark.skipif(not packing_works(torch.bfloat16), reason="this CPU packs no bf16 weights: no packed layout")))])
 def test_the_layers_in_one_native_call_sample_bit_for_bit_what_the_per_layer_loop_samples(

@@ -11,18 +11,19 @@ are bit-equal to the model's own forward (tests/test_lean_decode.py), only Pytho
 Where the sampler stacked q/k/v and gate/up (fused_projections.py), it takes the siblings'
 outputs from one call rather than one member lookup each.
 
-Two families differ from Llama's layer in ways the step follows (``Layout``): Phi-3 (and Phi-4-mini)
+Three families differ from Llama's layer in ways the step follows (``Layout``): Phi-3 (and Phi-4-mini)
 computes q/k/v and gate/up as one Linear each, and may rotate only part of each head (its own
 ``apply_rotary_pos_emb``); OLMo2 normalises each sublayer's output rather than its input
 (``post_attention_layernorm``, ``post_feedforward_layernorm``), q and k over all their heads, and
-rotates in float32 (its rotary embedding hands float32 cos and sin).
+rotates in float32 (its rotary embedding hands float32 cos and sin); Granite scales the embedding, each
+sublayer's output before the residual add, and the logits.
 
 It takes a model only when every part is what it was written against -- transformers'
 ``LlamaForCausalLM``, ``MistralForCausalLM``, ``Qwen2ForCausalLM`` or ``Qwen3ForCausalLM`` (as such or
 under peft) with SDPA attention and SiLU MLPs, on a CPU or a CUDA GPU, its sliding windows (Mistral-7B-v0.1's
 4,096 tokens, a Qwen2's upper layers) no shorter than the sampling call's slots, so that no query has a
-key outside its window; ``Phi3ForCausalLM`` and ``Olmo2ForCausalLM`` alike, on a CPU (not yet measured
-under CUDA graphs) -- and returns None otherwise:
+key outside its window; ``Phi3ForCausalLM``, ``Olmo2ForCausalLM`` and ``GraniteForCausalLM`` alike, on a CPU
+(not yet run under CUDA graphs) -- and returns None otherwise:
 the sampler then calls the model's own forward (a Qwen model's, on a CPU before Qwen was taken here:
 1.5-2.2x the time of the native step built on this one, docs/benchmark.md). On CUDA the sampler takes
 it only to capture it in CUDA graphs (graph_decode.py: it makes no host synchronisation and no
@@ -47,6 +48,9 @@ class Layout:
 
     fused: bool = False  # q/k/v one Linear (``qkv_proj``), gate/up one (``gate_up_proj``): Phi-3's
     post_norms: bool = False  # a norm after each sublayer, none before (OLMo2's), q and k normalised whole
+    # the embedding, each sublayer's output and the logits scaled (Granite's embedding_multiplier,
+    # residual_multiplier, logits_scaling; its attention_multiplier is its attention's own scaling)
+    multipliers: bool = False
 
 
 class LeanDecoder:
@@ -77,6 +81,8 @@ class LeanDecoder:
         # Modules' ``forward`` is called directly where their ``__call__`` would only add hooks
         decoder = self.decoder
         hidden = decoder.embed_tokens.forward(input_ids)
+        if self.layout.multipliers:
+            hidden = hidden * decoder.embedding_multiplier
         cos, sin = decoder.rotary_emb(hidden, positions)
         rows, dim, post_norms = hidden.shape[0], self.head_dim, self.layout.post_norms
         for index, (layer, (qkv, gate_up)) in enumerate(zip(decoder.layers, self.groups, strict=True)):
@@ -98,15 +104,22 @@ class LeanDecoder:
             dropout = attn.attention_dropout if attn.training else 0.0  # as LlamaAttention.forward
             out, _ = self.sdpa(attn, q, k, v, layer_mask, dropout=dropout, scaling=attn.scaling)
             attended = attn.o_proj(out.reshape(rows, 1, -1).contiguous())
+            if self.layout.multipliers:
+                attended = attended * layer.residual_multiplier
             hidden = residual + (layer.post_attention_layernorm.forward(attended) if post_norms else attended)
             residual = hidden
             x = hidden if post_norms else layer.post_attention_layernorm.forward(hidden)
             gate, up = gate_up.full(x) if gate_up is not None else (mlp.gate_proj(x), mlp.up_proj(x))
             # (Phi-3 multiplies up * act(gate): the same product, bit for bit)
             mixed = mlp.down_proj(self.activations[index](gate) * up)
+            if self.layout.multipliers:
+                mixed = mixed * layer.residual_multiplier
             hidden = residual + (layer.post_feedforward_layernorm.forward(mixed) if post_norms else mixed)
         hidden = decoder.norm.forward(hidden)
-        return self.causal_lm.lm_head(hidden)[:, -1].float()
+        logits = self.causal_lm.lm_head(hidden)[:, -1]
+        if self.layout.multipliers:
+            logits = logits / self.causal_lm.config.logits_scaling
+        return logits.float()
 
 
 def stacked_groups(layers) -> list[tuple[FusedProjections | None, FusedProjections | None]]:
@@ -172,7 +185,8 @@ def _families() -> dict[type, tuple[type, ...]]:
     must be: (decoder, layer, attention, MLP, RMSNorm). Mistral's layer is Llama's, windowed or not;
     Qwen2's is Llama's with biases on q/k/v (the Linears carry them); Qwen3's attention normalises
     each head of q and k before the rotary embedding (``q_norm`` / ``k_norm``, applied as its
-    forward does). Phi-3's and OLMo2's (``LAYOUTS``): taken on a CPU only."""
+    forward does). Phi-3's, OLMo2's and Granite's (``LAYOUTS``): taken on a CPU only."""
+    from transformers.models.granite import modeling_granite as granite
     from transformers.models.llama import modeling_llama as llama
     from transformers.models.mistral import modeling_mistral as mistral
     from transformers.models.olmo2 import modeling_olmo2 as olmo2
@@ -193,11 +207,14 @@ def _families() -> dict[type, tuple[type, ...]]:
                                phi3.Phi3RMSNorm),
         olmo2.Olmo2ForCausalLM: (olmo2.Olmo2Model, olmo2.Olmo2DecoderLayer, olmo2.Olmo2Attention, olmo2.Olmo2MLP,
                                  olmo2.Olmo2RMSNorm),
+        granite.GraniteForCausalLM: (granite.GraniteModel, granite.GraniteDecoderLayer, granite.GraniteAttention,
+                                     granite.GraniteMLP, granite.GraniteRMSNorm),
     }
 
 
 # The families whose layer is not Llama's, by their causal LM's class name (``Layout``)
-LAYOUTS = {"Phi3ForCausalLM": Layout(fused=True), "Olmo2ForCausalLM": Layout(post_norms=True)}
+LAYOUTS = {"Phi3ForCausalLM": Layout(fused=True), "Olmo2ForCausalLM": Layout(post_norms=True),
+           "GraniteForCausalLM": Layout(multipliers=True)}
 
 
 def lean_decoder(model: nn.Module, capacity: int | None = None) -> LeanDecoder | None:

@@ -52,6 +52,8 @@ class NativeDecoder(LeanDecoder):
         # the norms' rounding (native/common.h's NormKind): OLMo2's round once, after the weight
         self.norms = "once" if layout.post_norms else "llama"
         self.eps = float(self.decoder.norm.variance_epsilon)
+        # Granite's scalings (native_decoder checked its layers share one residual multiplier)
+        self.residual_multiplier = float(self.decoder.layers[0].residual_multiplier) if layout.multipliers else 1.0
         self.plan = _one_call_plan(self) if ONE_CALL else None
         self._rotary_table = RotaryTable(self.decoder.rotary_emb)
 
@@ -59,6 +61,8 @@ class NativeDecoder(LeanDecoder):
                  cache: SlotCache) -> torch.Tensor:
         ops, decoder, layers = self.ops, self.decoder, self.decoder.layers
         hidden = decoder.embed_tokens.forward(input_ids)  # [rows, 1, hidden]
+        if self.layout.multipliers:
+            hidden = hidden * decoder.embedding_multiplier
         cos, sin = self._cos_sin(hidden, positions, cache.step.capacity)
         lengths = cache.step.lengths_tensor  # each row's new column: its position
         if self.plan is not None:
@@ -66,10 +70,11 @@ class NativeDecoder(LeanDecoder):
             x = ops.decode_layers(hidden[:, 0], cos, sin, lengths, plan.weights, plan.extras, plan.norms,
                                   [slot._keys for slot in cache.layers], [slot._values for slot in cache.layers],
                                   plan.qkv_sizes, self.heads, plan.scale, plan.eps, plan.head_norms,
-                                  cache.step.shared_from, cache.step.shared, post_norms=self.layout.post_norms)
-            return self.causal_lm.lm_head(x)
+                                  cache.step.shared_from, cache.step.shared, post_norms=self.layout.post_norms,
+                                  residual_multiplier=self.residual_multiplier)
+            return self._logits(x)
         if self.layout.post_norms:
-            return self.causal_lm.lm_head(self._post_norm_layers(hidden[:, 0], cos, sin, lengths, cache))
+            return self._logits(self._post_norm_layers(hidden[:, 0], cos, sin, lengths, cache))
         norm = layers[0].input_layernorm
         hidden, x = ops.add_rms_norm(hidden[:, 0], None, norm.weight, norm.variance_epsilon)
         for index, (layer, (qkv, gate_up)) in enumerate(zip(layers, self.groups, strict=True)):
@@ -83,12 +88,19 @@ class NativeDecoder(LeanDecoder):
                                   qkv is not None and qkv.layout == "stream_dot",
                                   *((norms[0].weight, norms[1].weight, norms[0].variance_epsilon) if norms else ()))
             norm = layer.post_attention_layernorm
-            hidden, x = ops.add_rms_norm(hidden, attn.o_proj(out), norm.weight, norm.variance_epsilon)
+            hidden, x = ops.add_rms_norm(hidden, attn.o_proj(out), norm.weight, norm.variance_epsilon,
+                                         self.residual_multiplier)
             gate, up = gate_up.full(x) if gate_up is not None else (mlp.gate_proj(x), mlp.up_proj(x))
             norm = layers[index + 1].input_layernorm if index + 1 < len(layers) else decoder.norm
             hidden, x = ops.add_rms_norm(hidden, mlp.down_proj(ops.silu_mul(gate, up)), norm.weight,
-                                         norm.variance_epsilon)
-        return self.causal_lm.lm_head(x)
+                                         norm.variance_epsilon, self.residual_multiplier)
+        return self._logits(x)
+
+    def _logits(self, x: torch.Tensor) -> torch.Tensor:
+        """The unembedding of the final norm's output (Granite's divided by its logits_scaling, in place:
+        the bits of its forward's division)."""
+        logits = self.causal_lm.lm_head(x)
+        return logits.div_(self.causal_lm.config.logits_scaling) if self.layout.multipliers else logits
 
     def _post_norm_layers(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, lengths: torch.Tensor,
                           cache: SlotCache) -> torch.Tensor:
@@ -228,5 +240,7 @@ def native_decoder(lean: LeanDecoder | None, device: torch.device) -> LeanDecode
         return lean  # (rope_attend normalises q's and k's heads with one epsilon)
     if lean.layout.post_norms and len({float(n.variance_epsilon) for n in norms}) > 1:
         return lean  # (OLMo2's step takes one epsilon for every norm)
+    if lean.layout.multipliers and len({float(layer.residual_multiplier) for layer in lean.decoder.layers}) > 1:
+        return lean  # (the kernels take one residual multiplier)
     ops = native_kernels.kernels()  # None where switched off or not built
     return lean if ops is None else NativeDecoder(lean.causal_lm, ops, lean.layout)

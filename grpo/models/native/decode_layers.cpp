@@ -47,13 +47,14 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& weight, const c1
 // whose norms follow each sublayer (`norms`: each layer's post-attention and post-feedforward norm
 // weights in turn, then the final one) and normalise q and k whole (`head_norms` as wide as q and k),
 // every norm rounded once (NormKind::once); cos and sin float32, as its rotary embedding hands them.
+// `residual_multiplier`: each sublayer's output scaled before the residual add (Granite's; 1 elsewhere).
 at::Tensor decode_layers(const at::Tensor& hidden_in, const at::Tensor& cos, const at::Tensor& sin,
                          const at::Tensor& lengths, at::TensorList weights,
                          const c10::List<c10::optional<at::Tensor>>& extras, at::TensorList norms,
                          at::TensorList k_caches, at::TensorList v_caches, at::IntArrayRef qkv_sizes,
                          int64_t heads, double scale, double eps, at::TensorList head_norms,
                          const c10::optional<at::Tensor>& shared_from, const c10::optional<at::Tensor>& shared,
-                         bool post_norms) {
+                         bool post_norms, double residual_multiplier) {
   const int64_t layers = static_cast<int64_t>(k_caches.size());
   TORCH_CHECK(layers > 0 && static_cast<int64_t>(v_caches.size()) == layers &&
                   static_cast<int64_t>(weights.size()) == 4 * layers &&
@@ -63,6 +64,7 @@ at::Tensor decode_layers(const at::Tensor& hidden_in, const at::Tensor& cos, con
               weights.size(), " weights, ", extras.size(), " extras, ", norms.size(), " norms, ", v_caches.size(),
               " value caches");
   TORCH_CHECK(qkv_sizes.size() == 3, "decode_layers: qkv_sizes must be [q, k, v] widths");
+  TORCH_CHECK(!post_norms || residual_multiplier == 1.0, "decode_layers: a residual multiplier with post_norms");
   TORCH_CHECK(head_norms.empty() || static_cast<int64_t>(head_norms.size()) == 2 * layers,
               "decode_layers: head_norms must be empty or 2 a layer (q's, k's) for ", layers, " layers, got ",
               head_norms.size());
@@ -92,12 +94,13 @@ at::Tensor decode_layers(const at::Tensor& hidden_in, const at::Tensor& cos, con
                                 normed ? c10::optional<at::Tensor>(head_norms[2 * i]) : c10::nullopt,
                                 normed ? c10::optional<at::Tensor>(head_norms[2 * i + 1]) : c10::nullopt, eps, kind, 0, 0.0);
     state = post_norms ? post_add(linear(attended, i, 1), norms[2 * i])
-                       : add_rms_norm(state[0], linear(attended, i, 1), norms[2 * i + 1], eps);
+                       : add_rms_norm(state[0], linear(attended, i, 1), norms[2 * i + 1], eps, residual_multiplier);
     auto gate_up = linear(state[1], i, 2);
     const int64_t inter = gate_up.size(1) / 2;
     auto act = silu_mul(gate_up.narrow(1, 0, inter), gate_up.narrow(1, inter, inter));
     state = post_norms ? post_add(linear(act, i, 3), norms[2 * i + 1])
-                       : add_rms_norm(state[0], linear(act, i, 3), norms[i + 1 < layers ? 2 * (i + 1) : 2 * layers], eps);
+                       : add_rms_norm(state[0], linear(act, i, 3), norms[i + 1 < layers ? 2 * (i + 1) : 2 * layers], eps,
+                                      residual_multiplier);
   }
   return post_norms ? post_norm_add(state[0], norms[2 * layers], eps, kind, c10::nullopt) : state[1];
 }

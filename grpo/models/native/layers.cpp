@@ -6,10 +6,11 @@
 namespace grpo_native {
 
 // hidden = residual + x (rounded to T), then out = weight * T(hidden * rsqrt(mean(hidden^2) + eps)):
-// the residual add before transformers' LlamaRMSNorm, and the norm itself.
+// the residual add before transformers' LlamaRMSNorm, and the norm itself. With a `multiplier` m other
+// than 1 (Granite's residual_multiplier), hidden = T(residual + T(x m)), as its layer computes it.
 template <typename T>
 void add_rms_norm_impl(const T* res, int64_t res_stride, const T* x, int64_t x_stride, const T* weight, T* hidden,
-                       T* out, int64_t rows, int64_t dim, float eps) {
+                       T* out, int64_t rows, int64_t dim, float eps, float m) {
   if constexpr (std::is_same_v<T, float>) {  // in place, no copies of rows (as silu_mul's)
     at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
       for (int64_t r = begin; r < end; ++r) {
@@ -17,8 +18,13 @@ void add_rms_norm_impl(const T* res, int64_t res_stride, const T* x, int64_t x_s
         if (x != nullptr) {
           float* sum_row = hidden + r * dim;
           const float* xr = x + r * x_stride;
+          if (m == 1.f) {
 #pragma omp simd
-          for (int64_t i = 0; i < dim; ++i) sum_row[i] = h[i] + xr[i];
+            for (int64_t i = 0; i < dim; ++i) sum_row[i] = h[i] + xr[i];
+          } else {
+#pragma omp simd
+            for (int64_t i = 0; i < dim; ++i) sum_row[i] = h[i] + xr[i] * m;
+          }
           h = sum_row;
         }
         rms_norm_row<float>(h, weight, out + r * dim, dim, eps);
@@ -33,6 +39,8 @@ void add_rms_norm_impl(const T* res, int64_t res_stride, const T* x, int64_t x_s
       to_float(res + r * res_stride, h.data(), dim);
       if (x != nullptr) {
         to_float(x + r * x_stride, xs.data(), dim);
+        if (m != 1.f)
+          for (int64_t i = 0; i < dim; ++i) xs[i] = in_dtype<T>(xs[i] * m);
         for (int64_t i = 0; i < dim; ++i) h[i] = in_dtype<T>(h[i] + xs[i]);
         from_float(h.data(), hidden + r * dim, dim);
       }
@@ -43,7 +51,7 @@ void add_rms_norm_impl(const T* res, int64_t res_stride, const T* x, int64_t x_s
 }
 
 std::vector<at::Tensor> add_rms_norm(const at::Tensor& residual, const c10::optional<at::Tensor>& x,
-                                     const at::Tensor& weight, double eps) {
+                                     const at::Tensor& weight, double eps, double multiplier) {
   TORCH_CHECK(residual.dim() == 2, "add_rms_norm: residual must be [rows, dim], got ", residual.sizes());
   const int64_t rows = residual.size(0), dim = residual.size(1);
   check_rows(residual, rows, dim, "add_rms_norm: residual");
@@ -60,7 +68,7 @@ std::vector<at::Tensor> add_rms_norm(const at::Tensor& residual, const c10::opti
     add_rms_norm_impl<scalar_t>(residual.data_ptr<scalar_t>(), residual.stride(0),
                                 x.has_value() ? x->data_ptr<scalar_t>() : nullptr, x.has_value() ? x->stride(0) : 0,
                                 weight.data_ptr<scalar_t>(), hidden.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(),
-                                rows, dim, static_cast<float>(eps));
+                                rows, dim, static_cast<float>(eps), static_cast<float>(multiplier));
   });
   return {hidden, out};
 }

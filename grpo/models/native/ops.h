@@ -45,7 +45,7 @@ namespace grpo_native {
 
 // layers.cpp
 std::vector<at::Tensor> add_rms_norm(const at::Tensor& residual, const c10::optional<at::Tensor>& x,
-                                     const at::Tensor& weight, double eps);
+                                     const at::Tensor& weight, double eps, double multiplier = 1.0);
 at::Tensor post_norm_add(const at::Tensor& x, const at::Tensor& weight, double eps, c10::string_view norms,
                          const c10::optional<at::Tensor>& residual);
 at::Tensor silu_mul(const at::Tensor& gate, const at::Tensor& up);
@@ -92,7 +92,7 @@ at::Tensor decode_layers(const at::Tensor& hidden_in, const at::Tensor& cos, con
                          at::TensorList k_caches, at::TensorList v_caches, at::IntArrayRef qkv_sizes,
                          int64_t heads, double scale, double eps, at::TensorList head_norms,
                          const c10::optional<at::Tensor>& shared_from, const c10::optional<at::Tensor>& shared,
-                         bool post_norms);
+                         bool post_norms, double residual_multiplier);
 at::Tensor decode_gemma_layers(const at::Tensor& hidden_in, const at::Tensor& cos, const at::Tensor& sin,
                                const at::Tensor& lengths, at::TensorList weights,
                                const c10::List<c10::optional<at::Tensor>>& extras, at::TensorList norms,

@@ -5,7 +5,7 @@
 #include <torch/library.h>
 
 TORCH_LIBRARY(grpo_native, m) {
-  m.def("add_rms_norm(Tensor residual, Tensor? x, Tensor weight, float eps) -> Tensor[]");
+  m.def("add_rms_norm(Tensor residual, Tensor? x, Tensor weight, float eps, float multiplier=1.0) -> Tensor[]");
   m.def("post_norm_add(Tensor x, Tensor weight, float eps, str norms, Tensor? residual=None) -> Tensor");
   m.def("silu_mul(Tensor gate, Tensor up) -> Tensor");
   m.def("gelu_tanh_mul(Tensor gate, Tensor up) -> Tensor");
@@ -27,7 +27,8 @@ TORCH_LIBRARY(grpo_native, m) {
   m.def("stream_linear(Tensor x, Tensor packed, Tensor? bias, Tensor? lora_a=None, Tensor? lora_b=None) -> Tensor");
   m.def("decode_layers(Tensor hidden, Tensor cos, Tensor sin, Tensor lengths, Tensor[] weights, Tensor?[] extras, "
         "Tensor[] norms, Tensor(a!)[] k_caches, Tensor(b!)[] v_caches, int[] qkv_sizes, int heads, float scale, "
-        "float eps, Tensor[] head_norms, Tensor? shared_from=None, Tensor? shared=None, bool post_norms=False) -> Tensor");
+        "float eps, Tensor[] head_norms, Tensor? shared_from=None, Tensor? shared=None, bool post_norms=False, "
+        "float residual_multiplier=1.0) -> Tensor");
   m.def("decode_gemma_layers(Tensor hidden, Tensor cos, Tensor sin, Tensor lengths, Tensor[] weights, Tensor?[] extras, "
         "Tensor[] norms, Tensor(a!)[] k_caches, Tensor(b!)[] v_caches, int[] qkv_sizes, int heads, float scale, "
         "float eps, Tensor[] head_norms, int[] kinds, int[] windows, float softcap, Tensor? shared_from=None, "

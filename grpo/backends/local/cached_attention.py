@@ -1,8 +1,8 @@
 """A decoding step's attention through grpo's kernel where a model decodes through its own forward.
 
-Llama, Mistral, Qwen2, Qwen3, Phi-3, OLMo2 (native_decode.py) and Gemma 3 (gemma_decode.py) decode
-through grpo's native step, whose attention reads the slot cache itself. Every other family -- Gemma 1
-and 2, OLMo 1, GPT-NeoX, Granite, a hybrid's attention layers (Qwen3.5's, in the lockstep sampler) --
+Llama, Mistral, Qwen2, Qwen3, Phi-3, OLMo2, Granite (native_decode.py), Gemma 2 and 3 (gemma_decode.py)
+decode through grpo's native step, whose attention reads the slot cache itself. Every other family -- Gemma
+1, OLMo 1, GPT-NeoX, Cohere, StableLM, a hybrid's attention layers (Qwen3.5's, in the lockstep sampler) --
 decodes through transformers' forward, where each attention layer calls PyTorch's SDPA with one query
 position a row. On a CPU
 SDPA runs that through its flash kernel, blocked for long queries: at 32 rows of ~100 columns an

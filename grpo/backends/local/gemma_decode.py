@@ -1,7 +1,7 @@
 """The CPU decoding step for Gemma 3's text decoders (Gemma-3-270M, -1B; the language model of the
 larger ones) and Gemma 2's, without transformers' per-call machinery.
 
-Llama-shaped layers (Llama, Mistral, Qwen2, Qwen3, Phi-3, OLMo2's) decode through grpo's own step
+Llama-shaped layers (Llama, Mistral, Qwen2, Qwen3, Phi-3, OLMo2, Granite's) decode through grpo's own step
 (lean_decode.py, native_decode.py); every other family decodes through transformers' forward, where
 a Gemma-3-270M-shaped model's bf16 step at 32 rows spent ~18 ms of ~47 in Python and small
 operators beside ~24 ms of products (docs/benchmark.md): per layer the rotary embedding (~10

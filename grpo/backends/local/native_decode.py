@@ -4,7 +4,7 @@ A bf16 decoding step of SmolLM2-135M at ~24 rows took ~54 ms on a 2-core Xeon wh
 alone take ~21 ms: the rest was ~60 small PyTorch operators per layer (RMSNorms, the rotary
 embedding, KV-cache writes, grouped-query attention, SiLU), each costing more in dispatch and
 passes over memory than in arithmetic (docs/benchmark.md). ``NativeDecoder`` runs a Llama layer
-(or Qwen2's, Qwen3's, Phi-3's: lean_decode.py) as its Linears (the modules themselves, LoRA side paths
+(or Qwen2's, Qwen3's, Phi-3's, Granite's -- its residual multiplier in the adds: lean_decode.py) as its Linears (the modules themselves, LoRA side paths
 included) plus four native calls: the residual add with the next RMSNorm, rotary + cache write +
 attention (for Qwen3 with each head of q and k normalised first), SiLU * up, and the next add +
 RMSNorm. OLMo2's layer normalises each sublayer's output before the residual add (``post_norm_add``)

@@ -39,14 +39,16 @@ def test_the_kernel_steps_the_state_as_transformers_does(native_ops, dtype, dim,
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("with_bias", [False, True])
 @pytest.mark.parametrize("kernel", [4, 3])
-def test_the_convolution_steps_as_transformers_does(native_ops, dtype, with_bias, kernel) -> None:
+@pytest.mark.parametrize("channels", [40, 43])
+def test_the_convolution_steps_as_transformers_does(native_ops, dtype, with_bias, kernel, channels) -> None:
     """The short convolution's step: the window shifted in place, its output (SiLU after) as
     transformers' ``causal_conv1d_update`` rounds it, from a row of a wider tensor (bf16 windows
-    of 4, Qwen3.5's, are shifted as one 64-bit word; others one value at a time)."""
+    of 4, Qwen3.5's, are shifted as one 64-bit word, eight channels at a time with avx512 and the
+    rest -- 43's last 3 -- one at a time; others one value at a time)."""
     from transformers.models.qwen3_5.modeling_qwen3_5 import causal_conv1d_update
 
     generator = torch.Generator().manual_seed(0)
-    rows, channels = 3, 40
+    rows = 3
     state = torch.randn(rows, channels, kernel, generator=generator).to(dtype)
     wide = torch.randn(rows, 1, channels + 8, generator=generator).to(dtype)
     x = wide[:, :, :channels]

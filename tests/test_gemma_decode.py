@@ -142,13 +142,21 @@ def _tiny_gemma3(vocab: int, dtype: torch.dtype, head_dim: int = 256, window: in
     config = Gemma3TextConfig(vocab_size=vocab, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                               num_attention_heads=4, num_key_value_heads=1, head_dim=head_dim, sliding_window=window,
                               query_pre_attn_scalar=head_dim, layer_types=["sliding_attention", "full_attention"])
-    config._attn_implementation = "sdpa"
+    return _random(Gemma3ForCausalLM, config, "sdpa", dtype)
+
+
+def _random(model_class, config, attention: str, dtype: torch.dtype, qk_scale: float = 1.0):
+    """``model_class(config)`` with ``attention`` as its implementation, seeded, every norm's weight drawn
+    away from zero (Gemma's 1 + 0 would hide the weight), q's and k's weights times ``qk_scale``."""
+    config._attn_implementation = attention
     torch.manual_seed(0)
-    model = Gemma3ForCausalLM(config)
+    model = model_class(config)
     with torch.no_grad():
         for name, parameter in model.named_parameters():
             if name.endswith("norm.weight"):
                 parameter.uniform_(-0.5, 0.5)
+            elif name.endswith(("q_proj.weight", "k_proj.weight")):
+                parameter.mul_(qk_scale)
     return model.to(dtype).eval()
 
 
@@ -182,16 +190,7 @@ def _tiny_gemma2(vocab: int, dtype: torch.dtype, window: int = 512) -> Gemma2For
                           num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=window,
                           query_pre_attn_scalar=16, attn_logit_softcapping=5.0, final_logit_softcapping=3.0,
                           layer_types=["sliding_attention", "full_attention"])
-    config._attn_implementation = "eager"
-    torch.manual_seed(0)
-    model = Gemma2ForCausalLM(config)
-    with torch.no_grad():
-        for name, parameter in model.named_parameters():
-            if name.endswith("norm.weight"):
-                parameter.uniform_(-0.5, 0.5)
-            elif name.endswith(("q_proj.weight", "k_proj.weight")):
-                parameter.mul_(8.0)  # (scores past the cap)
-    return model.to(dtype).eval()
+    return _random(Gemma2ForCausalLM, config, "eager", dtype, qk_scale=8.0)  # (q and k scaled: scores past the cap)
 
 
 @pytest.mark.parametrize("window", [512, 6])
@@ -222,14 +221,11 @@ def test_the_sampler_decodes_gemma2_through_the_kernels_as_through_its_own_forwa
     assert [row[1] for row in greedy_rows(model, tokenizer)] != [row[1] for row in native]  # (the cap matters)
 
 
-@pytest.mark.parametrize(("train_dtype", "sample_dtype"), [("fp32", "fp32"), ("fp32", "bf16")])
-def test_a_gemma3_through_the_client_samples_logprobs_the_trainer_computes(tmp_path, monkeypatch, tokenizer,
-                                                                           train_dtype, sample_dtype) -> None:
-    """Through the client: fp32, the trainer's model with LoRA folded; bf16, the sampler's copy
-    (stacked projections, LoRA side paths). At temperature 1 the sampled logprobs are the trainer's
-    (fp32: to float rounding; bf16: to the precisions' gap), and the step was Gemma's."""
-    directory = tmp_path / "gemma3"
-    _tiny_gemma3(len(tokenizer), torch.float32).save_pretrained(directory)
+def _client_whose_decoders_are_kept(tmp_path, monkeypatch, tokenizer, model, train_dtype: str, sample_dtype: str):
+    """``model`` saved and loaded as a LoRA training client (its adapter perturbed), and the list each
+    sampling call's ``gemma_decoder`` result is appended to: (service, client, decoders)."""
+    directory = tmp_path / "gemma"
+    model.save_pretrained(directory)
     tokenizer.save_pretrained(directory)
     decoders: list = []
     found = gemma_decode.gemma_decoder
@@ -238,6 +234,18 @@ def test_a_gemma3_through_the_client_samples_logprobs_the_trainer_computes(tmp_p
                             sample_dtype=sample_dtype)
     tc = service.create_lora_training_client(str(directory), rank=4, seed=0)
     perturb_adapter(tc, seed=3)
+    return service, tc, decoders
+
+
+@pytest.mark.parametrize(("train_dtype", "sample_dtype"), [("fp32", "fp32"), ("fp32", "bf16")])
+def test_a_gemma3_through_the_client_samples_logprobs_the_trainer_computes(tmp_path, monkeypatch, tokenizer,
+                                                                           train_dtype, sample_dtype) -> None:
+    """Through the client: fp32, the trainer's model with LoRA folded; bf16, the sampler's copy
+    (stacked projections, LoRA side paths). At temperature 1 the sampled logprobs are the trainer's
+    (fp32: to float rounding; bf16: to the precisions' gap), and the step was Gemma's."""
+    service, tc, decoders = _client_whose_decoders_are_kept(tmp_path, monkeypatch, tokenizer,
+                                                            _tiny_gemma3(len(tokenizer), torch.float32), train_dtype,
+                                                            sample_dtype)
     drawn = sample_each(tc, temperature=1.0, seed=7)
     assert decoders and all(type(d) is gemma_decode.GemmaDecoder for d in decoders)
     sampling = tc.save_weights_and_get_sampling_client("weights")
@@ -259,18 +267,10 @@ def test_gemmas_layers_in_one_native_call_sample_bit_for_bit_what_the_per_layer_
     tokens and logprobs, to the bit, at temperature 1 (fp32: LoRA folded into packed weights; bf16:
     the sampler's copy with packed LoRA side paths), Gemma 3's norms of q's and k's heads and its two
     rotary kinds, Gemma 2's capped scores, and windows every row outgrows included."""
-    directory = tmp_path / f"gemma{version}"
     model = _tiny_gemma3(len(tokenizer), torch.float32, head_dim=16, window=6) if version == 3 else \
         _tiny_gemma2(len(tokenizer), torch.float32, window=6)
-    model.save_pretrained(directory)
-    tokenizer.save_pretrained(directory)
-    decoders: list = []
-    found = gemma_decode.gemma_decoder
-    monkeypatch.setattr(gemma_decode, "gemma_decoder", lambda *a: decoders.append(found(*a)) or decoders[-1])
-    service = ServiceClient(checkpoint_dir=tmp_path / "checkpoints", device="cpu", train_dtype=train_dtype,
-                            sample_dtype=sample_dtype)
-    tc = service.create_lora_training_client(str(directory), rank=4, seed=0)
-    perturb_adapter(tc, seed=3)
+    service, tc, decoders = _client_whose_decoders_are_kept(tmp_path, monkeypatch, tokenizer, model, train_dtype,
+                                                            sample_dtype)
     one_call = sample_each(tc, temperature=1.0, seed=11)
     assert decoders and all(d.plan is not None for d in decoders)
     assert len(decoders[-1].plan.head_norms) == (4 if version == 3 else 0)

@@ -4,12 +4,14 @@ A bf16 decoding step of SmolLM2-135M at ~24 rows took ~54 ms on a 2-core Xeon wh
 alone take ~21 ms: the rest was ~60 small PyTorch operators per layer (RMSNorms, the rotary
 embedding, KV-cache writes, grouped-query attention, SiLU), each costing more in dispatch and
 passes over memory than in arithmetic (docs/benchmark.md). ``NativeDecoder`` runs a Llama layer
-(or Qwen2's, Qwen3's, Phi-3's, Granite's -- its residual multiplier in the adds: lean_decode.py) as its Linears (the modules themselves, LoRA side paths
-included) plus four native calls: the residual add with the next RMSNorm, rotary + cache write +
-attention (for Qwen3 with each head of q and k normalised first), SiLU * up, and the next add +
-RMSNorm. OLMo2's layer normalises each sublayer's output before the residual add (``post_norm_add``)
-and q and k whole (rope_attend, given norms as wide as q and k), each norm rounded once. They round to the model's dtype wherever the eager operators do, so they compute what the
-model's own forward computes up to the order of float sums (tests/test_native_decode.py).
+(or Qwen2's, Qwen3's, Phi-3's, Granite's -- its residual multiplier in the adds: lean_decode.py) as
+its Linears (the modules themselves, LoRA side paths included) plus four native calls: the residual
+add with the next RMSNorm, rotary + cache write + attention (for Qwen3 with each head of q and k
+normalised first), SiLU * up, and the next add + RMSNorm. OLMo2's layer normalises each sublayer's
+output before the residual add (``post_norm_add``) and q and k whole (rope_attend, given norms as
+wide as q and k), each norm rounded once. They round to the model's dtype wherever the eager
+operators do, so they compute what the model's own forward computes up to the order of float sums
+(tests/test_native_decode.py).
 Where every layer has the sampler's packed layout (q/k/v and gate/up stacked, each Linear a packed
 weight in oneDNN's layout or the streaming one, LoRA -- if any -- as a side path packed with it),
 the whole loop over layers is one native

@@ -193,7 +193,12 @@ def _families() -> dict[str, tuple[type, type, dict]]:
             "qwen3": (Qwen3Config, Qwen3ForCausalLM, {"head_dim": 32}),
             # q/k/v and gate/up one Linear each; Phi-4-mini rotates 3/4 of each head's dims
             "phi3": (Phi3Config, Phi3ForCausalLM, {"sliding_window": None}),
-            "phi4_mini": (Phi3Config, Phi3ForCausalLM, {"sliding_window": None, "partial_rotary_factor": 0.75}),
+            # (its LongRoPE: factors past 16 positions, which the tests' rows cross, as Phi-4-mini's past 4,096)
+            "phi4_mini": (Phi3Config, Phi3ForCausalLM, {
+                "sliding_window": None, "partial_rotary_factor": 0.75, "original_max_position_embeddings": 16,
+                "rope_parameters": {"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0] * 6,
+                                    "long_factor": [1.0, 1.5, 2.0, 3.0, 4.0, 6.0], "factor": 128.0,
+                                    "original_max_position_embeddings": 16}}),
             # norms after each sublayer, q and k normalised whole, rotation in float32
             "olmo2": (Olmo2Config, Olmo2ForCausalLM, {}),
             # the embedding, each sublayer's output, the scores and the logits scaled

@@ -90,24 +90,6 @@ inline float inverse_rms(const float* x, int64_t dim, float eps) {
   return 1.f / std::sqrt(sum / static_cast<float>(dim) + eps);
 }
 
-// y = an RMSNorm of the row h by the weight w (both T's values as floats; y may be h), rounded where
-// transformers' RMSNorm stores T: T(w * T(h * rsqrt(mean(h^2) + eps))) (float32: no rounding). The one
-// place both add_rms_norm and rope_attend's norms of q's and k's heads (Qwen3's) compute it: the same bits.
-template <typename T>
-inline void rms_norm_row(const float* h, const float* w, float* y, int64_t dim, float eps) {
-  const float scale = inverse_rms(h, dim, eps);
-#pragma omp simd
-  for (int64_t i = 0; i < dim; ++i) y[i] = in_dtype<T>(w[i] * in_dtype<T>(h[i] * scale));
-}
-
-// The zero-centred RMSNorm of one row (Gemma's, Qwen3.5's): y = T(h r (1 + w)), rounded once
-template <typename T>
-inline void zero_centred_row(const float* h, const float* w, float* y, int64_t dim, float eps) {
-  const float scale = inverse_rms(h, dim, eps);
-#pragma omp simd
-  for (int64_t i = 0; i < dim; ++i) y[i] = in_dtype<T>(h[i] * scale * (1.f + w[i]));
-}
-
 // The RMSNorms of a decoding step, by where they round (each rounding where the model's eager norm stores
 // its dtype):
 // - llama: T(w T(h r)) -- Llama's, Mistral's, Qwen2/3's (also each head of Qwen3's q and k);
@@ -124,7 +106,9 @@ inline NormKind norm_kind(c10::string_view name, const char* op) {
 }
 
 // y = the norm `kind` of the row h by the weight w, given its scale r = 1 / sqrt(mean(h^2) + eps) (a row's
-// own, or that of a wider row it is part of: OLMo2 normalises all of q's heads together); y may be h
+// own, or that of a wider row it is part of: OLMo2 normalises all of q's heads together); y may be h. The
+// one place every kernel computes a norm of each kind (the sampler's adds, rope_attend's norms of q and k,
+// the trainer's): the same bits wherever it is taken.
 template <typename T>
 inline void norm_row_scaled(const float* h, const float* w, float* y, int64_t dim, float r, NormKind kind) {
   if (kind == NormKind::llama) {
@@ -137,6 +121,19 @@ inline void norm_row_scaled(const float* h, const float* w, float* y, int64_t di
 #pragma omp simd
     for (int64_t i = 0; i < dim; ++i) y[i] = in_dtype<T>(w[i] * (h[i] * r));
   }
+}
+
+// y = an RMSNorm of the row h by the weight w (both T's values as floats; y may be h), rounded where
+// transformers' RMSNorm stores T: T(w * T(h * rsqrt(mean(h^2) + eps))) (float32: no rounding)
+template <typename T>
+inline void rms_norm_row(const float* h, const float* w, float* y, int64_t dim, float eps) {
+  norm_row_scaled<T>(h, w, y, dim, inverse_rms(h, dim, eps), NormKind::llama);
+}
+
+// The zero-centred RMSNorm of one row (Gemma's, Qwen3.5's): y = T(h r (1 + w)), rounded once
+template <typename T>
+inline void zero_centred_row(const float* h, const float* w, float* y, int64_t dim, float eps) {
+  norm_row_scaled<T>(h, w, y, dim, inverse_rms(h, dim, eps), NormKind::zero_centred);
 }
 
 // exp(x) in a form the compiler vectorizes (libm's expf is a call per value): 2^n * exp(r) with

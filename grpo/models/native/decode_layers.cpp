@@ -36,9 +36,70 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& weight, const c1
   return linear_add.call(down, out, *lora_b, c10::nullopt, "add");
 }
 
-// Every layer of a Llama-layout decoder for one decoding step. Per layer: 4 packed weights (q/k/v
-// stacked, o, gate/up stacked, down) in `weights`, and 3 optional tensors per weight in `extras`
-// (bias, LoRA's packed A and packed B, the scale in B); `norms` holds each layer's input and
+namespace {
+
+// What both one-call loops below share: each layer's 4 packed weights (q/k/v stacked, o, gate/up stacked,
+// down) in `weights` with 3 optional tensors a weight in `extras` (bias, LoRA's packed A and packed B, the
+// scale in B), the caches, and `head_norms` (none, or each layer's norms of q and of k), checked once.
+struct StackedLayers {
+  at::TensorList weights;
+  const c10::List<c10::optional<at::Tensor>>& extras;
+  at::TensorList k_caches, v_caches, head_norms;
+  at::IntArrayRef qkv_sizes;
+  int64_t layers;
+  // the attention's scores by avx512_bf16's dot product where the products take it: the weights packed in
+  // pairs, which the sampler does only where kernel_probe.py measured that instruction the faster here
+  bool dot;
+
+  // `op` names the caller in messages; `norms`: its norms, `norms_per_layer` a layer and one final
+  StackedLayers(const char* op, at::TensorList weights_, const c10::List<c10::optional<at::Tensor>>& extras_,
+                at::TensorList norms, int64_t norms_per_layer, at::TensorList k_caches_, at::TensorList v_caches_,
+                at::TensorList head_norms_, at::IntArrayRef qkv_sizes_)
+      : weights(weights_), extras(extras_), k_caches(k_caches_), v_caches(v_caches_), head_norms(head_norms_),
+        qkv_sizes(qkv_sizes_), layers(static_cast<int64_t>(k_caches_.size())) {
+    TORCH_CHECK(layers > 0 && static_cast<int64_t>(v_caches.size()) == layers &&
+                    static_cast<int64_t>(weights.size()) == 4 * layers &&
+                    static_cast<int64_t>(extras.size()) == 12 * layers &&
+                    static_cast<int64_t>(norms.size()) == norms_per_layer * layers + 1,
+                op, ": for ", layers, " layers: 4 weights, 12 extras and ", norms_per_layer,
+                " norms a layer, one final norm; got ", weights.size(), " weights, ", extras.size(), " extras, ",
+                norms.size(), " norms, ", v_caches.size(), " value caches");
+    TORCH_CHECK(qkv_sizes.size() == 3, op, ": qkv_sizes must be [q, k, v] widths");
+    TORCH_CHECK(head_norms.empty() || static_cast<int64_t>(head_norms.size()) == 2 * layers,
+                op, ": head_norms must be empty or 2 a layer (q's, k's) for ", layers, " layers, got ",
+                head_norms.size());
+    dot = !weights[0].is_mkldnn() && weights[0].scalar_type() == at::kBFloat16 && stream_pairs(weights[0]);
+  }
+
+  // x by layer i's weight `which` (0 q/k/v, 1 o, 2 gate/up, 3 down), with its bias and side path
+  at::Tensor linear(const at::Tensor& x, int64_t i, int64_t which) const {
+    const int64_t e = 12 * i + 3 * which;
+    return packed_linear(x, weights[4 * i + which], extras.get(e), extras.get(e + 1), extras.get(e + 2));
+  }
+
+  // layer i's attention of x: its q/k/v product split, then rope_attend with the layer's norms of q and k
+  // (where head_norms has them) and caches
+  at::Tensor attend(const at::Tensor& x, int64_t i, const at::Tensor& cos, const at::Tensor& sin,
+                    const at::Tensor& lengths, int64_t heads, double scale, const c10::optional<at::Tensor>& shared_from,
+                    const c10::optional<at::Tensor>& shared, double eps, c10::string_view norms, int64_t window,
+                    double softcap) const {
+    auto qkv = linear(x, i, 0);
+    auto q = qkv.narrow(1, 0, qkv_sizes[0]);
+    auto k = qkv.narrow(1, qkv_sizes[0], qkv_sizes[1]);
+    auto v = qkv.narrow(1, qkv_sizes[0] + qkv_sizes[1], qkv_sizes[2]);
+    at::Tensor k_cache = k_caches[i], v_cache = v_caches[i];
+    const bool normed = !head_norms.empty();
+    return rope_attend(q, k, v, cos, sin, k_cache, v_cache, lengths, heads, scale, shared_from, shared, dot,
+                       normed ? c10::optional<at::Tensor>(head_norms[2 * i]) : c10::nullopt,
+                       normed ? c10::optional<at::Tensor>(head_norms[2 * i + 1]) : c10::nullopt, eps, norms, window,
+                       softcap);
+  }
+};
+
+}  // namespace
+
+// Every layer of a Llama-layout decoder for one decoding step. `weights`, `extras`, the caches and
+// `head_norms` as StackedLayers takes them; `norms` holds each layer's input and
 // post-attention norm weights in turn, then the final norm's. `hidden` is the embedded tokens
 // [rows, dim]; returns the final norm's output [rows, dim]. `shared_from` and `shared`: rows that
 // share their first columns, as rope_attend takes them (every layer's caches alike). `head_norms`:
@@ -55,27 +116,9 @@ at::Tensor decode_layers(const at::Tensor& hidden_in, const at::Tensor& cos, con
                          int64_t heads, double scale, double eps, at::TensorList head_norms,
                          const c10::optional<at::Tensor>& shared_from, const c10::optional<at::Tensor>& shared,
                          bool post_norms, double residual_multiplier) {
-  const int64_t layers = static_cast<int64_t>(k_caches.size());
-  TORCH_CHECK(layers > 0 && static_cast<int64_t>(v_caches.size()) == layers &&
-                  static_cast<int64_t>(weights.size()) == 4 * layers &&
-                  static_cast<int64_t>(extras.size()) == 12 * layers &&
-                  static_cast<int64_t>(norms.size()) == 2 * layers + 1,
-              "decode_layers: for ", layers, " layers: 4 weights, 12 extras and 2 norms a layer, one final norm; got ",
-              weights.size(), " weights, ", extras.size(), " extras, ", norms.size(), " norms, ", v_caches.size(),
-              " value caches");
-  TORCH_CHECK(qkv_sizes.size() == 3, "decode_layers: qkv_sizes must be [q, k, v] widths");
+  const StackedLayers stack("decode_layers", weights, extras, norms, 2, k_caches, v_caches, head_norms, qkv_sizes);
+  const int64_t layers = stack.layers;
   TORCH_CHECK(!post_norms || residual_multiplier == 1.0, "decode_layers: a residual multiplier with post_norms");
-  TORCH_CHECK(head_norms.empty() || static_cast<int64_t>(head_norms.size()) == 2 * layers,
-              "decode_layers: head_norms must be empty or 2 a layer (q's, k's) for ", layers, " layers, got ",
-              head_norms.size());
-  const bool normed = !head_norms.empty();  // (Qwen3: each head of q and k normalised as rope_attend rotates it)
-  auto linear = [&](const at::Tensor& x, int64_t layer, int64_t which) {
-    const int64_t e = 12 * layer + 3 * which;
-    return packed_linear(x, weights[4 * layer + which], extras.get(e), extras.get(e + 1), extras.get(e + 2));
-  };
-  // the attention's scores by avx512_bf16's dot product where the products take it: the weights packed in
-  // pairs, which the sampler does only where kernel_probe.py measured that instruction the faster here
-  const bool dot = !weights[0].is_mkldnn() && weights[0].scalar_type() == at::kBFloat16 && stream_pairs(weights[0]);
   const char* kind = post_norms ? "once" : "llama";
   // {hidden, the next sublayer's input}: its norm before it, or (post_norms) hidden itself
   std::vector<at::Tensor> state =
@@ -85,22 +128,15 @@ at::Tensor decode_layers(const at::Tensor& hidden_in, const at::Tensor& cos, con
     return std::vector<at::Tensor>{hidden, hidden};
   };
   for (int64_t i = 0; i < layers; ++i) {
-    auto qkv = linear(state[1], i, 0);
-    auto q = qkv.narrow(1, 0, qkv_sizes[0]);
-    auto k = qkv.narrow(1, qkv_sizes[0], qkv_sizes[1]);
-    auto v = qkv.narrow(1, qkv_sizes[0] + qkv_sizes[1], qkv_sizes[2]);
-    at::Tensor k_cache = k_caches[i], v_cache = v_caches[i];
-    auto attended = rope_attend(q, k, v, cos, sin, k_cache, v_cache, lengths, heads, scale, shared_from, shared, dot,
-                                normed ? c10::optional<at::Tensor>(head_norms[2 * i]) : c10::nullopt,
-                                normed ? c10::optional<at::Tensor>(head_norms[2 * i + 1]) : c10::nullopt, eps, kind, 0, 0.0);
-    state = post_norms ? post_add(linear(attended, i, 1), norms[2 * i])
-                       : add_rms_norm(state[0], linear(attended, i, 1), norms[2 * i + 1], eps, residual_multiplier);
-    auto gate_up = linear(state[1], i, 2);
+    auto attended = stack.attend(state[1], i, cos, sin, lengths, heads, scale, shared_from, shared, eps, kind, 0, 0.0);
+    state = post_norms ? post_add(stack.linear(attended, i, 1), norms[2 * i])
+                       : add_rms_norm(state[0], stack.linear(attended, i, 1), norms[2 * i + 1], eps, residual_multiplier);
+    auto gate_up = stack.linear(state[1], i, 2);
     const int64_t inter = gate_up.size(1) / 2;
     auto act = silu_mul(gate_up.narrow(1, 0, inter), gate_up.narrow(1, inter, inter));
-    state = post_norms ? post_add(linear(act, i, 3), norms[2 * i + 1])
-                       : add_rms_norm(state[0], linear(act, i, 3), norms[i + 1 < layers ? 2 * (i + 1) : 2 * layers], eps,
-                                      residual_multiplier);
+    state = post_norms ? post_add(stack.linear(act, i, 3), norms[2 * i + 1])
+                       : add_rms_norm(state[0], stack.linear(act, i, 3),
+                                      norms[i + 1 < layers ? 2 * (i + 1) : 2 * layers], eps, residual_multiplier);
   }
   return post_norms ? post_norm_add(state[0], norms[2 * layers], eps, kind, c10::nullopt) : state[1];
 }
@@ -121,48 +157,27 @@ at::Tensor decode_gemma_layers(const at::Tensor& hidden_in, const at::Tensor& co
                                int64_t heads, double scale, double eps, at::TensorList head_norms,
                                at::IntArrayRef kinds, at::IntArrayRef windows, double softcap,
                                const c10::optional<at::Tensor>& shared_from, const c10::optional<at::Tensor>& shared) {
-  const int64_t layers = static_cast<int64_t>(k_caches.size());
-  TORCH_CHECK(layers > 0 && static_cast<int64_t>(v_caches.size()) == layers &&
-                  static_cast<int64_t>(weights.size()) == 4 * layers &&
-                  static_cast<int64_t>(extras.size()) == 12 * layers &&
-                  static_cast<int64_t>(norms.size()) == 4 * layers + 1 &&
-                  static_cast<int64_t>(kinds.size()) == layers && static_cast<int64_t>(windows.size()) == layers,
-              "decode_gemma_layers: for ", layers, " layers: 4 weights, 12 extras, 4 norms, a kind and a window a "
-              "layer, one final norm; got ", weights.size(), " weights, ", extras.size(), " extras, ", norms.size(),
-              " norms, ", kinds.size(), " kinds, ", windows.size(), " windows, ", v_caches.size(), " value caches");
-  TORCH_CHECK(qkv_sizes.size() == 3, "decode_gemma_layers: qkv_sizes must be [q, k, v] widths");
-  TORCH_CHECK(head_norms.empty() || static_cast<int64_t>(head_norms.size()) == 2 * layers,
-              "decode_gemma_layers: head_norms must be empty or 2 a layer (q's, k's) for ", layers, " layers, got ",
-              head_norms.size());
+  const StackedLayers stack("decode_gemma_layers", weights, extras, norms, 4, k_caches, v_caches, head_norms,
+                            qkv_sizes);
+  const int64_t layers = stack.layers;
+  TORCH_CHECK(static_cast<int64_t>(kinds.size()) == layers && static_cast<int64_t>(windows.size()) == layers,
+              "decode_gemma_layers: a kind and a window a layer for ", layers, " layers; got ", kinds.size(),
+              " kinds, ", windows.size(), " windows");
   TORCH_CHECK(cos.dim() == 3 && sin.sizes() == cos.sizes(),
               "decode_gemma_layers: cos and sin must be [kinds, rows, dims] alike, got ", cos.sizes(), " and ",
               sin.sizes());
   for (int64_t i = 0; i < layers; ++i)
     TORCH_CHECK(kinds[i] >= 0 && kinds[i] < cos.size(0), "decode_gemma_layers: layer ", i, "'s kind ", kinds[i],
                 " is not one of cos's ", cos.size(0));
-  const bool normed = !head_norms.empty();
-  auto linear = [&](const at::Tensor& x, int64_t layer, int64_t which) {
-    const int64_t e = 12 * layer + 3 * which;
-    return packed_linear(x, weights[4 * layer + which], extras.get(e), extras.get(e + 1), extras.get(e + 2));
-  };
-  const bool dot = !weights[0].is_mkldnn() && weights[0].scalar_type() == at::kBFloat16 && stream_pairs(weights[0]);
   at::Tensor hidden = hidden_in, x = zero_centred_rms_norm(hidden_in, norms[0], eps);
   for (int64_t i = 0; i < layers; ++i) {
-    auto qkv = linear(x, i, 0);
-    auto q = qkv.narrow(1, 0, qkv_sizes[0]);
-    auto k = qkv.narrow(1, qkv_sizes[0], qkv_sizes[1]);
-    auto v = qkv.narrow(1, qkv_sizes[0] + qkv_sizes[1], qkv_sizes[2]);
-    at::Tensor k_cache = k_caches[i], v_cache = v_caches[i];
-    auto attended = rope_attend(q, k, v, cos[kinds[i]], sin[kinds[i]], k_cache, v_cache, lengths, heads, scale,
-                                shared_from, shared, dot,
-                                normed ? c10::optional<at::Tensor>(head_norms[2 * i]) : c10::nullopt,
-                                normed ? c10::optional<at::Tensor>(head_norms[2 * i + 1]) : c10::nullopt, eps,
-                                "zero_centred", windows[i], softcap);
-    auto state = add_zero_centred_norms(hidden, linear(attended, i, 1), norms[4 * i + 1], norms[4 * i + 2], eps);
-    auto gate_up = linear(state[1], i, 2);
+    auto attended = stack.attend(x, i, cos[kinds[i]], sin[kinds[i]], lengths, heads, scale, shared_from, shared, eps,
+                                 "zero_centred", windows[i], softcap);
+    auto state = add_zero_centred_norms(hidden, stack.linear(attended, i, 1), norms[4 * i + 1], norms[4 * i + 2], eps);
+    auto gate_up = stack.linear(state[1], i, 2);
     const int64_t inter = gate_up.size(1) / 2;
     auto act = gelu_tanh_mul(gate_up.narrow(1, 0, inter), gate_up.narrow(1, inter, inter));
-    state = add_zero_centred_norms(state[0], linear(act, i, 3), norms[4 * i + 3], norms[4 * (i + 1)], eps);
+    state = add_zero_centred_norms(state[0], stack.linear(act, i, 3), norms[4 * i + 3], norms[4 * (i + 1)], eps);
     hidden = state[0], x = state[1];
   }
   return x;

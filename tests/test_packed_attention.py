@@ -13,7 +13,7 @@ import pytest
 import torch
 from backend_helpers import adapter_tensors, perturb_adapter
 from test_prefix_sharing import grpo_batch
-from transformers import MistralConfig, MistralForCausalLM
+from transformers import Gemma2Config, Gemma2ForCausalLM, MistralConfig, MistralForCausalLM
 
 from grpo import models
 from grpo.backends.local import ServiceClient, packed_attention, trainer
@@ -140,6 +140,41 @@ def test_sliding_window_attention_is_windowed_as_transformers_does() -> None:
         assert not torch.allclose(got[2][-1], _alone(decoder, seqs[2])[-1], atol=1e-3)
 
 
+def test_gemma2_packs_its_capped_scores_and_windows_as_its_own_attention_computes_them() -> None:
+    """Gemma 2 caps its attention scores (softcap * tanh(score / softcap)) and windows every other
+    layer: packed (grpo's kernel on a CPU), each sequence comes out as the model's own eager
+    attention computes it alone -- and the cap and the window both matter at these sizes."""
+    config = Gemma2Config(vocab_size=500, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                          num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=5,
+                          attn_logit_softcapping=0.5, attn_implementation="eager")
+    torch.manual_seed(0)
+    model = Gemma2ForCausalLM(config).eval()
+    decoder = model.get_decoder()
+    with torch.no_grad():  # (scores of a few units, where a cap of 0.5 bites: initial weights make them ~0)
+        for layer in decoder.layers:
+            layer.self_attn.q_proj.weight.mul_(30.0)
+            layer.self_attn.k_proj.weight.mul_(30.0)
+    assert packed_attention.supports(model)
+    lengths = [12, 3, 20]  # longer than the window
+    seqs = _random_ids(torch.Generator().manual_seed(3), lengths, 500)
+    with torch.no_grad():
+        packed = packed_attention.PackedPass(lengths, CPU)
+        got = torch.split(packed.run(decoder, torch.cat(seqs)), lengths)
+        assert packed._native_plan is not None  # (the kernel ran)
+        for ids, hidden in zip(seqs, got, strict=True):
+            torch.testing.assert_close(hidden, _alone(decoder, ids), atol=1e-5, rtol=1e-4)
+        # each left out of the packed pass, its last sequence's last position moves
+        for name in ("attn_logit_softcapping", "sliding_window"):
+            kept = [getattr(layer.self_attn, name) for layer in decoder.layers]
+            assert any(kept)
+            for layer in decoder.layers:
+                setattr(layer.self_attn, name, None)
+            without = packed_attention.PackedPass(lengths, CPU).run(decoder, torch.cat(seqs))
+            for layer, value in zip(decoder.layers, kept, strict=True):
+                setattr(layer.self_attn, name, value)
+            assert not torch.allclose(without[-1], got[2][-1], atol=1e-3), name
+
+
 def test_attention_that_bypasses_the_interface_is_an_error_not_mixed_sequences(tiny) -> None:
     decoder = tiny.get_decoder()
     layer = decoder.layers[0].self_attn
@@ -249,9 +284,9 @@ def _chained_pass() -> packed_attention.PackedPass:
     return packed_attention.PackedPass(lengths, CPU, continues=[None, 0, 0, 1, 1, 1, 2, 2, 2])
 
 
-def _attend_with_grads(packed, q, k, v, scaling=None, sliding_window=None):
+def _attend_with_grads(packed, q, k, v, scaling=None, sliding_window=None, softcap=None):
     q, k, v = (t.detach().clone().requires_grad_() for t in (q, k, v))
-    out = packed.attend(torch.nn.Module(), q, k, v, scaling, 0.0, sliding_window)
+    out = packed.attend(torch.nn.Module(), q, k, v, scaling, 0.0, sliding_window, softcap)
     gen = torch.Generator().manual_seed(11)
     (out.float() * torch.randn(out.shape, generator=gen)).sum().backward()
     return out, q.grad, k.grad, v.grad
@@ -292,13 +327,73 @@ def test_native_bf16_attention_is_its_float32_attention_rounded_once(native_ops)
         torch.testing.assert_close(g.float(), w, atol=2**-8 * float(w.abs().max()), rtol=2**-7)
 
 
-def test_native_attention_leaves_what_it_does_not_cover_to_sdpa() -> None:
-    """A sliding window (and dropout) take the gathered blocks through SDPA."""
+def test_native_attention_leaves_dropout_to_sdpa() -> None:
     packed = _chained_pass()
     q, k, v = (torch.randn((1, h, packed.tokens, 16)) for h in (4, 2, 2))
-    packed.attend(torch.nn.Module(), q, k, v, None, 0.0, 4)
     packed.attend(torch.nn.Module(), q, k, v, None, 0.1, None)
     assert packed._native_plan is None
+
+
+def _attention_in_float64(packed, q, k, v, scaling: float, window: int | None, softcap: float | None):
+    """Each sequence of ``packed`` attended alone, in float64, as transformers' eager attention
+    computes it: query at position p sees keys at positions p - window < p' <= p (its prefix's,
+    then its own), scores capped as softcap * tanh(score / softcap); ``(1, tokens, heads, dim)``."""
+    heads, groups = q.shape[1], q.shape[1] // k.shape[1]
+    out = []
+    for i, (start, length) in enumerate(zip(packed.starts, packed.lengths, strict=True)):
+        rows = torch.tensor(packed.key_rows[i])
+        queries = q[0, :, start:start + length].double()
+        keys, values = (x[0][:, rows].double().repeat_interleave(groups, 0) for x in (k, v))
+        scores = queries @ keys.transpose(-1, -2) * scaling
+        if softcap:
+            scores = softcap * torch.tanh(scores / softcap)
+        q_pos = torch.arange(len(rows) - length, len(rows))[:, None]
+        k_pos = torch.arange(len(rows))[None]
+        seen = (k_pos <= q_pos) & ((q_pos - k_pos < window) if window else True)
+        out.append((scores.masked_fill(~seen, float("-inf")).softmax(-1) @ values).transpose(0, 1))
+    return torch.cat(out)[None]
+
+
+@pytest.mark.parametrize("dim", [64, 256, 24])  # (64 and 256 take the kernel's fixed-width loops, 24 its generic one)
+@pytest.mark.parametrize(("window", "softcap"), [(7, None), (None, 2.0), (16, 3.0), (1, None)])
+def test_native_attention_windows_and_caps_as_eager_attention_does_in_float64(native_ops, monkeypatch, dim, window,
+                                                                             softcap) -> None:
+    """Sliding windows (Mistral's, Gemma's; shorter than most sequences, cutting into the prompts
+    they continue) and Gemma 2's capped scores, forward and the gradients of q, k and v: grpo's
+    kernel and the gathered blocks (SDPA; the eager formula where capped) both equal float64
+    attention written out, to float32's rounding."""
+    heads, kv_heads = 6, 2
+    packed = _chained_pass()
+    gen = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn((1, h, packed.tokens, dim), generator=gen) for h in (heads, kv_heads, kv_heads))
+    q, scaling = q * 3, dim ** -0.5  # (scores of a few units: the caps bite)
+    grad = torch.randn((1, packed.tokens, heads, dim), generator=torch.Generator().manual_seed(11))
+    wanted = [t.double().requires_grad_() for t in (q, k, v)]
+    want_out = _attention_in_float64(packed, *wanted, scaling, window, softcap)
+    (want_out * grad).sum().backward()
+    want = [want_out.detach(), *(t.grad for t in wanted)]
+    for native in (True, False):
+        monkeypatch.setattr(packed_attention, "NATIVE_ATTENTION_ON_CPU", native)
+        pass_ = _chained_pass()
+        got_q, got_k, got_v = (t.clone().requires_grad_() for t in (q, k, v))
+        out = pass_.attend(torch.nn.Module(), got_q, got_k, got_v, scaling, 0.0, window, softcap)
+        (out * grad).sum().backward()
+        assert (pass_._native_plan is not None) == native
+        # (a window of 1: q's and k's gradients are 0, float32's of the order of the rounding of the
+        # products that cancel there: the allowance scales with the largest of the four)
+        scale = max(float(w.abs().max()) for w in want)
+        for g, w in zip([out, got_q.grad, got_k.grad, got_v.grad], want, strict=True):
+            torch.testing.assert_close(g.detach().double(), w, atol=5e-6 * scale, rtol=1e-5)
+
+
+def test_native_attention_refuses_a_negative_window_or_cap(native_ops) -> None:
+    ops = native_ops
+    q, k, v = torch.randn(5, 4 * 16), torch.randn(5, 2 * 16), torch.randn(5, 2 * 16)
+    plan = torch.tensor([[0, 5, 0, 0]]), torch.arange(5)
+    with pytest.raises(RuntimeError, match="window must be 0 \\(none\\) or the keys a query sees, got -1"):
+        ops.packed_attention(q, k, v, *plan, 4, 2, 0.25, False, -1)
+    with pytest.raises(RuntimeError, match="softcap must be 0 \\(none\\) or the scores' cap, got -2"):
+        ops.packed_attention(q, k, v, *plan, 4, 2, 0.25, False, 0, -2.0)
 
 
 def test_native_attention_refuses_sequences_out_of_range(native_ops) -> None:
@@ -355,14 +450,14 @@ def test_native_attention_gradients_are_the_same_bits_every_call(native_ops) -> 
     _same_bits_on_other_thread_counts(packed, q, k, v, first)
 
 
-def _same_bits_on_other_thread_counts(packed, q, k, v, want) -> None:
+def _same_bits_on_other_thread_counts(packed, q, k, v, want, **rule) -> None:
     """The attention and its gradients on 1 and 3 threads are ``want``, bit for bit: the order of the
     key and value gradients' sums is the tasks', not the threads'."""
     threads = torch.get_num_threads()
     try:
         for n in (1, 3):
             torch.set_num_threads(n)
-            for a, b in zip(_attend_with_grads(packed, q, k, v), want, strict=True):
+            for a, b in zip(_attend_with_grads(packed, q, k, v, **rule), want, strict=True):
                 assert torch.equal(a, b)
     finally:
         torch.set_num_threads(threads)
@@ -373,22 +468,24 @@ def _needs_dot(ops) -> None:
         pytest.skip("grpo's kernels are not built with avx512_bf16 here: no dot product to take the scores by")
 
 
-@pytest.mark.parametrize("dim", [64, 128])
+@pytest.mark.parametrize(("dim", "window", "softcap"), [(64, None, None), (128, None, None), (256, 7, 2.0)])
 def test_native_bf16_attention_by_the_dot_product_is_within_bf16s_rounding_of_float32(native_ops, monkeypatch,
-                                                                                     dim) -> None:
+                                                                                     dim, window, softcap) -> None:
     """Where the engine chose it (kernel_probe.training_attention), bf16 attention takes every product
     by avx512_bf16's dot product: the scores from bf16 q, k, v and output gradients, the weighted
     sums and the key/value gradients from the softmax's weights and their gradients rounded to bf16
     (as PyTorch's CPU flash attention does for bf16). Outputs and gradients stay within bf16's
-    rounding of the float32 attention's, at most twice the multiply-adds' error (float32 weights)."""
+    rounding of the float32 attention's, at most twice the multiply-adds' error (float32 weights);
+    in a sliding window, with capped scores, too."""
     _needs_dot(native_ops)
     packed = _chained_pass()
     gen = torch.Generator().manual_seed(8)
     q, k, v = (torch.randn((1, h, packed.tokens, dim), generator=gen).to(torch.bfloat16) for h in (9, 3, 3))
-    fma = _attend_with_grads(packed, q, k, v)
-    want = _attend_with_grads(packed, q.float(), k.float(), v.float())
+    rule = dict(sliding_window=window, softcap=softcap)
+    fma = _attend_with_grads(packed, q, k, v, **rule)
+    want = _attend_with_grads(packed, q.float(), k.float(), v.float(), **rule)
     monkeypatch.setattr(packed_attention, "_DOT_PRODUCTS", {(9, 3, dim)})
-    dot = _attend_with_grads(packed, q, k, v)
+    dot = _attend_with_grads(packed, q, k, v, **rule)
     assert not any(torch.equal(a, b) for a, b in zip(dot, fma, strict=True))  # (the dot products ran)
 
     def rms(x):
@@ -401,8 +498,8 @@ def test_native_bf16_attention_by_the_dot_product_is_within_bf16s_rounding_of_fl
         assert float((d - w).abs().max()) <= 2**-6 * float(w.abs().max())
         assert rms(d - w) <= 2 * rms(f - w)
     for _ in range(3):  # the key and value gradients still summed in the tasks' order: the same bits
-        assert all(torch.equal(a, b) for a, b in zip(_attend_with_grads(packed, q, k, v), dot, strict=True))
-    _same_bits_on_other_thread_counts(packed, q, k, v, dot)
+        assert all(torch.equal(a, b) for a, b in zip(_attend_with_grads(packed, q, k, v, **rule), dot, strict=True))
+    _same_bits_on_other_thread_counts(packed, q, k, v, dot, **rule)
 
 
 def test_the_dot_product_attention_sees_no_key_after_a_query(native_ops) -> None:
@@ -438,7 +535,7 @@ def test_the_dot_product_attention_sees_no_key_after_a_query(native_ops) -> None
 
 
 def test_the_dot_product_leaves_float32_and_other_shapes_to_multiply_adds(native_ops, monkeypatch) -> None:
-    """Only bf16 of a head dimension the kernel knows when compiling (64, 128) takes it: float32
+    """Only bf16 of a head dimension the kernel knows when compiling (64, 128, 256) takes it: float32
     asked for it computes as before, bit for bit, as does a head shape the engine did not choose."""
     _needs_dot(native_ops)
     ops = native_ops
@@ -458,19 +555,23 @@ def test_the_dot_product_leaves_float32_and_other_shapes_to_multiply_adds(native
     assert all(torch.equal(a, b) for a, b in zip(_attend_with_grads(packed, q, k, v), fma, strict=True))
 
 
-def test_native_attention_cuts_long_sequences_into_longer_tasks_where_there_are_many(native_ops, monkeypatch) -> None:
+@pytest.mark.parametrize("window", [None, 100])
+def test_native_attention_cuts_long_sequences_into_longer_tasks_where_there_are_many(native_ops, monkeypatch,
+                                                                                     window) -> None:
     """A pass of many sequences takes a long one in tasks of up to 256 queries (fewer gathers and
     gradient sums per query); its attention is still SDPA's, and the same bits on any number of
-    threads (the tasks are chosen from the pass alone)."""
+    threads (the tasks are chosen from the pass alone). In a window shorter than a task's span, each
+    task gathers and sums the keys from its first query's window on."""
     lengths = [20, *[3] * 70, 600]  # a prompt, 70 short answers and a long one continuing it
     packed = packed_attention.PackedPass(lengths, CPU, continues=[None, *[0] * 71])
     gen = torch.Generator().manual_seed(4)
     q, k, v = (torch.randn((1, h, packed.tokens, 64), generator=gen) for h in (2, 1, 1))
-    want = _attend_with_grads(packed, q, k, v)
+    want = _attend_with_grads(packed, q, k, v, sliding_window=window)
     assert packed._native_plan is not None
     monkeypatch.setattr(packed_attention, "NATIVE_ATTENTION_ON_CPU", False)
-    reference = _attend_with_grads(packed_attention.PackedPass(lengths, CPU, continues=[None, *[0] * 71]), q, k, v)
+    reference = _attend_with_grads(packed_attention.PackedPass(lengths, CPU, continues=[None, *[0] * 71]), q, k, v,
+                                   sliding_window=window)
     for g, w in zip(want, reference, strict=True):
         torch.testing.assert_close(g, w, atol=2e-6 * float(w.detach().abs().max()), rtol=1e-5)
     monkeypatch.setattr(packed_attention, "NATIVE_ATTENTION_ON_CPU", True)
-    _same_bits_on_other_thread_counts(packed, q, k, v, want)
+    _same_bits_on_other_thread_counts(packed, q, k, v, want, sliding_window=window)

@@ -7,9 +7,10 @@ one row holding every sequence's tokens back to back, each at its own positions 
 so the per-token layers see real tokens only. Attention is the one place sequences meet; it is done
 by ``packed_attention``, registered with transformers as an attention implementation. On a CPU,
 in float32 or bf16, grpo's native kernel attends each sequence's queries to its own keys in place,
-forward and backward, without padding (``PackedPass._native_attention``); elsewhere (a GPU, a
-sliding window, dropout, kernels not built) each sequence's queries and keys are gathered into
-small blocks of similar lengths, SDPA runs on them with a causal mask, and the outputs go back in
+forward and backward, without padding, sliding windows and Gemma 2's capped scores included
+(``PackedPass._native_attention``); elsewhere (a GPU, dropout, kernels not built) each sequence's
+queries and keys are gathered into small blocks of similar lengths, SDPA runs on them with a causal
+mask (capped scores: the model's eager formula, ``_capped_attention``), and the outputs go back in
 packed order.
 
 A sequence may continue an earlier sequence of the same row (a GRPO group's shared prompt): its
@@ -68,18 +69,15 @@ def use_dot_products(heads: int, kv_heads: int, head_dim: int, dot: bool) -> Non
 
 
 def supports(model) -> bool:
-    """Whether packing serves this model: attention-only decoders without logit soft-capping or
-    attention sinks (GPT-OSS's per-head extra softmax term): their kernels are not reimplemented
-    here; and hybrids whose linear-attention layers run grpo's delta rule and convolution
+    """Whether packing serves this model: attention-only decoders without attention sinks (GPT-OSS's
+    per-head extra softmax term: not reimplemented here), Gemma 2's capped scores included; and
+    hybrids whose linear-attention layers run grpo's delta rule and convolution
     (packed_recurrence.py). Others train on padded micro-batches, as does a model whose decoder,
     tried once, does not pack (``packs_as_alone``)."""
     from grpo.backends.local import delta_rule
     from grpo.backends.local.kv_cache import attention_layers
 
     config = model.config
-    text = config.get_text_config(decoder=True)
-    if getattr(text, "attn_logit_softcapping", None):
-        return False
     if any(isinstance(getattr(module, "sinks", None), torch.Tensor) for module in model.modules()):
         return False
     try:
@@ -228,12 +226,14 @@ class PackedPass:
         self.out_index = out_index.to(device)
 
     def attend(self, module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float | None,
-               dropout: float, sliding_window: int | None) -> torch.Tensor:
+               dropout: float, sliding_window: int | None, softcap: float | None = None) -> torch.Tensor:
         """Attention of this pass's queries ``(1, heads, n, dim)`` over its keys and values;
-        returns ``(1, n, heads, dim)`` as transformers' kernels do."""
+        returns ``(1, n, heads, dim)`` as transformers' kernels do. ``sliding_window``: each query
+        sees its last that many keys; ``softcap``: scores capped as Gemma 2's eager attention caps
+        them (``softcap * tanh(score / softcap)``, after the scaling, before the softmax)."""
         self.calls += 1
         heads, dim = query.shape[1], query.shape[3]
-        native = self._native_attention(query, key, value, scaling, dropout, sliding_window)
+        native = self._native_attention(query, key, value, scaling, dropout, sliding_window, softcap)
         if native is not None:
             return native
         q = query[0].transpose(0, 1)  # (n, heads, dim)
@@ -261,23 +261,27 @@ class PackedPass:
             vb = v.index_select(0, b.k_index).view(b.count, b.k_len, -1, dim).transpose(1, 2)
             if groups > 1 and not grouped:
                 kb, vb = kb.repeat_interleave(groups, dim=1), vb.repeat_interleave(groups, dim=1)
-            out = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=b.mask_for(sliding_window), dropout_p=dropout,
-                                                 scale=scaling, enable_gqa=grouped)
+            if softcap:
+                out = _capped_attention(qb, kb, vb, b.mask_for(sliding_window), dropout, scaling, softcap)
+            else:
+                out = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=b.mask_for(sliding_window),
+                                                     dropout_p=dropout, scale=scaling, enable_gqa=grouped)
             outputs.append(out.transpose(1, 2).reshape(b.count * b.q_len, heads, dim))
         return torch.cat(outputs).index_select(0, self.out_index)[None].to(out_dtype)
 
     def _native_attention(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float | None,
-                          dropout: float, sliding_window: int | None) -> torch.Tensor | None:
+                          dropout: float, sliding_window: int | None, softcap: float | None) -> torch.Tensor | None:
         """``attend`` through grpo's kernel (grpo/models/native/packed_attention.cpp): each
         sequence's queries over its own keys, none padded, nothing past a query's last key computed,
-        float32 sums; None where it does not apply (off the CPU, another dtype, dropout, a sliding
-        window, kernels not built). SmolLM2's 30 layers over the bench's packed pass, forward and
+        float32 sums, a sliding window's keys before it neither computed nor gathered, Gemma 2's cap
+        on the scores; None where it does not apply (off the CPU, another dtype, dropout, kernels not
+        built). SmolLM2's 30 layers over the bench's packed pass, forward and
         backward: 0.17 against 0.44 s for the gathered blocks through SDPA in bf16, 0.19 against 0.44
         in float32, when it came (AMD EPYC Zen 4, 2 cores); its kernel alone now ~0.08 s there, 1.5x
         faster again at 512-token answers (docs/benchmark.md, scripts/attention_rate.py). bf16 of a
         shape in ``_DOT_PRODUCTS`` takes its products by avx512_bf16's dot product (``use_dot_products``)."""
         if not (NATIVE_ATTENTION_ON_CPU and query.device.type == "cpu" and query.dtype in (torch.float32, torch.bfloat16)
-                and key.dtype == value.dtype == query.dtype and dropout == 0.0 and sliding_window is None
+                and key.dtype == value.dtype == query.dtype and dropout == 0.0
                 and query.shape[1] % key.shape[1] == 0):
             return None
         from grpo.models import native_kernels
@@ -291,7 +295,8 @@ class PackedPass:
         # projection (Phi-3's qkv_proj) hands views whose rows are the fused row's width apart
         flat = [t[0].transpose(0, 1).reshape(n, -1).contiguous() for t in (query, key, value)]
         dot = query.dtype == torch.bfloat16 and (heads, kv_heads, dim) in _DOT_PRODUCTS
-        out = _NativeAttention.apply(*flat, *self.native_plan(), heads, kv_heads, scale, dot, ops)
+        rule = (int(sliding_window or 0), float(softcap or 0.0))
+        out = _NativeAttention.apply(*flat, *self.native_plan(), heads, kv_heads, scale, dot, rule, ops)
         return out.view(1, n, heads, dim)
 
     def native_plan(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -339,10 +344,10 @@ class _NativeAttention(torch.autograd.Function):
     the weights from the saved log-sum-exp, as flash attention does)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, seqs, key_rows, heads, kv_heads, scale, dot, ops):
-        out, lse = ops.packed_attention(q, k, v, seqs, key_rows, heads, kv_heads, scale, dot)
+    def forward(ctx, q, k, v, seqs, key_rows, heads, kv_heads, scale, dot, rule, ops):
+        out, lse = ops.packed_attention(q, k, v, seqs, key_rows, heads, kv_heads, scale, dot, *rule)
         ctx.save_for_backward(q, k, v, out, lse, seqs, key_rows)
-        ctx.heads, ctx.kv_heads, ctx.scale, ctx.dot, ctx.ops = heads, kv_heads, scale, dot, ops
+        ctx.heads, ctx.kv_heads, ctx.scale, ctx.dot, ctx.rule, ctx.ops = heads, kv_heads, scale, dot, rule, ops
         return out
 
     @staticmethod
@@ -350,8 +355,21 @@ class _NativeAttention(torch.autograd.Function):
     def backward(ctx, grad):
         q, k, v, out, lse, seqs, key_rows = ctx.saved_tensors
         dq, dk, dv = ctx.ops.packed_attention_backward(grad.contiguous(), q, k, v, out, lse, seqs, key_rows, ctx.heads,
-                                                       ctx.kv_heads, ctx.scale, ctx.dot)
-        return dq, dk, dv, None, None, None, None, None, None, None
+                                                       ctx.kv_heads, ctx.scale, ctx.dot, *ctx.rule)
+        return dq, dk, dv, None, None, None, None, None, None, None, None
+
+
+def _capped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, dropout: float,
+                      scaling: float | None, softcap: float) -> torch.Tensor:
+    """A gathered block's attention with its scores capped (Gemma 2's), which SDPA cannot do: as the
+    model's eager attention computes it, the softmax in float32."""
+    groups = q.shape[1] // k.shape[1]
+    if groups > 1:
+        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    scores = q @ k.transpose(-1, -2) * (scaling if scaling is not None else q.shape[-1] ** -0.5)
+    scores = torch.tanh(scores / softcap) * softcap
+    weights = scores.masked_fill(~mask, float("-inf")).softmax(-1, dtype=torch.float32).to(q.dtype)
+    return F.dropout(weights, p=dropout, training=dropout > 0) @ v
 
 
 def _split(order: list[int], key_lengths: list[int]) -> list[list[int]]:
@@ -370,11 +388,9 @@ def packed_attention(module, query, key, value, attention_mask, dropout: float =
                      grpo_packed: PackedPass | None = None, sliding_window: int | None = None, **kwargs):
     if grpo_packed is None:
         raise RuntimeError(f"the {IMPLEMENTATION!r} attention runs only inside PackedPass.run")
-    if kwargs.get("softcap") is not None:
-        raise ValueError("packed attention does not implement logit soft-capping")
     if kwargs.get("s_aux") is not None:
         raise ValueError("packed attention does not implement attention sinks")
-    return grpo_packed.attend(module, query, key, value, scaling, dropout, sliding_window), None
+    return grpo_packed.attend(module, query, key, value, scaling, dropout, sliding_window, kwargs.get("softcap")), None
 
 
 AttentionInterface.register(IMPLEMENTATION, packed_attention)

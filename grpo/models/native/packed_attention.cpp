@@ -17,7 +17,12 @@
 // AMD EPYC (2 cores, bf16) it runs at 85-110 GFLOP/s of useful work over the bench's pass and 145-165 at
 // 512-token answers, against float32 multiply-adds' 235 (scripts/attention_rate.py).
 //
-// With `dot` (bf16, a head dimension of 64 or 128, a build with avx512_bf16) all seven products are that
+// A sliding-window layer's query sees only its last `window` keys (Mistral's, Gemma's every other layer): a task
+// gathers, scores and sums the keys from its first query's window on, and each query's softmax runs over its own
+// window (the keys before it weighted by zero). Gemma 2's scores are capped before the softmax (`softcap`:
+// softcap * tanh(score / softcap)); the backward recomputes the capped scores and takes the cap's derivative.
+//
+// With `dot` (bf16, a head dimension of 64, 128 or 256, a build with avx512_bf16) all seven products are that
 // instruction's dot products, two values a multiply-add: the scores -- queries by keys, forward and
 // backward, and output gradients by values -- over pairs of dims from bf16 panels (exact products, sums in
 // another order); the weighted sums (outputs, query gradients) over pairs of keys and the key and value
@@ -533,40 +538,68 @@ inline void pa_key_grads(const float* a, const float* bw, int64_t ldw, int64_t n
     }
 }
 
-// x[t] = exp(x[t] * scale - lse), the weight, and dx[t] = x[t] * (dx[t] - delta), the score's
-// gradient before the scale, for t < n; both zero for n <= t < keys (whatever x and dx held there)
-inline void pa_weights_backward(float* x, float* dx, int64_t n, int64_t keys, float scale, float lse, float delta) {
+// The scores as the softmax takes them, for first <= t < n: times `scale`, then where softcap > 0
+// capped as Gemma 2's attention caps them (softcap * tanh(score / softcap), simd.h's soft_cap: a value's
+// result the same wherever it sits in the row, so the backward recomputes the forward's bits)
+inline void pa_scaled_scores(float* x, int64_t first, int64_t n, float scale, float softcap) {
+#pragma omp simd
+  for (int64_t t = first; t < n; ++t) x[t] *= scale;
+  if (softcap > 0.f) soft_cap(x + first, n - first, softcap);
+}
+
+// x[t] = exp(s[t] - lse), the weight, and dx[t] = x[t] * (dx[t] - delta), the score's gradient before
+// the scale (and, where softcap > 0, through the cap: times 1 - tanh^2), for first <= t < n, s the
+// scores as pa_scaled_scores makes them; both zero elsewhere below `keys` (whatever x and dx held there)
+inline void pa_weights_backward(float* x, float* dx, int64_t first, int64_t n, int64_t keys, float scale,
+                                float softcap, float lse, float delta) {
+  float factor = scale;
+  if (softcap > 0.f) {  // (the cap is not a product: the scores capped in place, then taken as they are)
+    pa_scaled_scores(x, first, n, scale, softcap);
+    factor = 1.f;
+  }
+  const float inverse_cap = softcap > 0.f ? 1.f / softcap : 0.f;
 #if defined(FLOAT_LANES)
   using V = FloatLanes;
-  const V::reg factor = V::set1(scale), shift = V::set1(lse), d = V::set1(delta);
+  const V::reg f = V::set1(factor), shift = V::set1(lse), d = V::set1(delta), one = V::set1(1.f);
+  const V::reg inverse = V::set1(inverse_cap);
   for (int64_t t = 0; t < keys; t += V::W) {  // (keys: a multiple of sixteen, past n zero)
-    const V::reg w = V::below(vexp_lanes(V::sub(V::mul(V::load(x + t), factor), shift)), t, n);
+    const V::reg score = V::mul(V::load(x + t), f);
+    const V::reg w = V::within(vexp_lanes(V::sub(score, shift)), t, first, n);
+    V::reg grad = V::mul(w, V::sub(V::load(dx + t), d));
+    if (softcap > 0.f) {
+      const V::reg u = V::mul(score, inverse);  // tanh of the uncapped score
+      grad = V::mul(grad, V::sub(one, V::mul(u, u)));
+    }
     V::store(x + t, w);
-    V::store(dx + t, V::below(V::mul(w, V::sub(V::load(dx + t), d)), t, n));
+    V::store(dx + t, V::within(grad, t, first, n));
   }
   return;
 #endif
-#pragma omp simd
-  for (int64_t t = 0; t < n; ++t) {
-    x[t] = vexp(x[t] * scale - lse);
+  for (int64_t t = 0; t < keys; ++t) {
+    if (t < first || t >= n) {
+      x[t] = dx[t] = 0.f;
+      continue;
+    }
+    const float score = x[t] * factor, u = score * inverse_cap;
+    x[t] = vexp(score - lse);
     dx[t] = x[t] * (dx[t] - delta);
+    if (softcap > 0.f) dx[t] *= 1.f - u * u;
   }
-  for (int64_t t = n; t < keys; ++t) x[t] = dx[t] = 0.f;
 }
 
-// x[t] = exp(x[t] * scale - top) for t < n, top their largest scaled value; returns their sum
-inline float pa_softmax_numerators(float* x, int64_t n, float scale, float& top) {
-#pragma omp simd
-  for (int64_t t = 0; t < n; ++t) x[t] *= scale;
-  top = row_max(x, n);
+// x[t] = exp(s[t] - top) for first <= t < n, s the scores as pa_scaled_scores makes them and top their
+// largest; returns their sum. x below `first` is left for the caller (to zero).
+inline float pa_softmax_numerators(float* x, int64_t first, int64_t n, float scale, float softcap, float& top) {
+  pa_scaled_scores(x, first, n, scale, softcap);
+  top = row_max(x + first, n - first);
 #if defined(FLOAT_LANES) && !defined(__AVX512F__)
-  // avx2: a register at a time, lanes past n zero (x has room: a row's scores run to a multiple of
-  // sixteen), where exp_shifted_total goes a value at a time
+  // avx2: a register at a time, lanes outside first..n zero (x has room: a row's scores run to a
+  // multiple of sixteen), where exp_shifted_total goes a value at a time
   using V = FloatLanes;
   const V::reg shift = V::set1(top);
   V::reg sums = V::zero();
-  for (int64_t t = 0; t < n; t += V::W) {
-    const V::reg e = V::below(vexp_lanes(V::sub(V::load(x + t), shift)), t, n);
+  for (int64_t t = first / V::W * V::W; t < n; t += V::W) {
+    const V::reg e = V::within(vexp_lanes(V::sub(V::load(x + t), shift)), t, first, n);
     V::store(x + t, e);
     sums = V::add(sums, e);
   }
@@ -576,8 +609,20 @@ inline float pa_softmax_numerators(float* x, int64_t n, float scale, float& top)
   for (float lane : lanes) sum += lane;
   return sum;
 #else
-  return exp_shifted_total(x, n, top);  // (simd.h: avx512's sixteen at a time, the last masked; else scalar)
+  return exp_shifted_total(x + first, n - first, top);  // (simd.h: avx512's sixteen at a time, the last masked; else scalar)
 #endif
+}
+
+// The keys query r of sequence s sees, as indices into its key rows: first..limit (its prefix and its
+// own tokens up to itself; with a sliding window, only the last `window` of them, as transformers'
+// sliding-window mask: a key at position p is seen from positions below p + window)
+struct PaSpan {
+  int64_t first, limit;
+};
+
+inline PaSpan pa_span(const PackedSeq& s, int64_t r, int64_t window) {
+  const int64_t limit = s.prefix + r + 1;
+  return {window > 0 ? std::max<int64_t>(0, limit - window) : 0, limit};
 }
 
 // A task: up to `chunk` queries of one sequence through one key head, and only the keys they see.
@@ -593,20 +638,25 @@ constexpr size_t PA_MIN_TASKS = 64;
 
 struct PaTask {
   int64_t seq, head, first, count;  // queries first..first+count of sequence seq, key head `head`
+  // the keys any of them sees: key rows lo..lo+keys of the sequence (lo past 0 only in a sliding
+  // window, where the task's first query's window starts: its panels and sums begin there)
+  int64_t lo, keys;
 };
 
 // the tasks, most work first: taken in turn by whichever thread is free
-std::vector<PaTask> pa_tasks(const std::vector<PackedSeq>& seqs, int64_t kv_heads) {
+std::vector<PaTask> pa_tasks(const std::vector<PackedSeq>& seqs, int64_t kv_heads, int64_t window) {
   std::vector<PaTask> tasks;
   for (const int64_t chunk : PA_CHUNKS) {
     tasks.clear();
     for (size_t i = 0; i < seqs.size(); ++i)
-      for (int64_t first = 0; first < seqs[i].q_len; first += chunk)
-        for (int64_t g = 0; g < kv_heads; ++g)
-          tasks.push_back({static_cast<int64_t>(i), g, first, std::min(chunk, seqs[i].q_len - first)});
+      for (int64_t first = 0; first < seqs[i].q_len; first += chunk) {
+        const int64_t count = std::min(chunk, seqs[i].q_len - first);
+        const int64_t lo = pa_span(seqs[i], first, window).first, end = pa_span(seqs[i], first + count - 1, window).limit;
+        for (int64_t g = 0; g < kv_heads; ++g) tasks.push_back({static_cast<int64_t>(i), g, first, count, lo, end - lo});
+      }
     if (tasks.size() >= PA_MIN_TASKS) break;  // (else shorter chunks, down to the last's)
   }
-  auto cost = [&](const PaTask& t) { return t.count * (seqs[t.seq].prefix + t.first + t.count); };
+  auto cost = [](const PaTask& t) { return t.count * t.keys; };
   std::stable_sort(tasks.begin(), tasks.end(), [&](const PaTask& a, const PaTask& b) { return cost(a) > cost(b); });
   return tasks;
 }
@@ -648,6 +698,20 @@ std::vector<PackedSeq> pa_sequences(const at::Tensor& seqs, const at::Tensor& ke
 struct PaShape {
   int64_t rows, heads, kv_heads, dim;
 };
+
+// How a query's scores are taken: times `scale`; where softcap > 0, capped (Gemma 2's attention); where
+// window > 0, over its last `window` keys only (a sliding-window layer's)
+struct PaScoring {
+  float scale;
+  int64_t window;
+  float softcap;
+};
+
+PaScoring pa_scoring(double scale, int64_t window, double softcap) {
+  TORCH_CHECK(window >= 0, "packed_attention: window must be 0 (none) or the keys a query sees, got ", window);
+  TORCH_CHECK(softcap >= 0, "packed_attention: softcap must be 0 (none) or the scores' cap, got ", softcap);
+  return {static_cast<float>(scale), window, static_cast<float>(softcap)};
+}
 
 PaShape pa_shape(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, int64_t heads, int64_t kv_heads) {
   TORCH_CHECK(heads > 0 && kv_heads > 0 && heads % kv_heads == 0, "packed_attention: ", heads,
@@ -739,25 +803,27 @@ inline void pa_key_grads_of(bool pairs, const float* a, const float* bw, int64_t
 
 template <typename T, int64_t DIM>
 void packed_attention_impl(const T* q, const T* k, const T* v, const std::vector<PackedSeq>& seqs,
-                           const int64_t* key_rows, PaShape sh, float scale, bool dot, T* out, float* lse) {
+                           const int64_t* key_rows, PaShape sh, PaScoring sc, bool dot, T* out, float* lse) {
   const int64_t dim = DIM > 0 ? DIM : sh.dim, group = sh.heads / sh.kv_heads;
   const int64_t q_stride = sh.heads * dim, k_stride = sh.kv_heads * dim;
   const bool pairs = dot && pa_dot_built<T, DIM>();
-  pa_run(pa_tasks(seqs, sh.kv_heads), [&](const PaTask& task, int64_t) {
+  pa_run(pa_tasks(seqs, sh.kv_heads, sc.window), [&](const PaTask& task, int64_t) {
     const PackedSeq& s = seqs[task.seq];
-    const int64_t g = task.head, end = task.first + task.count, kl = s.prefix + end, klp = pa_round(kl);
+    const int64_t g = task.head, end = task.first + task.count, kl = task.keys, klp = pa_round(kl);
     thread_local KeyPanels p;
     thread_local std::vector<float> qf, w, o;
-    gather_panels(k, v, k_stride, key_rows + s.key_offset, kl, g, dim, false, pairs, p);
+    gather_panels(k, v, k_stride, key_rows + s.key_offset + task.lo, kl, g, dim, false, pairs, p);
     qf.resize(PA_ROWS * dim);
     w.resize(PA_ROWS * klp);
     o.resize(PA_ROWS * dim);
     for (int64_t h = g * group; h < (g + 1) * group; ++h) {
       for (int64_t r0 = task.first; r0 < end; r0 += PA_ROWS) {
         const int64_t nr = std::min(PA_ROWS, end - r0);
-        int64_t limit[PA_ROWS];
+        int64_t first[PA_ROWS], limit[PA_ROWS];  // query r0 + i sees the task's keys first[i]..limit[i]
         for (int64_t i = 0; i < nr; ++i) {
-          limit[i] = s.prefix + r0 + i + 1;  // query r0 + i sees its prefix and its sequence up to itself
+          const PaSpan span = pa_span(s, r0 + i, sc.window);
+          first[i] = span.first - task.lo;
+          limit[i] = span.limit - task.lo;
           if (!pairs) to_float(q + (s.q_start + r0 + i) * q_stride + h * dim, qf.data() + i * dim, dim);
         }
         pa_scores_of<T, DIM>(pairs, q + (s.q_start + r0) * q_stride + h * dim, q_stride, qf.data(), nr, p, false, klp,
@@ -765,10 +831,11 @@ void packed_attention_impl(const T* q, const T* k, const T* v, const std::vector
         for (int64_t i = 0; i < nr; ++i) {
           float top;
           float* x = w.data() + i * klp;
-          const float total = pa_softmax_numerators(x, limit[i], scale, top);
+          const float total = pa_softmax_numerators(x, first[i], limit[i], sc.scale, sc.softcap, top);
           const float inverse = 1.f / total;
+          std::fill(x, x + first[i], 0.f);  // (keys before its window: weighted by nothing)
 #pragma omp simd
-          for (int64_t t = 0; t < limit[i]; ++t) x[t] *= inverse;
+          for (int64_t t = first[i]; t < limit[i]; ++t) x[t] *= inverse;
           lse[(s.q_start + r0 + i) * sh.heads + h] = top + std::log(total);
         }
         pa_weighted_of<T, DIM>(pairs, w.data(), klp, nr, limit, p.values.data(), p.values_in_twos, dim, 1.f, o.data());
@@ -781,8 +848,9 @@ void packed_attention_impl(const T* q, const T* k, const T* v, const std::vector
 
 std::vector<at::Tensor> packed_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                          const at::Tensor& seqs, const at::Tensor& key_rows, int64_t heads,
-                                         int64_t kv_heads, double scale, bool dot) {
+                                         int64_t kv_heads, double scale, bool dot, int64_t window, double softcap) {
   const PaShape sh = pa_shape(q, k, v, heads, kv_heads);
+  const PaScoring sc = pa_scoring(scale, window, softcap);
   const auto list = pa_sequences(seqs, key_rows, sh.rows);
   auto out = at::zeros_like(q, at::MemoryFormat::Contiguous);
   auto lse = at::zeros({sh.rows, sh.heads}, q.options().dtype(at::kFloat));
@@ -790,10 +858,11 @@ std::vector<at::Tensor> packed_attention(const at::Tensor& q, const at::Tensor& 
     auto run = [&](auto dim) {
       packed_attention_impl<scalar_t, decltype(dim)::value>(
           q.data_ptr<scalar_t>(), k.data_ptr<scalar_t>(), v.data_ptr<scalar_t>(), list, key_rows.data_ptr<int64_t>(),
-          sh, static_cast<float>(scale), dot, out.data_ptr<scalar_t>(), lse.data_ptr<float>());
+          sh, sc, dot, out.data_ptr<scalar_t>(), lse.data_ptr<float>());
     };
     if (sh.dim == 64) return run(std::integral_constant<int64_t, 64>{});
     if (sh.dim == 128) return run(std::integral_constant<int64_t, 128>{});
+    if (sh.dim == 256) return run(std::integral_constant<int64_t, 256>{});
     run(std::integral_constant<int64_t, 0>{});
   });
   return {out, lse};
@@ -802,7 +871,7 @@ std::vector<at::Tensor> packed_attention(const at::Tensor& q, const at::Tensor& 
 template <typename T, int64_t DIM>
 void packed_attention_backward_impl(const T* grad, const T* q, const T* k, const T* v, const T* out, const float* lse,
                                     const std::vector<PackedSeq>& seqs, const int64_t* key_rows, PaShape sh,
-                                    float scale, bool dot, T* dq, float* dkv) {
+                                    PaScoring sc, bool dot, T* dq, float* dkv) {
   const int64_t dim = DIM > 0 ? DIM : sh.dim, group = sh.heads / sh.kv_heads;
   const bool pairs = dot && pa_dot_built<T, DIM>();
   const int64_t q_stride = sh.heads * dim, k_stride = sh.kv_heads * dim;
@@ -811,7 +880,7 @@ void packed_attention_backward_impl(const T* grad, const T* q, const T* k, const
   std::condition_variable turn_changed;
   int64_t turn = 0;
   std::exception_ptr failure;
-  const std::vector<PaTask> tasks = pa_tasks(seqs, sh.kv_heads);
+  const std::vector<PaTask> tasks = pa_tasks(seqs, sh.kv_heads, sc.window);
   // a finished task's sums, kept until its turn: (computed, key sums, value sums)
   struct Finished {
     bool ready = false, computed = false;
@@ -823,8 +892,8 @@ void packed_attention_backward_impl(const T* grad, const T* q, const T* k, const
   int64_t kept_bytes = 0;
   auto add_sums = [&](const PaTask& task, const float* dkl, const float* dvl) {
     const PackedSeq& s = seqs[task.seq];
-    const int64_t* rows = key_rows + s.key_offset;
-    for (int64_t t = 0; t < s.prefix + task.first + task.count; ++t) {
+    const int64_t* rows = key_rows + s.key_offset + task.lo;
+    for (int64_t t = 0; t < task.keys; ++t) {
       float* dk = dkv + rows[t] * k_stride + task.head * dim;
       float* dv = dk + sh.rows * k_stride;
 #pragma omp simd
@@ -836,12 +905,12 @@ void packed_attention_backward_impl(const T* grad, const T* q, const T* k, const
   };
   pa_run(tasks, [&](const PaTask& task, int64_t index) {
     const PackedSeq& s = seqs[task.seq];
-    const int64_t g = task.head, end = task.first + task.count, kl = s.prefix + end, klp = pa_round(kl);
+    const int64_t g = task.head, end = task.first + task.count, kl = task.keys, klp = pa_round(kl);
     thread_local KeyPanels p;
     thread_local std::vector<float> qf, gf, of, w, dw, dqf, dkl, dvl;
     bool computed = false;
     try {  // (a task that fails, out of memory, still takes its turn below: the others wait for it)
-      gather_panels(k, v, k_stride, key_rows + s.key_offset, kl, g, dim, true, pairs, p);
+      gather_panels(k, v, k_stride, key_rows + s.key_offset + task.lo, kl, g, dim, true, pairs, p);
       qf.resize(PA_GRAD_ROWS * dim);
       gf.resize(PA_GRAD_ROWS * dim);
       of.resize(dim);
@@ -853,19 +922,22 @@ void packed_attention_backward_impl(const T* grad, const T* q, const T* k, const
       for (int64_t h = g * group; h < (g + 1) * group; ++h) {
         for (int64_t b0 = task.first; b0 < end; b0 += PA_GRAD_ROWS) {
           // PA_GRAD_ROWS queries' weights and their gradients, PA_ROWS at a time, then their key and
-          // value gradients at once; every row zero past its last key up to the block's last's
-          const int64_t nb = std::min(PA_GRAD_ROWS, end - b0), block_keys = pa_round(s.prefix + b0 + nb);
+          // value gradients at once; every row zero outside its keys up to the block's last's
+          const int64_t nb = std::min(PA_GRAD_ROWS, end - b0);
+          const int64_t block_end = pa_span(s, b0 + nb - 1, sc.window).limit - task.lo, block_keys = pa_round(block_end);
           for (int64_t r0 = b0; r0 < b0 + nb; r0 += PA_ROWS) {
             const int64_t nr = std::min(PA_ROWS, b0 + nb - r0), j = r0 - b0;  // (j: the rows' place in the block)
             float* qb = qf.data() + j * dim;
             float* gb = gf.data() + j * dim;
             float* wb = w.data() + j * klp;
             float* dwb = dw.data() + j * klp;
-            int64_t limit[PA_ROWS];
+            int64_t first[PA_ROWS], limit[PA_ROWS];
             float delta[PA_ROWS];  // sum_d grad * out of each query: softmax's backward
             for (int64_t i = 0; i < nr; ++i) {
               const int64_t row = s.q_start + r0 + i;
-              limit[i] = s.prefix + r0 + i + 1;
+              const PaSpan span = pa_span(s, r0 + i, sc.window);
+              first[i] = span.first - task.lo;
+              limit[i] = span.limit - task.lo;
               if (!pairs) to_float(q + row * q_stride + h * dim, qb + i * dim, dim);  // (pairs: read as bf16)
               to_float(grad + row * q_stride + h * dim, gb + i * dim, dim);
               to_float(out + row * q_stride + h * dim, of.data(), dim);
@@ -880,16 +952,17 @@ void packed_attention_backward_impl(const T* grad, const T* q, const T* k, const
             pa_scores_of<T, DIM>(pairs, grad + first_row, q_stride, gb, nr, p, true, klp, keys, dim, dwb);  // d weights
             for (int64_t i = 0; i < nr; ++i) {
               const float m = lse[(s.q_start + r0 + i) * sh.heads + h];
-              pa_weights_backward(wb + i * klp, dwb + i * klp, limit[i], block_keys, scale, m, delta[i]);
+              pa_weights_backward(wb + i * klp, dwb + i * klp, first[i], limit[i], block_keys, sc.scale, sc.softcap, m,
+                                  delta[i]);
             }
-            pa_weighted_of<T, DIM>(pairs, dwb, klp, nr, limit, p.keys.data(), p.keys_in_twos, dim, scale, dqf.data());
+            pa_weighted_of<T, DIM>(pairs, dwb, klp, nr, limit, p.keys.data(), p.keys_in_twos, dim, sc.scale, dqf.data());
             for (int64_t i = 0; i < nr; ++i)
               from_float(dqf.data() + i * dim, dq + (s.q_start + r0 + i) * q_stride + h * dim, dim);
           }
           // dk[t] += scale * sum_i ds[i][t] q[i], dv[t] += sum_i w[i][t] g[i] over the block's queries
           int64_t block_rows[PA_GRAD_ROWS];
           for (int64_t i = 0; i < nb; ++i) block_rows[i] = s.q_start + b0 + i;
-          pa_key_grads_of<T, DIM>(pairs, dw.data(), w.data(), klp, nb, s.prefix + b0 + nb, scale, qf.data(), gf.data(),
+          pa_key_grads_of<T, DIM>(pairs, dw.data(), w.data(), klp, nb, block_end, sc.scale, qf.data(), gf.data(),
                                   q + h * dim, grad + h * dim, block_rows, q_stride, dim, dkl.data(), dvl.data());
         }
       }
@@ -944,8 +1017,10 @@ void packed_attention_backward_impl(const T* grad, const T* q, const T* k, const
 std::vector<at::Tensor> packed_attention_backward(const at::Tensor& grad, const at::Tensor& q, const at::Tensor& k,
                                                   const at::Tensor& v, const at::Tensor& out, const at::Tensor& lse,
                                                   const at::Tensor& seqs, const at::Tensor& key_rows, int64_t heads,
-                                                  int64_t kv_heads, double scale, bool dot) {
+                                                  int64_t kv_heads, double scale, bool dot, int64_t window,
+                                                  double softcap) {
   const PaShape sh = pa_shape(q, k, v, heads, kv_heads);
+  const PaScoring sc = pa_scoring(scale, window, softcap);
   check_dense_rows(grad, sh.rows, heads * sh.dim, "packed_attention_backward: grad");
   check_dense_rows(out, sh.rows, heads * sh.dim, "packed_attention_backward: out");
   TORCH_CHECK(grad.scalar_type() == q.scalar_type() && out.scalar_type() == q.scalar_type(),
@@ -961,10 +1036,11 @@ std::vector<at::Tensor> packed_attention_backward(const at::Tensor& grad, const 
       packed_attention_backward_impl<scalar_t, decltype(dim)::value>(
           grad.data_ptr<scalar_t>(), q.data_ptr<scalar_t>(), k.data_ptr<scalar_t>(), v.data_ptr<scalar_t>(),
           out.data_ptr<scalar_t>(), lse.data_ptr<float>(), list, key_rows.data_ptr<int64_t>(), sh,
-          static_cast<float>(scale), dot, dq.data_ptr<scalar_t>(), dkv.data_ptr<float>());
+          sc, dot, dq.data_ptr<scalar_t>(), dkv.data_ptr<float>());
     };
     if (sh.dim == 64) return run(std::integral_constant<int64_t, 64>{});
     if (sh.dim == 128) return run(std::integral_constant<int64_t, 128>{});
+    if (sh.dim == 256) return run(std::integral_constant<int64_t, 256>{});
     run(std::integral_constant<int64_t, 0>{});
   });
   return {dq, dkv[0].to(q.scalar_type()), dkv[1].to(q.scalar_type())};

@@ -57,6 +57,13 @@ struct FloatLanes {
                         : n > t0 ? static_cast<__mmask16>((1u << (n - t0)) - 1) : static_cast<__mmask16>(0);
     return _mm512_maskz_mov_ps(m, v);
   }
+  // v's lanes t0 + i from `first` up to n, zeros elsewhere (a query's keys in a sliding window)
+  static reg within(reg v, int64_t t0, int64_t first, int64_t n) {
+    const reg kept = below(v, t0, n);
+    if (first <= t0) return kept;
+    const __mmask16 m = first - t0 >= 16 ? static_cast<__mmask16>(0) : static_cast<__mmask16>(0xffffu << (first - t0));
+    return _mm512_maskz_mov_ps(m, kept);
+  }
 #else
   using reg = __m256;
   static constexpr int W = 8, KEY_BLOCKS = 1, WEIGHTED_ROWS = 2, GRAD_KEYS = 2;
@@ -78,6 +85,14 @@ struct FloatLanes {
     const __m256i index =
         _mm256_add_epi32(_mm256_set1_epi32(static_cast<int>(t0)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
     return _mm256_and_ps(_mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(n)), index)), v);
+  }
+  static reg within(reg v, int64_t t0, int64_t first, int64_t n) {
+    const reg kept = below(v, t0, n);
+    if (first <= t0) return kept;
+    const __m256i index =
+        _mm256_add_epi32(_mm256_set1_epi32(static_cast<int>(t0)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+    const __m256i before = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(first)), index);
+    return _mm256_andnot_ps(_mm256_castsi256_ps(before), kept);
   }
 #endif
   // p's lanes loaded once into a register for the several multiply-adds that read them: left to

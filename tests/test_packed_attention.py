@@ -338,7 +338,7 @@ def _attention_in_float64(packed, q, k, v, scaling: float, window: int | None, s
     """Each sequence of ``packed`` attended alone, in float64, as transformers' eager attention
     computes it: query at position p sees keys at positions p - window < p' <= p (its prefix's,
     then its own), scores capped as softcap * tanh(score / softcap); ``(1, tokens, heads, dim)``."""
-    heads, groups = q.shape[1], q.shape[1] // k.shape[1]
+    groups = q.shape[1] // k.shape[1]
     out = []
     for i, (start, length) in enumerate(zip(packed.starts, packed.lengths, strict=True)):
         rows = torch.tensor(packed.key_rows[i])

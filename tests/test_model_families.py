@@ -187,6 +187,23 @@ def test_the_logit_head_takes_each_familys_step_after_the_unembedding() -> None:
     assert gemma.softcap == 30.0 and gemma.divide is None
 
 
+def test_gemmas_capped_logits_go_through_the_kernel_where_no_gradient_is_asked(native_ops) -> None:
+    """Without a gradient (the sampler's logits, prompt logprobs) the cap is grpo's kernel's, as the
+    loss head's; with one, PyTorch's operators, which autograd differentiates."""
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    gemma = logit_head(Gemma2ForCausalLM(Gemma2Config(vocab_size=50, head_dim=16, final_logit_softcapping=3.0,
+                                                      **SIZES)))
+    hidden = torch.randn(4, SIZES["hidden_size"], generator=torch.Generator().manual_seed(0)) * 30
+    raw = gemma.uncapped(hidden).detach()
+    assert raw.abs().max() > 3.0  # (past the cap)
+    with torch.no_grad():
+        assert torch.equal(gemma(hidden), native_ops.soft_cap_(raw.clone(), 3.0))
+    with_grad = gemma(hidden)
+    assert with_grad.requires_grad
+    torch.testing.assert_close(with_grad.detach(), torch.tanh(raw / 3.0) * 3.0)
+
+
 def test_the_load_checks_leave_every_modules_mode_as_it_was() -> None:
     from grpo.backends.local import packed_attention
 

@@ -165,6 +165,58 @@ def test_the_loss_head_takes_only_what_it_computes(native_ops) -> None:
         native_layers.target_logprobs(torch.zeros(3, 5), torch.tensor([0, 9, 1]))
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_the_loss_head_caps_gemma2s_logits_and_takes_the_gradient_through_the_cap(native_ops, dtype) -> None:
+    """With Gemma 2's cap (softcap * tanh(logits / softcap), 30 in its checkpoints) the loss head caps
+    each row in its pass over it: logprobs, entropies and the raw logits' gradient against float64
+    autograd through the formula; the capped logits rounded once to bf16 in bf16 (an ulp at 30 is
+    0.125: the logprobs within that); the cap matters at these logits (up to ~70: most of them where
+    its derivative is neither 1 nor 0)."""
+    from grpo.backends.local.trainer import _TargetLogprobs
+
+    gen = torch.Generator().manual_seed(0)
+    logits = (torch.randn(19, 3001, generator=gen) * 15).to(dtype)
+    targets = torch.randint(0, 3001, (19,), generator=gen)
+    targets[3] = logits[3].float().argmax()
+    weights = torch.randn(19, generator=gen)
+    want_in = logits.double().clone().requires_grad_()
+    want_lp, want_ent = _TargetLogprobs.apply(torch.tanh(want_in / 30.0) * 30.0, targets)
+    (want_lp * weights.double()).sum().backward()
+    got_in = logits.detach().clone().requires_grad_()
+    got_lp, got_ent = native_layers.target_logprobs(got_in * 1, targets, 30.0)
+    (got_lp * weights).sum().backward()
+    bound = 2e-5 if dtype == torch.float32 else 0.15
+    assert (got_lp - want_lp).abs().max() < bound
+    assert (got_ent - want_ent).abs().max() < bound
+    assert got_in.grad.dtype == dtype
+    grad_bound = 1e-5 if dtype == torch.float32 else 0.02
+    assert (got_in.grad.double() - want_in.grad).abs().max() <= grad_bound * want_in.grad.abs().max()
+    uncapped, _ = native_layers.target_logprobs(logits.clone(), targets)
+    assert (uncapped - want_lp).abs().max() > 10.0
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_soft_cap_caps_in_place_each_value_rounded_once(native_ops, dtype) -> None:
+    """The sampler's cap on Gemma 2's logits: float32's to a few ulps of the formula in float64, and
+    bf16's that float32 result rounded once (PyTorch's three operators round three times)."""
+    gen = torch.Generator().manual_seed(1)
+    raw = (torch.randn(5, 1003, generator=gen) * 40).to(dtype)
+    logits = raw.clone()
+    out = native_ops.soft_cap_(logits, 30.0)
+    assert out.data_ptr() == logits.data_ptr()  # (in place)
+    want = torch.tanh(raw.double() / 30.0) * 30.0
+    if dtype == torch.float32:
+        assert (out.double() - want).abs().max() <= 8 * ULP[torch.float32] * 30
+    else:
+        assert torch.equal(out, native_ops.soft_cap_(raw.float(), 30.0).to(torch.bfloat16))
+    with pytest.raises(RuntimeError, match="soft_cap_: softcap must be positive, got 0"):
+        native_ops.soft_cap_(raw.clone(), 0.0)
+    with pytest.raises(RuntimeError, match="soft_cap_: logits must be a contiguous CPU tensor"):
+        native_ops.soft_cap_(raw.t(), 30.0)
+    with pytest.raises(RuntimeError, match="target_logprobs: softcap must be 0 \\(none\\) or the logits' cap"):
+        native_ops.target_logprobs(raw.clone(), torch.zeros(5, dtype=torch.long), -1.0)
+
+
 def _llama(dtype: torch.dtype) -> LlamaForCausalLM:
     config = LlamaConfig(vocab_size=97, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2)
@@ -401,7 +453,7 @@ def test_the_trainer_computes_through_the_kernels_what_it_computes_without(tmp_p
 
     loss, grads = run()
     native_layers.uninstall(model)
-    monkeypatch.setattr(native_layers, "target_logprobs", lambda logits, targets: None)  # the loss head's too
+    monkeypatch.setattr(native_layers, "target_logprobs", lambda *args: None)  # the loss head's too
     want_loss, want_grads = run()
     bound = 1e-5 if train_dtype == "fp32" else 0.03
     assert abs(loss - want_loss) <= bound * abs(want_loss)

@@ -22,6 +22,8 @@ Gemma 2's layer is Gemma 3's without the norms of q's and k's heads, with one ro
 both kinds of layer (windows of 4,096, every other layer), and with its attention's scores capped
 (``attn_logit_softcapping``: cap * tanh(score / cap), 50 in its checkpoints), which rope_attend
 applies before the softmax; transformers runs it through its eager attention only (SDPA has no cap).
+Its logits are capped too (30 in its checkpoints), by ``soft_cap_`` in place: as the trainer's loss
+head caps them (logit_head.py), each value in float32 rounded once, in one pass.
 A Gemma-2-2B-shaped bf16 step (SmolLM2-135M's sizes, its layer) took 1.8-2x Llama's through the
 model's forward (docs/benchmark.md).
 
@@ -116,8 +118,8 @@ class GemmaDecoder:
         return self._capped(self.causal_lm.lm_head(x))
 
     def _capped(self, logits: torch.Tensor) -> torch.Tensor:
-        if self.softcap is not None:  # (as Gemma3ForCausalLM.forward and Gemma 2's, in the model's dtype; in place)
-            logits = logits.div_(self.softcap).tanh_().mul_(self.softcap)
+        if self.softcap is not None:  # (in place, as the trainer's loss head caps them: logit_head.py)
+            logits = self.ops.soft_cap_(logits, self.softcap)
         return logits
 
     def _one_call_plan(self) -> OneCallPlan | None:

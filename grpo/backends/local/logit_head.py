@@ -5,7 +5,10 @@ positions at a time (trainer.unembed_counted), so that one chunk of logits exist
 causal LMs' logits are ``lm_head(hidden)``; some families change them after: Granite divides by
 ``config.logits_scaling``, Cohere multiplies by its ``logit_scale``, Gemma 2 and 3 soft-cap them
 (``cap * tanh(logits / cap)``, ``config.final_logit_softcapping``). ``logit_head(model)`` is the
-unembedding with that step, in the model's own order of operations; ``check_logit_head(model)``
+unembedding with that step, in the model's own order of operations (the cap, on a CPU with grpo's
+kernels, by ``soft_cap_``: each value in float32, rounded once, as the sampler's decoding step and
+the trainer's loss head cap theirs; PyTorch's three operators are three passes and, in bf16, three
+roundings); ``check_logit_head(model)``
 compares it with the model's own forward once, at load, and refuses a model whose forward does
 something else still -- rather than train it on logprobs its sampler never drew from.
 """
@@ -15,7 +18,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from grpo.backends.local.native_layers import takes_logits
 from grpo.backends.local.trial import trial_run
+from grpo.models import native_kernels
 
 
 class ScaledLogits:
@@ -27,14 +32,25 @@ class ScaledLogits:
         self.out_features = getattr(lm_head, "out_features", None)
 
     def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.cap(self.uncapped(hidden))
+
+    def uncapped(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The logits before the soft-cap (the trainer's loss head caps them itself: trainer.py)."""
         logits = self.lm_head(hidden)
         if self.divide is not None:
             logits = logits / self.divide
         if self.multiply is not None:
             logits = logits * self.multiply
-        if self.softcap is not None:
-            logits = torch.tanh(logits / self.softcap) * self.softcap
         return logits
+
+    def cap(self, logits: torch.Tensor) -> torch.Tensor:
+        """``softcap * tanh(logits / softcap)`` where the family caps (else ``logits``): in place by
+        grpo's kernel where no gradient is asked of it (a CPU, float32 or bf16, kernels built)."""
+        if self.softcap is None:
+            return logits
+        if not (torch.is_grad_enabled() and logits.requires_grad) and logits.is_contiguous() and takes_logits(logits):
+            return native_kernels.kernels().soft_cap_(logits, self.softcap)
+        return torch.tanh(logits / self.softcap) * self.softcap
 
 
 def logit_head(model: nn.Module) -> nn.Module | ScaledLogits:

@@ -103,13 +103,15 @@ class _ActivationMul(torch.autograd.Function):
 class _TargetLogprobs(torch.autograd.Function):
     """trainer._TargetLogprobs through the kernels: log_softmax at the targets and the entropies in
     two reads of the logits, in their own dtype (a bf16 model's logits are not copied to float32);
-    the backward written over the logits, in that dtype."""
+    the backward written over the logits, in that dtype. With ``softcap`` (Gemma 2's logits) the
+    logits are capped first, in place, and the backward goes back through the cap."""
 
     @staticmethod
-    def forward(ctx, logits: torch.Tensor, targets: torch.Tensor, ops) -> tuple[torch.Tensor, torch.Tensor]:
-        logprobs, entropy, stats = ops.target_logprobs(logits, targets)
+    def forward(ctx, logits: torch.Tensor, targets: torch.Tensor, softcap: float,
+                ops) -> tuple[torch.Tensor, torch.Tensor]:
+        logprobs, entropy, stats = ops.target_logprobs(logits, targets, softcap)
         ctx.save_for_backward(logits, targets, stats)
-        ctx.ops = ops
+        ctx.softcap, ctx.ops = softcap, ops
         ctx.mark_non_differentiable(entropy)
         return logprobs, entropy
 
@@ -117,17 +119,21 @@ class _TargetLogprobs(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, grad: torch.Tensor, _grad_entropy: torch.Tensor):
         logits, targets, stats = ctx.saved_tensors
-        return ctx.ops.target_logprobs_backward_(grad.float().contiguous(), logits, targets, stats), None, None
+        return (ctx.ops.target_logprobs_backward_(grad.float().contiguous(), logits, targets, stats, ctx.softcap),
+                None, None, None)
 
 
-def target_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+def target_logprobs(logits: torch.Tensor, targets: torch.Tensor,
+                    softcap: float | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
     """Float32 ``log_softmax(logits)[target]`` (differentiable) and entropy (not) of each row of a
     chunk of the unembedding's output, through the kernels; None where they do not apply (not
-    built or switched off, not on a CPU, another dtype). The logits' memory is taken over for the
-    gradient: they must be a tensor nothing else reads after the backward (a Linear's output)."""
+    built or switched off, not on a CPU, another dtype). The logits' memory is taken over -- capped
+    in place where ``softcap`` is given (``softcap * tanh(logits / softcap)``, as ``soft_cap_``
+    caps the sampler's), then written over with the gradient: they must be a tensor nothing else
+    reads (a Linear's output)."""
     if not takes_logits(logits) or logits.dim() != 2 or not logits.is_contiguous():
         return None
-    return _TargetLogprobs.apply(logits, targets.contiguous(), native_kernels.kernels())
+    return _TargetLogprobs.apply(logits, targets.contiguous(), float(softcap or 0.0), native_kernels.kernels())
 
 
 def logit_stats(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -210,7 +210,13 @@ class _TargetLogprobs(torch.autograd.Function):
 
 def _chunk_logprobs(lm_head, hidden: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Target logprobs (differentiable) and entropies (not) of one chunk of positions: through
-    the native kernels on a CPU where they are built (native_layers.py), else PyTorch's operators."""
+    the native kernels on a CPU where they are built (native_layers.py), else PyTorch's operators.
+    A family's soft-cap on its logits (Gemma 2's) is then the kernel's too, in its pass over them."""
+    softcap = getattr(lm_head, "softcap", None)
+    if softcap is not None and native_layers.takes_logits(hidden):
+        logits = lm_head.uncapped(hidden)
+        native = native_layers.target_logprobs(logits, targets, softcap)
+        return native if native is not None else _TargetLogprobs.apply(lm_head.cap(logits).float(), targets)
     logits = lm_head(hidden)
     native = native_layers.target_logprobs(logits, targets)
     return native if native is not None else _TargetLogprobs.apply(logits.float(), targets)

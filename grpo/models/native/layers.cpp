@@ -1,7 +1,9 @@
 // The trainer's and the sampler's layer pieces beside the products: residual add + RMSNorm, SiLU * up,
-// their backwards, the rotary embedding (forward and backward), and the loss head's target logprobs.
+// their backwards, the rotary embedding (forward and backward), the loss head's target logprobs, and
+// Gemma 2's cap on the logits.
 
 #include "ops.h"
+#include "simd.h"
 
 namespace grpo_native {
 
@@ -351,14 +353,21 @@ at::Tensor rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& si
 // The trainer's loss head, a row of logits at a time: log_softmax at each row's target, the row's
 // entropy, and (max, log of the sum of exp(logit - max)) kept for the backward. Two reads of the
 // row where autograd's float32 log_softmax, exp and entropy sweep it (and a bf16 model's float32
-// copy of it) about eight times.
+// copy of it) about eight times. With `softcap` > 0 (Gemma 2's logits) each row is first capped in
+// place, as soft_cap_ caps the sampler's: autograd's three operators over the logits, each a copy
+// (and the same three backward), in one more pass over the row.
 template <typename T>
-void target_logprobs_impl(const T* base, const int64_t* tp, float* lp, float* ent, float* st, int64_t rows,
-                          int64_t vocab) {
+void target_logprobs_impl(T* base, const int64_t* tp, float* lp, float* ent, float* st, int64_t rows, int64_t vocab,
+                          float softcap) {
   at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
     float* x = row_buffer(vocab);
     for (int64_t r = begin; r < end; ++r) {
       to_float(base + r * vocab, x, vocab);
+      if (softcap > 0.f) {  // (kept capped, rounded to T: what the backward reads, and what the stats are of)
+        soft_cap(x, vocab, softcap);
+        from_float(x, base + r * vocab, vocab);
+        if constexpr (!std::is_same_v<T, float>) to_float(base + r * vocab, x, vocab);
+      }
       const float top = row_max(x, vocab);
       // summed in float64 across blocks of 512 (float in vector lanes inside one): the backward's
       // probabilities are exp(logit - max - log_total), and a loss whose coefficients cancel
@@ -386,9 +395,10 @@ void target_logprobs_impl(const T* base, const int64_t* tp, float* lp, float* en
   });
 }
 
-std::vector<at::Tensor> target_logprobs(const at::Tensor& logits, const at::Tensor& targets) {
+std::vector<at::Tensor> target_logprobs(at::Tensor& logits, const at::Tensor& targets, double softcap) {
   TORCH_CHECK(logits.dim() == 2 && logits.is_contiguous() && logits.device().is_cpu() && logits.size(1) > 0,
               "target_logprobs: logits must be a contiguous CPU [rows, vocab], got ", logits.sizes());
+  TORCH_CHECK(softcap >= 0, "target_logprobs: softcap must be 0 (none) or the logits' cap, got ", softcap);
   const int64_t rows = logits.size(0), vocab = logits.size(1);
   TORCH_CHECK(targets.dim() == 1 && targets.size(0) == rows && targets.scalar_type() == at::kLong &&
                   targets.is_contiguous(),
@@ -401,16 +411,20 @@ std::vector<at::Tensor> target_logprobs(const at::Tensor& logits, const at::Tens
   auto stats = at::empty({rows, 2}, options);
   float *lp = logprobs.data_ptr<float>(), *ent = entropy.data_ptr<float>(), *st = stats.data_ptr<float>();
   DISPATCH_SAMPLER_TYPES(logits.scalar_type(), "target_logprobs", [&] {
-    target_logprobs_impl<scalar_t>(logits.data_ptr<scalar_t>(), tp, lp, ent, st, rows, vocab);
+    target_logprobs_impl<scalar_t>(logits.data_ptr<scalar_t>(), tp, lp, ent, st, rows, vocab,
+                                   static_cast<float>(softcap));
   });
   return {logprobs, entropy, stats};
 }
 
 // Its backward, written over the logits (no longer needed) in their dtype:
-// d logprob[t] / d logits = onehot(t) - softmax(logits), times each row's incoming gradient.
+// d logprob[t] / d logits = onehot(t) - softmax(logits), times each row's incoming gradient; with
+// `softcap` > 0 the logits are the capped ones, and each gradient goes back through the cap: times
+// 1 - tanh^2, tanh = capped / softcap.
 template <typename T>
 void target_logprobs_backward_impl(const float* gp, T* base, const int64_t* tp, const float* st, int64_t rows,
-                                   int64_t vocab) {
+                                   int64_t vocab, float softcap) {
+  const float inverse_cap = softcap > 0.f ? 1.f / softcap : 0.f;  // (0: the factor is 1 - 0)
   at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
     float* x = row_buffer(vocab);
     for (int64_t r = begin; r < end; ++r) {
@@ -418,21 +432,29 @@ void target_logprobs_backward_impl(const float* gp, T* base, const int64_t* tp, 
       // (logit - max) - log_total: max + log_total in one float would round at the max's scale
       const float top = st[2 * r], log_total = st[2 * r + 1], g = gp[r];
       const float target = x[tp[r]];
+      if (softcap > 0.f) {
 #pragma omp simd
-      for (int64_t i = 0; i < vocab; ++i) {
-        const float d = (x[i] - top) - log_total;
-        x[i] = d < -87.f ? 0.f : -g * vexp(d);
+        for (int64_t i = 0; i < vocab; ++i) {
+          const float d = (x[i] - top) - log_total, u = x[i] * inverse_cap;
+          x[i] = d < -87.f ? 0.f : -g * vexp(d) * (1.f - u * u);
+        }
+      } else {
+#pragma omp simd
+        for (int64_t i = 0; i < vocab; ++i) {
+          const float d = (x[i] - top) - log_total;
+          x[i] = d < -87.f ? 0.f : -g * vexp(d);
+        }
       }
       // the target's own term: g * (1 - p), as one product (not -g * p + g: no cancellation)
-      const float d = (target - top) - log_total;
-      x[tp[r]] = g * (1.f - (d < -87.f ? 0.f : vexp(d)));
+      const float d = (target - top) - log_total, u = target * inverse_cap;
+      x[tp[r]] = g * (1.f - (d < -87.f ? 0.f : vexp(d))) * (1.f - u * u);
       from_float(x, base + r * vocab, vocab);
     }
   });
 }
 
 at::Tensor target_logprobs_backward_(const at::Tensor& grad, at::Tensor& logits, const at::Tensor& targets,
-                                     const at::Tensor& stats) {
+                                     const at::Tensor& stats, double softcap) {
   TORCH_CHECK(logits.dim() == 2 && logits.is_contiguous() && logits.device().is_cpu(),
               "target_logprobs_backward_: logits must be a contiguous CPU [rows, vocab], got ", logits.sizes());
   const int64_t rows = logits.size(0), vocab = logits.size(1);
@@ -445,7 +467,38 @@ at::Tensor target_logprobs_backward_(const at::Tensor& grad, at::Tensor& logits,
   const float *gp = grad.data_ptr<float>(), *st = stats.data_ptr<float>();
   const int64_t* tp = targets.data_ptr<int64_t>();
   DISPATCH_SAMPLER_TYPES(logits.scalar_type(), "target_logprobs_backward_", [&] {
-    target_logprobs_backward_impl<scalar_t>(gp, logits.data_ptr<scalar_t>(), tp, st, rows, vocab);
+    target_logprobs_backward_impl<scalar_t>(gp, logits.data_ptr<scalar_t>(), tp, st, rows, vocab,
+                                            static_cast<float>(softcap));
+  });
+  return logits;
+}
+
+// logits = softcap * tanh(logits / softcap), in place, each value in float32 and rounded once to the
+// logits' dtype (simd.h's soft_cap: a value's result the same wherever it lies): Gemma 2's final cap
+// on the sampler's logits, as target_logprobs caps the trainer's
+template <typename T>
+void soft_cap_impl(T* base, int64_t rows, int64_t width, float softcap) {
+  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+    float* x = std::is_same_v<T, float> ? nullptr : row_buffer(width);
+    for (int64_t r = begin; r < end; ++r) {
+      if constexpr (std::is_same_v<T, float>) {
+        soft_cap(base + r * width, width, softcap);
+      } else {
+        to_float(base + r * width, x, width);
+        soft_cap(x, width, softcap);
+        from_float(x, base + r * width, width);
+      }
+    }
+  });
+}
+
+at::Tensor soft_cap_(at::Tensor& logits, double softcap) {
+  TORCH_CHECK(logits.is_contiguous() && logits.device().is_cpu() && logits.dim() >= 1,
+              "soft_cap_: logits must be a contiguous CPU tensor, got ", logits.sizes());
+  TORCH_CHECK(softcap > 0, "soft_cap_: softcap must be positive, got ", softcap);
+  const int64_t width = logits.size(-1), rows = width ? logits.numel() / width : 0;
+  DISPATCH_SAMPLER_TYPES(logits.scalar_type(), "soft_cap_", [&] {
+    soft_cap_impl<scalar_t>(logits.data_ptr<scalar_t>(), rows, width, static_cast<float>(softcap));
   });
   return logits;
 }

@@ -3,7 +3,7 @@
 // - layers.cpp: the trainer's RMSNorms, SiLU * up and rotary embeddings, forward and backward, and its
 //   loss head (native_layers.py): one pass over memory each where autograd takes several; the
 //   sampler's residual add + RMSNorm (or a sublayer's norm + the residual add: OLMo2's) and SiLU * up
-//   (GELU * up for Gemma);
+//   (GELU * up for Gemma); Gemma 2's cap on the logits (in the loss head, and soft_cap_ for the sampler's);
 // - decode_attention.cpp: a decoding step's attention, the new keys and values rotated into the
 //   caches (rope_attend), and over the caches a model's own forward keeps (cached_attend);
 // - decode_layers.cpp: a decoding step's layers in one call (native_decode.py): at a decoding
@@ -55,9 +55,10 @@ std::vector<at::Tensor> silu_mul_backward(const at::Tensor& grad, const at::Tens
 std::vector<at::Tensor> gelu_tanh_mul_backward(const at::Tensor& grad, const at::Tensor& gate,
                                                const at::Tensor& up);
 at::Tensor rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, int64_t heads, bool backward);
-std::vector<at::Tensor> target_logprobs(const at::Tensor& logits, const at::Tensor& targets);
+std::vector<at::Tensor> target_logprobs(at::Tensor& logits, const at::Tensor& targets, double softcap);
 at::Tensor target_logprobs_backward_(const at::Tensor& grad, at::Tensor& logits, const at::Tensor& targets,
-                                     const at::Tensor& stats);
+                                     const at::Tensor& stats, double softcap);
+at::Tensor soft_cap_(at::Tensor& logits, double softcap);
 
 // sample_tokens.cpp
 std::vector<at::Tensor> sample_tokens(const at::Tensor& logits, const at::Tensor& temperatures,

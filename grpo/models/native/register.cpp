@@ -14,8 +14,11 @@ TORCH_LIBRARY(grpo_native, m) {
   m.def("gelu_tanh_mul_backward(Tensor grad, Tensor gate, Tensor up) -> Tensor[]");
   m.def("sample_tokens(Tensor logits, Tensor temperatures, Tensor uniforms) -> Tensor[]");
   m.def("rope(Tensor x, Tensor cos, Tensor sin, int heads, bool backward) -> Tensor");
-  m.def("target_logprobs(Tensor logits, Tensor targets) -> Tensor[]");
-  m.def("target_logprobs_backward_(Tensor grad, Tensor(a!) logits, Tensor targets, Tensor stats) -> Tensor(a!)");
+  // (with softcap > 0, target_logprobs caps the logits in place: its backward reads them capped)
+  m.def("target_logprobs(Tensor(a!) logits, Tensor targets, float softcap=0.0) -> Tensor[]");
+  m.def("target_logprobs_backward_(Tensor grad, Tensor(a!) logits, Tensor targets, Tensor stats, float softcap=0.0) "
+        "-> Tensor(a!)");
+  m.def("soft_cap_(Tensor(a!) logits, float softcap) -> Tensor(a!)");
   m.def("rope_attend(Tensor q, Tensor k, Tensor v, Tensor cos, Tensor sin, Tensor(a!) k_cache, Tensor(b!) v_cache, "
         "Tensor lengths, int heads, float scale, Tensor? shared_from=None, Tensor? shared=None, bool dot=False, "
         "Tensor? q_norm=None, Tensor? k_norm=None, float norm_eps=0.0, str norms=\"llama\", int window=0, "
@@ -68,6 +71,7 @@ TORCH_LIBRARY_IMPL(grpo_native, CPU, m) {
   m.impl("rope", grpo_native::rope);
   m.impl("target_logprobs", grpo_native::target_logprobs);
   m.impl("target_logprobs_backward_", grpo_native::target_logprobs_backward_);
+  m.impl("soft_cap_", grpo_native::soft_cap_);
   m.impl("rope_attend", grpo_native::rope_attend);
   m.impl("cached_attend", grpo_native::cached_attend);
   m.impl("decode_layers", grpo_native::decode_layers);

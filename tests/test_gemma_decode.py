@@ -258,6 +258,31 @@ def test_a_gemma3_through_the_client_samples_logprobs_the_trainer_computes(tmp_p
     service.close()
 
 
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_a_gemma2_through_the_client_samples_logprobs_the_trainer_computes(tmp_path, monkeypatch, tokenizer,
+                                                                           dtype) -> None:
+    """Gemma 2 loaded, sampled and scored in one precision (bf16 too: its logits' cap rounds once
+    where the model's forward rounds three times, which the load's check of the logit head allows):
+    the sampled logprobs are the trainer's, its scores' and logits' caps both applied; the trainer
+    packs it (its capped scores through grpo's kernel)."""
+    from grpo.backends.local import packed_attention
+
+    service, tc, decoders = _client_whose_decoders_are_kept(tmp_path, monkeypatch, tokenizer,
+                                                            _tiny_gemma2(len(tokenizer), torch.float32, window=6),
+                                                            dtype, dtype)
+    assert packed_attention.supports(tc.engine.model)
+    drawn = sample_each(tc, temperature=1.0, seed=7)
+    assert decoders and all(type(d) is gemma_decode.GemmaDecoder for d in decoders)
+    sampling = tc.save_weights_and_get_sampling_client("weights")
+    bound = 1e-5 if dtype == "fp32" else 0.15
+    for i, (tokens, logprobs) in enumerate(drawn):
+        prompt = DECODE_PROMPTS[i // 3]
+        computed = sampling.compute_logprobs(ModelInput.from_ints(prompt + tokens)).result()[len(prompt):]
+        assert computed == pytest.approx(logprobs, abs=bound)
+    assert len({tuple(tokens) for tokens, _ in drawn}) > 3
+    service.close()
+
+
 @pytest.mark.parametrize("version", [3, 2])
 @pytest.mark.parametrize(("train_dtype", "sample_dtype"), [("fp32", "fp32"), pytest.param("fp32", "bf16", marks=(
     pytest.mark.skipif(not packing_works(torch.bfloat16), reason="this CPU packs no bf16 weights: no packed layout")))])

@@ -43,12 +43,14 @@ class ScaledLogits:
             logits = logits * self.multiply
         return logits
 
-    def cap(self, logits: torch.Tensor) -> torch.Tensor:
+    def cap(self, logits: torch.Tensor, native: bool = True) -> torch.Tensor:
         """``softcap * tanh(logits / softcap)`` where the family caps (else ``logits``): in place by
-        grpo's kernel where no gradient is asked of it (a CPU, float32 or bf16, kernels built)."""
+        grpo's kernel where no gradient is asked of it (a CPU, float32 or bf16, kernels built, and
+        ``native``), else by PyTorch's operators in the model's own order."""
         if self.softcap is None:
             return logits
-        if not (torch.is_grad_enabled() and logits.requires_grad) and logits.is_contiguous() and takes_logits(logits):
+        if native and not (torch.is_grad_enabled() and logits.requires_grad) and logits.is_contiguous() \
+                and takes_logits(logits):
             return native_kernels.kernels().soft_cap_(logits, self.softcap)
         return torch.tanh(logits / self.softcap) * self.softcap
 
@@ -83,7 +85,10 @@ def check_logit_head(model: nn.Module, tokens: int = 6) -> None:
             raise ValueError(f"{type(causal_lm).__name__}.get_decoder() gives no decoder (no last_hidden_state): "
                              "grpo's trainer runs the decoder and unembeds its output; this architecture is not "
                              "supported for training here")
-        got = logit_head(model)(hidden).float()
+        # (the cap by PyTorch's operators, as the forward's: the kernel's rounds once, and in bf16 a
+        # logit's rounding step is 1e-3 of the logits' scale -- what is checked is the steps taken)
+        head = logit_head(model)
+        got = (head.cap(head.uncapped(hidden), native=False) if isinstance(head, ScaledLogits) else head(hidden)).float()
     scale = want.abs().mean().item() + 1e-12
     worst = (got - want).abs().max().item()
     if got.shape != want.shape or worst > 1e-3 * scale:

@@ -187,6 +187,8 @@ def _families() -> dict[str, tuple[type, type, dict]]:
         Qwen2ForCausalLM,
         Qwen3Config,
         Qwen3ForCausalLM,
+        SmolLM3Config,
+        SmolLM3ForCausalLM,
     )
 
     return {"mistral": (MistralConfig, MistralForCausalLM, {}), "qwen2": (Qwen2Config, Qwen2ForCausalLM, {}),
@@ -203,7 +205,9 @@ def _families() -> dict[str, tuple[type, type, dict]]:
             "olmo2": (Olmo2Config, Olmo2ForCausalLM, {}),
             # the embedding, each sublayer's output, the scores and the logits scaled
             "granite": (GraniteConfig, GraniteForCausalLM, dict(embedding_multiplier=12.0, residual_multiplier=0.22,
-                                                                attention_multiplier=0.015625, logits_scaling=8.0))}
+                                                                attention_multiplier=0.015625, logits_scaling=8.0)),
+            # its second layer rotates nothing (SmolLM3-3B's every fourth)
+            "smollm3": (SmolLM3Config, SmolLM3ForCausalLM, {"no_rope_layers": [1, 0]})}
 
 
 def save_tiny_model(directory, family: str, seed: int = 0) -> str:

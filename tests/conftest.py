@@ -41,7 +41,7 @@ def tokenizer():
 def tiny_of(tmp_path_factory):
     """``tiny_of(family)``: a base model name for the tiny model of a decoder family the sampler's
     lean and native steps take -- "llama" (the packaged tiny model), "mistral", "qwen2", "qwen3", "phi3",
-    "phi4_mini", "olmo2", "granite" (saved once a session by backend_helpers.save_tiny_model)."""
+    "phi4_mini", "olmo2", "granite", "smollm3" (saved once a session by backend_helpers.save_tiny_model)."""
     from backend_helpers import save_tiny_model
 
     saved = {"llama": "tiny"}

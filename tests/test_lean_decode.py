@@ -27,6 +27,8 @@ from transformers import (
     Qwen2ForCausalLM,
     Qwen3Config,
     Qwen3ForCausalLM,
+    SmolLM3Config,
+    SmolLM3ForCausalLM,
 )
 
 from grpo.backends.local import ServiceClient, lean_decode, sampler
@@ -34,7 +36,7 @@ from grpo.models import native_kernels
 
 
 @pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3", "phi3", "phi4_mini", "olmo2",
-                                    "granite"])
+                                    "granite", "smollm3"])
 @pytest.mark.parametrize(("train_dtype", "sample_dtype"), [("fp32", "fp32"), ("fp32", "bf16")])
 def test_lean_decoding_steps_sample_what_the_models_forward_samples(tmp_path, monkeypatch, tiny_of, train_dtype,
                                                                     sample_dtype, family):
@@ -42,7 +44,8 @@ def test_lean_decoding_steps_sample_what_the_models_forward_samples(tmp_path, mo
     stacked projections and LoRA side paths. Each family the lean step takes: Llama, Mistral (its
     layers windowed, the window longer than the rows), Qwen2 (biases on q/k/v), Qwen3 (each head of
     q and k normalised), Phi-3 (q/k/v and gate/up one Linear each; Phi-4-mini's partial rotary), OLMo2
-    (norms after each sublayer, q and k normalised whole, rotated in float32), Granite (its multipliers)."""
+    (norms after each sublayer, q and k normalised whole, rotated in float32), Granite (its multipliers),
+    SmolLM3 (a layer that rotates nothing)."""
     # the eager lean step (the native one: test_native_decode.py), and the model's own modules
     # (switched on, its norms and MLPs would compute through native_layers.py)
     monkeypatch.setenv(native_kernels.ENV_SWITCH, "off")
@@ -83,6 +86,8 @@ def test_only_the_architectures_it_was_written_for_take_the_lean_step():
     assert phi3.layout == lean_decode.Layout(fused=True) and olmo2.layout == lean_decode.Layout(post_norms=True)
     granite = lean_decode.lean_decoder(_tiny(GraniteConfig, GraniteForCausalLM, residual_multiplier=0.5))
     assert granite.layout == lean_decode.Layout(multipliers=True)
+    smollm3 = lean_decode.lean_decoder(_tiny(SmolLM3Config, SmolLM3ForCausalLM, no_rope_layers=[1, 0]))
+    assert smollm3.layout == lean_decode.Layout(unrotated=True) and smollm3.rotates == [True, False]
     dropping = _tiny(Phi3Config, Phi3ForCausalLM, sliding_window=None, resid_pdrop=0.1)
     assert lean_decode.lean_decoder(dropping.train()) is None  # (its dropout on each sublayer's output)
     assert lean_decode.lean_decoder(dropping.eval()) is not None

@@ -392,10 +392,15 @@ def test_kernels_refuse_bad_input_with_what_was_expected(ops) -> None:
     with pytest.raises(RuntimeError, match=r"head_norms must be empty or 2 a layer \(q's, k's\) for 1 layers, got 1"):
         ops.decode_layers(q, cs, cs, torch.tensor([0, 0]), [weight] * 4, [None] * 12, [torch.ones(8)] * 3, [keys],
                           [keys.clone()], [8, 8, 8], 1, 1.0, 1e-5, [torch.ones(8)])
+    with pytest.raises(RuntimeError, match="decode_layers: unrotated layer 1 is not one of the 1 layers"):
+        ops.decode_layers(q, cs, cs, torch.tensor([0, 0]), [weight] * 4, [None] * 12, [torch.ones(8)] * 3, [keys],
+                          [keys.clone()], [8, 8, 8], 1, 1.0, 1e-5, [], unrotated=[1])
+    with pytest.raises(RuntimeError, match=r"cos and sin must be \[rows, r\] with r even"):
+        ops.rope_attend(q, k, k, cs[:, :3], cs[:, :3], keys, keys.clone(), torch.tensor([0, 0]), 1, 1.0)
 
 
 @pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3", "phi3", "phi4_mini", "olmo2",
-                                    "granite"])
+                                    "granite", "smollm3"])
 @pytest.mark.parametrize(("train_dtype", "sample_dtype"), [("fp32", "fp32"), ("fp32", "bf16")])
 def test_the_sampler_decodes_through_the_kernels_as_it_does_without_them(tmp_path, monkeypatch, ops, tiny_of,
                                                                          train_dtype, sample_dtype, family):
@@ -404,7 +409,7 @@ def test_the_sampler_decodes_through_the_kernels_as_it_does_without_them(tmp_pat
     rounding. Each family the kernels take: Llama, Mistral (windowed, the window longer than the
     rows), Qwen2 (biases on q/k/v), Qwen3 (q's and k's heads normalised), Phi-3 (q/k/v and gate/up
     one Linear each; Phi-4-mini rotating 3/4 of a head), OLMo2 (norms after each sublayer, q and k
-    normalised whole, rotated in float32), Granite (its multipliers)."""
+    normalised whole, rotated in float32), Granite (its multipliers), SmolLM3 (a layer rotating nothing)."""
     tc, decoders = _client_whose_decoders_are_kept(tmp_path, monkeypatch, train_dtype, sample_dtype, tiny_of(family))
     native = sample_each(tc, temperature=0.0)
     assert decoders and all(type(d) is native_decode.NativeDecoder for d in decoders)
@@ -415,7 +420,7 @@ def test_the_sampler_decodes_through_the_kernels_as_it_does_without_them(tmp_pat
 
 
 @pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3", "phi3", "phi4_mini", "olmo2",
-                                    "granite"])
+                                    "granite", "smollm3"])
 @pytest.mark.parametrize(("train_dtype", "sample_dtype"), [("fp32", "fp32"), pytest.param("fp32", "bf16", marks=(
     pytest.mark.skipif(not packing_works(torch.bfloat16), reason="this CPU packs no bf16 weights: no packed layout")))])
 def test_the_layers_in_one_native_call_sample_bit_for_bit_what_the_per_layer_loop_samples(

@@ -1,5 +1,5 @@
 """The sampler's decoding step for Llama-shaped decoders (Llama, Mistral, Qwen2, Qwen3; on a CPU also
-Phi-3 and OLMo2), without transformers' per-call machinery.
+Phi-3, OLMo2, Granite and SmolLM3), without transformers' per-call machinery.
 
 A decoding step of SmolLM2-135M in bf16 on a 2-core CPU costs ~62 ms, of which the matmuls and
 attention are about half; the rest is ~60 small operators per layer and the Python around them.
@@ -11,18 +11,20 @@ are bit-equal to the model's own forward (tests/test_lean_decode.py), only Pytho
 Where the sampler stacked q/k/v and gate/up (fused_projections.py), it takes the siblings'
 outputs from one call rather than one member lookup each.
 
-Three families differ from Llama's layer in ways the step follows (``Layout``): Phi-3 (and Phi-4-mini)
+Four families differ from Llama's layer in ways the step follows (``Layout``): Phi-3 (and Phi-4-mini)
 computes q/k/v and gate/up as one Linear each, and may rotate only part of each head (its own
 ``apply_rotary_pos_emb``); OLMo2 normalises each sublayer's output rather than its input
 (``post_attention_layernorm``, ``post_feedforward_layernorm``), q and k over all their heads, and
 rotates in float32 (its rotary embedding hands float32 cos and sin); Granite scales the embedding, each
-sublayer's output before the residual add, and the logits.
+sublayer's output before the residual add, and the logits; SmolLM3 rotates q and k in three layers of
+four and not in the fourth (``no_rope_layers``: its attention's ``use_rope``).
 
 It takes a model only when every part is what it was written against -- transformers'
 ``LlamaForCausalLM``, ``MistralForCausalLM``, ``Qwen2ForCausalLM`` or ``Qwen3ForCausalLM`` (as such or
 under peft) with SDPA attention and SiLU MLPs, on a CPU or a CUDA GPU, its sliding windows (Mistral-7B-v0.1's
 4,096 tokens, a Qwen2's upper layers) no shorter than the sampling call's slots, so that no query has a
-key outside its window; ``Phi3ForCausalLM``, ``Olmo2ForCausalLM`` and ``GraniteForCausalLM`` alike, on a CPU
+key outside its window; ``Phi3ForCausalLM``, ``Olmo2ForCausalLM``, ``GraniteForCausalLM`` and
+``SmolLM3ForCausalLM`` alike, on a CPU
 (not yet run under CUDA graphs) -- and returns None otherwise:
 the sampler then calls the model's own forward (a Qwen model's, on a CPU before Qwen was taken here:
 1.5-2.2x the time of the native step built on this one, docs/benchmark.md). On CUDA the sampler takes
@@ -51,6 +53,7 @@ class Layout:
     # the embedding, each sublayer's output and the logits scaled (Granite's embedding_multiplier,
     # residual_multiplier, logits_scaling; its attention_multiplier is its attention's own scaling)
     multipliers: bool = False
+    unrotated: bool = False  # some layers' attention skips the rotary embedding (SmolLM3's ``use_rope``)
 
 
 class LeanDecoder:
@@ -75,6 +78,8 @@ class LeanDecoder:
         # fixed for the sampling call this decoder is made for
         self.groups = fused_groups(self.decoder.layers) if layout.fused else stacked_groups(self.decoder.layers)
         self.activations = [mlp_activation(layer.mlp) for layer in self.decoder.layers]
+        # whether each layer rotates q and k (all but SmolLM3's no-rope layers)
+        self.rotates = [bool(getattr(layer.self_attn, "use_rope", True)) for layer in self.decoder.layers]
 
     def __call__(self, input_ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor,
                  cache: SlotCache) -> torch.Tensor:
@@ -99,7 +104,8 @@ class LeanDecoder:
                 q, k = norms[0].forward(q), norms[1].forward(k)
             q, k = q.transpose(1, 2), k.transpose(1, 2)
             v = v.view(rows, 1, -1, dim).transpose(1, 2)
-            q, k = self.rotary(q, k, cos, sin)
+            if self.rotates[index]:
+                q, k = self.rotary(q, k, cos, sin)
             k, v = cache.layers[index].update(k, v)
             dropout = attn.attention_dropout if attn.training else 0.0  # as LlamaAttention.forward
             out, _ = self.sdpa(attn, q, k, v, layer_mask, dropout=dropout, scaling=attn.scaling)
@@ -185,7 +191,7 @@ def _families() -> dict[type, tuple[type, ...]]:
     must be: (decoder, layer, attention, MLP, RMSNorm). Mistral's layer is Llama's, windowed or not;
     Qwen2's is Llama's with biases on q/k/v (the Linears carry them); Qwen3's attention normalises
     each head of q and k before the rotary embedding (``q_norm`` / ``k_norm``, applied as its
-    forward does). Phi-3's, OLMo2's and Granite's (``LAYOUTS``): taken on a CPU only."""
+    forward does). Phi-3's, OLMo2's, Granite's and SmolLM3's (``LAYOUTS``): taken on a CPU only."""
     from transformers.models.granite import modeling_granite as granite
     from transformers.models.llama import modeling_llama as llama
     from transformers.models.mistral import modeling_mistral as mistral
@@ -193,6 +199,7 @@ def _families() -> dict[type, tuple[type, ...]]:
     from transformers.models.phi3 import modeling_phi3 as phi3
     from transformers.models.qwen2 import modeling_qwen2 as qwen2
     from transformers.models.qwen3 import modeling_qwen3 as qwen3
+    from transformers.models.smollm3 import modeling_smollm3 as smollm3
 
     return {
         llama.LlamaForCausalLM: (llama.LlamaModel, llama.LlamaDecoderLayer, llama.LlamaAttention, llama.LlamaMLP,
@@ -209,12 +216,14 @@ def _families() -> dict[type, tuple[type, ...]]:
                                  olmo2.Olmo2RMSNorm),
         granite.GraniteForCausalLM: (granite.GraniteModel, granite.GraniteDecoderLayer, granite.GraniteAttention,
                                      granite.GraniteMLP, granite.GraniteRMSNorm),
+        smollm3.SmolLM3ForCausalLM: (smollm3.SmolLM3Model, smollm3.SmolLM3DecoderLayer, smollm3.SmolLM3Attention,
+                                     smollm3.SmolLM3MLP, smollm3.SmolLM3RMSNorm),
     }
 
 
 # The families whose layer is not Llama's, by their causal LM's class name (``Layout``)
 LAYOUTS = {"Phi3ForCausalLM": Layout(fused=True), "Olmo2ForCausalLM": Layout(post_norms=True),
-           "GraniteForCausalLM": Layout(multipliers=True)}
+           "GraniteForCausalLM": Layout(multipliers=True), "SmolLM3ForCausalLM": Layout(unrotated=True)}
 
 
 def lean_decoder(model: nn.Module, capacity: int | None = None) -> LeanDecoder | None:

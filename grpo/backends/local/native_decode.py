@@ -4,7 +4,8 @@ A bf16 decoding step of SmolLM2-135M at ~24 rows took ~54 ms on a 2-core Xeon wh
 alone take ~21 ms: the rest was ~60 small PyTorch operators per layer (RMSNorms, the rotary
 embedding, KV-cache writes, grouped-query attention, SiLU), each costing more in dispatch and
 passes over memory than in arithmetic (docs/benchmark.md). ``NativeDecoder`` runs a Llama layer
-(or Qwen2's, Qwen3's, Phi-3's, Granite's -- its residual multiplier in the adds: lean_decode.py) as
+(or Qwen2's, Qwen3's, Phi-3's, Granite's -- its residual multiplier in the adds: lean_decode.py --,
+SmolLM3's, whose no-rope layers rotate no dims) as
 its Linears (the modules themselves, LoRA side paths included) plus four native calls: the residual
 add with the next RMSNorm, rotary + cache write + attention (for Qwen3 with each head of q and k
 normalised first), SiLU * up, and the next add + RMSNorm. OLMo2's layer normalises each sublayer's
@@ -73,7 +74,8 @@ class NativeDecoder(LeanDecoder):
                                   [slot._keys for slot in cache.layers], [slot._values for slot in cache.layers],
                                   plan.qkv_sizes, self.heads, plan.scale, plan.eps, plan.head_norms,
                                   cache.step.shared_from, cache.step.shared, post_norms=self.layout.post_norms,
-                                  residual_multiplier=self.residual_multiplier)
+                                  residual_multiplier=self.residual_multiplier,
+                                  unrotated=[i for i, rotates in enumerate(self.rotates) if not rotates])
             return self._logits(x)
         if self.layout.post_norms:
             return self._logits(self._post_norm_layers(hidden[:, 0], cos, sin, lengths, cache))
@@ -84,8 +86,10 @@ class NativeDecoder(LeanDecoder):
             q, k, v = qkv.full(x) if qkv is not None else (attn.q_proj(x), attn.k_proj(x), attn.v_proj(x))
             norms = head_norms(attn)  # (Qwen3: each head of q and k normalised as rope_attend rotates it)
             slot = cache.layers[index]
-            # (scores by the dot product where the weights stream in pairs for it, as decode_layers decides)
-            out = ops.rope_attend(q, k, v, cos, sin, slot._keys, slot._values, lengths, self.heads, attn.scaling,
+            # (scores by the dot product where the weights stream in pairs for it, as decode_layers decides;
+            # a layer that rotates nothing takes cos and sin of no dims)
+            rotary = (cos, sin) if self.rotates[index] else (cos[:, :0], sin[:, :0])
+            out = ops.rope_attend(q, k, v, *rotary, slot._keys, slot._values, lengths, self.heads, attn.scaling,
                                   cache.step.shared_from, cache.step.shared,
                                   qkv is not None and qkv.layout == "stream_dot",
                                   *((norms[0].weight, norms[1].weight, norms[0].variance_epsilon) if norms else ()))

@@ -388,9 +388,10 @@ at::Tensor rope_attend(const at::Tensor& q, const at::Tensor& k, const at::Tenso
   check_rows(q, rows, heads * dim, "rope_attend: q");
   check_rows(k, rows, kv_heads * dim, "rope_attend: k");
   check_rows(v, rows, kv_heads * dim, "rope_attend: v");
-  // cos and sin: a head's width, or fewer (an even number: partial rotary), in the caches' dtype or float32
+  // cos and sin: a head's width, or fewer (an even number: partial rotary; none: a layer that rotates nothing,
+  // SmolLM3's every fourth), in the caches' dtype or float32
   const int64_t rotary = cos.dim() == 2 ? cos.size(1) : -1;
-  TORCH_CHECK(rotary > 0 && rotary <= dim && rotary % 2 == 0 && sin.dim() == 2 && sin.size(1) == rotary,
+  TORCH_CHECK(rotary >= 0 && rotary <= dim && rotary % 2 == 0 && sin.dim() == 2 && sin.size(1) == rotary,
               "rope_attend: cos and sin must be [rows, r] with r even and at most the head's ", dim,
               " dims, got ", cos.sizes(), " and ", sin.sizes());
   check_rows(cos, rows, rotary, "rope_attend: cos");

@@ -109,16 +109,23 @@ struct StackedLayers {
 // weights in turn, then the final one) and normalise q and k whole (`head_norms` as wide as q and k),
 // every norm rounded once (NormKind::once); cos and sin float32, as its rotary embedding hands them.
 // `residual_multiplier`: each sublayer's output scaled before the residual add (Granite's; 1 elsewhere).
+// `unrotated`: the layers whose attention skips the rotary embedding (SmolLM3's every fourth).
 at::Tensor decode_layers(const at::Tensor& hidden_in, const at::Tensor& cos, const at::Tensor& sin,
                          const at::Tensor& lengths, at::TensorList weights,
                          const c10::List<c10::optional<at::Tensor>>& extras, at::TensorList norms,
                          at::TensorList k_caches, at::TensorList v_caches, at::IntArrayRef qkv_sizes,
                          int64_t heads, double scale, double eps, at::TensorList head_norms,
                          const c10::optional<at::Tensor>& shared_from, const c10::optional<at::Tensor>& shared,
-                         bool post_norms, double residual_multiplier) {
+                         bool post_norms, double residual_multiplier, at::IntArrayRef unrotated) {
   const StackedLayers stack("decode_layers", weights, extras, norms, 2, k_caches, v_caches, head_norms, qkv_sizes);
   const int64_t layers = stack.layers;
   TORCH_CHECK(!post_norms || residual_multiplier == 1.0, "decode_layers: a residual multiplier with post_norms");
+  std::vector<bool> rotates(layers, true);
+  for (const int64_t i : unrotated) {
+    TORCH_CHECK(i >= 0 && i < layers, "decode_layers: unrotated layer ", i, " is not one of the ", layers, " layers");
+    rotates[i] = false;
+  }
+  const at::Tensor no_cos = cos.narrow(1, 0, 0), no_sin = sin.narrow(1, 0, 0);
   const char* kind = post_norms ? "once" : "llama";
   // {hidden, the next sublayer's input}: its norm before it, or (post_norms) hidden itself
   std::vector<at::Tensor> state =
@@ -128,7 +135,8 @@ at::Tensor decode_layers(const at::Tensor& hidden_in, const at::Tensor& cos, con
     return std::vector<at::Tensor>{hidden, hidden};
   };
   for (int64_t i = 0; i < layers; ++i) {
-    auto attended = stack.attend(state[1], i, cos, sin, lengths, heads, scale, shared_from, shared, eps, kind, 0, 0.0);
+    auto attended = stack.attend(state[1], i, rotates[i] ? cos : no_cos, rotates[i] ? sin : no_sin, lengths, heads,
+                                 scale, shared_from, shared, eps, kind, 0, 0.0);
     state = post_norms ? post_add(stack.linear(attended, i, 1), norms[2 * i])
                        : add_rms_norm(state[0], stack.linear(attended, i, 1), norms[2 * i + 1], eps, residual_multiplier);
     auto gate_up = stack.linear(state[1], i, 2);

@@ -93,7 +93,7 @@ at::Tensor decode_layers(const at::Tensor& hidden_in, const at::Tensor& cos, con
                          at::TensorList k_caches, at::TensorList v_caches, at::IntArrayRef qkv_sizes,
                          int64_t heads, double scale, double eps, at::TensorList head_norms,
                          const c10::optional<at::Tensor>& shared_from, const c10::optional<at::Tensor>& shared,
-                         bool post_norms, double residual_multiplier);
+                         bool post_norms, double residual_multiplier, at::IntArrayRef unrotated);
 at::Tensor decode_gemma_layers(const at::Tensor& hidden_in, const at::Tensor& cos, const at::Tensor& sin,
                                const at::Tensor& lengths, at::TensorList weights,
                                const c10::List<c10::optional<at::Tensor>>& extras, at::TensorList norms,

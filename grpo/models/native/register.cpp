@@ -31,7 +31,7 @@ TORCH_LIBRARY(grpo_native, m) {
   m.def("decode_layers(Tensor hidden, Tensor cos, Tensor sin, Tensor lengths, Tensor[] weights, Tensor?[] extras, "
         "Tensor[] norms, Tensor(a!)[] k_caches, Tensor(b!)[] v_caches, int[] qkv_sizes, int heads, float scale, "
         "float eps, Tensor[] head_norms, Tensor? shared_from=None, Tensor? shared=None, bool post_norms=False, "
-        "float residual_multiplier=1.0) -> Tensor");
+        "float residual_multiplier=1.0, int[] unrotated=[]) -> Tensor");
   m.def("decode_gemma_layers(Tensor hidden, Tensor cos, Tensor sin, Tensor lengths, Tensor[] weights, Tensor?[] extras, "
         "Tensor[] norms, Tensor(a!)[] k_caches, Tensor(b!)[] v_caches, int[] qkv_sizes, int heads, float scale, "
         "float eps, Tensor[] head_norms, int[] kinds, int[] windows, float softcap, Tensor? shared_from=None, "

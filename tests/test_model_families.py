@@ -7,8 +7,9 @@ GPT-OSS's too, and its sinks were dropped by packed attention (0.13); Phi-4-mini
 sliced from one fused projection, were read as contiguous by the packed-attention kernel (0.35);
 Mixtral's window was dropped by the routed training attention (0.20); Granite's and Cohere's
 logits are scaled after the unembedding, which the trainer skipped (0.34, 0.41). StableLM's and
-Falcon's decoders do not pack sequences (the first keeps the attention interface's arguments
-from its layers, the second attends by its own code): training failed; they now train padded.
+Falcon's decoders did not pack sequences (the first keeps the attention interface's arguments
+from its layers, the second attends by its own code): training failed; they trained padded, and
+StableLM packs since 2026-12-01 (its attention finds the thread's running pass).
 A multimodal Gemma 3 checkpoint (4B and up) failed to load: its sizes are in a nested config.
 """
 
@@ -163,16 +164,21 @@ def test_an_adapter_the_bf16_copy_does_not_take_samples_through_the_trainers_mod
 
 
 def test_a_decoder_that_does_not_pack_is_found_by_one_try(tmp_path, capsys) -> None:
+    """Falcon attends by code of its own: it trains padded, said once. StableLM's layers do not pass
+    the decoder's keyword arguments on to their attention: it finds the pass as the thread's
+    running one, and packs (it trained padded before)."""
     from transformers import AutoModelForCausalLM
 
     from grpo.backends.local import packed_attention
 
     assert packed_attention.packs_as_alone(LlamaForCausalLM(LlamaConfig(vocab_size=50, **SIZES)))
-    for family in ("stablelm", "falcon"):
-        model = AutoModelForCausalLM.from_pretrained(_save(tmp_path / family, family))
-        assert not packed_attention.packs_as_alone(model)
-        assert not packed_attention.supports(model)
-        assert "decoder does not pack sequences in one row (tried once): training on padded" in capsys.readouterr().err
+    falcon = AutoModelForCausalLM.from_pretrained(_save(tmp_path / "falcon", "falcon"))
+    assert not packed_attention.packs_as_alone(falcon)
+    assert not packed_attention.supports(falcon)
+    assert "decoder does not pack sequences in one row (tried once): training on padded" in capsys.readouterr().err
+    stablelm = AutoModelForCausalLM.from_pretrained(_save(tmp_path / "stablelm", "stablelm"))
+    assert packed_attention.packs_as_alone(stablelm) and packed_attention.supports(stablelm)
+    assert "does not pack" not in capsys.readouterr().err
 
 
 def test_the_logit_head_takes_each_familys_step_after_the_unembedding() -> None:

@@ -386,6 +386,20 @@ def test_native_attention_windows_and_caps_as_eager_attention_does_in_float64(na
             torch.testing.assert_close(g.detach().double(), w, atol=5e-6 * scale, rtol=1e-5)
 
 
+def test_values_narrower_than_the_keys_attend_through_the_gathered_blocks(native_ops) -> None:
+    """DeepSeek's latent attention hands values of fewer dims than its queries and keys (v_head_dim):
+    the kernel, which takes one head dimension, leaves them to SDPA over the gathered blocks, whose
+    outputs have the values' width -- equal to float64 attention written out."""
+    packed = _chained_pass()
+    gen = torch.Generator().manual_seed(6)
+    q, k = (torch.randn((1, h, packed.tokens, 24), generator=gen) for h in (4, 2))
+    v = torch.randn((1, 2, packed.tokens, 16), generator=gen)
+    out = packed.attend(torch.nn.Module(), q, k, v, None, 0.0, None)
+    assert packed._native_plan is None and out.shape == (1, packed.tokens, 4, 16)
+    want = _attention_in_float64(packed, q.double(), k.double(), v.double(), 24 ** -0.5, None, None)
+    torch.testing.assert_close(out.double(), want, atol=1e-5, rtol=1e-5)
+
+
 def test_native_attention_refuses_a_negative_window_or_cap(native_ops) -> None:
     ops = native_ops
     q, k, v = torch.randn(5, 4 * 16), torch.randn(5, 2 * 16), torch.randn(5, 2 * 16)

@@ -27,6 +27,7 @@ own history left.
 from __future__ import annotations
 
 import sys
+import threading
 import weakref
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -101,9 +102,10 @@ def packs_as_alone(model, lengths: tuple[int, ...] = (5, 3)) -> bool:
     """Whether short random sequences packed in one row come out of ``model``'s decoder as each
     does in a packed pass of its own (the same attention path: bit-equal on SmolLM2 in float32
     and bf16, where against the decoder's own SDPA a bf16 pass is up to 23% off, its attention
-    being float32 here). Decoders that keep the attention interface's keyword arguments from
-    their layers (StableLM's), or attend by code of their own once the implementation is not one
-    they know (Falcon's), fail in a packed pass or mix its sequences; they train padded."""
+    being float32 here). A decoder whose layers keep the decoder's keyword arguments from their
+    attention (StableLM's, DeepSeek-V2's) finds the pass as the thread's running one (``running``);
+    one that attends by code of its own once the implementation is not one it knows (Falcon's)
+    fails in a packed pass or mixes its sequences: it trains padded."""
     decoder = model.get_decoder()
     parameter = next(model.parameters())
     vocab = model.get_input_embeddings().weight.shape[0]
@@ -258,7 +260,8 @@ class PackedPass:
         for b in self.blocks:
             qb = q.index_select(0, b.q_index).view(b.count, b.q_len, heads, dim).transpose(1, 2)
             kb = k.index_select(0, b.k_index).view(b.count, b.k_len, -1, dim).transpose(1, 2)
-            vb = v.index_select(0, b.k_index).view(b.count, b.k_len, -1, dim).transpose(1, 2)
+            # (values may be narrower than queries and keys: DeepSeek's latent attention)
+            vb = v.index_select(0, b.k_index).view(b.count, b.k_len, -1, v.shape[-1]).transpose(1, 2)
             if groups > 1 and not grouped:
                 kb, vb = kb.repeat_interleave(groups, dim=1), vb.repeat_interleave(groups, dim=1)
             if softcap:
@@ -266,7 +269,7 @@ class PackedPass:
             else:
                 out = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=b.mask_for(sliding_window),
                                                      dropout_p=dropout, scale=scaling, enable_gqa=grouped)
-            outputs.append(out.transpose(1, 2).reshape(b.count * b.q_len, heads, dim))
+            outputs.append(out.transpose(1, 2).reshape(b.count * b.q_len, heads, v.shape[-1]))
         return torch.cat(outputs).index_select(0, self.out_index)[None].to(out_dtype)
 
     def _native_attention(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float | None,
@@ -275,14 +278,14 @@ class PackedPass:
         sequence's queries over its own keys, none padded, nothing past a query's last key computed,
         float32 sums, a sliding window's keys before it neither computed nor gathered, Gemma 2's cap
         on the scores; None where it does not apply (off the CPU, another dtype, dropout, kernels not
-        built). SmolLM2's 30 layers over the bench's packed pass, forward and
+        built, values of another head dimension than the keys': DeepSeek's latent attention). SmolLM2's 30 layers over the bench's packed pass, forward and
         backward: 0.17 against 0.44 s for the gathered blocks through SDPA in bf16, 0.19 against 0.44
         in float32, when it came (AMD EPYC Zen 4, 2 cores); its kernel alone now ~0.08 s there, 1.5x
         faster again at 512-token answers (docs/benchmark.md, scripts/attention_rate.py). bf16 of a
         shape in ``_DOT_PRODUCTS`` takes its products by avx512_bf16's dot product (``use_dot_products``)."""
         if not (NATIVE_ATTENTION_ON_CPU and query.device.type == "cpu" and query.dtype in (torch.float32, torch.bfloat16)
                 and key.dtype == value.dtype == query.dtype and dropout == 0.0
-                and query.shape[1] % key.shape[1] == 0):
+                and query.shape[1] % key.shape[1] == 0 and query.shape[3] == key.shape[3] == value.shape[3]):
             return None
         from grpo.models import native_kernels
 
@@ -312,16 +315,20 @@ class PackedPass:
 
     @contextmanager
     def running(self, decoder) -> Iterator[None]:
-        """``decoder``'s attention layers use this pass while the block runs; afterwards, checks that
-        every one of them did (a model whose attention ignores transformers' attention interface
-        would otherwise mix sequences silently)."""
+        """``decoder``'s attention layers use this pass while the block runs -- handed to them as a
+        keyword argument, or, where a layer does not pass its keyword arguments on to its attention
+        (StableLM's), as this thread's running pass; afterwards, checks that every one of them did (a
+        model whose attention ignores transformers' attention interface would otherwise mix
+        sequences silently)."""
         config = decoder.config
-        before = config._attn_implementation
+        before, outer = config._attn_implementation, getattr(_RUNNING, "packed", None)
         config._attn_implementation = IMPLEMENTATION
+        _RUNNING.packed = self
         try:
             yield
         finally:
             config._attn_implementation = before
+            _RUNNING.packed = outer
         recurrent = memory.linear_attention_layers(config)
         attention = int(config.get_text_config(decoder=True).num_hidden_layers) - recurrent
         if self.tokens and self.calls != attention:
@@ -384,8 +391,14 @@ def _split(order: list[int], key_lengths: list[int]) -> list[list[int]]:
     return blocks
 
 
+# the pass running on each thread (PackedPass.running), for layers that do not hand their attention the
+# keyword argument that carries it
+_RUNNING = threading.local()
+
+
 def packed_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling: float | None = None,
                      grpo_packed: PackedPass | None = None, sliding_window: int | None = None, **kwargs):
+    grpo_packed = grpo_packed if grpo_packed is not None else getattr(_RUNNING, "packed", None)
     if grpo_packed is None:
         raise RuntimeError(f"the {IMPLEMENTATION!r} attention runs only inside PackedPass.run")
     if kwargs.get("s_aux") is not None:

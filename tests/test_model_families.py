@@ -166,7 +166,7 @@ def test_an_adapter_the_bf16_copy_does_not_take_samples_through_the_trainers_mod
 def test_a_decoder_that_does_not_pack_is_found_by_one_try(tmp_path, capsys) -> None:
     """Falcon attends by code of its own: it trains padded, said once. StableLM's layers do not pass
     the decoder's keyword arguments on to their attention: it finds the pass as the thread's
-    running one, and packs (it trained padded before)."""
+    running one, and packs (it trained padded before); so does GPT-OSS, its sinks included."""
     from transformers import AutoModelForCausalLM
 
     from grpo.backends.local import packed_attention
@@ -178,6 +178,9 @@ def test_a_decoder_that_does_not_pack_is_found_by_one_try(tmp_path, capsys) -> N
     assert "decoder does not pack sequences in one row (tried once): training on padded" in capsys.readouterr().err
     stablelm = AutoModelForCausalLM.from_pretrained(_save(tmp_path / "stablelm", "stablelm"))
     assert packed_attention.packs_as_alone(stablelm) and packed_attention.supports(stablelm)
+    # GPT-OSS's attention sinks are the packed attention's too (it trained padded before 2026-12-01)
+    gpt_oss = AutoModelForCausalLM.from_pretrained(_save(tmp_path / "gpt_oss", "gpt_oss"))
+    assert packed_attention.supports(gpt_oss)
     assert "does not pack" not in capsys.readouterr().err
 
 

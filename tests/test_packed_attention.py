@@ -334,10 +334,12 @@ def test_native_attention_leaves_dropout_to_sdpa() -> None:
     assert packed._native_plan is None
 
 
-def _attention_in_float64(packed, q, k, v, scaling: float, window: int | None, softcap: float | None):
+def _attention_in_float64(packed, q, k, v, scaling: float, window: int | None, softcap: float | None,
+                          sinks: torch.Tensor | None = None):
     """Each sequence of ``packed`` attended alone, in float64, as transformers' eager attention
     computes it: query at position p sees keys at positions p - window < p' <= p (its prefix's,
-    then its own), scores capped as softcap * tanh(score / softcap); ``(1, tokens, heads, dim)``."""
+    then its own), scores capped as softcap * tanh(score / softcap), each head's sink logit a column
+    of the softmax weighing no value (GPT-OSS's); ``(1, tokens, heads, dim)``."""
     groups = q.shape[1] // k.shape[1]
     out = []
     for i, (start, length) in enumerate(zip(packed.starts, packed.lengths, strict=True)):
@@ -350,7 +352,13 @@ def _attention_in_float64(packed, q, k, v, scaling: float, window: int | None, s
         q_pos = torch.arange(len(rows) - length, len(rows))[:, None]
         k_pos = torch.arange(len(rows))[None]
         seen = (k_pos <= q_pos) & ((q_pos - k_pos < window) if window else True)
-        out.append((scores.masked_fill(~seen, float("-inf")).softmax(-1) @ values).transpose(0, 1))
+        scores = scores.masked_fill(~seen, float("-inf"))
+        if sinks is not None:
+            column = sinks.double().reshape(-1, 1, 1).expand(-1, scores.shape[1], 1)
+            weights = torch.cat([scores, column], dim=-1).softmax(-1)[..., :-1]
+        else:
+            weights = scores.softmax(-1)
+        out.append((weights @ values).transpose(0, 1))
     return torch.cat(out)[None]
 
 
@@ -400,6 +408,37 @@ def test_values_narrower_than_the_keys_attend_through_the_gathered_blocks(native
     torch.testing.assert_close(out.double(), want, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("dim", [64, 24])
+@pytest.mark.parametrize("window", [None, 7])
+def test_native_attention_with_sinks_is_gpt_oss_eager_attention_in_float64(native_ops, monkeypatch, dim, window) -> None:
+    """GPT-OSS's sinks (a logit a query head beside the keys' in each softmax, weighing no value;
+    windows of 128 every other layer): outputs and the gradients of q, k, v and the sinks themselves,
+    through grpo's kernel and through the gathered blocks, against float64 attention written out.
+    One sink above every score (the kernel rescales its numerators to it) and one far below."""
+    heads, kv_heads = 6, 2
+    gen = torch.Generator().manual_seed(12)
+    q, k, v = (torch.randn((1, h, _chained_pass().tokens, dim), generator=gen) for h in (heads, kv_heads, kv_heads))
+    sinks = torch.tensor([0.0, 1.5, -2.0, 40.0, -30.0, 0.7])
+    grad = torch.randn((1, q.shape[2], heads, dim), generator=gen)
+    wanted = [t.double().requires_grad_() for t in (q, k, v, sinks)]
+    want_out = _attention_in_float64(_chained_pass(), *wanted[:3], dim ** -0.5, window, None, wanted[3])
+    (want_out * grad).sum().backward()
+    want = [want_out.detach(), *(t.grad for t in wanted)]
+    for native in (True, False):
+        monkeypatch.setattr(packed_attention, "NATIVE_ATTENTION_ON_CPU", native)
+        pass_ = _chained_pass()
+        got = [t.clone().requires_grad_() for t in (q, k, v, sinks)]
+        out = pass_.attend(torch.nn.Module(), *got[:3], None, 0.0, window, None, got[3])
+        (out * grad).sum().backward()
+        assert (pass_._native_plan is not None) == native
+        scale = max(float(w.abs().max()) for w in want)
+        for g, w in zip([out, *(t.grad for t in got)], want, strict=True):
+            torch.testing.assert_close(g.detach().double(), w, atol=5e-6 * scale, rtol=1e-5)
+    assert float(want[4].abs().max()) > 0.1  # (the sinks' gradient is checked where it is not nothing)
+    # the sink above every score takes nearly all of its head's weight: that head's outputs nearly vanish
+    assert float(want[0][0, :, 3].abs().max()) < 1e-6 * float(want[0][0, :, 0].abs().max())
+
+
 def test_native_attention_refuses_a_negative_window_or_cap(native_ops) -> None:
     ops = native_ops
     q, k, v = torch.randn(5, 4 * 16), torch.randn(5, 2 * 16), torch.randn(5, 2 * 16)
@@ -408,6 +447,8 @@ def test_native_attention_refuses_a_negative_window_or_cap(native_ops) -> None:
         ops.packed_attention(q, k, v, *plan, 4, 2, 0.25, False, -1)
     with pytest.raises(RuntimeError, match="softcap must be 0 \\(none\\) or the scores' cap, got -2"):
         ops.packed_attention(q, k, v, *plan, 4, 2, 0.25, False, 0, -2.0)
+    with pytest.raises(RuntimeError, match="sinks must be a contiguous float32 CPU \\[4\\]"):
+        ops.packed_attention(q, k, v, *plan, 4, 2, 0.25, False, 0, 0.0, torch.zeros(2))
 
 
 def test_native_attention_refuses_sequences_out_of_range(native_ops) -> None:

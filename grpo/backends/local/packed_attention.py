@@ -7,10 +7,10 @@ one row holding every sequence's tokens back to back, each at its own positions 
 so the per-token layers see real tokens only. Attention is the one place sequences meet; it is done
 by ``packed_attention``, registered with transformers as an attention implementation. On a CPU,
 in float32 or bf16, grpo's native kernel attends each sequence's queries to its own keys in place,
-forward and backward, without padding, sliding windows and Gemma 2's capped scores included
+forward and backward, without padding, sliding windows, Gemma 2's capped scores and GPT-OSS's sinks included
 (``PackedPass._native_attention``); elsewhere (a GPU, dropout, kernels not built) each sequence's
 queries and keys are gathered into small blocks of similar lengths, SDPA runs on them with a causal
-mask (capped scores: the model's eager formula, ``_capped_attention``), and the outputs go back in
+mask (capped scores, sinks: the models' eager formula, ``_explicit_attention``), and the outputs go back in
 packed order.
 
 A sequence may continue an earlier sequence of the same row (a GRPO group's shared prompt): its
@@ -70,17 +70,15 @@ def use_dot_products(heads: int, kv_heads: int, head_dim: int, dot: bool) -> Non
 
 
 def supports(model) -> bool:
-    """Whether packing serves this model: attention-only decoders without attention sinks (GPT-OSS's
-    per-head extra softmax term: not reimplemented here), Gemma 2's capped scores included; and
-    hybrids whose linear-attention layers run grpo's delta rule and convolution
+    """Whether packing serves this model: attention-only decoders (Gemma 2's capped scores and
+    GPT-OSS's sinks included); and hybrids whose linear-attention layers run grpo's delta rule and
+    convolution
     (packed_recurrence.py). Others train on padded micro-batches, as does a model whose decoder,
     tried once, does not pack (``packs_as_alone``)."""
     from grpo.backends.local import delta_rule
     from grpo.backends.local.kv_cache import attention_layers
 
     config = model.config
-    if any(isinstance(getattr(module, "sinks", None), torch.Tensor) for module in model.modules()):
-        return False
     try:
         attention_layers(config)
     except ValueError:
@@ -228,14 +226,16 @@ class PackedPass:
         self.out_index = out_index.to(device)
 
     def attend(self, module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float | None,
-               dropout: float, sliding_window: int | None, softcap: float | None = None) -> torch.Tensor:
+               dropout: float, sliding_window: int | None, softcap: float | None = None,
+               sinks: torch.Tensor | None = None) -> torch.Tensor:
         """Attention of this pass's queries ``(1, heads, n, dim)`` over its keys and values;
         returns ``(1, n, heads, dim)`` as transformers' kernels do. ``sliding_window``: each query
         sees its last that many keys; ``softcap``: scores capped as Gemma 2's eager attention caps
-        them (``softcap * tanh(score / softcap)``, after the scaling, before the softmax)."""
+        them (``softcap * tanh(score / softcap)``, after the scaling, before the softmax); ``sinks``:
+        a logit a query head beside the keys' in each softmax, weighing no value (GPT-OSS's)."""
         self.calls += 1
         heads, dim = query.shape[1], query.shape[3]
-        native = self._native_attention(query, key, value, scaling, dropout, sliding_window, softcap)
+        native = self._native_attention(query, key, value, scaling, dropout, sliding_window, softcap, sinks)
         if native is not None:
             return native
         q = query[0].transpose(0, 1)  # (n, heads, dim)
@@ -264,8 +264,8 @@ class PackedPass:
             vb = v.index_select(0, b.k_index).view(b.count, b.k_len, -1, v.shape[-1]).transpose(1, 2)
             if groups > 1 and not grouped:
                 kb, vb = kb.repeat_interleave(groups, dim=1), vb.repeat_interleave(groups, dim=1)
-            if softcap:
-                out = _capped_attention(qb, kb, vb, b.mask_for(sliding_window), dropout, scaling, softcap)
+            if softcap or sinks is not None:
+                out = _explicit_attention(qb, kb, vb, b.mask_for(sliding_window), dropout, scaling, softcap, sinks)
             else:
                 out = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=b.mask_for(sliding_window),
                                                      dropout_p=dropout, scale=scaling, enable_gqa=grouped)
@@ -273,11 +273,12 @@ class PackedPass:
         return torch.cat(outputs).index_select(0, self.out_index)[None].to(out_dtype)
 
     def _native_attention(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float | None,
-                          dropout: float, sliding_window: int | None, softcap: float | None) -> torch.Tensor | None:
+                          dropout: float, sliding_window: int | None, softcap: float | None,
+                          sinks: torch.Tensor | None) -> torch.Tensor | None:
         """``attend`` through grpo's kernel (grpo/models/native/packed_attention.cpp): each
         sequence's queries over its own keys, none padded, nothing past a query's last key computed,
         float32 sums, a sliding window's keys before it neither computed nor gathered, Gemma 2's cap
-        on the scores; None where it does not apply (off the CPU, another dtype, dropout, kernels not
+        on the scores, GPT-OSS's sinks; None where it does not apply (off the CPU, another dtype, dropout, kernels not
         built, values of another head dimension than the keys': DeepSeek's latent attention). SmolLM2's 30 layers over the bench's packed pass, forward and
         backward: 0.17 against 0.44 s for the gathered blocks through SDPA in bf16, 0.19 against 0.44
         in float32, when it came (AMD EPYC Zen 4, 2 cores); its kernel alone now ~0.08 s there, 1.5x
@@ -299,7 +300,9 @@ class PackedPass:
         flat = [t[0].transpose(0, 1).reshape(n, -1).contiguous() for t in (query, key, value)]
         dot = query.dtype == torch.bfloat16 and (heads, kv_heads, dim) in _DOT_PRODUCTS
         rule = (int(sliding_window or 0), float(softcap or 0.0))
-        out = _NativeAttention.apply(*flat, *self.native_plan(), heads, kv_heads, scale, dot, rule, ops)
+        if sinks is not None:  # (float32, one a query head: the kernel's; its gradient flows back to the model's)
+            sinks = sinks.float().contiguous()
+        out = _NativeAttention.apply(*flat, sinks, *self.native_plan(), heads, kv_heads, scale, dot, rule, ops)
         return out.view(1, n, heads, dim)
 
     def native_plan(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -351,32 +354,46 @@ class _NativeAttention(torch.autograd.Function):
     the weights from the saved log-sum-exp, as flash attention does)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, seqs, key_rows, heads, kv_heads, scale, dot, rule, ops):
-        out, lse = ops.packed_attention(q, k, v, seqs, key_rows, heads, kv_heads, scale, dot, *rule)
-        ctx.save_for_backward(q, k, v, out, lse, seqs, key_rows)
+    def forward(ctx, q, k, v, sinks, seqs, key_rows, heads, kv_heads, scale, dot, rule, ops):
+        out, lse = ops.packed_attention(q, k, v, seqs, key_rows, heads, kv_heads, scale, dot, *rule, sinks)
+        ctx.save_for_backward(q, k, v, out, lse, seqs, key_rows, sinks)
         ctx.heads, ctx.kv_heads, ctx.scale, ctx.dot, ctx.rule, ctx.ops = heads, kv_heads, scale, dot, rule, ops
         return out
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad):
-        q, k, v, out, lse, seqs, key_rows = ctx.saved_tensors
-        dq, dk, dv = ctx.ops.packed_attention_backward(grad.contiguous(), q, k, v, out, lse, seqs, key_rows, ctx.heads,
+        q, k, v, out, lse, seqs, key_rows, sinks = ctx.saved_tensors
+        grad = grad.contiguous()
+        dq, dk, dv = ctx.ops.packed_attention_backward(grad, q, k, v, out, lse, seqs, key_rows, ctx.heads,
                                                        ctx.kv_heads, ctx.scale, ctx.dot, *ctx.rule)
-        return dq, dk, dv, None, None, None, None, None, None, None, None
+        d_sinks = None
+        if sinks is not None and ctx.needs_input_grad[3]:
+            # a sink's logit s_h: d/ds_h = -sum over queries of p_sink * delta, p_sink = exp(s_h - lse),
+            # delta = grad . out (the softmax's backward: the sink weighs no value)
+            delta = (grad.float() * out.float()).view(out.shape[0], ctx.heads, -1).sum(-1)
+            d_sinks = -(torch.exp(sinks[None] - lse) * delta).sum(0)
+        return dq, dk, dv, d_sinks, None, None, None, None, None, None, None, None
 
 
-def _capped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, dropout: float,
-                      scaling: float | None, softcap: float) -> torch.Tensor:
-    """A gathered block's attention with its scores capped (Gemma 2's), which SDPA cannot do: as the
-    model's eager attention computes it, the softmax in float32."""
+def _explicit_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, dropout: float,
+                        scaling: float | None, softcap: float | None, sinks: torch.Tensor | None) -> torch.Tensor:
+    """A gathered block's attention with its scores capped (Gemma 2's) or a sink beside its keys
+    (GPT-OSS's), which SDPA cannot do: as the models' eager attention computes them, the softmax in
+    float32."""
     groups = q.shape[1] // k.shape[1]
     if groups > 1:
         k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
     scores = q @ k.transpose(-1, -2) * (scaling if scaling is not None else q.shape[-1] ** -0.5)
-    scores = torch.tanh(scores / softcap) * softcap
-    weights = scores.masked_fill(~mask, float("-inf")).softmax(-1, dtype=torch.float32).to(q.dtype)
-    return F.dropout(weights, p=dropout, training=dropout > 0) @ v
+    if softcap:
+        scores = torch.tanh(scores / softcap) * softcap
+    scores = scores.masked_fill(~mask, float("-inf"))
+    if sinks is None:
+        weights = scores.softmax(-1, dtype=torch.float32)
+    else:  # (each head's sink a column of its own, dropped after the softmax)
+        column = sinks.to(scores.dtype).reshape(1, -1, 1, 1).expand(*scores.shape[:3], 1)
+        weights = torch.cat([scores, column], dim=-1).softmax(-1, dtype=torch.float32)[..., :-1]
+    return F.dropout(weights.to(q.dtype), p=dropout, training=dropout > 0) @ v
 
 
 def _split(order: list[int], key_lengths: list[int]) -> list[list[int]]:
@@ -401,9 +418,8 @@ def packed_attention(module, query, key, value, attention_mask, dropout: float =
     grpo_packed = grpo_packed if grpo_packed is not None else getattr(_RUNNING, "packed", None)
     if grpo_packed is None:
         raise RuntimeError(f"the {IMPLEMENTATION!r} attention runs only inside PackedPass.run")
-    if kwargs.get("s_aux") is not None:
-        raise ValueError("packed attention does not implement attention sinks")
-    return grpo_packed.attend(module, query, key, value, scaling, dropout, sliding_window, kwargs.get("softcap")), None
+    return grpo_packed.attend(module, query, key, value, scaling, dropout, sliding_window, kwargs.get("softcap"),
+                              kwargs.get("s_aux")), None
 
 
 AttentionInterface.register(IMPLEMENTATION, packed_attention)

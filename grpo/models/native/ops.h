@@ -138,7 +138,8 @@ std::vector<at::Tensor> gated_rms_norm_backward(const at::Tensor& grad, const at
 // packed_attention.cpp
 std::vector<at::Tensor> packed_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                          const at::Tensor& seqs, const at::Tensor& key_rows, int64_t heads,
-                                         int64_t kv_heads, double scale, bool dot, int64_t window, double softcap);
+                                         int64_t kv_heads, double scale, bool dot, int64_t window, double softcap,
+                                         const c10::optional<at::Tensor>& sinks);
 std::vector<at::Tensor> packed_attention_backward(const at::Tensor& grad, const at::Tensor& q, const at::Tensor& k,
                                                   const at::Tensor& v, const at::Tensor& out, const at::Tensor& lse,
                                                   const at::Tensor& seqs, const at::Tensor& key_rows, int64_t heads,

@@ -17,6 +17,9 @@
 // AMD EPYC (2 cores, bf16) it runs at 85-110 GFLOP/s of useful work over the bench's pass and 145-165 at
 // 512-token answers, against float32 multiply-adds' 235 (scripts/attention_rate.py).
 //
+// GPT-OSS's sinks (a learned logit a query head) add their exponential to each softmax's denominator and
+// weigh no value; the backward recomputes the weights from the log-sum-exp that counts them.
+//
 // A sliding-window layer's query sees only its last `window` keys (Mistral's, Gemma's every other layer): a task
 // gathers, scores and sums the keys from its first query's window on, and each query's softmax runs over its own
 // window (the keys before it weighted by zero). Gemma 2's scores are capped before the softmax (`softcap`:
@@ -700,17 +703,24 @@ struct PaShape {
 };
 
 // How a query's scores are taken: times `scale`; where softcap > 0, capped (Gemma 2's attention); where
-// window > 0, over its last `window` keys only (a sliding-window layer's)
+// window > 0, over its last `window` keys only (a sliding-window layer's); where `sinks` (one float32 logit a
+// query head: GPT-OSS's), the softmax's denominator has exp(sink) beside the keys' (a sink weighs no value)
 struct PaScoring {
   float scale;
   int64_t window;
   float softcap;
+  const float* sinks;
 };
 
-PaScoring pa_scoring(double scale, int64_t window, double softcap) {
+PaScoring pa_scoring(double scale, int64_t window, double softcap, const c10::optional<at::Tensor>& sinks,
+                     int64_t heads) {
   TORCH_CHECK(window >= 0, "packed_attention: window must be 0 (none) or the keys a query sees, got ", window);
   TORCH_CHECK(softcap >= 0, "packed_attention: softcap must be 0 (none) or the scores' cap, got ", softcap);
-  return {static_cast<float>(scale), window, static_cast<float>(softcap)};
+  TORCH_CHECK(!sinks.has_value() || (sinks->device().is_cpu() && sinks->scalar_type() == at::kFloat &&
+                                     sinks->dim() == 1 && sinks->size(0) == heads && sinks->is_contiguous()),
+              "packed_attention: sinks must be a contiguous float32 CPU [", heads, "] (one a query head)");
+  return {static_cast<float>(scale), window, static_cast<float>(softcap),
+          sinks.has_value() ? sinks->data_ptr<float>() : nullptr};
 }
 
 PaShape pa_shape(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, int64_t heads, int64_t kv_heads) {
@@ -831,8 +841,19 @@ void packed_attention_impl(const T* q, const T* k, const T* v, const std::vector
         for (int64_t i = 0; i < nr; ++i) {
           float top;
           float* x = w.data() + i * klp;
-          const float total = pa_softmax_numerators(x, first[i], limit[i], sc.scale, sc.softcap, top);
-          const float inverse = 1.f / total;
+          float total = pa_softmax_numerators(x, first[i], limit[i], sc.scale, sc.softcap, top);
+          float shift = 1.f;  // (a sink above every score: the numerators, taken against `top`, rescaled to it)
+          if (sc.sinks != nullptr) {
+            const float sink = sc.sinks[h];
+            if (sink > top) {
+              shift = std::exp(top - sink);
+              total = total * shift + 1.f;
+              top = sink;
+            } else {
+              total += std::exp(sink - top);
+            }
+          }
+          const float inverse = shift / total;
           std::fill(x, x + first[i], 0.f);  // (keys before its window: weighted by nothing)
 #pragma omp simd
           for (int64_t t = first[i]; t < limit[i]; ++t) x[t] *= inverse;
@@ -848,9 +869,10 @@ void packed_attention_impl(const T* q, const T* k, const T* v, const std::vector
 
 std::vector<at::Tensor> packed_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                          const at::Tensor& seqs, const at::Tensor& key_rows, int64_t heads,
-                                         int64_t kv_heads, double scale, bool dot, int64_t window, double softcap) {
+                                         int64_t kv_heads, double scale, bool dot, int64_t window, double softcap,
+                                         const c10::optional<at::Tensor>& sinks) {
   const PaShape sh = pa_shape(q, k, v, heads, kv_heads);
-  const PaScoring sc = pa_scoring(scale, window, softcap);
+  const PaScoring sc = pa_scoring(scale, window, softcap, sinks, heads);
   const auto list = pa_sequences(seqs, key_rows, sh.rows);
   auto out = at::zeros_like(q, at::MemoryFormat::Contiguous);
   auto lse = at::zeros({sh.rows, sh.heads}, q.options().dtype(at::kFloat));
@@ -1020,7 +1042,9 @@ std::vector<at::Tensor> packed_attention_backward(const at::Tensor& grad, const 
                                                   int64_t kv_heads, double scale, bool dot, int64_t window,
                                                   double softcap) {
   const PaShape sh = pa_shape(q, k, v, heads, kv_heads);
-  const PaScoring sc = pa_scoring(scale, window, softcap);
+  // (a sink's share is in lse, from which the weights are recomputed: it weighs no value and takes no
+  // gradient here; the sinks' own gradient is packed_attention.py's)
+  const PaScoring sc = pa_scoring(scale, window, softcap, c10::nullopt, heads);
   check_dense_rows(grad, sh.rows, heads * sh.dim, "packed_attention_backward: grad");
   check_dense_rows(out, sh.rows, heads * sh.dim, "packed_attention_backward: out");
   TORCH_CHECK(grad.scalar_type() == q.scalar_type() && out.scalar_type() == q.scalar_type(),

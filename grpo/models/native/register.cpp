@@ -53,7 +53,7 @@ TORCH_LIBRARY(grpo_native, m) {
   m.def("gated_rms_norm(Tensor x, Tensor gate, Tensor weight, float eps) -> Tensor");
   m.def("gated_rms_norm_backward(Tensor grad, Tensor x, Tensor gate, Tensor weight, float eps) -> Tensor[]");
   m.def("packed_attention(Tensor q, Tensor k, Tensor v, Tensor seqs, Tensor key_rows, int heads, int kv_heads, "
-        "float scale, bool dot=False, int window=0, float softcap=0.0) -> Tensor[]");
+        "float scale, bool dot=False, int window=0, float softcap=0.0, Tensor? sinks=None) -> Tensor[]");
   m.def("packed_attention_backward(Tensor grad, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor seqs, "
         "Tensor key_rows, int heads, int kv_heads, float scale, bool dot=False, int window=0, float softcap=0.0) "
         "-> Tensor[]");

@@ -88,7 +88,8 @@ def check_logit_head(model: nn.Module, tokens: int = 6) -> None:
         # (the cap by PyTorch's operators, as the forward's: the kernel's rounds once, and in bf16 a
         # logit's rounding step is 1e-3 of the logits' scale -- what is checked is the steps taken)
         head = logit_head(model)
-        got = (head.cap(head.uncapped(hidden), native=False) if isinstance(head, ScaledLogits) else head(hidden)).float()
+        got = head.cap(head.uncapped(hidden), native=False) if isinstance(head, ScaledLogits) else head(hidden)
+        got = got.float()
     scale = want.abs().mean().item() + 1e-12
     worst = (got - want).abs().max().item()
     if got.shape != want.shape or worst > 1e-3 * scale:

@@ -7,11 +7,11 @@ one row holding every sequence's tokens back to back, each at its own positions 
 so the per-token layers see real tokens only. Attention is the one place sequences meet; it is done
 by ``packed_attention``, registered with transformers as an attention implementation. On a CPU,
 in float32 or bf16, grpo's native kernel attends each sequence's queries to its own keys in place,
-forward and backward, without padding, sliding windows, Gemma 2's capped scores and GPT-OSS's sinks included
-(``PackedPass._native_attention``); elsewhere (a GPU, dropout, kernels not built) each sequence's
-queries and keys are gathered into small blocks of similar lengths, SDPA runs on them with a causal
-mask (capped scores, sinks: the models' eager formula, ``_explicit_attention``), and the outputs go back in
-packed order.
+forward and backward, without padding, sliding windows, Gemma 2's capped scores and GPT-OSS's
+sinks included (``PackedPass._native_attention``); elsewhere (a GPU, dropout, kernels not built)
+each sequence's queries and keys are gathered into small blocks of similar lengths, SDPA runs on
+them with a causal mask (capped scores, sinks: the models' eager formula, ``_explicit_attention``),
+and the outputs go back in packed order.
 
 A sequence may continue an earlier sequence of the same row (a GRPO group's shared prompt): its
 positions go on from there and its attention sees that sequence's keys and values besides its
@@ -278,8 +278,9 @@ class PackedPass:
         """``attend`` through grpo's kernel (grpo/models/native/packed_attention.cpp): each
         sequence's queries over its own keys, none padded, nothing past a query's last key computed,
         float32 sums, a sliding window's keys before it neither computed nor gathered, Gemma 2's cap
-        on the scores, GPT-OSS's sinks; None where it does not apply (off the CPU, another dtype, dropout, kernels not
-        built, values of another head dimension than the keys': DeepSeek's latent attention). SmolLM2's 30 layers over the bench's packed pass, forward and
+        on the scores, GPT-OSS's sinks; None where it does not apply (off the CPU, another dtype,
+        dropout, kernels not built, values of another head dimension than the keys': DeepSeek's
+        latent attention). SmolLM2's 30 layers over the bench's packed pass, forward and
         backward: 0.17 against 0.44 s for the gathered blocks through SDPA in bf16, 0.19 against 0.44
         in float32, when it came (AMD EPYC Zen 4, 2 cores); its kernel alone now ~0.08 s there, 1.5x
         faster again at 512-token answers (docs/benchmark.md, scripts/attention_rate.py). bf16 of a

@@ -181,7 +181,6 @@ def test_attention_that_bypasses_the_interface_is_an_error_not_mixed_sequences(t
     original = layer.forward
 
     def plain_forward(hidden_states, position_embeddings=None, attention_mask=None, **kwargs):
-        kwargs.pop("grpo_packed")
         before = layer.config._attn_implementation
         layer.config._attn_implementation = "sdpa"
         try:

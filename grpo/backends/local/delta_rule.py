@@ -54,6 +54,7 @@ from transformers.activations import ACT2FN
 
 from grpo.backends.local import packed_recurrence
 from grpo.backends.local.native_layers import close_to
+from grpo.backends.local.packed_attention import running_pass
 from grpo.models import native_kernels
 
 # the layers whose forward ``decode_forward`` restates (a class not listed keeps its own)
@@ -231,7 +232,7 @@ def _fitted_chunks(reference):
                                initial_state: torch.Tensor | None = None, output_final_state: bool = False,
                                use_qk_l2norm_in_kernel: bool = False, **kwargs):
         # (query: rows x positions x heads x dimension; a chunk size the caller names is kept)
-        packed = kwargs.pop("grpo_packed", None)
+        packed = running_pass()
         if packed is not None:  # (a training pass's sequences back to back in one row: packed_recurrence.py)
             if not _kernel_takes(reference, query, key, value, g, beta, None, kwargs) or initial_state is not None \
                     or output_final_state:
@@ -383,10 +384,15 @@ def _left_padded(reference):
     @functools.wraps(reference)
     def causal_conv1d_fn(hidden_states: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                          activation: str | None = None, **kwargs):
-        packed = kwargs.pop("grpo_packed", None)
+        packed = running_pass()
         if packed is not None:  # (a training pass's sequences back to back in one row: packed_recurrence.py)
             return packed_recurrence.conv(packed, hidden_states, weight,
-                                          lambda x: causal_conv1d_fn(x, weight, bias, activation=activation, **kwargs))
+                                          lambda x: convolve(x, weight, bias, activation, **kwargs))
+        return convolve(hidden_states, weight, bias, activation, **kwargs)
+
+    def convolve(hidden_states: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, activation: str | None,
+                 **kwargs):
+        """The convolution of whole rows (a packed pass's laid out by packed_recurrence.conv)."""
         if kwargs.get("seq_idx") is not None:  # (packed sequences: the reference says what it cannot do)
             return reference(hidden_states, weight, bias, activation=activation, **kwargs)
         if _conv_kernel_takes(reference, hidden_states, weight, bias, activation):

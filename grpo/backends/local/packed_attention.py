@@ -100,10 +100,10 @@ def packs_as_alone(model, lengths: tuple[int, ...] = (5, 3)) -> bool:
     """Whether short random sequences packed in one row come out of ``model``'s decoder as each
     does in a packed pass of its own (the same attention path: bit-equal on SmolLM2 in float32
     and bf16, where against the decoder's own SDPA a bf16 pass is up to 23% off, its attention
-    being float32 here). A decoder whose layers keep the decoder's keyword arguments from their
-    attention (StableLM's, DeepSeek-V2's) finds the pass as the thread's running one (``running``);
-    one that attends by code of its own once the implementation is not one it knows (Falcon's)
-    fails in a packed pass or mixes its sequences: it trains padded."""
+    being float32 here). Its attention finds the pass as the thread's running one (``running``),
+    whatever keyword arguments its layers pass on (StableLM's pass none); a decoder that attends by
+    code of its own once the implementation is not one it knows (Falcon's) fails in a packed pass
+    or mixes its sequences: it trains padded."""
     decoder = model.get_decoder()
     parameter = next(model.parameters())
     vocab = model.get_input_embeddings().weight.shape[0]
@@ -319,13 +319,13 @@ class PackedPass:
 
     @contextmanager
     def running(self, decoder) -> Iterator[None]:
-        """``decoder``'s attention layers use this pass while the block runs -- handed to them as a
-        keyword argument, or, where a layer does not pass its keyword arguments on to its attention
-        (StableLM's), as this thread's running pass; afterwards, checks that every one of them did (a
-        model whose attention ignores transformers' attention interface would otherwise mix
-        sequences silently)."""
+        """``decoder``'s attention layers (and a hybrid's linear-attention functions) use this pass
+        while the block runs, as this thread's running pass (``running_pass``: found whatever keyword
+        arguments a layer passes on, where StableLM's pass none); afterwards, checks that every one
+        of them did (a model whose attention ignores transformers' attention interface would
+        otherwise mix sequences silently)."""
         config = decoder.config
-        before, outer = config._attn_implementation, getattr(_RUNNING, "packed", None)
+        before, outer = config._attn_implementation, running_pass()
         config._attn_implementation = IMPLEMENTATION
         _RUNNING.packed = self
         try:
@@ -340,13 +340,12 @@ class PackedPass:
                                "not go through transformers' attention interface; train it with packing off")
         if self.tokens and self.recurrent_calls != recurrent:
             raise RuntimeError(f"the packed delta rule ran in {self.recurrent_calls} of {recurrent} linear-attention "
-                               "layers: this model's layers do not hand it the pass; train it with packing off")
+                               "layers: this model's layers do not run grpo's delta rule; train it with packing off")
 
     def run(self, decoder, input_ids: torch.Tensor) -> torch.Tensor:
         """The decoder's last hidden states ``(n, hidden)`` for ``input_ids`` ``(n,)``."""
         with self.running(decoder):
-            out = decoder(input_ids=input_ids[None], position_ids=self.position_ids, use_cache=False,
-                          grpo_packed=self)
+            out = decoder(input_ids=input_ids[None], position_ids=self.position_ids, use_cache=False)
         return out.last_hidden_state[0]
 
 
@@ -409,18 +408,24 @@ def _split(order: list[int], key_lengths: list[int]) -> list[list[int]]:
     return blocks
 
 
-# the pass running on each thread (PackedPass.running), for layers that do not hand their attention the
-# keyword argument that carries it
+# the pass running on each thread (PackedPass.running)
 _RUNNING = threading.local()
 
 
+def running_pass() -> PackedPass | None:
+    """The packed pass this thread is running (``PackedPass.running``), or None: what its attention
+    layers and a hybrid's linear-attention functions read, rather than a keyword argument some
+    layers do not pass on."""
+    return getattr(_RUNNING, "packed", None)
+
+
 def packed_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling: float | None = None,
-                     grpo_packed: PackedPass | None = None, sliding_window: int | None = None, **kwargs):
-    grpo_packed = grpo_packed if grpo_packed is not None else getattr(_RUNNING, "packed", None)
-    if grpo_packed is None:
+                     sliding_window: int | None = None, **kwargs):
+    packed = running_pass()
+    if packed is None:
         raise RuntimeError(f"the {IMPLEMENTATION!r} attention runs only inside PackedPass.run")
-    return grpo_packed.attend(module, query, key, value, scaling, dropout, sliding_window, kwargs.get("softcap"),
-                              kwargs.get("s_aux")), None
+    return packed.attend(module, query, key, value, scaling, dropout, sliding_window, kwargs.get("softcap"),
+                         kwargs.get("s_aux")), None
 
 
 AttentionInterface.register(IMPLEMENTATION, packed_attention)

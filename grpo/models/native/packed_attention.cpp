@@ -811,6 +811,16 @@ inline void pa_key_grads_of(bool pairs, const float* a, const float* bw, int64_t
   pa_key_grads<DIM>(a, bw, ldw, nr, keys, scale, qf, gf, dim, dk, dv);
 }
 
+// run(std::integral_constant<int64_t, D>{}) with D the head dimension where its loops are compiled for it
+// (64, 128, 256: every Gemma's), else D = 0 (the generic loops, the dimension read at run time)
+template <typename F>
+void pa_with_head_dim(int64_t dim, F&& run) {
+  if (dim == 64) return run(std::integral_constant<int64_t, 64>{});
+  if (dim == 128) return run(std::integral_constant<int64_t, 128>{});
+  if (dim == 256) return run(std::integral_constant<int64_t, 256>{});
+  run(std::integral_constant<int64_t, 0>{});
+}
+
 template <typename T, int64_t DIM>
 void packed_attention_impl(const T* q, const T* k, const T* v, const std::vector<PackedSeq>& seqs,
                            const int64_t* key_rows, PaShape sh, PaScoring sc, bool dot, T* out, float* lse) {
@@ -882,10 +892,7 @@ std::vector<at::Tensor> packed_attention(const at::Tensor& q, const at::Tensor& 
           q.data_ptr<scalar_t>(), k.data_ptr<scalar_t>(), v.data_ptr<scalar_t>(), list, key_rows.data_ptr<int64_t>(),
           sh, sc, dot, out.data_ptr<scalar_t>(), lse.data_ptr<float>());
     };
-    if (sh.dim == 64) return run(std::integral_constant<int64_t, 64>{});
-    if (sh.dim == 128) return run(std::integral_constant<int64_t, 128>{});
-    if (sh.dim == 256) return run(std::integral_constant<int64_t, 256>{});
-    run(std::integral_constant<int64_t, 0>{});
+    pa_with_head_dim(sh.dim, run);
   });
   return {out, lse};
 }
@@ -1062,10 +1069,7 @@ std::vector<at::Tensor> packed_attention_backward(const at::Tensor& grad, const 
           out.data_ptr<scalar_t>(), lse.data_ptr<float>(), list, key_rows.data_ptr<int64_t>(), sh,
           sc, dot, dq.data_ptr<scalar_t>(), dkv.data_ptr<float>());
     };
-    if (sh.dim == 64) return run(std::integral_constant<int64_t, 64>{});
-    if (sh.dim == 128) return run(std::integral_constant<int64_t, 128>{});
-    if (sh.dim == 256) return run(std::integral_constant<int64_t, 256>{});
-    run(std::integral_constant<int64_t, 0>{});
+    pa_with_head_dim(sh.dim, run);
   });
   return {dq, dkv[0].to(q.scalar_type()), dkv[1].to(q.scalar_type())};
 }

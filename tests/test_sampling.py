@@ -163,6 +163,45 @@ def test_prompts_that_begin_alike_run_their_beginning_once(trained, monkeypatch)
                                    atol=1e-5, rtol=0)
 
 
+def test_a_one_token_sample_with_its_prompt_logprobs_runs_its_prompt_once(trained, generations) -> None:
+    """The Tinker SDK's ``compute_logprobs`` over HTTP is a sample of one token that asks for its
+    prompt's logprobs. The token is drawn from the logits of the pass that scores the prompt:
+    every prompt position goes through the decoder once (no prefill after it), and the samples,
+    their logprobs and the prompt logprobs are what a plain forward pass and a seeded sample of
+    the same prompt without prompt logprobs give."""
+    client, sampling_client = trained
+    shared = [1 + (13 * i) % 400 for i in range(40)]
+    group = [shared + [500 + 3 * k + j for j in range(10)] for k in range(3)]  # a GRPO group's answers
+    prompts = [*PROMPTS, *group, [1]]
+    positions: list[int] = []
+
+    def count(module, args, kwargs):
+        positions.append(kwargs["input_ids"].numel())
+
+    def work():
+        with sampling_client.engine.sampling_model(sampling_client.adapter, sampling_client.snapshot) as model:
+            return model.get_decoder().register_forward_pre_hook(count, with_kwargs=True)
+
+    handle = sampling_client.handle.submit(work).result()
+    try:
+        futures = [sampling_client.sample(types.ModelInput.from_ints(p), 2, types.SamplingParams(
+            max_tokens=1, temperature=1.0, seed=20 + i), include_prompt_logprobs=True) for i, p in enumerate(prompts)]
+        got = [f.result() for f in futures]
+    finally:
+        handle.remove()
+    assert generations == [len(prompts)]
+    # the group's 40 shared positions once and each member's other 10; every other prompt whole
+    assert sum(positions) == 40 + 3 * 10 + sum(len(p) for p in PROMPTS) + 1
+    for i, (prompt, res) in enumerate(zip(prompts, got, strict=True)):
+        alone = sample(sampling_client, prompt, 2, max_tokens=1, temperature=1.0, seed=20 + i).result()
+        assert [s.tokens for s in res.sequences] == [s.tokens for s in alone.sequences]
+        assert {s.stop_reason for s in res.sequences} == {"length"}
+        assert res.prompt_logprobs[0] is None and len(res.prompt_logprobs) == len(prompt)
+        for seq in res.sequences:
+            want = plain_logprobs(client, prompt, [*prompt[1:], *seq.tokens])
+            torch.testing.assert_close(torch.tensor(res.prompt_logprobs[1:] + seq.logprobs), want, atol=1e-5, rtol=0)
+
+
 def test_prompt_logprobs_of_a_one_token_prompt_are_one_none(trained) -> None:
     _, sampling_client = trained
     assert sampling_client.compute_logprobs(types.ModelInput.from_ints([1])).result() == [None]

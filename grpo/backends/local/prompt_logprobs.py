@@ -19,7 +19,7 @@ shared prompt (trainer.run_decoder_shared: the prefix's keys and values fanned o
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
 import torch
 
@@ -34,24 +34,42 @@ BATCH_POSITIONS = 8192
 MAX_PADDING = 0.125
 
 
-@torch.inference_mode()
 def prompt_logprobs(model, prompts: Sequence[Sequence[int]], device: torch.device,
                     last_n: Sequence[int | None] | None = None) -> list[list[float | None]]:
     """Each prompt's logprobs, ``len(prompt)`` entries, the first None; where ``last_n[i]`` is
     given, only the last ``last_n[i]`` are computed and the entries before them are None."""
+    return score_prompts(model, prompts, device, last_n)[0]
+
+
+@torch.inference_mode()
+def score_prompts(model, prompts: Sequence[Sequence[int]], device: torch.device,
+                  last_n: Sequence[int | None] | None = None, follow: Collection[int] = ()
+                  ) -> tuple[list[list[float | None]], dict[int, torch.Tensor]]:
+    """``prompt_logprobs``, and for each index in ``follow`` the float32 logits of the token after
+    its prompt, from the same pass: a one-token sample that asks for its prompt's logprobs (the
+    Tinker SDK's ``compute_logprobs`` over HTTP) draws from these instead of prefilling its prompt
+    a second time (sampler.generate)."""
     last_n = list(last_n) if last_n is not None else [None] * len(prompts)
+    follow = set(follow)
     out: list[list[float | None]] = [[] for _ in prompts]
+    after: dict[int, torch.Tensor] = {}  # index -> the hidden state of its prompt's last position
     decoder, head = model.get_decoder(), logit_head(model)
-    short = [i for i, prompt in enumerate(prompts) if len(prompt) < 2]  # nothing to score
+    short = [i for i, prompt in enumerate(prompts) if len(prompt) < 2 and i not in follow]  # nothing to score
     for i in short:
         out[i] = [None] * len(prompts[i])
-    groups = _shared_prefixes(prompts, skip=set(short))
+    groups = _shared_prefixes(prompts, skip=set(short), follow=follow)
     for units in trainer.shared_micro_batches(groups, BATCH_POSITIONS):
-        values = trainer.run_decoder_shared(model, units, device).logprobs.tolist()
+        decoded = trainer.run_decoder_shared(model, units, device)
+        values = decoded.logprobs.tolist()
+        # (the only positions counted are the last of each prompt in ``follow``, in datum order)
+        last_hidden = iter(decoded.hidden)
         start = 0
         for d in (d for unit in units for d in unit.members):
-            first = _first_scored(len(prompts[d.index]), last_n[d.index])
-            out[d.index] = [None] * (first + 1) + values[start + first:start + len(d.input_ids)]
+            n = len(prompts[d.index])
+            first = _first_scored(n, last_n[d.index])
+            out[d.index] = [None] * (first + 1) + values[start + first:start + n - 1]
+            if d.index in follow:
+                after[d.index] = next(last_hidden)
             start += len(d.input_ids)
     shared = {d.index for group in groups for d in group.members}
     for batch in _batches(prompts, skip=set(short) | shared):
@@ -67,11 +85,17 @@ def prompt_logprobs(model, prompts: Sequence[Sequence[int]], device: torch.devic
         targets = torch.cat([ids[row, first + 1:len(prompts[i])] for row, i, first in spans])
         values = trainer.gradient_free_logprobs(head, rows, targets).tolist()
         start = 0
-        for _, i, first in spans:
-            scored = len(prompts[i]) - 1 - first
+        for row, i, first in spans:
+            scored = max(0, len(prompts[i]) - 1 - first)
             out[i] = [None] * (first + 1) + values[start:start + scored]
             start += scored
-    return out
+            if i in follow:
+                after[i] = hidden[row, len(prompts[i]) - 1]
+    if not after:
+        return out, {}
+    order = sorted(after)
+    logits = head(torch.stack([after[i] for i in order])).float()
+    return out, dict(zip(order, logits, strict=True))
 
 
 def _first_scored(length: int, last_n: int | None) -> int:
@@ -79,10 +103,11 @@ def _first_scored(length: int, last_n: int | None) -> int:
     return 0 if last_n is None else max(0, length - 1 - last_n)
 
 
-def _shared_prefixes(prompts: Sequence[Sequence[int]], skip: set[int]) -> list[trainer.SharedGroup]:
+def _shared_prefixes(prompts: Sequence[Sequence[int]], skip: set[int], follow: set[int]) -> list[trainer.SharedGroup]:
     """Groups of prompts (but ``skip``) that begin with the same ``trainer.MIN_SHARED_PREFIX`` or
-    more tokens, each prompt as a datum of nothing counted. Neighbours in sorted order join a
-    group while that saves more positions than it gives up: four answers to one 45-token prompt
+    more tokens, each prompt as a datum of nothing counted (but, for a prompt in ``follow``, its
+    last position: the decoder then hands back its hidden state). Neighbours in sorted order join
+    a group while that saves more positions than it gives up: four answers to one 45-token prompt
     stay a group of 45 shared positions rather than joining the next group's over the 25 of a
     chat template they share with it."""
     order = sorted((i for i in range(len(prompts)) if i not in skip), key=lambda i: list(prompts[i]))
@@ -96,11 +121,18 @@ def _shared_prefixes(prompts: Sequence[Sequence[int]], skip: set[int]) -> list[t
                 runs[-1] = (common, [*members, i])
                 continue
         runs.append((width, [i]))
-    return [trainer.SharedGroup(list(prompts[members[0]][:shared]),
-                                [trainer.PreparedDatum(i, list(prompts[i][:-1]), list(prompts[i][1:]),
-                                                       {"weights": torch.zeros(len(prompts[i]) - 1)})
-                                 for i in members])
+    return [trainer.SharedGroup(list(prompts[members[0]][:shared]), [_datum(i, prompts[i], i in follow) for i in members])
             for shared, members in runs if len(members) > 1]
+
+
+def _datum(index: int, prompt: Sequence[int], follow: bool) -> trainer.PreparedDatum:
+    """A prompt as the trainer's datum: each position scores the next token; where ``follow``, the
+    prompt's last position too (its target a placeholder), the one position counted."""
+    if not follow:
+        return trainer.PreparedDatum(index, list(prompt[:-1]), list(prompt[1:]), {"weights": torch.zeros(len(prompt) - 1)})
+    weights = torch.zeros(len(prompt))
+    weights[-1] = 1.0
+    return trainer.PreparedDatum(index, list(prompt), [*prompt[1:], 0], {"weights": weights})
 
 
 def _common_length(a: Sequence[int], b: Sequence[int]) -> int:

@@ -136,27 +136,37 @@ def generate(model, requests: list[GenerationRequest], tokenizer, device: torch.
     for req in requests:
         req.sequences = []
     scored = [req for req in requests if req.include_prompt_logprobs or req.num_samples == 0]
+    # a one-token sample asking for its prompt's logprobs (the Tinker SDK's compute_logprobs over
+    # HTTP is one) draws from the logits of the same pass: its prompt is not prefilled again
+    answered = {k for k, req in enumerate(scored) if req.num_samples > 0 and _max_tokens(req, max_context) == 1}
     if scored:  # every request's prompt logprobs in shared decoder calls
         # (imported here: it imports the trainer, which imports this module)
-        from grpo.backends.local.prompt_logprobs import prompt_logprobs
+        from grpo.backends.local.prompt_logprobs import score_prompts
 
         with section("grpo.sample.prompt_logprobs"):
-            for req, logprobs in zip(scored, prompt_logprobs(model, [req.prompt for req in scored], device,
-                                                               [req.prompt_logprobs_last_n for req in scored]),
-                                     strict=True):
-                req.prompt_logprobs = logprobs
+            logprobs, next_logits = score_prompts(model, [req.prompt for req in scored], device,
+                                                  [req.prompt_logprobs_last_n for req in scored], follow=answered)
+            for req, values in zip(scored, logprobs, strict=True):
+                req.prompt_logprobs = values
+    stats = GenerationStats()
+    if answered:
+        with section("grpo.sample.choose_tokens"):
+            _sample_one_token([scored[k] for k in sorted(answered)], [next_logits[k] for k in sorted(answered)],
+                              max_context, tokenizer, device, stats)
+        requests = [req for req in requests if not any(req is scored[k] for k in answered)]
     requests = [req for req in requests if req.num_samples > 0]
     if not requests:
-        return GenerationStats()
+        return stats
     if not attention_only(model.config):  # (linear-attention or state-space layers: recurrent_sampler.py)
         from grpo.backends.local import recurrent_sampler
 
-        return recurrent_sampler.generate_lockstep(model, requests, tokenizer, device, max_context, row_bytes, budget,
+        done = recurrent_sampler.generate_lockstep(model, requests, tokenizer, device, max_context, row_bytes, budget,
                                                    prefix_cache)
+        done.prompt_tokens += stats.prompt_tokens  # (of the one-token samples answered above)
+        return done
     limit = batch_rows(requests, row_bytes, budget, max_context)
     slots = max(limit, max(req.num_samples for req in requests))  # an over-budget request, alone
     cache = SlotCache(model.config, slots, row_capacity(requests, max_context), device)
-    stats = GenerationStats()
     pending = deque(requests)
     rows: list[_Row] = []
     batch: list[_Row] = []  # rows in slot order
@@ -311,6 +321,22 @@ def _admit(model, requests: list[GenerationRequest], cache: SlotCache, first_slo
         rows += request_rows(req, first_index + len(rows), max_context, device)
         owner += [i] * req.num_samples
     return rows, torch.stack([next_logits[i] for i in owner])
+
+
+def _sample_one_token(requests: list[GenerationRequest], next_logits: list[torch.Tensor], max_context: int | None,
+                      tokenizer, device: torch.device, stats: GenerationStats) -> None:
+    """Each request's samples of one token, drawn from its prompt's next-token logits as a
+    prefill's would be (its rows numbered and seeded alike); nothing enters the prefix cache."""
+    rows: list[_Row] = []
+    for req, logits in zip(requests, next_logits, strict=True):
+        stats.prompt_tokens += len(req.prompt)
+        rows += request_rows(req, len(rows), max_context, device)
+    owner = [k for k, req in enumerate(requests) for _ in range(req.num_samples)]
+    chosen, logprobs = _choose_tokens(torch.stack([next_logits[k] for k in owner]), rows, device)
+    for row, token, logprob in zip(rows, chosen.tolist(), logprobs.tolist(), strict=True):
+        record_token(row, token, logprob, tokenizer)
+        row.request.sequences.append(SampledSequence(tokens=row.tokens, logprobs=row.logprobs,
+                                                     stop_reason=row.stop_reason))
 
 
 def request_rows(req: GenerationRequest, first_index: int, max_context: int | None, device: torch.device) -> list[_Row]:

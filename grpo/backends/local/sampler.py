@@ -328,7 +328,7 @@ def _sample_one_token(requests: list[GenerationRequest], next_logits: list[torch
     """Each request's samples of one token, drawn from its prompt's next-token logits as a
     prefill's would be (its rows numbered and seeded alike); nothing enters the prefix cache."""
     rows: list[_Row] = []
-    for req, logits in zip(requests, next_logits, strict=True):
+    for req in requests:
         stats.prompt_tokens += len(req.prompt)
         rows += request_rows(req, len(rows), max_context, device)
     owner = [k for k, req in enumerate(requests) for _ in range(req.num_samples)]

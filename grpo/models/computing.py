@@ -59,11 +59,3 @@ def run(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
     if on_computing_thread():
         return fn(*args, **kwargs)
     return executor().submit(fn, *args, **kwargs).result()
-
-
-def queued(pool: concurrent.futures.ThreadPoolExecutor) -> int:
-    """Calls submitted to ``pool`` that no thread has started yet. (The executor's work queue is
-    not public API; a pool without one reports none, so nothing relies on it but a courtesy:
-    a generation that takes joining requests yields to queued work.)"""
-    work = getattr(pool, "_work_queue", None)
-    return work.qsize() if work is not None else 0

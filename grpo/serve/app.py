@@ -44,7 +44,6 @@ def create_app(api_key: str, service: ServiceClient | None = None, long_poll_s: 
         raise ValueError("the API key must start with 'tml-' (the Tinker SDK refuses any other)")
     state = ServerState(service or ServiceClient(), long_poll_s)
     state.service.directory_saves = False  # a client names checkpoints of the store, never a directory here
-    state.service.continuous_batching = True  # requests that arrive while a generation runs join it
     limits = limits or Limits()
 
     # No /docs or /openapi.json: nothing is served without the key but liveness. The key and the

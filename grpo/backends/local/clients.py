@@ -156,11 +156,6 @@ class ServiceClient:
         # Whether a save may name a plain directory of this machine (in-process: yes; grpo.serve
         # turns it off, so no client of a server can write outside its store).
         self.directory_saves = True
-        # Whether requests that arrive while a generation runs join it, each answered as its rows
-        # finish (grpo.serve turns it on: over HTTP a batch has no caller whose wait closes it,
-        # and a client's gathered calls arrive a few milliseconds apart). Off in-process, where a
-        # batch is every call made before a wait and a seeded run's batches never depend on timing.
-        self.continuous_batching = False
         self._engines: dict[str, _EngineHandle] = {}
         self._lock = threading.Lock()
         self._ids = itertools.count()
@@ -185,7 +180,7 @@ class ServiceClient:
                 self._record_precision(key, engine, record)
                 budget = memory.Budget.for_model(self.memory_budget_mb, engine.model, engine.device)
                 cache_bytes = memory.resolve_prefix_cache(self.prefix_cache_mb, budget.bytes, engine.device)
-                self._engines[key] = _EngineHandle(engine, budget, cache_bytes, own, self.continuous_batching)
+                self._engines[key] = _EngineHandle(engine, budget, cache_bytes, own)
             return self._engines[key]
 
     def _recorded_precision(self, key: str, record: dict[str, dict[str, str]]) -> tuple[Any, Any]:
@@ -368,9 +363,8 @@ class _EngineHandle:
     GPU one thread per engine, whose kernels queue on the device without that cost."""
 
     def __init__(self, engine: Engine, budget: memory.Budget, prefix_cache_bytes: int = 0,
-                 own: concurrent.futures.ThreadPoolExecutor | None = None, continuous_batching: bool = False):
-        """``own``: the engine's own computing thread (a GPU's); None: the process's (a CPU's).
-        ``continuous_batching``: ServiceClient.continuous_batching."""
+                 own: concurrent.futures.ThreadPoolExecutor | None = None):
+        """``own``: the engine's own computing thread (a GPU's); None: the process's (a CPU's)."""
         self.engine = engine
         self.budget = budget
         self.own = own
@@ -379,7 +373,7 @@ class _EngineHandle:
         # training call's and a sampling call's, which lie in different places of the heap
         self.keep_free = 2 * (budget.bytes or memory.default_budget(engine.device))
         heap.keep_for_reuse(engine.device)
-        self.batcher = _SampleBatcher(engine, budget, prefix_cache_bytes, compute=self, joins=continuous_batching)
+        self.batcher = _SampleBatcher(engine, budget, prefix_cache_bytes, compute=self)
 
     def submit(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> concurrent.futures.Future:
         """``fn(*args, **kwargs)`` queued on the computing thread; refused once the ServiceClient
@@ -391,11 +385,6 @@ class _EngineHandle:
         """``fn(*args, **kwargs)`` on the computing thread, waited for."""
         self._refuse_if_closed()
         return _call_on(self.own, fn, *args, **kwargs)
-
-    def others_waiting(self) -> bool:
-        """Whether other work is queued on the computing thread (a training call, another model's
-        generation): a generation stops taking requests that join it, so that work is not starved."""
-        return local_computing.queued(self.own or local_computing.executor()) > 0
 
     def _refuse_if_closed(self) -> None:
         if self.closed:
@@ -817,11 +806,6 @@ def _prompt_tokens(prompt: ModelInput, engine: Engine) -> list[int]:
     return tokens
 
 
-def _answered(future: concurrent.futures.Future) -> bool:
-    """Whether ``future`` has its result, without what ``_SampleFuture.done`` does besides (close a batch)."""
-    return concurrent.futures.Future.done(future)
-
-
 class _SampleFuture(concurrent.futures.Future):
     """A sample call's future. Waiting on it closes the batch it belongs to (see _SampleBatcher)."""
 
@@ -868,21 +852,13 @@ class _SampleBatcher:
     ``IDLE_CLOSE_S`` has passed with no new request. Batches closed while the worker was busy run
     together (several threads sampling at once get batched; their make-up depends on their
     timing, as theirs always does).
-
-    With ``joins`` (a server's continuous batching), requests in batches that close while a
-    generation runs join it between two decoding steps where they fit (same weights, room in the
-    slot cache and the memory budget), and every request is answered as soon as its own rows
-    finish; the generation stops taking them once requests for other weights or other work on
-    the computing thread wait.
     """
 
     IDLE_CLOSE_S = 0.5
 
-    def __init__(self, engine: Engine, budget: memory.Budget, prefix_cache_bytes: int, compute: _EngineHandle,
-                 joins: bool = False):
+    def __init__(self, engine: Engine, budget: memory.Budget, prefix_cache_bytes: int, compute: _EngineHandle):
         """``compute``: where the generations run (the engine's computing thread); the batcher's
         own thread only forms the batches."""
-        self.joins = joins
         self.engine = engine
         self.budget = budget
         self.compute = compute
@@ -949,18 +925,6 @@ class _SampleBatcher:
             return
         _, adapter, snapshot, _ = live[0]
         requests = [it[0] for it in live]
-        future_of = {id(it[0]): it[3] for it in live}  # (and of the requests that join)
-
-        def joining(joinable: Callable[[sampler.GenerationRequest], bool]) -> list[sampler.GenerationRequest]:
-            joined = [it for it in self._take_joining(adapter, snapshot, joinable) if it[3].set_running_or_notify_cancel()]
-            live.extend(joined)
-            future_of.update((id(it[0]), it[3]) for it in joined)
-            return [it[0] for it in joined]
-
-        def answer(request: sampler.GenerationRequest) -> None:
-            future_of[id(request)].set_answer(SampleResponse(sequences=request.sequences,
-                                                             prompt_logprobs=request.prompt_logprobs))
-
         try:
             with self.engine.sampling_model(adapter, snapshot) as model:
                 self._bind_prefix_cache(adapter, snapshot)
@@ -969,31 +933,16 @@ class _SampleBatcher:
                 with section("grpo.sample.generate"):
                     stats = sampler.generate(model, requests, self.engine.tokenizer, self.engine.device,
                                              row_bytes=self.budget.row_bytes, budget=self.budget.bytes,
-                                             prefix_cache=self.prefix_cache, joining=joining if self.joins else None,
-                                             finished=answer if self.joins else None)
+                                             prefix_cache=self.prefix_cache)
             self._count(stats)
-        except Exception as err:  # delivered to every caller of this batch not yet answered
+        except Exception as err:  # delivered to every caller of this batch
             for it in live:
-                if not _answered(it[3]):
-                    it[3].set_exception(err)
+                it[3].set_exception(err)
             return
         finally:
             heap.release_free_memory(self.engine.device, self.compute.keep_free)  # before the callers train
         for request, _, _, future in live:
-            if not _answered(future):
-                answer(request)
-
-    def _take_joining(self, adapter: str | None, snapshot, joinable: Callable[[sampler.GenerationRequest], bool]
-                      ) -> list:
-        """The closed batches' requests for these weights that ``joinable`` accepts, taken out of
-        the queue; none where requests for other weights, or other work on the computing thread,
-        are waiting for this generation to end."""
-        with self._cond:
-            if any(it[1] != adapter or it[2] is not snapshot for it in self._closed) or self.compute.others_waiting():
-                return []
-            taken = [it for it in self._closed if joinable(it[0])]
-            self._closed = [it for it in self._closed if not any(it is t for t in taken)]
-        return taken
+            future.set_answer(SampleResponse(sequences=request.sequences, prompt_logprobs=request.prompt_logprobs))
 
     def _bind_prefix_cache(self, adapter: str | None, snapshot) -> None:
         """Name the weights this generation samples with (the engine's key for them; the snapshot

@@ -114,16 +114,6 @@ class SlotLayer(DynamicLayer):
         self.keys, self.values = self._keys[:rows, :, :width], self._values[:rows, :, :width]
         return self.keys, self.values
 
-    def grow(self, rows: int, width: int) -> None:
-        """Buffers of the step's (larger) slots and capacity, the first ``rows`` rows' first
-        ``width`` columns copied over; nothing where no prompt has been written yet."""
-        if self._keys is None:
-            return
-        keys, values = self._keys, self._values
-        self._allocate(keys, values)
-        self._keys[:rows, :, :width] = keys[:rows, :, :width]
-        self._values[:rows, :, :width] = values[:rows, :, :width]
-
     def move(self, sources: torch.Tensor, targets: torch.Tensor, width: int) -> None:
         if self._keys is not None:
             self._keys[targets, :, :width] = self._keys[sources, :, :width]
@@ -157,19 +147,6 @@ class SlotCache(Cache):
         self.prompts: list[tuple[int, int]] = []
         self._copies = itertools.count()
         self._columns = torch.arange(capacity, device=device)
-
-    def grow(self, slots: int, capacity: int) -> None:
-        """Room for ``slots`` rows of ``capacity`` columns (never less than now): the buffers
-        reallocated, the rows in the batch kept as they are. For requests that join a running
-        generation (sampler.generate's ``joining``) and need more of either."""
-        slots, capacity = max(slots, self.step.slots), max(capacity, self.step.capacity)
-        if (slots, capacity) == (self.step.slots, self.step.capacity):
-            return
-        self.step.slots, self.step.capacity = slots, capacity
-        self.step.row_index = torch.arange(slots, device=self.device)
-        self._columns = torch.arange(capacity, device=self.device)
-        for layer in self.layers:
-            layer.grow(len(self.lengths), max(self.lengths, default=0))
 
     def new_copy(self) -> int:
         """An id for ``write_prompt``'s ``copy_of``: one per prompt's keys and values written."""

@@ -18,7 +18,6 @@ import contextlib
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Protocol
 
 import torch
 from transformers import DynamicCache
@@ -111,8 +110,7 @@ def batch_rows(requests: list[GenerationRequest], row_bytes: Callable[[int], int
 def generate(model, requests: list[GenerationRequest], tokenizer, device: torch.device, max_context: int | None = None,
              compact: str | None = None, row_bytes: Callable[[int], int] | None = None,
              budget: int | None = None, prefix_cache: PrefixCache | None = None,
-             cuda_graphs: bool | None = None, joining: Joining | None = None,
-             finished: Callable[[GenerationRequest], None] | None = None) -> GenerationStats:
+             cuda_graphs: bool | None = None) -> GenerationStats:
     """Sample every request's ``num_samples`` continuations; results go into the requests. The
     prompt logprobs of those asking for them (and of logprobs-only requests, ``num_samples`` 0)
     come first, in decoder calls they share (prompt_logprobs.py).
@@ -131,20 +129,32 @@ def generate(model, requests: list[GenerationRequest], tokenizer, device: torch.
     ``cuda_graphs``: decoding steps replayed from CUDA graphs (graph_decode.py). Default: on CUDA
     where the lean step applies, unless ``$GRPO_CUDA_GRAPHS=0``. True on a CPU runs the graphs'
     static shapes without capturing (for tests).
-
-    ``joining`` (a server's continuous batching): asked before every decoding step for requests
-    that arrived since the generation began, passing which it can take (``Joining``); they are
-    admitted as the ones given here are, the slot cache growing where they need more room.
-    ``finished(request)`` is called as each request's results are in while the generation goes on
-    (a server answers it then, not when the whole generation ends); those that finish with the
-    generation are the caller's to answer once it returns (after counting its stats).
     """
     compact = compact or ("half" if device.type == "cuda" else "eager")
     if compact not in ("eager", "half"):
         raise ValueError(f"compact must be 'eager' or 'half', got {compact!r}")
-    finished = finished or (lambda _request: None)
+    for req in requests:
+        req.sequences = []
+    scored = [req for req in requests if req.include_prompt_logprobs or req.num_samples == 0]
+    # a one-token sample asking for its prompt's logprobs (the Tinker SDK's compute_logprobs over
+    # HTTP is one) draws from the logits of the same pass: its prompt is not prefilled again
+    answered = {k for k, req in enumerate(scored) if req.num_samples > 0 and _max_tokens(req, max_context) == 1}
+    if scored:  # every request's prompt logprobs in shared decoder calls
+        # (imported here: it imports the trainer, which imports this module)
+        from grpo.backends.local.prompt_logprobs import score_prompts
+
+        with section("grpo.sample.prompt_logprobs"):
+            logprobs, next_logits = score_prompts(model, [req.prompt for req in scored], device,
+                                                  [req.prompt_logprobs_last_n for req in scored], follow=answered)
+            for req, values in zip(scored, logprobs, strict=True):
+                req.prompt_logprobs = values
     stats = GenerationStats()
-    requests = _score(model, requests, max_context, tokenizer, device, stats, finished)
+    if answered:
+        with section("grpo.sample.choose_tokens"):
+            _sample_one_token([scored[k] for k in sorted(answered)], [next_logits[k] for k in sorted(answered)],
+                              max_context, tokenizer, device, stats)
+        requests = [req for req in requests if not any(req is scored[k] for k in answered)]
+    requests = [req for req in requests if req.num_samples > 0]
     if not requests:
         return stats
     if not attention_only(model.config):  # (linear-attention or state-space layers: recurrent_sampler.py)
@@ -153,29 +163,19 @@ def generate(model, requests: list[GenerationRequest], tokenizer, device: torch.
         done = recurrent_sampler.generate_lockstep(model, requests, tokenizer, device, max_context, row_bytes, budget,
                                                    prefix_cache)
         done.prompt_tokens += stats.prompt_tokens  # (of the one-token samples answered above)
-        for req in requests:
-            finished(req)
         return done
     limit = batch_rows(requests, row_bytes, budget, max_context)
     slots = max(limit, max(req.num_samples for req in requests))  # an over-budget request, alone
     cache = SlotCache(model.config, slots, row_capacity(requests, max_context), device)
     pending = deque(requests)
-    everyone = list(requests)  # (and those that join)
     rows: list[_Row] = []
-    rows_left = {id(req): req.num_samples for req in requests}  # each request's rows still sampling
-    rows_of: dict[int, list[_Row]] = {}  # each request's rows, in the order they draw
-    completed: list[GenerationRequest] = []  # the requests whose last row finished this step
     batch: list[_Row] = []  # rows in slot order
     logits = None  # next-token logits of the batch's rows
     before = prefix_cache.stats.snapshot() if prefix_cache is not None else None
     lean = lean_decoder(model, cache.step.capacity)  # the decoding step without transformers' wrappers, where it applies
-    # the most columns a row may come to need: a lean step of a model with sliding windows was
-    # taken because every row fits in its window
-    most_columns = attention_layers(model.config)[1] if lean is not None else None
     graphed = None
     if lean is not None and (graph_decode.enabled(device) if cuda_graphs is None else cuda_graphs):
         graphed = graph_decode.StaticDecodeStep(lean, cache, _pad_id(tokenizer), capture=device.type == "cuda")
-        most_columns = cache.step.capacity  # (graphs replay static buffers: nothing grows)
     elif device.type == "cuda":
         # without graphs the GPU runs the model's own forward, as before graphs: the lean step
         # eager measured no faster there (1.77 against 1.59 s a sampling call on an H100)
@@ -186,28 +186,7 @@ def generate(model, requests: list[GenerationRequest], tokenizer, device: torch.
         lean = gemma_decode.gemma_decoder(model, device)
     ops = native_kernels.kernels() if device.type == "cpu" else None  # (token choice's, looked up once)
 
-    def joinable(req: GenerationRequest) -> bool:
-        need = len(req.prompt) + _max_tokens(req, max_context)
-        if most_columns is not None and need > most_columns:
-            return False
-        if graphed is not None and req.num_samples > cache.step.slots:
-            return False
-        # more columns only where the slots there are fit the memory budget
-        return need <= cache.step.capacity or budget is None or row_bytes is None \
-            or row_bytes(need) * max(cache.step.slots, req.num_samples) <= budget
-
     while True:
-        if joining is not None and (pending or batch):
-            more = _score(model, joining(joinable), max_context, tokenizer, device, stats, finished)
-            if more:
-                pending += more
-                everyone += more
-                rows_left.update((id(req), req.num_samples) for req in more)
-                limit = batch_rows(everyone, row_bytes, budget, max_context)
-                if graphed is None:
-                    cache.grow(max(limit, max(req.num_samples for req in more)), row_capacity(more, max_context))
-                else:  # (joinable took only what fits the graphs' static slots and columns)
-                    limit = min(limit, cache.step.slots)
         admitted = _admissions(pending, limit - len(batch), nothing_running=not batch)
         if admitted:
             with section("grpo.sample.prefill"):
@@ -215,8 +194,6 @@ def generate(model, requests: list[GenerationRequest], tokenizer, device: torch.
                                               device, prefix_cache, stats)
             rows += new_rows
             batch += new_rows
-            for row in new_rows:
-                rows_of.setdefault(id(row.request), []).append(row)
             logits = new_logits if logits is None else torch.cat([logits, new_logits])
             stats.admissions += 1
             stats.peak_rows = max(stats.peak_rows, len(batch))
@@ -229,29 +206,17 @@ def generate(model, requests: list[GenerationRequest], tokenizer, device: torch.
         # One device-to-host copy per step, not two per row (each a sync on a GPU).
         for token, logprob, b in zip(chosen.tolist(), logprobs.tolist(), live, strict=True):
             record_token(batch[b], token, logprob, tokenizer)
-            if batch[b].done:
-                request = batch[b].request
-                rows_left[id(request)] -= 1
-                if not rows_left[id(request)]:  # its rows are numbered in admission order, together
-                    request.sequences = [SampledSequence(tokens=row.tokens, logprobs=row.logprobs,
-                                                         stop_reason=row.stop_reason)
-                                         for row in rows_of.pop(id(request))]
-                    completed.append(request)
         if prefix_cache is not None:  # before their slots are reused
             _store_finished(prefix_cache, cache, batch, live)
         still = [b for b in live if not batch[b].done]
-        if still or pending:  # (those that end with the generation are answered by the caller, after it)
-            for request in completed:
-                finished(request)
-        completed = []
         if len(live) == len(batch):
             tokens = chosen
         else:
             tokens = torch.full((len(batch),), _pad_id(tokenizer), dtype=torch.long, device=device)
             tokens[torch.tensor(live, device=device)] = chosen  # finished rows ride along on padding
-        leaving = len(batch) - len(still)
+        finished = len(batch) - len(still)
         room_for_next = bool(pending) and limit - len(still) >= pending[0].num_samples
-        if leaving and (compact == "eager" or 2 * leaving >= len(batch) or room_for_next or not still):
+        if finished and (compact == "eager" or 2 * finished >= len(batch) or room_for_next or not still):
             order = cache.keep(still)
             keep = torch.tensor(order, dtype=torch.long, device=device)
             batch, logits, tokens = [batch[b] for b in order], logits[keep], tokens[keep]
@@ -274,49 +239,12 @@ def generate(model, requests: list[GenerationRequest], tokenizer, device: torch.
         stats.decode_steps += 1
         stats.rows_decoded += len(batch)
 
+    for row in rows:
+        row.request.sequences.append(SampledSequence(tokens=row.tokens, logprobs=row.logprobs, stop_reason=row.stop_reason))
     if prefix_cache is not None:
         done = prefix_cache.stats.since(before)
         stats.prefix_hits, stats.prefix_hit_tokens, stats.prefix_evictions = done.hits, done.hit_tokens, done.evictions
     return stats
-
-
-class Joining(Protocol):
-    """Requests that arrived while a generation runs: ``joining(joinable)`` hands over, and takes
-    from its queue, those for which ``joinable(request)`` is true (the rest wait for the next
-    generation); none once the generation should end for other work waiting."""
-
-    def __call__(self, joinable: Callable[[GenerationRequest], bool]) -> list[GenerationRequest]: ...
-
-
-def _score(model, requests: list[GenerationRequest], max_context: int | None, tokenizer, device: torch.device,
-           stats: GenerationStats, finished: Callable[[GenerationRequest], None]) -> list[GenerationRequest]:
-    """The prompt logprobs of the requests asking for them, in shared decoder calls; the requests
-    that still have rows to sample. Those with none (logprobs only) and one-token samples (drawn
-    from the same pass's logits) are finished here."""
-    for req in requests:
-        req.sequences = []
-    scored = [req for req in requests if req.include_prompt_logprobs or req.num_samples == 0]
-    if not scored:
-        return list(requests)
-    # a one-token sample asking for its prompt's logprobs (the Tinker SDK's compute_logprobs over
-    # HTTP is one) draws from the logits of the same pass: its prompt is not prefilled again
-    answered = [k for k, req in enumerate(scored) if req.num_samples > 0 and _max_tokens(req, max_context) == 1]
-    # (imported here: it imports the trainer, which imports this module)
-    from grpo.backends.local.prompt_logprobs import score_prompts
-
-    with section("grpo.sample.prompt_logprobs"):
-        logprobs, next_logits = score_prompts(model, [req.prompt for req in scored], device,
-                                              [req.prompt_logprobs_last_n for req in scored], follow=answered)
-        for req, values in zip(scored, logprobs, strict=True):
-            req.prompt_logprobs = values
-    if answered:
-        with section("grpo.sample.choose_tokens"):
-            _sample_one_token([scored[k] for k in answered], [next_logits[k] for k in answered], max_context,
-                              tokenizer, device, stats)
-    done = [scored[k] for k in answered] + [req for req in scored if req.num_samples == 0]
-    for req in done:
-        finished(req)
-    return [req for req in requests if not any(req is d for d in done)]
 
 
 def _pad_id(tokenizer) -> int:

@@ -138,7 +138,7 @@ def generate(model, requests: list[GenerationRequest], tokenizer, device: torch.
     scored = [req for req in requests if req.include_prompt_logprobs or req.num_samples == 0]
     # a one-token sample asking for its prompt's logprobs (the Tinker SDK's compute_logprobs over
     # HTTP is one) draws from the logits of the same pass: its prompt is not prefilled again
-    answered = {k for k, req in enumerate(scored) if req.num_samples > 0 and _max_tokens(req, max_context) == 1}
+    answered = [k for k, req in enumerate(scored) if req.num_samples > 0 and _max_tokens(req, max_context) == 1]
     if scored:  # every request's prompt logprobs in shared decoder calls
         # (imported here: it imports the trainer, which imports this module)
         from grpo.backends.local.prompt_logprobs import score_prompts
@@ -151,9 +151,10 @@ def generate(model, requests: list[GenerationRequest], tokenizer, device: torch.
     stats = GenerationStats()
     if answered:
         with section("grpo.sample.choose_tokens"):
-            _sample_one_token([scored[k] for k in sorted(answered)], [next_logits[k] for k in sorted(answered)],
+            _sample_one_token([scored[k] for k in answered], [next_logits[k] for k in answered],
                               max_context, tokenizer, device, stats)
-        requests = [req for req in requests if not any(req is scored[k] for k in answered)]
+        done = {id(scored[k]) for k in answered}
+        requests = [req for req in requests if id(req) not in done]
     requests = [req for req in requests if req.num_samples > 0]
     if not requests:
         return stats
